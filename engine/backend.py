@@ -1,0 +1,173 @@
+"""The step interface: what the scheduler hands a backend, and what comes back.
+
+One call per model load, per prefill span, per decode round (never one per
+operator). Activations stay inside the backend; what crosses is token ids,
+positions, block tables, sampling parameters and sampled tokens (plus logits
+only at positions that asked for them).
+
+KV memory is paged: the backend owns ``num_blocks`` device blocks of
+``block_size`` token slots each (per layer, K and V) and ``num_host_blocks``
+host blocks; the scheduler's KV manager only keeps the books (which block ids
+a sequence holds). Token ``pos`` of a sequence lives in slot
+``block_table[pos // block_size] * block_size + pos % block_size``.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from engine.model_config import ModelConfig
+from engine.sampling import SamplingParams
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """How a load carved its budget (bytes), logged as ignis.runtime.vram_plan."""
+
+    budget_bytes: int
+    weights_bytes: int
+    workspace_bytes: int
+    kv_bytes: int
+    block_size: int
+    num_blocks: int
+    host_kv_bytes: int
+    num_host_blocks: int
+
+
+@dataclass
+class SampleRequest:
+    """What a row needs to draw its next token.
+
+    ``seed`` is always set (the scheduler picks one for unseeded requests); the
+    draw for position p uses a generator keyed by (seed, p) only.
+    ``prompt_token_ids`` and ``output_token_ids`` feed the penalties
+    (presence/frequency count output tokens, repetition counts both).
+    """
+
+    params: SamplingParams
+    seed: int
+    prompt_token_ids: Sequence[int] = ()
+    output_token_ids: Sequence[int] = ()
+    num_logprobs: int = 0  # top-n alternatives to return (0: only the chosen one's)
+    want_logprobs: bool = False
+
+
+@dataclass
+class PrefillSpan:
+    """A chunk of one sequence's prompt: tokens at positions start_pos.."""
+
+    seq_id: int
+    token_ids: Sequence[int]
+    start_pos: int
+    block_table: Sequence[int]
+    # Set on the prompt's last chunk: draw the first generated token.
+    sample: SampleRequest | None = None
+    # Return the raw logits of the last position (for /v1/decide).
+    want_logits: bool = False
+
+
+@dataclass
+class DecodeLane:
+    """One row of a decode round: feed ``token_id`` at ``position``."""
+
+    seq_id: int
+    token_id: int
+    position: int
+    block_table: Sequence[int]
+    sample: SampleRequest
+
+
+@dataclass
+class StepPlan:
+    """Everything the scheduler decided for one step, in execution order:
+    block copies and swaps first, then at most one prefill span, then one
+    decode round over all lanes."""
+
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
+    copy_blocks: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) device blocks
+    prefill: PrefillSpan | None = None
+    decode: list[DecodeLane] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not (self.swap_out or self.swap_in or self.copy_blocks or self.prefill or self.decode)
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass
+class StepOutput:
+    prefill_token: int | None = None  # set when the span carried a SampleRequest
+    prefill_logprob: TokenLogprob | None = None
+    prefill_logits: np.ndarray | None = None  # float32 [vocab] when want_logits
+    decode_tokens: list[int] = field(default_factory=list)  # one per lane, in plan order
+    decode_logprobs: list[TokenLogprob | None] = field(default_factory=list)
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+
+
+class Backend(abc.ABC):
+    """A model on some device. Subclasses: numpy (reference), cuda."""
+
+    name: str = "abstract"
+
+    def __init__(self) -> None:
+        self.config: ModelConfig | None = None
+        self.plan: MemoryPlan | None = None
+
+    @abc.abstractmethod
+    def load(self, config: ModelConfig, weights: dict[str, np.ndarray], *, block_size: int,
+             kv_budget_bytes: int | None, host_kv_budget_bytes: int, max_context: int) -> MemoryPlan:
+        """Take the weights in, size the KV pool, return the plan."""
+
+    @abc.abstractmethod
+    def prefill(self, span: PrefillSpan, out: StepOutput) -> None:
+        """Write the span's K/V into its blocks; fill ``out.prefill_*``."""
+
+    @abc.abstractmethod
+    def decode_round(self, lanes: Sequence[DecodeLane], out: StepOutput) -> None:
+        """One batched forward over all lanes; fill ``out.decode_tokens``."""
+
+    @abc.abstractmethod
+    def swap_out(self, pairs: Sequence[tuple[int, int]]) -> None: ...
+
+    @abc.abstractmethod
+    def swap_in(self, pairs: Sequence[tuple[int, int]]) -> None: ...
+
+    @abc.abstractmethod
+    def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None: ...
+
+    @abc.abstractmethod
+    def unload(self) -> None:
+        """Free everything the load took."""
+
+    def step(self, plan: StepPlan) -> StepOutput:
+        """Run one scheduler plan. Called on the engine's dedicated thread."""
+        import time
+
+        out = StepOutput()
+        if plan.swap_out:
+            self.swap_out(plan.swap_out)
+        if plan.swap_in:
+            self.swap_in(plan.swap_in)
+        if plan.copy_blocks:
+            self.copy_blocks(plan.copy_blocks)
+        if plan.prefill is not None:
+            t0 = time.perf_counter()
+            self.prefill(plan.prefill, out)
+            out.prefill_seconds = time.perf_counter() - t0
+        if plan.decode:
+            t0 = time.perf_counter()
+            self.decode_round(plan.decode, out)
+            out.decode_seconds = time.perf_counter() - t0
+        return out

@@ -1,0 +1,32 @@
+"""The engine's part of the configuration (``model.*`` and ``spec.*`` keys).
+
+The Django side owns the full schema and where values come from (flags,
+environment, admin, PATCH /v1/config); the engine only sees this dataclass.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+MiB = 1 << 20
+
+
+@dataclass
+class EngineConfig:
+    backend: str = "numpy"  # numpy | cuda
+    decode_lanes: int = 8  # spec.decode_lanes
+    prefill_chunk: int = 1024  # model.prefill_chunk
+    decode_share: float = 0.25  # model.decode_share (fraction of time the lanes keep)
+    default_max_tokens: int = 1024  # model.default_max_tokens
+    max_context: int = 8192  # model.max_context (clamped to the model's own)
+    block_size: int = 16  # model.kv_block_size
+    kv_ram_budget: int = 768 * MiB  # numpy backend: RAM for the device-tier KV pool
+    host_kv_budget: int = 2048 * MiB  # the host-RAM tier for swapped pages
+    retry_after_floor: float = 1.0  # seconds; the least Retry-After an engine_full gets
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> EngineConfig:
+        return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})

@@ -1,0 +1,92 @@
+"""Messages that cross the Channels layer between the Django side and the engine.
+
+The layer carries plain dicts (msgpack over Redis), so each message is a
+dataclass with ``to_message()`` / ``from_message()``. The ``type`` key routes
+it: on the engine channel to the worker, on a reply channel to the consumer's
+handler (``engine.tokens`` -> ``engine_tokens``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+
+ENGINE_CHANNEL = "ignis.engine"
+STATUS_GROUP = "ignis.status"
+
+
+class _Msg:
+    TYPE = ""
+
+    def to_message(self) -> dict:
+        d = asdict(self)
+        d["type"] = self.TYPE
+        return d
+
+    @classmethod
+    def from_message(cls, msg: dict):
+        return cls(**{f.name: msg[f.name] for f in fields(cls) if f.name in msg})
+
+
+@dataclass
+class AddRequest(_Msg):
+    """Django -> engine: serve this prompt, reply on ``reply_channel``."""
+
+    TYPE = "engine.add"
+    request_id: str
+    reply_channel: str
+    prompt_token_ids: list[int]
+    max_tokens: int
+    sampling: dict = field(default_factory=dict)  # SamplingParams.to_dict()
+    stop_token_ids: list[int] = field(default_factory=list)
+    request_class: str = "interactive"  # interactive | agent
+    num_logprobs: int = 0
+    want_logprobs: bool = False
+    model: str | None = None  # the served id the client named (None: whatever is loaded)
+    decide: bool = False  # prefill only, return last-position logits
+
+
+@dataclass
+class AbortRequest(_Msg):
+    """Django -> engine: the client went away or a stop string matched."""
+
+    TYPE = "engine.abort"
+    request_id: str
+
+
+@dataclass
+class TokenEvent(_Msg):
+    """Engine -> consumer: the tokens one round committed for this request."""
+
+    TYPE = "engine.tokens"
+    request_id: str
+    token_ids: list[int]
+    logprobs: list[dict] | None = None  # per token: {token_id, logprob, top: [[id, lp], ...]}
+    cached_tokens: int = 0
+    ttft: float | None = None  # set on the first event
+
+
+@dataclass
+class RequestFinished(_Msg):
+    """Engine -> consumer: the request is done; its lane and pages are free."""
+
+    TYPE = "engine.finished"
+    request_id: str
+    finish_reason: str  # stop | length | abort
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+    logits: list[float] | None = None  # decide requests only
+
+
+@dataclass
+class RequestFailed(_Msg):
+    """Engine -> consumer: refused or failed; rendered as an OpenAI error."""
+
+    TYPE = "engine.failed"
+    request_id: str
+    message: str
+    code: str  # engine_full | context_length_exceeded | engine_error | ...
+    status: int = 503
+    error_type: str = "server_error"
+    param: str | None = None
+    retry_after: float | None = None
