@@ -1,0 +1,140 @@
+"""Token sampling on the host: penalties, temperature, truncation, a seeded draw.
+
+Each row is processed on its own, vectorized over the vocabulary, so a row's
+token depends only on its own logits, parameters, token history, seed and
+position -- never on which other rows shared the round. Randomness comes from
+a counter-based generator (Philox) keyed by ``(seed, position)``.
+
+Order per row (the usual HF/vLLM order):
+
+1. repetition penalty over prompt + output tokens (HF: positive logits are
+   divided by the penalty, negative ones multiplied);
+2. presence and frequency penalties over output tokens (OpenAI semantics:
+   ``logit -= frequency * count + presence * (count > 0)``);
+3. greedy rows (``temperature <= 0`` or ``top_k == 1``) take the argmax here;
+4. temperature, then top-k, top-p and min-p masks (masked logits = -inf);
+5. an inverse-CDF draw with one uniform from Philox(seed, position).
+
+Logprobs are the log-softmax of the distribution the token was drawn from
+(after step 4; for greedy rows after step 2, at temperature 1). Top
+alternatives only list tokens with a finite logprob.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from engine.backend import SampleRequest, TokenLogprob
+from engine.sampling import SamplingParams
+
+_MASK64 = (1 << 64) - 1
+
+
+def sample_rows(
+    logits: np.ndarray, requests: Sequence[SampleRequest], positions: Sequence[int]
+) -> tuple[list[int], list[TokenLogprob | None]]:
+    """Draw one token per row of ``logits`` [n, vocab]; return tokens and logprobs."""
+    logits = np.asarray(logits)
+    if logits.ndim != 2 or len(requests) != logits.shape[0] or len(positions) != logits.shape[0]:
+        raise ValueError(f"logits {logits.shape} vs {len(requests)} requests, {len(positions)} positions")
+    tokens: list[int] = []
+    logprobs: list[TokenLogprob | None] = []
+    for row, req, pos in zip(logits, requests, positions):
+        token, lp = sample_row(row, req, pos)
+        tokens.append(token)
+        logprobs.append(lp)
+    return tokens, logprobs
+
+
+def sample_row(row: np.ndarray, req: SampleRequest, position: int) -> tuple[int, TokenLogprob | None]:
+    """One row of :func:`sample_rows`; ``row`` is never modified."""
+    p = req.params
+    x = np.array(row, dtype=np.float32, copy=True)
+    apply_penalties(x, p, req.prompt_token_ids, req.output_token_ids)
+    if p.is_greedy:
+        token = int(np.argmax(x))
+    else:
+        x = process_logits(x, p)
+        token = draw(x, req.seed, position)
+    if not req.want_logprobs:
+        return token, None
+    return token, token_logprob(x, token, req.num_logprobs)
+
+
+def apply_penalties(x: np.ndarray, p: SamplingParams, prompt_ids: Sequence[int], output_ids: Sequence[int]) -> None:
+    """Repetition, presence and frequency penalties, in place on ``x`` [vocab]."""
+    vocab = x.shape[0]
+    if p.repetition_penalty != 1.0 and (len(prompt_ids) or len(output_ids)):
+        seen = np.unique(np.concatenate([np.asarray(prompt_ids, np.int64), np.asarray(output_ids, np.int64)]))
+        seen = seen[(seen >= 0) & (seen < vocab)]
+        v = x[seen]
+        x[seen] = np.where(v > 0, v / p.repetition_penalty, v * p.repetition_penalty)
+    if (p.presence_penalty or p.frequency_penalty) and len(output_ids):
+        ids, counts = np.unique(np.asarray(output_ids, np.int64), return_counts=True)
+        keep = (ids >= 0) & (ids < vocab)
+        ids, counts = ids[keep], counts[keep]
+        x[ids] -= np.float32(p.frequency_penalty) * counts.astype(np.float32) + np.float32(p.presence_penalty)
+
+
+def process_logits(x: np.ndarray, p: SamplingParams) -> np.ndarray:
+    """Temperature, then top-k / top-p / min-p masks (masked entries become -inf)."""
+    x = x / np.float32(p.temperature)
+    vocab = x.shape[0]
+    if 0 < p.top_k < vocab:
+        # Keep exactly top_k entries (ties at the boundary broken by argpartition).
+        drop = np.argpartition(-x, p.top_k)[p.top_k :]
+        x[drop] = -np.inf
+    if p.min_p > 0.0:
+        # p_i >= min_p * p_max  <=>  x_i >= x_max + log(min_p)
+        x[x < x.max() + np.float32(np.log(p.min_p))] = -np.inf
+    if p.top_p < 1.0:
+        # Sort only the survivors of top-k / min-p (all of them otherwise).
+        live = np.flatnonzero(np.isfinite(x))
+        order = live[np.argsort(-x[live], kind="stable")]
+        probs = _softmax64(x[order])
+        # Keep the smallest prefix whose mass reaches top_p (always >= 1 token).
+        before = np.cumsum(probs) - probs
+        x[order[before >= p.top_p]] = -np.inf
+    return x
+
+
+def draw(x: np.ndarray, seed: int, position: int) -> int:
+    """Inverse-CDF draw from softmax(x) with one uniform keyed by (seed, position)."""
+    probs = _softmax64(x)
+    cdf = np.cumsum(probs)
+    u = _uniform(seed, position) * cdf[-1]
+    token = int(np.searchsorted(cdf, u, side="right"))
+    if token >= cdf.shape[0] or probs[token] == 0.0:
+        # u rounded up to the total mass: take the last token that has any.
+        token = int(np.flatnonzero(probs)[-1])
+    return token
+
+
+def token_logprob(x: np.ndarray, token: int, num_top: int) -> TokenLogprob:
+    lp = log_softmax(x)
+    top: list[tuple[int, float]] = []
+    if num_top > 0:
+        k = min(num_top, lp.shape[0])
+        cand = np.argpartition(-lp, k - 1)[:k] if k < lp.shape[0] else np.arange(lp.shape[0])
+        cand = cand[np.lexsort((cand, -lp[cand]))]
+        top = [(int(i), float(lp[i])) for i in cand if np.isfinite(lp[i])]
+    return TokenLogprob(token_id=int(token), logprob=float(lp[token]), top=top)
+
+
+def log_softmax(x: np.ndarray) -> np.ndarray:
+    x64 = x.astype(np.float64)
+    m = x64.max()
+    return x64 - (m + np.log(np.exp(x64 - m).sum()))
+
+
+def _softmax64(x: np.ndarray) -> np.ndarray:
+    x64 = x.astype(np.float64)
+    e = np.exp(x64 - x64.max())
+    return e / e.sum()
+
+
+def _uniform(seed: int, position: int) -> float:
+    key = np.array([int(seed) & _MASK64, int(position) & _MASK64], dtype=np.uint64)
+    return float(np.random.Generator(np.random.Philox(key=key)).random())
