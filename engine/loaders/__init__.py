@@ -1,0 +1,37 @@
+"""Model artifacts in, ``(ModelConfig, float32 weights in HF naming)`` out.
+
+Two formats: a ``.gguf`` file, or a Hugging Face directory (config.json and
+safetensors). Backends never see the difference.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+from engine.model_config import ModelConfig
+
+
+def artifact_format(path: str | Path) -> str:
+    """``"gguf"`` for a .gguf file, ``"hf"`` for a directory with config.json."""
+    p = Path(path)
+    if p.is_file() and p.suffix.lower() == ".gguf":
+        return "gguf"
+    if p.is_dir() and (p / "config.json").exists():
+        return "hf"
+    raise ValueError(f"not a model artifact (a .gguf file or a directory with config.json): {p}")
+
+
+def load_artifact(
+    path: str | Path, progress: Callable[[int, int], None] | None = None
+) -> tuple[ModelConfig, dict[str, np.ndarray]]:
+    """Load any supported artifact; ``progress(done, total)`` reports load progress."""
+    if artifact_format(path) == "gguf":
+        from engine.loaders.gguf import load_gguf
+
+        return load_gguf(path, progress)
+    from engine.loaders.hf import load_hf
+
+    return load_hf(path, progress)
