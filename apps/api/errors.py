@@ -1,0 +1,91 @@
+"""Errors in the OpenAI envelope: ``{"error": {"message", "type", "param", "code"}}``.
+
+Every refusal is an ``IgnisError``; one renderer serves DRF views, consumers
+and mid-stream failures, so a client never sees a traceback.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from rest_framework import exceptions as drf_exceptions
+from rest_framework.response import Response
+
+log = logging.getLogger("ignis.api")
+
+
+class IgnisError(Exception):
+    status = 400
+    type = "invalid_request_error"
+    code: str | None = None
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None,
+                 type: str | None = None, status: int | None = None, retry_after: float | None = None):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        if code is not None:
+            self.code = code
+        if type is not None:
+            self.type = type
+        if status is not None:
+            self.status = status
+        self.retry_after = retry_after
+
+    def envelope(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def headers(self) -> dict[str, str]:
+        if self.retry_after is None:
+            return {}
+        return {"Retry-After": str(max(1, int(round(self.retry_after))))}
+
+
+class InvalidRequest(IgnisError):
+    code = "invalid_value"
+
+
+class BodyTooLarge(IgnisError):
+    status = 413
+    code = "request_too_large"
+
+
+class NotFound(IgnisError):
+    status = 404
+    code = "not_found"
+
+
+class ModelNotFound(IgnisError):
+    status = 404
+    code = "model_not_found"
+
+
+class EngineUnavailable(IgnisError):
+    status = 503
+    type = "server_error"
+    code = "engine_unavailable"
+
+
+def error_from_engine(msg: dict) -> IgnisError:
+    """An engine ``RequestFailed`` message as an IgnisError."""
+    return IgnisError(msg.get("message", "engine error"), param=msg.get("param"), code=msg.get("code", "engine_error"),
+                      type=msg.get("error_type", "server_error"), status=int(msg.get("status", 503)),
+                      retry_after=msg.get("retry_after"))
+
+
+def drf_exception_handler(exc: Exception, context: dict) -> Response:
+    if isinstance(exc, IgnisError):
+        err = exc
+    elif isinstance(exc, drf_exceptions.ParseError):
+        err = InvalidRequest(f"We could not parse the JSON body of your request: {exc.detail}", code="invalid_json")
+    elif isinstance(exc, drf_exceptions.UnsupportedMediaType):
+        err = InvalidRequest("Send the body as application/json.", code="unsupported_media_type", status=415)
+    elif isinstance(exc, drf_exceptions.MethodNotAllowed):
+        err = IgnisError(str(exc.detail), code="method_not_allowed", status=405)
+    elif isinstance(exc, drf_exceptions.APIException):
+        err = IgnisError(str(exc.detail), code=exc.default_code, status=exc.status_code)
+    else:
+        log.exception("ignis.api.unhandled", extra={"view": str(context.get("view"))})
+        err = IgnisError("The server had an error while processing your request.", type="server_error",
+                         code="internal_error", status=500)
+    return Response(err.envelope(), status=err.status, headers=err.headers())

@@ -1,0 +1,84 @@
+"""From engine tokens to API text: incremental detokenizing and stop strings.
+
+``TextStream`` is fed the token ids each engine round commits and gives back
+the text that is safe to show: never half a UTF-8 character, never the start
+of what may turn out to be a stop string.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+
+class TextStream:
+    def __init__(self, tokenizer, stop: list[str]):
+        from engine.tokenizer import IncrementalDetokenizer
+
+        self._detok = IncrementalDetokenizer(tokenizer)
+        self._stop = stop
+        self._held = ""  # text withheld because it could begin a stop string
+        self.text = ""  # everything emitted so far
+        self.stopped = False  # a stop string matched: the caller aborts the sequence
+
+    def feed(self, token_ids: list[int]) -> str:
+        """New visible text for these tokens ('' while holding back)."""
+        if self.stopped:
+            return ""
+        pending = self._held + self._detok.feed(token_ids)
+        cut = min((i for i in (pending.find(s) for s in self._stop) if i >= 0), default=-1)
+        if cut >= 0:
+            self.stopped = True
+            self._held = ""
+            return self._emit(pending[:cut])
+        keep = self._partial_stop_len(pending)
+        self._held = pending[len(pending) - keep:] if keep else ""
+        return self._emit(pending[: len(pending) - keep])
+
+    def flush(self) -> str:
+        """At the end of generation the held-back text is no stop string after all."""
+        held, self._held = self._held, ""
+        return "" if self.stopped else self._emit(held + self._detok.flush())
+
+    def _partial_stop_len(self, text: str) -> int:
+        best = 0
+        for s in self._stop:
+            for n in range(min(len(s) - 1, len(text)), best, -1):
+                if text.endswith(s[:n]):
+                    best = n
+                    break
+        return best
+
+    def _emit(self, piece: str) -> str:
+        self.text += piece
+        return piece
+
+
+def sse(data: dict | str) -> bytes:
+    payload = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"), ensure_ascii=False)
+    return f"data: {payload}\n\n".encode()
+
+
+def chat_chunk(request_id: str, model: str, created: int, delta: dict, finish_reason: str | None = None,
+               usage: dict | None = None, choices: bool = True) -> dict:
+    chunk = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
+             "system_fingerprint": "ignis", "choices": []}
+    if choices:
+        chunk["choices"] = [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]
+    if usage is not None:
+        chunk["usage"] = usage
+    return chunk
+
+
+def usage_block(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+        "completion_tokens_details": {"reasoning_tokens": 0},
+    }
+
+
+def now() -> int:
+    return int(time.time())

@@ -1,0 +1,70 @@
+"""Non-streaming routes. Views parse, call one service, render."""
+
+from __future__ import annotations
+
+from django.http import JsonResponse
+from rest_framework.decorators import api_view
+from rest_framework.request import Request
+from rest_framework.response import Response
+
+from apps.api import engine_client, services
+from apps.api.errors import IgnisError, InvalidRequest
+from apps.models.services import served_model
+
+
+def _error_response(err: IgnisError) -> JsonResponse:
+    resp = JsonResponse(err.envelope(), status=err.status)
+    for k, v in err.headers().items():
+        resp[k] = v
+    return resp
+
+
+async def models_list(request):
+    """GET /v1/models: the servable model with the engine's status."""
+    if request.method != "GET":
+        return _error_response(IgnisError("Use GET here.", code="method_not_allowed", status=405))
+    served = served_model()
+    status = await engine_client.engine_status()
+    entry = {
+        "id": served.served_id,
+        "object": "model",
+        "created": 0,
+        "owned_by": "ignis",
+        "status": (status or {}).get("status", "loading"),
+        "artifact": served.path.name,
+    }
+    if status and status.get("max_context"):
+        entry["max_model_len"] = status["max_context"]
+    return JsonResponse({"object": "list", "data": [entry]})
+
+
+async def health(request):
+    """GET /health: 200 when the engine answers and serves, else 503 with its state."""
+    status = await engine_client.engine_status()
+    state = (status or {}).get("status", "unreachable")
+    return JsonResponse({"status": "ok" if state == "serving" else state, "engine": status},
+                        status=200 if state == "serving" else 503)
+
+
+@api_view(["POST"])
+def tokenize(request: Request) -> Response:
+    """POST /v1/tokenize: count a chat request's tokens exactly as it would be served."""
+    if not isinstance(request.data, dict):
+        raise InvalidRequest("The request body must be a JSON object.", code="invalid_json")
+    return Response(services.tokenize_chat(request.data))
+
+
+@api_view(["POST"])
+def detokenize(request: Request) -> Response:
+    tokens = request.data.get("tokens") if isinstance(request.data, dict) else None
+    tok = served_model().tokenizer
+    vocab = tok.tokenizer.get_vocab_size()
+    if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+        raise InvalidRequest("'tokens' must be an array of integers.", param="tokens", code="invalid_type")
+    if any(t < 0 or t >= vocab for t in tokens):
+        raise InvalidRequest(f"Token ids must be in [0, {vocab}).", param="tokens")
+    return Response({"text": tok.decode(tokens)})
+
+
+def not_found(request, path: str = ""):
+    return _error_response(IgnisError(f"Unknown route: {request.method} /{path}", code="not_found", status=404))

@@ -1,0 +1,75 @@
+"""Serve the API, the Playground and the engine from one process (the embedded mode).
+
+Daphne serves the ASGI application; the engine loop runs as a task on
+Daphne's own asyncio loop, talking to the API only through the Channels layer.
+With ``--server-redis-url`` (or IGNIS_SERVER_REDIS_URL) the engine runs in
+``manage.py runengine`` instead, unless ``--with-engine`` is given.
+"""
+
+import logging
+import sys
+
+from django.conf import settings
+from django.core.management.base import BaseCommand
+
+from apps.models.management.commands._options import add_config_flags, apply_config_flags
+
+log = logging.getLogger("ignis.server")
+
+
+class Command(BaseCommand):
+    help = "Serve ignis on --server-host/--server-port (default http://127.0.0.1:8080)."
+
+    def add_arguments(self, parser):
+        parser.add_argument("--host", dest="server.host", default=None, help="alias of --server-host")
+        parser.add_argument("--port", dest="server.port", default=None, help="alias of --server-port")
+        parser.add_argument("--with-engine", action="store_true", help="host the engine here even with Redis")
+        parser.add_argument("--no-download", action="store_true", help="fail instead of fetching the default model")
+        add_config_flags(parser, skip=("server.host", "server.port"))
+
+    def handle(self, *args, **options):
+        from channels.layers import get_channel_layer
+        from channels.routing import get_default_application
+        from daphne.endpoints import build_endpoint_description_strings
+        from daphne.server import Server, twisted_loop
+        from twisted.internet import reactor
+
+        from apps.models.download import DEFAULT_MODEL, ensure_default_model
+        from apps.models.services import served_model
+        from engine.config import EngineConfig
+        from engine.worker import EngineWorker
+        from ignis_site.config import engine_config_dict
+
+        values = apply_config_flags(options)
+        if values["model.id"] == DEFAULT_MODEL.served_id and not values["model.path"] and not options["no_download"]:
+            self.stdout.write(f"fetching {DEFAULT_MODEL.served_id} into {settings.MODELS_DIR} if absent ...")
+            ensure_default_model(settings.MODELS_DIR)
+        served = served_model()
+        host, port = values["server.host"], values["server.port"]
+        embedded = not settings.REDIS_URL or options["with_engine"]
+        tasks = []
+
+        def start_engine():
+            worker = EngineWorker(get_channel_layer(), EngineConfig.from_dict(engine_config_dict(values)),
+                                  served.path, served.served_id)
+            tasks.append(twisted_loop.create_task(worker.run()))
+
+        def ready():
+            shown = f"[{host}]" if ":" in host else host
+            self.stdout.write(f"ignis serving {served.served_id} at http://{shown}:{port}/ "
+                              f"(engine: {'embedded' if embedded else 'runengine over Redis'})")
+            sys.stdout.flush()
+
+        if embedded:
+            reactor.callWhenRunning(start_engine)
+        server = Server(
+            application=get_default_application(),
+            endpoints=build_endpoint_description_strings(host=host, port=port),
+            signal_handlers=True,
+            action_logs=False,
+            http_timeout=None,
+            websocket_timeout=86400,
+            application_close_timeout=10,
+            ready_callable=ready,
+        )
+        server.run()

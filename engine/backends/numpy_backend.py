@@ -1,0 +1,322 @@
+"""The reference backend: float32 numpy on the CPU, paged KV cache.
+
+Layout choices (all for speed on a couple of CPU cores):
+
+* Weights are pre-transposed to ``[in, out]`` and fused (q|k|v, gate|up) at
+  load, so each layer is three contiguous GEMMs plus ``o_proj``, each run once
+  over every row of a round -- a decode round of 8 lanes costs about what one
+  lane costs, since the weights are read once either way.
+* The KV cache is one array per K and V, ``[layers, num_blocks, block_size,
+  kv_heads, head_dim]``; ``k_cache[layer]`` is the per-layer view the step
+  interface describes. Token ``pos`` of a sequence lives in slot
+  ``block_table[pos // block_size] * block_size + pos % block_size``.
+* Attention gathers each row's context by slot. Decode pads the lanes'
+  contexts to the longest one and masks the padding, so a round is one batched
+  matmul per layer rather than a Python loop per lane.
+
+Numerics follow Hugging Face's llama/qwen2 modeling code (RMSNorm in float32,
+``rotate_half`` RoPE with float32 angles, llama3 frequency scaling, GQA by
+``repeat_kv``), which is what the parity tests compare against.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from engine import sampler
+from engine.backend import Backend, DecodeLane, MemoryPlan, PrefillSpan, StepOutput
+from engine.model_config import ModelConfig
+
+_LANES_FOR_DEFAULT_BUDGET = 8
+
+
+@dataclass
+class _Layer:
+    ln1: np.ndarray
+    ln2: np.ndarray
+    w_qkv: np.ndarray  # [hidden, (heads + 2 * kv_heads) * head_dim]
+    b_qkv: np.ndarray | None
+    w_o: np.ndarray  # [heads * head_dim, hidden]
+    w_gate_up: np.ndarray  # [hidden, 2 * intermediate]
+    w_down: np.ndarray  # [intermediate, hidden]
+
+
+def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
+    """Per-pair rotary frequencies (float32, as HF computes them), with rope_scaling applied."""
+    d = cfg.head_dim
+    inv = (1.0 / (np.float32(cfg.rope_theta) ** (np.arange(0, d, 2, dtype=np.int64).astype(np.float32) / d))).astype(
+        np.float32
+    )
+    rs = cfg.rope_scaling or {}
+    kind = rs.get("rope_type", rs.get("type", "default"))
+    if kind == "default":
+        return inv
+    if kind == "linear":
+        return (inv / np.float32(rs["factor"])).astype(np.float32)
+    if kind == "llama3":
+        factor, low, high = rs["factor"], rs["low_freq_factor"], rs["high_freq_factor"]
+        old_ctx = rs["original_max_position_embeddings"]
+        low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
+        wavelen = 2 * math.pi / inv
+        scaled = np.where(wavelen > low_wavelen, inv / factor, inv)
+        smooth = (old_ctx / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+        return np.where(medium, smoothed, scaled).astype(np.float32)
+    raise NotImplementedError(f"rope_scaling type {kind!r} is not supported by the numpy backend")
+
+
+def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    var = np.mean(x * x, axis=-1, keepdims=True)
+    return w * (x / np.sqrt(var + np.float32(eps)))
+
+
+def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    """``x * cos + rotate_half(x) * sin`` on ``x`` [n, heads, head_dim]; cos/sin [n, 1, head_dim]."""
+    half = x.shape[-1] // 2
+    rot = np.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * cos + rot * sin
+
+
+def _softmax_inplace(s: np.ndarray) -> np.ndarray:
+    s -= s.max(axis=-1, keepdims=True)
+    np.exp(s, out=s)
+    s /= s.sum(axis=-1, keepdims=True)
+    return s
+
+
+class NumpyBackend(Backend):
+    """float32 CPU backend; the reference every other backend is checked against."""
+
+    name = "numpy"
+
+    def load(self, config, weights, *, block_size, kv_budget_bytes, host_kv_budget_bytes, max_context) -> MemoryPlan:
+        cfg = self.config = config
+        f32 = np.float32
+
+        def w(name):
+            return np.asarray(weights[name], dtype=f32)
+
+        self.embed = np.ascontiguousarray(w("model.embed_tokens.weight"))
+        head = self.embed if cfg.tie_word_embeddings else w("lm_head.weight")
+        self.lm_head = np.ascontiguousarray(head.T)  # [hidden, vocab]
+        self.final_norm = w("model.norm.weight")
+        self.layers: list[_Layer] = []
+        for i in range(cfg.num_layers):
+            p = f"model.layers.{i}."
+            qkv = [w(p + f"self_attn.{x}_proj.weight") for x in "qkv"]
+            bias = None
+            if cfg.attention_bias:
+                bias = np.concatenate([w(p + f"self_attn.{x}_proj.bias") for x in "qkv"])
+            self.layers.append(
+                _Layer(
+                    ln1=w(p + "input_layernorm.weight"),
+                    ln2=w(p + "post_attention_layernorm.weight"),
+                    w_qkv=np.ascontiguousarray(np.concatenate(qkv, axis=0).T),
+                    b_qkv=bias,
+                    w_o=np.ascontiguousarray(w(p + "self_attn.o_proj.weight").T),
+                    w_gate_up=np.ascontiguousarray(
+                        np.concatenate([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")], axis=0).T
+                    ),
+                    w_down=np.ascontiguousarray(w(p + "mlp.down_proj.weight").T),
+                )
+            )
+        self.inv_freq = rope_inv_freq(cfg)
+        self.block_size = block_size
+        weights_bytes = self.embed.nbytes + self.final_norm.nbytes
+        weights_bytes += self.lm_head.nbytes + sum(
+            a.nbytes for lw in self.layers for a in vars(lw).values() if a is not None
+        )
+
+        block_bytes = block_size * cfg.kv_bytes_per_token_fp32
+        if kv_budget_bytes is None:
+            num_blocks = -(-max_context // block_size) * _LANES_FOR_DEFAULT_BUDGET
+        else:
+            num_blocks = int(kv_budget_bytes // block_bytes)
+        if num_blocks < 1:
+            raise ValueError(f"KV budget {kv_budget_bytes} B holds no block of {block_bytes} B")
+        num_host_blocks = int(host_kv_budget_bytes // block_bytes)
+        shape = (cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        # np.zeros maps pages lazily, so an unused pool costs address space, not RAM.
+        self.k = np.zeros(shape, f32)
+        self.v = np.zeros(shape, f32)
+        self.k_cache = [self.k[i] for i in range(cfg.num_layers)]
+        self.v_cache = [self.v[i] for i in range(cfg.num_layers)]
+        self._k_slots = self.k.reshape(cfg.num_layers, num_blocks * block_size, cfg.num_kv_heads, cfg.head_dim)
+        self._v_slots = self.v.reshape(self._k_slots.shape)
+        self.num_host_blocks = num_host_blocks
+        self.host_k = self.host_v = None  # allocated on the first swap_out
+        # Activations of one 8-lane round plus its logits; prefill chunks reuse the same order of memory.
+        workspace = _LANES_FOR_DEFAULT_BUDGET * 4 * (cfg.vocab_size + 4 * cfg.intermediate_size + 4 * cfg.hidden_size)
+        self.plan = MemoryPlan(
+            budget_bytes=weights_bytes + workspace + num_blocks * block_bytes,
+            weights_bytes=int(weights_bytes),
+            workspace_bytes=int(workspace),
+            kv_bytes=num_blocks * block_bytes,
+            block_size=block_size,
+            num_blocks=num_blocks,
+            host_kv_bytes=num_host_blocks * block_bytes,
+            num_host_blocks=num_host_blocks,
+        )
+        return self.plan
+
+    # --- the forward pass ---------------------------------------------------------------
+
+    def _slots(self, block_table: Sequence[int], positions: np.ndarray) -> np.ndarray:
+        bt = np.asarray(block_table, dtype=np.int64)
+        idx = positions // self.block_size
+        if len(positions) and idx.max() >= len(bt):
+            raise ValueError(f"block table of {len(bt)} blocks does not reach position {int(positions.max())}")
+        return bt[idx] * self.block_size + positions % self.block_size
+
+    def _forward(self, token_ids, positions, write_slots, attend) -> np.ndarray:
+        """Run every layer over rows ``token_ids`` at ``positions``; return final-normed hidden [n, H].
+
+        ``attend(layer, q)`` maps q [n, heads, head_dim] to [n, heads * head_dim]
+        reading K/V from the cache, which already holds this call's rows.
+        """
+        cfg = self.config
+        n = len(token_ids)
+        nq, nkv, hd = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.head_dim
+        x = self.embed[np.asarray(token_ids, dtype=np.int64)]
+        ang = positions.astype(np.float32)[:, None] * self.inv_freq[None, :]
+        ang = np.concatenate([ang, ang], axis=-1)[:, None, :]
+        cos, sin = np.cos(ang), np.sin(ang)
+        inter = cfg.intermediate_size
+        for i, lw in enumerate(self.layers):
+            h = rms_norm(x, lw.ln1, cfg.rms_norm_eps)
+            qkv = h @ lw.w_qkv
+            if lw.b_qkv is not None:
+                qkv += lw.b_qkv
+            q = apply_rope(qkv[:, :nq].reshape(n, cfg.num_heads, hd), cos, sin)
+            self._k_slots[i][write_slots] = apply_rope(qkv[:, nq : nq + nkv].reshape(n, cfg.num_kv_heads, hd), cos, sin)
+            self._v_slots[i][write_slots] = qkv[:, nq + nkv :].reshape(n, cfg.num_kv_heads, hd)
+            x = x + attend(i, q) @ lw.w_o
+            h = rms_norm(x, lw.ln2, cfg.rms_norm_eps)
+            gu = h @ lw.w_gate_up
+            g = gu[:, :inter]
+            with np.errstate(over="ignore"):
+                act = g / (1.0 + np.exp(-g))
+            x = x + (act * gu[:, inter:]) @ lw.w_down
+        return rms_norm(x, self.final_norm, cfg.rms_norm_eps)
+
+    def _attend(self, layer: int, q: np.ndarray, ctx_slots: np.ndarray, mask: np.ndarray) -> np.ndarray:
+        """Batched GQA: q [n, heads, hd]; ctx_slots [n, S] (padded); mask [n, T, S] additive.
+
+        Rows of q are grouped as n sequences of T query rows each (prefill: n=1,
+        T=chunk; decode: n=lanes, T=1).
+        """
+        cfg = self.config
+        n, s = ctx_slots.shape
+        t = q.shape[0] // n
+        kvh, g, hd = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim
+        k = self._k_slots[layer][ctx_slots]  # [n, S, kvh, hd]
+        v = self._v_slots[layer][ctx_slots]
+        # Query rows per kv head: [n, kvh, g*T, hd], head h reading kv head h // g (HF's repeat_kv).
+        qh = q.reshape(n, t, kvh, g, hd).transpose(0, 2, 3, 1, 4).reshape(n, kvh, g * t, hd)
+        scores = qh @ k.transpose(0, 2, 3, 1)  # [n, kvh, g*T, S]
+        scores *= np.float32(1.0 / math.sqrt(hd))
+        scores = scores.reshape(n, kvh, g, t, s)
+        scores += mask[:, None, None, :, :]
+        p = _softmax_inplace(scores).reshape(n, kvh, g * t, s)
+        o = p @ v.transpose(0, 2, 1, 3)  # [n, kvh, g*T, hd]
+        return o.reshape(n, kvh, g, t, hd).transpose(0, 3, 1, 2, 4).reshape(n * t, cfg.num_heads * hd)
+
+    def _logits(self, h: np.ndarray) -> np.ndarray:
+        return h @ self.lm_head
+
+    # --- the step interface -------------------------------------------------------------
+
+    def prefill(self, span: PrefillSpan, out: StepOutput) -> None:
+        """Run the chunk at ``start_pos``.. over everything earlier in its blocks, causally within."""
+        t = len(span.token_ids)
+        if t == 0:
+            raise ValueError("empty prefill span")
+        end = span.start_pos + t
+        positions = np.arange(span.start_pos, end, dtype=np.int64)
+        ctx_slots = self._slots(span.block_table, np.arange(end, dtype=np.int64))
+        write = ctx_slots[span.start_pos :]
+        mask = np.where(np.arange(end)[None, :] <= positions[:, None], 0.0, -np.inf).astype(np.float32)[None]
+        h = self._forward(span.token_ids, positions, write, lambda i, q: self._attend(i, q, ctx_slots[None], mask))
+        if span.sample is None and not span.want_logits:
+            return
+        logits = self._logits(h[-1:])
+        if span.want_logits:
+            out.prefill_logits = logits[0].copy()
+        if span.sample is not None:
+            tokens, lps = sampler.sample_rows(logits, [span.sample], [end])
+            out.prefill_token, out.prefill_logprob = tokens[0], lps[0]
+
+    def decode_round(self, lanes: Sequence[DecodeLane], out: StepOutput) -> None:
+        """One forward over all lanes, then one sampling call over all rows."""
+        if not lanes:
+            return
+        logits = self.decode_logits(lanes)
+        positions = [ln.position + 1 for ln in lanes]
+        out.decode_tokens, out.decode_logprobs = sampler.sample_rows(logits, [ln.sample for ln in lanes], positions)
+
+    def decode_logits(self, lanes: Sequence[DecodeLane]) -> np.ndarray:
+        """The forward half of a decode round: write each lane's K/V, return logits [lanes, vocab].
+
+        Each lane is one row; contexts are padded to the longest lane and masked.
+        """
+        positions = np.array([ln.position for ln in lanes], dtype=np.int64)
+        span = np.arange(int(positions.max()) + 1, dtype=np.int64)
+        ctx_slots = np.empty((len(lanes), len(span)), dtype=np.int64)
+        for r, ln in enumerate(lanes):
+            # Padding past a lane's own position repeats its last slot; the mask removes it.
+            ctx_slots[r] = self._slots(ln.block_table, np.minimum(span, ln.position))
+        mask = np.where(span[None, :] <= positions[:, None], 0.0, -np.inf).astype(np.float32)[:, None, :]
+        write = ctx_slots[np.arange(len(lanes)), positions]
+        tokens = [ln.token_id for ln in lanes]
+        h = self._forward(tokens, positions, write, lambda i, q: self._attend(i, q, ctx_slots, mask))
+        return self._logits(h)
+
+    # --- KV pages -------------------------------------------------------------------------
+
+    def _host(self) -> tuple[np.ndarray, np.ndarray]:
+        if self.host_k is None:
+            if self.num_host_blocks < 1:
+                raise RuntimeError("no host KV tier (host_kv_budget_bytes too small)")
+            shape = (self.k.shape[0], self.num_host_blocks, *self.k.shape[2:])
+            self.host_k, self.host_v = np.zeros(shape, np.float32), np.zeros(shape, np.float32)
+        return self.host_k, self.host_v
+
+    def swap_out(self, pairs: Sequence[tuple[int, int]]) -> None:
+        hk, hv = self._host()
+        dev, host = (list(x) for x in zip(*pairs))
+        hk[:, host] = self.k[:, dev]
+        hv[:, host] = self.v[:, dev]
+
+    def swap_in(self, pairs: Sequence[tuple[int, int]]) -> None:
+        hk, hv = self._host()
+        host, dev = (list(x) for x in zip(*pairs))
+        self.k[:, dev] = hk[:, host]
+        self.v[:, dev] = hv[:, host]
+
+    def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
+        src, dst = (list(x) for x in zip(*pairs))
+        self.k[:, dst] = self.k[:, src]
+        self.v[:, dst] = self.v[:, src]
+
+    def unload(self) -> None:
+        for attr in (
+            "embed",
+            "lm_head",
+            "final_norm",
+            "layers",
+            "k",
+            "v",
+            "k_cache",
+            "v_cache",
+            "_k_slots",
+            "_v_slots",
+        ):
+            self.__dict__.pop(attr, None)
+        self.host_k = self.host_v = None
+        self.config = None
+        self.plan = None

@@ -1,0 +1,41 @@
+// rope.cu: rotary embedding fused with the paged KV-cache write.
+//
+// In:  qkv fp32 [rows, (H + 2*KVH) * D] (the fused q|k|v projection, biases added),
+//      positions int32 [rows], slots int32 [rows] (cache slot of each row's token),
+//      inv_freq fp32 [D/2] (llama3 / linear scaling already folded in on the host).
+// Out: q bf16 [rows, H, D] rotated; K rotated and V copied into the cache.
+// Cache layout (bf16): [num_blocks][num_layers][2 (K,V)][block_size][KVH][D]; the
+//   wrapper passes `cache` already offset to this layer, `block_stride` elements
+//   between blocks. slot s -> block s / block_size, offset s % block_size.
+// Rotation is Hugging Face's rotate_half: pairs (i, i + D/2), angle pos * inv_freq[i].
+// Grid (rows, H + KVH), block D/2 threads; blocks with head >= H do one KV head.
+
+extern "C" __global__ void rope_kv_write(const float* __restrict__ qkv, const int* __restrict__ positions,
+                                         const int* __restrict__ slots, const float* __restrict__ inv_freq,
+                                         bf16* __restrict__ q_out, bf16* __restrict__ cache, int H, int KVH,
+                                         int D, int block_size, long long block_stride) {
+    const int row = blockIdx.x, head = blockIdx.y, i = threadIdx.x, half = D / 2;
+    const float* src = qkv + (size_t)row * (H + 2 * KVH) * D;
+    float s, c;
+    sincosf((float)positions[row] * inv_freq[i], &s, &c);
+    if (head < H) {
+        const float* qh = src + head * D;
+        const float a = qh[i], b = qh[i + half];
+        bf16* o = q_out + ((size_t)row * H + head) * D;
+        o[i] = __float2bfloat16(a * c - b * s);
+        o[i + half] = __float2bfloat16(b * c + a * s);
+    } else {
+        const int kh = head - H;
+        const float* kp = src + (H + kh) * D;
+        const float* vp = src + (H + KVH + kh) * D;
+        const int slot = slots[row];
+        const int blk = slot / block_size, off = slot % block_size;
+        bf16* kd = cache + (size_t)blk * block_stride + ((size_t)off * KVH + kh) * D;
+        bf16* vd = kd + (size_t)block_size * KVH * D;
+        const float a = kp[i], b = kp[i + half];
+        kd[i] = __float2bfloat16(a * c - b * s);
+        kd[i + half] = __float2bfloat16(b * c + a * s);
+        vd[i] = __float2bfloat16(vp[i]);
+        vd[i + half] = __float2bfloat16(vp[i + half]);
+    }
+}

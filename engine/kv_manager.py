@@ -1,0 +1,259 @@
+"""KV page books: which device and host blocks each sequence holds.
+
+The backend owns the memory; this class only decides block ids. A device
+block is in exactly one of four states:
+
+* live: ``ref_count > 0`` (held by one or more sequences);
+* retained: ``ref_count == 0`` but hashed, so a later prompt with the same
+  prefix can claim it; evicted LRU only when the free list runs dry, and
+  never counted against a live request (it is available memory);
+* pinned: a retained block kept for a shared prefix, never evicted;
+* free: unhashed, on the free list.
+
+A full prompt block's hash is chained from the previous block's hash, so a
+hash names the whole prefix up to that block's end (nano-vllm / vLLM style).
+A block is hashed only once its K/V are written (``mark_computed``), so a
+claimed block is always complete.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from collections.abc import Sequence as Seq
+
+from engine.sequence import Sequence
+
+
+def block_hash(prev: int | None, tokens: Seq[int]) -> int:
+    return hash((prev, tuple(tokens)))
+
+
+class KVManager:
+    def __init__(self, num_blocks: int, block_size: int, num_host_blocks: int = 0) -> None:
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.num_host_blocks = num_host_blocks
+        self.ref_count = [0] * num_blocks
+        self.pins = [0] * num_blocks
+        self.hashes: list[int | None] = [None] * num_blocks
+        self.tokens: list[tuple[int, ...]] = [()] * num_blocks  # of hashed blocks, to rule out collisions
+        self.hash_to_block: dict[int, int] = {}
+        self.free_blocks: deque[int] = deque(range(num_blocks))
+        self.evictable: OrderedDict[int, None] = OrderedDict()  # retained, LRU first
+        self.free_host_blocks: deque[int] = deque(range(num_host_blocks))
+        self.num_prefix_hits = 0  # requests that claimed at least one block
+        self.num_cached_tokens = 0  # tokens those claims skipped
+
+    # -- sizes ---------------------------------------------------------------
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    @property
+    def num_available_blocks(self) -> int:
+        """Free plus evictable retained blocks."""
+        return len(self.free_blocks) + len(self.evictable)
+
+    @property
+    def num_free_host_blocks(self) -> int:
+        return len(self.free_host_blocks)
+
+    def usage(self) -> dict[str, int]:
+        used = sum(1 for r in self.ref_count if r > 0)
+        pinned = sum(1 for r, p in zip(self.ref_count, self.pins) if r == 0 and p > 0)
+        return {
+            "total": self.num_blocks,
+            "used": used,
+            "retained": len(self.evictable) + pinned,
+            "pinned": pinned,
+            "free": len(self.free_blocks),
+            "host_total": self.num_host_blocks,
+            "host_used": self.num_host_blocks - len(self.free_host_blocks),
+        }
+
+    # -- prefix matching -----------------------------------------------------
+
+    def _match(self, token_ids: Seq[int], max_blocks: int) -> list[tuple[int, int]]:
+        """(block, hash) for the longest run of retained/live full blocks prefixing ``token_ids``."""
+        out: list[tuple[int, int]] = []
+        prev: int | None = None
+        bs = self.block_size
+        for i in range(min(max_blocks, len(token_ids) // bs)):
+            chunk = tuple(token_ids[i * bs : (i + 1) * bs])
+            h = block_hash(prev, chunk)
+            b = self.hash_to_block.get(h)
+            if b is None or self.tokens[b] != chunk:
+                break
+            out.append((b, h))
+            prev = h
+        return out
+
+    def _claimable(self, seq: Sequence) -> list[tuple[int, int]]:
+        # Leave the last prompt token to compute: prefill must sample from it.
+        return self._match(seq.prompt_token_ids, (seq.num_prompt_tokens - 1) // self.block_size)
+
+    def num_blocks_to_allocate(self, seq: Sequence) -> int:
+        """Available blocks ``allocate(seq)`` would take (claiming a retained block takes one)."""
+        hits = self._claimable(seq)
+        live_hits = sum(1 for b, _ in hits if self.ref_count[b] > 0 or self.pins[b] > 0)
+        return self.blocks_for(seq.num_tokens) - live_hits
+
+    def can_allocate(self, num_tokens: int, seq: Sequence | None = None) -> bool:
+        """Whether ``num_tokens`` fresh slots fit (with ``seq``: its prompt, prefix hits included)."""
+        need = self.num_blocks_to_allocate(seq) if seq is not None else self.blocks_for(num_tokens)
+        return need <= self.num_available_blocks
+
+    # -- allocation ----------------------------------------------------------
+
+    def _take_block(self) -> int:
+        if self.free_blocks:
+            return self.free_blocks.popleft()
+        b, _ = self.evictable.popitem(last=False)
+        self._unhash(b)
+        return b
+
+    def _unhash(self, b: int) -> None:
+        h = self.hashes[b]
+        if h is not None and self.hash_to_block.get(h) == b:
+            del self.hash_to_block[h]
+        self.hashes[b] = None
+        self.tokens[b] = ()
+
+    def _claim(self, b: int) -> None:
+        if self.ref_count[b] == 0:
+            self.evictable.pop(b, None)
+        self.ref_count[b] += 1
+
+    def _release(self, b: int) -> None:
+        self.ref_count[b] -= 1
+        if self.ref_count[b] == 0 and self.pins[b] == 0:
+            if self.hashes[b] is not None:
+                self.evictable[b] = None
+                self.evictable.move_to_end(b)
+            else:
+                self.free_blocks.append(b)
+
+    def allocate(self, seq: Sequence) -> int:
+        """Give ``seq`` blocks for all its tokens (its prompt, plus any output when it
+        recomputes after a preemption), claiming the longest retained prompt prefix;
+        returns the number of cached tokens (also set on the seq)."""
+        assert not seq.block_table, "allocate() on a sequence that holds blocks"
+        if not self.can_allocate(0, seq):
+            raise MemoryError("KV pool exhausted")
+        hits = self._claimable(seq)
+        for b, _ in hits:
+            self._claim(b)
+        seq.block_table = [b for b, _ in hits]
+        seq.block_hashes = [h for _, h in hits]
+        for _ in range(self.blocks_for(seq.num_tokens) - len(hits)):
+            b = self._take_block()
+            self.ref_count[b] = 1
+            seq.block_table.append(b)
+        seq.num_cached_tokens = seq.num_computed_tokens = len(hits) * self.block_size
+        if hits:
+            self.num_prefix_hits += 1
+            self.num_cached_tokens += seq.num_cached_tokens
+        return seq.num_cached_tokens
+
+    def mark_computed(self, seq: Sequence, num_computed_tokens: int) -> None:
+        """Record that positions < ``num_computed_tokens`` hold K/V; hash full prompt blocks."""
+        seq.num_computed_tokens = num_computed_tokens
+        bs = self.block_size
+        full = min(num_computed_tokens, seq.num_prompt_tokens) // bs
+        for i in range(len(seq.block_hashes), full):
+            chunk = tuple(seq.prompt_token_ids[i * bs : (i + 1) * bs])
+            h = block_hash(seq.block_hashes[-1] if seq.block_hashes else None, chunk)
+            seq.block_hashes.append(h)
+            b = seq.block_table[i]
+            if h not in self.hash_to_block and self.hashes[b] is None:
+                self.hashes[b], self.tokens[b] = h, chunk
+                self.hash_to_block[h] = b
+
+    def can_append(self, seq: Sequence, num_tokens: int) -> bool:
+        return self.blocks_for(num_tokens) - len(seq.block_table) <= self.num_available_blocks
+
+    def append_slots(self, seq: Sequence, num_tokens: int) -> bool:
+        """Grow ``seq``'s table to hold ``num_tokens`` positions; False if the pool is dry."""
+        need = self.blocks_for(num_tokens) - len(seq.block_table)
+        if need > self.num_available_blocks:
+            return False
+        for _ in range(need):
+            b = self._take_block()
+            self.ref_count[b] = 1
+            seq.block_table.append(b)
+        return True
+
+    def free(self, seq: Sequence) -> None:
+        """Drop ``seq``'s device and host blocks; hashed (prompt) blocks stay retained.
+        Released tail-first so the LRU evicts a prompt's tail before its head."""
+        for b in reversed(seq.block_table):
+            self._release(b)
+        self.free_host_blocks.extend(seq.host_block_table)
+        seq.block_table, seq.host_block_table = [], []
+
+    # -- host tier -----------------------------------------------------------
+
+    def can_swap_out(self, seq: Sequence) -> bool:
+        return len(seq.block_table) <= len(self.free_host_blocks)
+
+    def swap_out(self, seq: Sequence) -> list[tuple[int, int]]:
+        """Move ``seq``'s pages to host blocks; returns (device, host) copies to run."""
+        assert self.can_swap_out(seq)
+        pairs = [(b, self.free_host_blocks.popleft()) for b in seq.block_table]
+        for b in reversed(seq.block_table):
+            self._release(b)  # a hashed block stays retained on device too
+        seq.host_block_table = [h for _, h in pairs]
+        seq.block_table = []
+        return pairs
+
+    def _swap_in_hits(self, seq: Sequence) -> list[int]:
+        """Device blocks still holding ``seq``'s hashed prompt blocks, in order."""
+        hits, bs = [], self.block_size
+        for i, h in enumerate(seq.block_hashes[: len(seq.host_block_table)]):
+            b = self.hash_to_block.get(h)
+            if b is None or self.tokens[b] != tuple(seq.prompt_token_ids[i * bs : (i + 1) * bs]):
+                break
+            hits.append(b)
+        return hits
+
+    def can_swap_in(self, seq: Sequence, num_tokens: int = 0) -> bool:
+        """Whether ``seq``'s pages come back and it then holds ``num_tokens`` positions."""
+        hits = self._swap_in_hits(seq)
+        need = len(seq.host_block_table) - sum(1 for b in hits if self.ref_count[b] > 0 or self.pins[b] > 0)
+        need += max(0, self.blocks_for(num_tokens) - len(seq.host_block_table))
+        return need <= self.num_available_blocks
+
+    def swap_in(self, seq: Sequence) -> list[tuple[int, int]]:
+        """Bring ``seq``'s pages back; returns (host, device) copies to run. Blocks
+        whose content is still on device (retained by hash) are claimed, not copied."""
+        hits = self._swap_in_hits(seq)
+        for b in hits:
+            self._claim(b)
+        table, pairs = list(hits), []
+        for host in seq.host_block_table[len(hits) :]:
+            b = self._take_block()
+            self.ref_count[b] = 1
+            table.append(b)
+            pairs.append((host, b))
+        self.free_host_blocks.extend(seq.host_block_table)
+        seq.block_table, seq.host_block_table = table, []
+        return pairs
+
+    # -- shared prefixes -----------------------------------------------------
+
+    def pin_prefix(self, token_ids: Seq[int]) -> int:
+        """Keep the cached full blocks prefixing ``token_ids`` resident for any number
+        of later requests (e.g. a system block); returns the pinned token count."""
+        hits = self._match(token_ids, len(token_ids) // self.block_size)
+        for b, _ in hits:
+            self.pins[b] += 1
+            self.evictable.pop(b, None)
+        return len(hits) * self.block_size
+
+    def unpin_prefix(self, token_ids: Seq[int]) -> int:
+        hits = [(b, h) for b, h in self._match(token_ids, len(token_ids) // self.block_size) if self.pins[b] > 0]
+        for b, _ in hits:
+            self.pins[b] -= 1
+            if self.pins[b] == 0 and self.ref_count[b] == 0:
+                self.evictable[b] = None
+        return len(hits) * self.block_size

@@ -1,0 +1,104 @@
+"""A request as the scheduler sees it: its tokens, its pages, its place in line."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import IntEnum
+
+from engine.backend import SampleRequest
+from engine.sampling import SamplingParams
+
+
+class SequenceStatus(IntEnum):
+    """Ordered: anything after PREEMPTED is finished."""
+
+    WAITING = 0  # admitted, prompt not started
+    PREFILLING = 1  # holds the prefill lane
+    DECODING = 2  # holds device pages, decodes every round
+    PREEMPTED = 3  # pages moved to host; resumes without recomputing
+    FINISHED_STOPPED = 4
+    FINISHED_LENGTH = 5
+    FINISHED_ABORTED = 6
+
+    @property
+    def is_finished(self) -> bool:
+        return self > SequenceStatus.PREEMPTED
+
+
+FINISH_REASON = {
+    SequenceStatus.FINISHED_STOPPED: "stop",
+    SequenceStatus.FINISHED_LENGTH: "length",
+    SequenceStatus.FINISHED_ABORTED: "abort",
+}
+
+# Lower ranks first: the class decides who is protected, arrival breaks ties.
+CLASS_RANK = {"interactive": 0, "agent": 1}
+
+
+@dataclass(eq=False)
+class Sequence:
+    seq_id: int  # also the arrival index
+    request_id: str
+    reply_channel: str
+    prompt_token_ids: list[int]
+    max_tokens: int  # effective cap: already clamped to the context
+    sampling: SamplingParams
+    seed: int
+    stop_token_ids: frozenset[int] = frozenset()
+    request_class: str = "interactive"
+    num_logprobs: int = 0
+    want_logprobs: bool = False
+    is_decide: bool = False  # prefill only, answer with last-position logits
+    arrival_time: float = 0.0
+    first_token_time: float | None = None
+    status: SequenceStatus = SequenceStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    # KV books, kept by the KVManager.
+    block_table: list[int] = field(default_factory=list)  # device blocks
+    host_block_table: list[int] = field(default_factory=list)  # while PREEMPTED
+    block_hashes: list[int] = field(default_factory=list)  # of the full prompt blocks computed so far
+    num_computed_tokens: int = 0  # positions whose K/V are written
+    num_cached_tokens: int = 0  # prompt tokens claimed from retained state
+
+    @property
+    def rank(self) -> tuple[int, int]:
+        return (CLASS_RANK.get(self.request_class, len(CLASS_RANK)), self.seq_id)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def last_token_id(self) -> int:
+        return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    @property
+    def finish_reason(self) -> str | None:
+        return FINISH_REASON.get(self.status)
+
+    @property
+    def num_remaining_tokens(self) -> int:
+        return max(0, self.max_tokens - len(self.output_token_ids))
+
+    @property
+    def holds_lane(self) -> bool:
+        """Counts against the decode lanes (a decide request never does)."""
+        return not self.is_decide and not self.is_finished
+
+    def sample_request(self) -> SampleRequest:
+        return SampleRequest(
+            params=self.sampling,
+            seed=self.seed,
+            prompt_token_ids=self.prompt_token_ids,
+            output_token_ids=self.output_token_ids,
+            num_logprobs=self.num_logprobs,
+            want_logprobs=self.want_logprobs,
+        )

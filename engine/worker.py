@@ -1,0 +1,164 @@
+"""The engine loop, hosted on an asyncio event loop.
+
+Embedded, this task runs on Daphne's loop with the in-memory Channels layer;
+``manage.py runengine`` runs the very same task under its own loop against
+``channels_redis``. Its shape is nano-vllm's: take messages, ``schedule()``
+a plan, ``backend.step(plan)`` on one dedicated thread (so numpy or CUDA work
+leaves the event loop free), ``update_from_output()`` into events, send them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict
+from pathlib import Path
+
+from engine.config import EngineConfig
+from engine.messages import ENGINE_CHANNEL, AbortRequest, AddRequest, RequestFailed
+
+log = logging.getLogger("ignis.engine")
+
+
+class EngineWorker:
+    def __init__(self, layer, cfg: EngineConfig, artifact_path: Path, served_id: str):
+        self.layer = layer
+        self.cfg = cfg
+        self.artifact_path = Path(artifact_path)
+        self.served_id = served_id
+        self.status = "loading"
+        self.error: str | None = None
+        self.backend = None
+        self.scheduler = None
+        self._inbox: deque[dict] = deque()
+        self._wakeup = asyncio.Event()
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ignis-step")
+        self._max_context = cfg.max_context
+
+    # -- loading ---------------------------------------------------------------
+
+    def _load(self) -> None:
+        """Runs on the step thread: weights in, plan made, scheduler built."""
+        from engine.backends import create_backend
+        from engine.kv_manager import KVManager
+        from engine.loaders import load_artifact
+        from engine.scheduler import Scheduler
+
+        t0 = time.perf_counter()
+        model_cfg, weights = load_artifact(self.artifact_path)
+        self._max_context = min(self.cfg.max_context, model_cfg.max_position)
+        self.cfg.max_context = self._max_context
+        backend = create_backend(self.cfg.backend)
+        plan = backend.load(model_cfg, weights, block_size=self.cfg.block_size,
+                            kv_budget_bytes=self.cfg.kv_ram_budget if self.cfg.backend == "numpy" else None,
+                            host_kv_budget_bytes=self.cfg.host_kv_budget, max_context=self._max_context)
+        del weights
+        self.backend = backend
+        self.scheduler = Scheduler(self.cfg, KVManager(plan.num_blocks, plan.block_size, plan.num_host_blocks))
+        log.info("ignis.runtime.vram_plan", extra={"model": self.served_id, "backend": self.cfg.backend,
+                                                    **asdict(plan)})
+        log.info("ignis.model.loaded", extra={"model": self.served_id, "seconds": round(time.perf_counter() - t0, 2),
+                                              "path": str(self.artifact_path)})
+
+    # -- messages --------------------------------------------------------------
+
+    async def _receive_loop(self) -> None:
+        """Never cancelled mid-receive: a cancelled channels_redis receive can drop a message."""
+        while True:
+            msg = await self.layer.receive(ENGINE_CHANNEL)
+            if msg.get("type") == "engine.status":
+                await self.layer.send(msg["reply_channel"], self.status_message())
+                continue
+            self._inbox.append(msg)
+            self._wakeup.set()
+
+    def status_message(self) -> dict:
+        msg = {"type": "engine.status", "status": self.status, "model": self.served_id, "error": self.error,
+               "backend": self.cfg.backend, "max_context": self._max_context}
+        if self.scheduler is not None:
+            msg["stats"] = self.scheduler.stats()
+        if self.backend is not None and self.backend.plan is not None:
+            msg["plan"] = asdict(self.backend.plan)
+        return msg
+
+    async def _send_all(self, outgoing: list[tuple[str, dict]]) -> None:
+        for channel, msg in outgoing:
+            await self.layer.send(channel, msg)
+            if msg["type"] == "engine.finished":
+                log.info("ignis.request.done", extra={k: msg.get(k) for k in (
+                    "request_id", "finish_reason", "prompt_tokens", "completion_tokens", "cached_tokens")})
+
+    async def _take_messages(self) -> None:
+        while self._inbox:
+            msg = self._inbox.popleft()
+            kind = msg.get("type")
+            if kind == AddRequest.TYPE:
+                add = AddRequest.from_message(msg)
+                if self.status != "serving":
+                    await self.layer.send(add.reply_channel, RequestFailed(
+                        request_id=add.request_id, message=f"The model failed to load: {self.error}",
+                        code="model_load_failed").to_message())
+                    continue
+                refused = self.scheduler.add_request(add)
+                if refused is not None:
+                    await self.layer.send(add.reply_channel, refused.to_message())
+                else:
+                    log.info("ignis.request.admitted", extra={
+                        "request_id": add.request_id, "class": add.request_class,
+                        "prompt_tokens": len(add.prompt_token_ids), "max_tokens": add.max_tokens})
+            elif kind == AbortRequest.TYPE:
+                await self._send_all(self.scheduler.abort_request(AbortRequest.from_message(msg).request_id))
+
+    # -- the loop --------------------------------------------------------------
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        receiver = asyncio.create_task(self._receive_loop())
+        try:
+            try:
+                await loop.run_in_executor(self._thread, self._load)
+                self.status = "serving"
+            except Exception as exc:  # a bad artifact must not take the process down
+                log.exception("ignis.model.load_failed", extra={"model": self.served_id})
+                self.status, self.error = "failed", f"{type(exc).__name__}: {exc}"
+            while True:
+                await self._take_messages()
+                sched = self.scheduler
+                if sched is None or not sched.has_work:
+                    self._wakeup.clear()
+                    await self._wakeup.wait()
+                    continue
+                plan = sched.schedule()
+                if plan.is_empty:
+                    self._wakeup.clear()
+                    delay = sched.seconds_until_ready() or 0.001
+                    try:
+                        await asyncio.wait_for(self._wakeup.wait(), delay)
+                    except asyncio.TimeoutError:
+                        pass
+                    continue
+                try:
+                    out = await loop.run_in_executor(self._thread, self.backend.step, plan)
+                except Exception:
+                    log.exception("ignis.engine.step_failed")
+                    await self._fail_plan(plan)
+                    continue
+                await self._send_all(sched.update_from_output(plan, out))
+        finally:
+            receiver.cancel()
+            self._thread.shutdown(wait=False)
+
+    async def _fail_plan(self, plan) -> None:
+        """A step that raised ends the sequences it carried with engine_error; the rest go on."""
+        seq_ids = [lane.seq_id for lane in plan.decode] + ([plan.prefill.seq_id] if plan.prefill else [])
+        for seq_id in seq_ids:
+            seq = self.scheduler.sequence(seq_id)
+            if seq is None:
+                continue
+            self.scheduler.abort_request(seq.request_id)
+            await self.layer.send(seq.reply_channel, RequestFailed(
+                request_id=seq.request_id, message="The engine failed while running this request.",
+                code="engine_error", status=500).to_message())

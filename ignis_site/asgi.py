@@ -1,0 +1,24 @@
+"""ASGI entry: streaming routes are Channels consumers, the rest is Django."""
+
+import os
+
+from django.core.asgi import get_asgi_application
+
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "ignis_site.settings")
+django_asgi_app = get_asgi_application()
+
+from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
+from django.urls import path, re_path  # noqa: E402
+
+from apps.api.consumers import ChatCompletionsConsumer  # noqa: E402
+
+application = ProtocolTypeRouter(
+    {
+        "http": URLRouter(
+            [
+                path("v1/chat/completions", ChatCompletionsConsumer.as_asgi()),
+                re_path(r"", django_asgi_app),
+            ]
+        ),
+    }
+)

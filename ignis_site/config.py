@@ -1,0 +1,119 @@
+"""The one configuration schema: ``server.*``, ``model.*``, ``switch.*``, ``spec.*``.
+
+Every key has one value, settable (weakest first) by its default, the
+environment (``IGNIS_MODEL_PREFILL_CHUNK``), and a CLI flag of the serve /
+runengine commands (``--model-prefill-chunk``). The environment is read here
+and nowhere else.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import Any
+
+MiB = 1 << 20
+
+
+@dataclass(frozen=True)
+class Field:
+    key: str
+    type: type
+    default: Any
+    help: str
+    minimum: float | None = None
+    maximum: float | None = None
+
+    @property
+    def env_name(self) -> str:
+        return "IGNIS_" + self.key.replace(".", "_").upper()
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.key.replace(".", "-").replace("_", "-")
+
+    def parse(self, raw: Any) -> Any:
+        """Coerce ``raw`` (a string from env/CLI, or a JSON value) or raise ValueError."""
+        if self.type is bool:
+            if isinstance(raw, bool):
+                return raw
+            s = str(raw).strip().lower()
+            if s in ("1", "true", "yes", "on"):
+                return True
+            if s in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(f"{self.key} must be a boolean")
+        if self.type in (int, float):
+            if isinstance(raw, bool):
+                raise ValueError(f"{self.key} must be a number")
+            try:
+                value = self.type(raw)
+            except (TypeError, ValueError):
+                raise ValueError(f"{self.key} must be {'an integer' if self.type is int else 'a number'}") from None
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ValueError(f"{self.key} must be finite")
+            if self.minimum is not None and value < self.minimum:
+                raise ValueError(f"{self.key} must be >= {self.minimum}")
+            if self.maximum is not None and value > self.maximum:
+                raise ValueError(f"{self.key} must be <= {self.maximum}")
+            return value
+        if raw is None:
+            return None
+        return str(raw)
+
+
+FIELDS: dict[str, Field] = {
+    f.key: f
+    for f in [
+        Field("server.host", str, "127.0.0.1", "address the API listens on"),
+        Field("server.port", int, 8080, "port the API listens on", 0, 65535),
+        Field("server.metrics_bind", str, "127.0.0.1:9464", "loopback listener for /metrics ('' = off)"),
+        Field("server.body_limit", int, 4 * MiB, "largest request body in bytes", 1024, 1 << 30),
+        Field("server.api_keys", str, "", "comma-separated API keys ('' = no auth)"),
+        Field("server.models_dir", str, "", "where artifacts live (default: ./models)"),
+        Field("server.data_dir", str, "", "state: SQLite, Celery queue, caches (default: ./var)"),
+        Field("server.redis_url", str, "", "Redis URL: scaled mode (engine in `runengine`)"),
+        Field("model.id", str, "smollm2-135m-instruct", "served id of the model loaded at start"),
+        Field("model.path", str, "", "artifact path (default: the catalog's file for model.id)"),
+        Field("model.backend", str, "numpy", "numpy | cuda"),
+        Field("model.prefill_chunk", int, 1024, "tokens per prefill chunk", 16, 1 << 20),
+        Field("model.decode_share", float, 0.25, "fraction of time decoding lanes keep during a prefill", 0.0, 0.95),
+        Field("model.default_max_tokens", int, 1024, "generation cap when a request sets none", 1, 1 << 20),
+        Field("model.max_context", int, 8192, "largest prompt + generation, in tokens", 64, 1 << 22),
+        Field("model.kv_block_size", int, 16, "tokens per KV page", 1, 1024),
+        Field("model.kv_ram_budget", int, 768 * MiB, "numpy backend: bytes for the KV pool", MiB, 1 << 40),
+        Field("model.host_kv_budget", int, 2048 * MiB, "bytes of host RAM for swapped KV pages", 0, 1 << 42),
+        Field("model.idle_unload", int, 300, "seconds idle before unloading (0 = never)", 0, 1 << 31),
+        Field("spec.decode_lanes", int, 8, "decode lanes (rows of one round)", 1, 64),
+    ]
+}
+
+
+def load(overrides: dict[str, Any] | None = None, environ: dict[str, str] | None = None) -> dict[str, Any]:
+    """Defaults, then the environment, then ``overrides`` (CLI flags)."""
+    environ = os.environ if environ is None else environ
+    values = {}
+    for key, field in FIELDS.items():
+        value = field.default
+        if field.env_name in environ:
+            value = field.parse(environ[field.env_name])
+        if overrides and overrides.get(key) is not None:
+            value = field.parse(overrides[key])
+        values[key] = value
+    return values
+
+
+def engine_config_dict(values: dict[str, Any]) -> dict[str, Any]:
+    """The subset the engine's EngineConfig takes (plain dict: no engine import here)."""
+    return {
+        "backend": values["model.backend"],
+        "decode_lanes": values["spec.decode_lanes"],
+        "prefill_chunk": values["model.prefill_chunk"],
+        "decode_share": values["model.decode_share"],
+        "default_max_tokens": values["model.default_max_tokens"],
+        "max_context": values["model.max_context"],
+        "block_size": values["model.kv_block_size"],
+        "kv_ram_budget": values["model.kv_ram_budget"],
+        "host_kv_budget": values["model.host_kv_budget"],
+    }

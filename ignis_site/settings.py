@@ -1,0 +1,142 @@
+"""Django settings for ignis. Environment is read only through ignis_site.config."""
+
+from pathlib import Path
+
+from ignis_site import config
+
+BASE_DIR = Path(__file__).resolve().parent.parent
+IGNIS = config.load()
+VAR_DIR = Path(IGNIS["server.data_dir"] or BASE_DIR / "var")
+VAR_DIR.mkdir(parents=True, exist_ok=True)
+MODELS_DIR = Path(IGNIS["server.models_dir"] or BASE_DIR / "models")
+REDIS_URL = IGNIS["server.redis_url"]
+
+
+def _secret_key() -> str:
+    path = VAR_DIR / "secret_key"
+    if not path.exists():
+        import secrets
+
+        path.write_text(secrets.token_urlsafe(50))
+    return path.read_text().strip()
+
+
+SECRET_KEY = _secret_key()
+DEBUG = False
+ALLOWED_HOSTS = ["*"]
+
+INSTALLED_APPS = [
+    "daphne",
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django.contrib.staticfiles",
+    "channels",
+    "rest_framework",
+    "django_prometheus",
+    "apps.api",
+    "apps.models",
+    "apps.playground",
+]
+
+MIDDLEWARE = [
+    "django_prometheus.middleware.PrometheusBeforeMiddleware",
+    "django.middleware.security.SecurityMiddleware",
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+    "django_prometheus.middleware.PrometheusAfterMiddleware",
+]
+
+ROOT_URLCONF = "ignis_site.urls"
+ASGI_APPLICATION = "ignis_site.asgi.application"
+APPEND_SLASH = False
+
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "DIRS": [],
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ]
+        },
+    }
+]
+
+DATABASES = {
+    "default": {
+        "ENGINE": "django.db.backends.sqlite3",
+        "NAME": VAR_DIR / "ignis.sqlite3",
+        "OPTIONS": {"timeout": 20},
+    }
+}
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+
+if REDIS_URL:
+    CHANNEL_LAYERS = {
+        "default": {
+            "BACKEND": "channels_redis.core.RedisChannelLayer",
+            "CONFIG": {"hosts": [REDIS_URL], "capacity": 2000, "expiry": 120},
+        }
+    }
+else:
+    CHANNEL_LAYERS = {
+        "default": {"BACKEND": "channels.layers.InMemoryChannelLayer", "CONFIG": {"capacity": 2000, "expiry": 120}}
+    }
+
+# Celery runs downloads and imports. Embedded: a filesystem broker and file
+# results under var/, worked by the solo worker the serve command starts.
+if REDIS_URL:
+    CELERY_BROKER_URL = REDIS_URL
+    CELERY_RESULT_BACKEND = REDIS_URL
+else:
+    _celery_dir = VAR_DIR / "celery"
+    for _sub in ("in", "processed", "results"):
+        (_celery_dir / _sub).mkdir(parents=True, exist_ok=True)
+    CELERY_BROKER_URL = "filesystem://"
+    CELERY_BROKER_TRANSPORT_OPTIONS = {
+        "data_folder_in": str(_celery_dir / "in"),
+        "data_folder_out": str(_celery_dir / "in"),
+        "processed_folder": str(_celery_dir / "processed"),
+        "store_processed": False,
+    }
+    CELERY_RESULT_BACKEND = f"file://{_celery_dir / 'results'}"
+CELERY_TASK_SERIALIZER = "json"
+CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
+
+REST_FRAMEWORK = {
+    "EXCEPTION_HANDLER": "apps.api.errors.drf_exception_handler",
+    "DEFAULT_AUTHENTICATION_CLASSES": [],
+    "DEFAULT_PERMISSION_CLASSES": [],
+    "UNAUTHENTICATED_USER": None,
+    "DEFAULT_RENDERER_CLASSES": ["rest_framework.renderers.JSONRenderer"],
+    "DEFAULT_PARSER_CLASSES": ["rest_framework.parsers.JSONParser"],
+}
+DATA_UPLOAD_MAX_MEMORY_SIZE = IGNIS["server.body_limit"]
+
+STATIC_URL = "static/"
+STATIC_ROOT = VAR_DIR / "static"
+
+LANGUAGE_CODE = "en-us"
+TIME_ZONE = "UTC"
+USE_TZ = True
+
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "formatters": {"json": {"()": "ignis_site.jsonlog.JsonFormatter"}},
+    "handlers": {"stderr": {"class": "logging.StreamHandler", "formatter": "json"}},
+    "loggers": {
+        "ignis": {"handlers": ["stderr"], "level": "INFO", "propagate": False},
+        "django": {"handlers": ["stderr"], "level": "WARNING"},
+        "daphne": {"handlers": ["stderr"], "level": "WARNING"},
+    },
+}

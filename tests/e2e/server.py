@@ -1,0 +1,81 @@
+"""Start the real server the way README does (manage.py serve) on a free port."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LiveProcess:
+    """A child process (server, engine, redis) whose output goes to a log file."""
+
+    def __init__(self, args: list[str], env: dict, log_path: Path):
+        self.log_path = log_path
+        self._log = open(log_path, "wb")
+        self.proc = subprocess.Popen(args, cwd=ROOT, env=env, stdout=self._log, stderr=subprocess.STDOUT)
+
+    def log_text(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        self._log.close()
+
+
+def server_env(data_dir: Path, **extra: str) -> dict:
+    env = dict(os.environ)
+    env.update({"IGNIS_SERVER_DATA_DIR": str(data_dir), "PYTHONUNBUFFERED": "1"})
+    env.update(extra)
+    return env
+
+
+def migrate(env: dict) -> None:
+    subprocess.run([sys.executable, "manage.py", "migrate", "--noinput", "-v", "0"], cwd=ROOT, env=env, check=True)
+
+
+def start_server(data_dir: Path, *flags: str, env_extra: dict | None = None, port: int | None = None):
+    """(process, base_url) once /health says the engine serves."""
+    port = port or free_port()
+    env = server_env(data_dir, **(env_extra or {}))
+    migrate(env)
+    proc = LiveProcess([sys.executable, "manage.py", "serve", "--port", str(port), *flags], env,
+                       data_dir / f"server-{port}.log")
+    base = f"http://127.0.0.1:{port}"
+    wait_healthy(base, proc)
+    return proc, base
+
+
+def wait_healthy(base: str, proc: LiveProcess, timeout: float = 180.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.proc.poll() is not None:
+            raise RuntimeError(f"server exited ({proc.proc.returncode}):\n{proc.log_text()[-4000:]}")
+        try:
+            if httpx.get(base + "/health", timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    proc.stop()
+    raise RuntimeError(f"server not healthy after {timeout}s:\n{proc.log_text()[-4000:]}")
