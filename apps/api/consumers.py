@@ -102,7 +102,7 @@ class ChatCompletionsConsumer(OpenAIHttpConsumer):
         prep: PreparedChat = await asyncio.to_thread(chat_prepare, body)
         self.prep = prep
         self.created = now()
-        self.text = TextStream(prep.served.tokenizer.tokenizer, prep.request.stop)
+        self.text = TextStream(prep.served.tokenizer, prep.request.stop, prep.add.prompt_token_ids)
         self.num_tokens = 0
         self.cached_tokens = 0
         self.t_submit = time.monotonic()

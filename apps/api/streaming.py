@@ -12,10 +12,10 @@ import time
 
 
 class TextStream:
-    def __init__(self, tokenizer, stop: list[str]):
+    def __init__(self, bundle, stop: list[str], prompt_ids: list[int] = ()):
         from engine.tokenizer import IncrementalDetokenizer
 
-        self._detok = IncrementalDetokenizer(tokenizer)
+        self._detok = IncrementalDetokenizer(bundle, prompt_ids)
         self._stop = stop
         self._held = ""  # text withheld because it could begin a stop string
         self.text = ""  # everything emitted so far

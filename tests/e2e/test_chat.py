@@ -14,7 +14,8 @@ COLORS = {"red", "blue", "green", "yellow", "orange", "purple", "pink", "black",
 
 
 def ask(client, prompt: str, **kw):
-    return client.chat.completions.create(model="smollm2-135m-instruct", temperature=0, max_tokens=64,
+    kw = {"temperature": 0, "max_tokens": 64, **kw}
+    return client.chat.completions.create(model="smollm2-135m-instruct",
                                           messages=[{"role": "user", "content": prompt}], **kw)
 
 
