@@ -1,0 +1,244 @@
+"""The numpy backend against Hugging Face transformers (torch, float32) on the same weights.
+
+Relative error is ``max|ours - theirs| / max|theirs|`` over the last position's logits.
+The backend is driven directly through the step interface: one prefill, then decode rounds.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from engine.backend import DecodeLane, PrefillSpan, SampleRequest, StepOutput
+from engine.backends.numpy_backend import NumpyBackend
+from engine.loaders import artifact_format, load_artifact
+from engine.model_config import ModelConfig, weight_names
+from engine.sampling import SamplingParams
+
+MAX_REL_ERR = 1e-4
+BLOCK = 16
+GREEDY = SampleRequest(params=SamplingParams(temperature=0), seed=0)
+PROMPTS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "def fibonacci(n):\n    if n < 2:\n        return n\n",
+    "Paris, Berlin, Madrid, Rome and",
+]
+
+
+def rel_err(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.abs(a - b).max() / np.abs(b).max())
+
+
+def load_backend(cfg: ModelConfig, weights: dict, num_blocks: int = 64) -> NumpyBackend:
+    backend = NumpyBackend()
+    block_bytes = BLOCK * cfg.kv_bytes_per_token_fp32
+    backend.load(
+        cfg, weights, block_size=BLOCK, kv_budget_bytes=num_blocks * block_bytes,
+        host_kv_budget_bytes=8 * block_bytes, max_context=num_blocks * BLOCK,
+    )  # fmt: skip
+    return backend
+
+
+def greedy(backend: NumpyBackend, ids: list[int], n: int, blocks: list[int]) -> tuple[np.ndarray, list[int]]:
+    """Prefill ``ids`` then ``n - 1`` decode rounds; return the prefill logits and ``n`` tokens."""
+    out = StepOutput()
+    backend.prefill(PrefillSpan(0, ids, 0, blocks, sample=GREEDY, want_logits=True), out)
+    tokens = [out.prefill_token]
+    for _ in range(n - 1):
+        step = StepOutput()
+        backend.decode_round([DecodeLane(0, tokens[-1], len(ids) + len(tokens) - 1, blocks, GREEDY)], step)
+        tokens.append(step.decode_tokens[0])
+    return out.prefill_logits, tokens
+
+
+def hf_greedy(model, ids: list[int], n: int) -> tuple[np.ndarray, list[int]]:
+    import torch
+
+    with torch.no_grad():
+        out = model(torch.tensor([ids]), use_cache=True)
+        first = out.logits[0, -1].numpy().copy()
+        tokens = [int(out.logits[0, -1].argmax())]
+        past = out.past_key_values
+        for _ in range(n - 1):
+            out = model(torch.tensor([[tokens[-1]]]), past_key_values=past, use_cache=True)
+            past = out.past_key_values
+            tokens.append(int(out.logits[0, -1].argmax()))
+    return first, tokens
+
+
+# --- the bundled GGUF ---------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def gguf_backend(default_gguf_path):
+    cfg, weights = load_artifact(default_gguf_path)
+    return load_backend(cfg, weights)
+
+
+@pytest.fixture(scope="module")
+def gguf_tokenizer(default_gguf_path):
+    from engine.tokenizer import load_tokenizer
+
+    return load_tokenizer(default_gguf_path)
+
+
+@pytest.fixture(scope="module")
+def hf_gguf_model(default_gguf_path):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(default_gguf_path.parent), gguf_file=default_gguf_path.name, dtype=torch.float32
+    )
+    return model.eval()
+
+
+@pytest.mark.slow
+def test_gguf_logits_and_greedy_match_hf(gguf_backend, gguf_tokenizer, hf_gguf_model):
+    blocks = list(range(8))
+    for i, prompt in enumerate(PROMPTS):
+        ids = gguf_tokenizer.encode(prompt)
+        ours, our_tokens = greedy(gguf_backend, ids, 32 if i == 0 else 1, blocks)
+        theirs, their_tokens = hf_greedy(hf_gguf_model, ids, 32 if i == 0 else 1)
+        assert rel_err(ours, theirs) <= MAX_REL_ERR, prompt
+        assert our_tokens == their_tokens, prompt
+
+
+@pytest.mark.slow
+def test_gguf_model_knows_the_capital_of_france(gguf_backend, gguf_tokenizer):
+    from engine.chat_template import render_chat
+
+    tok = gguf_tokenizer
+    prompt = render_chat(
+        tok.chat_template, [{"role": "user", "content": "What is the capital of France?"}],
+        bos_token=tok.bos_token, eos_token=tok.eos_token,
+    )  # fmt: skip
+    _, tokens = greedy(gguf_backend, tok.encode(prompt), 24, list(range(8)))
+    if set(tokens) & set(tok.eos_token_ids):
+        tokens = tokens[: min(tokens.index(e) for e in tok.eos_token_ids if e in tokens)]
+    assert "Paris" in tok.decode(tokens)
+
+
+# --- tiny random checkpoints written by transformers --------------------------------------
+
+
+def _tiny_checkpoint(kind: str, path) -> None:
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    common = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.2)  # fmt: skip
+    if kind == "llama3":
+        scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                   "original_max_position_embeddings": 32}  # fmt: skip
+        cfg = transformers.LlamaConfig(num_hidden_layers=3, rope_theta=500000.0, rope_scaling=scaling, **common)
+        model = transformers.LlamaForCausalLM(cfg)
+        model.save_pretrained(path, max_shard_size="100KB")  # sharded: exercises the index
+    else:
+        cfg = transformers.Qwen2Config(num_hidden_layers=2, rope_theta=10000.0, tie_word_embeddings=True, **common)
+        model = transformers.Qwen2ForCausalLM(cfg)
+        with torch.no_grad():  # random biases: zero ones would hide a missing bias add
+            for layer in model.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    proj.bias.normal_(0, 0.2)
+        model.to(torch.bfloat16).save_pretrained(path)  # bf16 on disk: exercises the raw bf16 path
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["llama3", "qwen2"])
+def test_tiny_checkpoints_match_hf(kind, tmp_path):
+    import torch
+    import transformers
+
+    _tiny_checkpoint(kind, tmp_path)
+    assert artifact_format(tmp_path) == "hf"
+    cfg, weights = load_artifact(tmp_path)
+    assert set(weights) >= set(weight_names(cfg))
+    if kind == "qwen2":
+        assert cfg.attention_bias and cfg.tie_word_embeddings
+    else:
+        assert cfg.rope_scaling["rope_type"] == "llama3"
+    backend = load_backend(cfg, weights)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    rng = np.random.default_rng(1)
+    for n in (3, 17, 40):
+        ids = rng.integers(0, cfg.vocab_size, n).tolist()
+        ours, our_tokens = greedy(backend, ids, 32, list(range(8)))
+        theirs, their_tokens = hf_greedy(hf, ids, 32)
+        assert rel_err(ours, theirs) <= MAX_REL_ERR, n
+        assert our_tokens == their_tokens, n
+
+
+# --- batching and chunking, on a random numpy model (no transformers needed) -------------
+
+
+def random_model(seed: int = 0) -> tuple[ModelConfig, dict[str, np.ndarray]]:
+    cfg = ModelConfig(arch="qwen2", vocab_size=128, hidden_size=64, intermediate_size=96, num_layers=2,
+                      num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=10000.0, attention_bias=True)  # fmt: skip
+    rng = np.random.default_rng(seed)
+    shapes = {"embed_tokens": (cfg.vocab_size, 64), "lm_head": (cfg.vocab_size, 64), "norm": (64,),
+              "layernorm": (64,), "q_proj.weight": (64, 64), "k_proj.weight": (32, 64), "v_proj.weight": (32, 64),
+              "o_proj": (64, 64), "gate_proj": (96, 64), "up_proj": (96, 64), "down_proj": (64, 96),
+              "q_proj.bias": (64,), "k_proj.bias": (32,), "v_proj.bias": (32,)}  # fmt: skip
+    weights = {}
+    for name in weight_names(cfg):
+        shape = next(s for key, s in shapes.items() if key in name)
+        base = 1.0 if name.endswith("norm.weight") else 0.0
+        weights[name] = (base + rng.normal(0, 0.3, shape)).astype(np.float32)
+    return cfg, weights
+
+
+def test_batched_decode_round_matches_each_lane_alone():
+    backend = load_backend(*random_model())
+    rng = np.random.default_rng(2)
+    lanes = []
+    for seq, n in enumerate((5, 23, 40, 1)):
+        blocks = [10 * seq + b for b in range(4)]  # disjoint, non-contiguous across lanes
+        ids = rng.integers(0, 128, n).tolist()
+        backend.prefill(PrefillSpan(seq, ids, 0, blocks), StepOutput())
+        lanes.append(DecodeLane(seq, int(rng.integers(0, 128)), n, blocks, GREEDY))
+    together = backend.decode_logits(lanes)
+    out = StepOutput()
+    backend.decode_round(lanes, out)
+    for row, lane in enumerate(lanes):
+        alone = backend.decode_logits([lane])[0]
+        assert rel_err(together[row], alone) <= MAX_REL_ERR
+        assert out.decode_tokens[row] == int(np.argmax(alone))
+
+
+def test_prefill_in_two_chunks_equals_one():
+    backend = load_backend(*random_model())
+    ids = np.random.default_rng(3).integers(0, 128, 37).tolist()
+    one, two = StepOutput(), StepOutput()
+    backend.prefill(PrefillSpan(0, ids, 0, [0, 1, 2], sample=GREEDY, want_logits=True), one)
+    backend.prefill(PrefillSpan(1, ids[:20], 0, [5, 7, 3]), StepOutput())
+    backend.prefill(PrefillSpan(1, ids[20:], 20, [5, 7, 3], sample=GREEDY, want_logits=True), two)
+    assert rel_err(two.prefill_logits, one.prefill_logits) <= MAX_REL_ERR
+    assert two.prefill_token == one.prefill_token
+    np.testing.assert_allclose(backend.k[:, [5, 7, 3]], backend.k[:, [0, 1, 2]], rtol=1e-5, atol=1e-6)
+
+
+def test_swap_and_copy_blocks_move_kv_contents():
+    backend = load_backend(*random_model())
+    ids = list(range(30))
+    backend.prefill(PrefillSpan(0, ids, 0, [0, 1]), StepOutput())
+    before_k, before_v = backend.k[:, [0, 1]].copy(), backend.v[:, [0, 1]].copy()
+    backend.swap_out([(0, 3), (1, 4)])
+    backend.k[:, [0, 1]] = 0
+    backend.swap_in([(3, 6), (4, 2)])
+    np.testing.assert_array_equal(backend.k[:, [6, 2]], before_k)
+    backend.copy_blocks([(6, 9), (2, 8)])
+    np.testing.assert_array_equal(backend.v[:, [9, 8]], before_v)
+
+
+def test_memory_plan_sizes_the_pool_from_the_budget():
+    cfg, weights = random_model()
+    backend = NumpyBackend()
+    block_bytes = 16 * cfg.kv_bytes_per_token_fp32
+    plan = backend.load(cfg, weights, block_size=16, kv_budget_bytes=10 * block_bytes + 5,
+                        host_kv_budget_bytes=3 * block_bytes, max_context=512)  # fmt: skip
+    assert (plan.num_blocks, plan.num_host_blocks, plan.kv_bytes) == (10, 3, 10 * block_bytes)
+    assert backend.k_cache[0].shape == (10, 16, cfg.num_kv_heads, cfg.head_dim)
+    assert plan.weights_bytes >= sum(w.nbytes for w in weights.values())
+    plan = NumpyBackend().load(cfg, weights, block_size=16, kv_budget_bytes=None, host_kv_budget_bytes=0,
+                               max_context=512)  # fmt: skip
+    assert plan.num_blocks == 512 // 16 * 8
