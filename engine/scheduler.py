@@ -59,6 +59,7 @@ class Scheduler:
         self.preempted: list[Sequence] = []  # rank order
         self.next_seq_id = 0
         self.prefill_ready_at = 0.0  # decode share: the next chunk not before this
+        self.prefill_late = 0.0  # how far past prefill_ready_at the last chunk started
         self.round_seconds: float | None = None  # EWMA of decode rounds
         self.counters = dict.fromkeys(
             (
@@ -125,7 +126,12 @@ class Scheduler:
         swapped_in = self._swap_in(plan)
         if self.prefilling is None:
             self._start_prefill(plan, protected=swapped_in)
-        if self.prefilling is not None and (not self.running or self.clock() >= self.prefill_ready_at):
+        now = self.clock()
+        if self.prefilling is not None and (not self.running or now >= self.prefill_ready_at):
+            # Rounds are discrete: a chunk that starts late owes the lanes less next time,
+            # so the share holds over a long prompt rather than rounding up every chunk.
+            late = max(0.0, now - self.prefill_ready_at) if self.running else 0.0
+            self.prefill_late = min(late, self.round_seconds or 0.0)  # only a round's overshoot
             plan.prefill = self._next_chunk(self.prefilling)
         plan.decode = [
             DecodeLane(seq.seq_id, seq.last_token_id, seq.num_tokens - 1, list(seq.block_table), seq.sample_request())
@@ -220,7 +226,9 @@ class Scheduler:
         self.counters["prefill_chunks"] += 1
         self.counters["prefilled_tokens"] += len(span.token_ids)
         s = min(max(self.cfg.decode_share, 0.0), 0.95)
-        self.prefill_ready_at = now + out.prefill_seconds * s / (1.0 - s)
+        wait = out.prefill_seconds * s / (1.0 - s)
+        # The step ran the chunk, then a decode round: that round already counts as waiting.
+        self.prefill_ready_at = now - out.decode_seconds + max(0.0, wait - self.prefill_late)
         seq = self.by_seq_id.get(span.seq_id)
         if seq is None or seq.status != S.PREFILLING:
             return  # aborted while the chunk ran

@@ -1,0 +1,199 @@
+"""A backend without a model, and vLLM-style factories for scheduler tests.
+
+The fake keeps real KV books: every written position's token lands in the
+slot its block table names, and the next token is a hash of the context it
+reads back from those slots. A wrong block table, a lost swap or a prefix
+claimed from the wrong block therefore changes the output, while a correct
+schedule reproduces an undisturbed run token for token.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+
+import numpy as np
+
+from engine.backend import Backend, DecodeLane, MemoryPlan, PrefillSpan, StepOutput, StepPlan
+from engine.config import EngineConfig
+from engine.kv_manager import KVManager
+from engine.messages import AddRequest
+from engine.scheduler import Scheduler
+
+VOCAB = 997
+
+
+class FakeClock:
+    def __init__(self, t: float = 100.0) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+    def advance(self, dt: float) -> None:
+        self.t += dt
+
+
+class FakeBackend(Backend):
+    name = "fake"
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        num_host_blocks: int,
+        *,
+        prefill_seconds: float = 0.0,
+        decode_seconds: float = 0.0,
+    ) -> None:
+        super().__init__()
+        self.block_size = block_size
+        self.device = [[None] * block_size for _ in range(num_blocks)]
+        self.host = [[None] * block_size for _ in range(num_host_blocks)]
+        self.prefill_seconds = prefill_seconds  # per prefilled token
+        self.decode_seconds = decode_seconds  # per round
+        self.plans: list[StepPlan] = []
+
+    @staticmethod
+    def next_token(context: Sequence[int]) -> int:
+        h = 0
+        for t in context:
+            h = (h * 1_000_003 + t + 1) % 2_147_483_647
+        return h % VOCAB
+
+    def _write(self, table: Sequence[int], pos: int, token: int) -> None:
+        self.device[table[pos // self.block_size]][pos % self.block_size] = token
+
+    def _read(self, table: Sequence[int], n: int) -> list[int]:
+        ctx = [self.device[table[p // self.block_size]][p % self.block_size] for p in range(n)]
+        assert None not in ctx, "read a slot nobody wrote"
+        return ctx
+
+    def load(self, config, weights, *, block_size, kv_budget_bytes, host_kv_budget_bytes, max_context) -> MemoryPlan:
+        raise NotImplementedError
+
+    def prefill(self, span: PrefillSpan, out: StepOutput) -> None:
+        for i, t in enumerate(span.token_ids):
+            self._write(span.block_table, span.start_pos + i, t)
+        end = span.start_pos + len(span.token_ids)
+        if span.sample is not None:
+            out.prefill_token = self.next_token(self._read(span.block_table, end))
+        if span.want_logits:
+            out.prefill_logits = np.arange(4, dtype=np.float32) + end
+
+    def decode_round(self, lanes: Sequence[DecodeLane], out: StepOutput) -> None:
+        for lane in lanes:
+            self._write(lane.block_table, lane.position, lane.token_id)
+            out.decode_tokens.append(self.next_token(self._read(lane.block_table, lane.position + 1)))
+            out.decode_logprobs.append(None)
+
+    def swap_out(self, pairs) -> None:
+        for d, h in pairs:
+            self.host[h] = list(self.device[d])
+
+    def swap_in(self, pairs) -> None:
+        for h, d in pairs:
+            self.device[d] = list(self.host[h])
+            self.host[h] = [None] * self.block_size
+
+    def copy_blocks(self, pairs) -> None:
+        for s, d in pairs:
+            self.device[d] = list(self.device[s])
+
+    def unload(self) -> None:
+        pass
+
+    def step(self, plan: StepPlan) -> StepOutput:
+        self.plans.append(plan)
+        out = super().step(plan)
+        out.prefill_seconds = self.prefill_seconds * len(plan.prefill.token_ids) if plan.prefill else 0.0
+        out.decode_seconds = self.decode_seconds if plan.decode else 0.0
+        return out
+
+
+def create_scheduler(
+    *,
+    num_blocks: int = 64,
+    block_size: int = 4,
+    num_host_blocks: int = 64,
+    decode_lanes: int = 4,
+    prefill_chunk: int = 16,
+    decode_share: float = 0.25,
+    max_context: int = 256,
+    default_max_tokens: int = 16,
+    prefill_seconds: float = 0.0,
+    decode_seconds: float = 0.0,
+) -> tuple[Scheduler, FakeBackend, FakeClock]:
+    cfg = EngineConfig(
+        decode_lanes=decode_lanes,
+        prefill_chunk=prefill_chunk,
+        decode_share=decode_share,
+        max_context=max_context,
+        block_size=block_size,
+        default_max_tokens=default_max_tokens,
+    )
+    clock = FakeClock()
+    sched = Scheduler(cfg, KVManager(num_blocks, block_size, num_host_blocks), clock=clock, seed_rng=random.Random(0))
+    backend = FakeBackend(
+        num_blocks, block_size, num_host_blocks, prefill_seconds=prefill_seconds, decode_seconds=decode_seconds
+    )
+    return sched, backend, clock
+
+
+def create_requests(
+    n: int,
+    *,
+    prompt_len: int = 10,
+    max_tokens: int = 5,
+    request_class: str = "interactive",
+    prefix: Sequence[int] = (),
+    start: int = 0,
+    **kw,
+) -> list[AddRequest]:
+    out = []
+    for i in range(start, start + n):
+        body = [(i * 31 + j * 7) % VOCAB for j in range(prompt_len - len(prefix))]
+        out.append(
+            AddRequest(
+                request_id=f"req-{i}",
+                reply_channel=f"chan-{i}",
+                prompt_token_ids=list(prefix) + body,
+                max_tokens=max_tokens,
+                request_class=request_class,
+                **kw,
+            )
+        )
+    return out
+
+
+def step(sched: Scheduler, backend: FakeBackend, clock: FakeClock) -> list[tuple[str, dict]]:
+    """One loop turn; the fake clock advances by the step's simulated time."""
+    plan = sched.schedule()
+    out = backend.step(plan)
+    clock.advance(out.prefill_seconds + out.decode_seconds)
+    return sched.update_from_output(plan, out)
+
+
+def run_until_done(
+    sched: Scheduler, backend: FakeBackend, clock: FakeClock, max_steps: int = 2000, idle: float = 0.01
+) -> dict[str, list[dict]]:
+    """Step until no work is left; returns messages grouped by request id."""
+    by_request: dict[str, list[dict]] = {}
+    for _ in range(max_steps):
+        if not sched.has_work:
+            return by_request
+        plan_count = len(backend.plans)
+        for _, msg in step(sched, backend, clock):
+            by_request.setdefault(msg["request_id"], []).append(msg)
+        if backend.plans[plan_count:] and backend.plans[-1].is_empty:
+            clock.advance(idle)  # the worker would sleep; time moves on
+    raise AssertionError("scheduler did not drain")
+
+
+def tokens_of(msgs: list[dict]) -> list[int]:
+    return [t for m in msgs if m["type"] == "engine.tokens" for t in m["token_ids"]]
+
+
+def finished_of(msgs: list[dict]) -> dict:
+    (done,) = [m for m in msgs if m["type"] == "engine.finished"]
+    return done

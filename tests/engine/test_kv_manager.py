@@ -1,0 +1,164 @@
+"""KVManager books: allocation, retention by hash, eviction, swaps, pins."""
+
+from __future__ import annotations
+
+from engine.kv_manager import KVManager
+from engine.sampling import SamplingParams
+from engine.sequence import Sequence
+
+BS = 4
+
+
+def make_seq(tokens, seq_id=0, output=()) -> Sequence:
+    return Sequence(
+        seq_id=seq_id,
+        request_id=f"r{seq_id}",
+        reply_channel="c",
+        prompt_token_ids=list(tokens),
+        max_tokens=8,
+        sampling=SamplingParams(),
+        seed=0,
+        output_token_ids=list(output),
+    )
+
+
+def prefill(kv: KVManager, seq: Sequence) -> int:
+    cached = kv.allocate(seq)
+    kv.mark_computed(seq, seq.num_tokens)
+    return cached
+
+
+def test_allocate_and_free_return_every_block():
+    kv = KVManager(8, BS, 4)
+    seq = make_seq(range(10))
+    assert prefill(kv, seq) == 0
+    assert len(seq.block_table) == 3
+    assert kv.usage()["used"] == 3
+    kv.free(seq)
+    u = kv.usage()
+    assert u["used"] == 0 and u["retained"] == 2 and u["free"] == 6  # two full prompt blocks kept by hash
+    assert kv.num_available_blocks == 8
+
+
+def test_prefix_claim_leaves_last_prompt_token():
+    kv = KVManager(16, BS, 0)
+    a = make_seq(range(12))
+    prefill(kv, a)
+    kv.free(a)
+    same = make_seq(range(12), seq_id=1)
+    assert kv.allocate(same) == 8  # 3 full blocks cached, but the last token must be computed
+    longer = make_seq(list(range(12)) + [99, 98], seq_id=2)
+    assert kv.allocate(longer) == 12
+    assert longer.block_table[:3] == same.block_table[:2] + [longer.block_table[2]]
+    assert kv.ref_count[same.block_table[0]] == 2
+    assert kv.num_prefix_hits == 2 and kv.num_cached_tokens == 20
+
+
+def test_chained_hash_needs_whole_prefix():
+    kv = KVManager(16, BS, 0)
+    a = make_seq(range(12))
+    prefill(kv, a)
+    kv.free(a)
+    # Same second block, different first block: no hit at all.
+    b = make_seq([50, 51, 52, 53] + list(range(4, 12)) + [1], seq_id=1)
+    assert kv.allocate(b) == 0
+
+
+def test_uncomputed_blocks_are_not_claimable():
+    kv = KVManager(16, BS, 0)
+    a = make_seq(range(12))
+    kv.allocate(a)
+    kv.mark_computed(a, 5)  # only the first block is complete
+    kv.free(a)
+    assert kv.allocate(make_seq(range(13), seq_id=1)) == 4
+
+
+def test_retained_blocks_evicted_lru_only_when_needed():
+    kv = KVManager(6, BS, 0)
+    a, b = make_seq(range(9)), make_seq(range(100, 109), seq_id=1)
+    prefill(kv, a)
+    kv.free(a)
+    prefill(kv, b)
+    kv.free(b)
+    assert kv.usage()["retained"] == 4 and kv.can_allocate(24)
+    c = make_seq(range(200, 209), seq_id=2)  # 3 blocks: 2 free + 1 evicted (a's tail first)
+    prefill(kv, c)
+    assert kv.usage()["retained"] == 3
+    assert len(kv._match(list(range(9)), 2)) == 1  # a's head survived
+    assert len(kv._match(list(range(100, 109)), 2)) == 2
+
+
+def test_can_allocate_counts_claimable_blocks():
+    kv = KVManager(4, BS, 0)
+    a = make_seq(range(13))
+    prefill(kv, a)
+    assert not kv.can_allocate(0, make_seq(range(14), seq_id=1))  # 4 blocks, none free
+    kv.free(a)
+    assert kv.can_allocate(0, make_seq(range(14), seq_id=1))
+
+
+def test_append_slots_grows_and_reports_dry_pool():
+    kv = KVManager(3, BS, 0)
+    seq = make_seq(range(4))
+    prefill(kv, seq)
+    assert kv.append_slots(seq, 5) and len(seq.block_table) == 2
+    assert kv.append_slots(seq, 8) and len(seq.block_table) == 2
+    assert kv.append_slots(seq, 12) and len(seq.block_table) == 3
+    assert not kv.append_slots(seq, 13)
+
+
+def test_swap_out_and_in_round_trip():
+    kv = KVManager(6, BS, 4)
+    seq = make_seq(range(6), output=[7, 8])
+    prefill(kv, seq)
+    device = list(seq.block_table)
+    pairs = kv.swap_out(seq)
+    assert [d for d, _ in pairs] == device and seq.block_table == []
+    assert kv.usage()["host_used"] == 2 and kv.usage()["used"] == 0
+    other = make_seq(range(50, 74), seq_id=1)  # takes every block, evicting the retained one
+    prefill(kv, other)
+    assert not kv.can_swap_in(seq)
+    kv.free(other)
+    assert kv.can_swap_in(seq, seq.num_tokens + 1)
+    back = kv.swap_in(seq)
+    assert [h for h, _ in back] == [h for _, h in pairs]
+    assert len(seq.block_table) == 2 and kv.usage()["host_used"] == 0
+
+
+def test_swap_in_reclaims_blocks_still_on_device():
+    kv = KVManager(8, BS, 4)
+    seq = make_seq(range(6), output=[7, 8])
+    prefill(kv, seq)
+    first = seq.block_table[0]
+    pairs = kv.swap_out(seq)
+    back = kv.swap_in(seq)  # block 0 was hashed and still retained: claimed, not copied
+    assert seq.block_table[0] == first
+    assert back == [(pairs[1][1], seq.block_table[1])]
+
+
+def test_free_of_preempted_returns_host_blocks():
+    kv = KVManager(4, BS, 4)
+    seq = make_seq(range(6))
+    prefill(kv, seq)
+    kv.swap_out(seq)
+    kv.free(seq)
+    assert kv.usage()["host_used"] == 0
+
+
+def test_pinned_prefix_survives_pressure():
+    kv = KVManager(4, BS, 0)
+    system = list(range(8))
+    a = make_seq(system + [1, 2])
+    prefill(kv, a)
+    kv.free(a)
+    assert kv.pin_prefix(system) == 8
+    assert kv.usage()["pinned"] == 2 and kv.num_available_blocks == 2
+    filler = make_seq(range(100, 108), seq_id=1)
+    prefill(kv, filler)
+    kv.free(filler)
+    filler2 = make_seq(range(200, 208), seq_id=2)
+    prefill(kv, filler2)  # evicts filler, never the pinned system block
+    kv.free(filler2)
+    assert kv.allocate(make_seq(system + [5], seq_id=3)) == 8
+    assert kv.unpin_prefix(system) == 8
+    assert kv.usage()["pinned"] == 0

@@ -1,0 +1,345 @@
+"""Scheduler invariants, driven by a fake backend that returns scripted tokens."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.messages import AddRequest, RequestFailed
+from engine.sequence import SequenceStatus
+from tests.engine.fake_backend import (
+    FakeBackend,
+    create_requests,
+    create_scheduler,
+    finished_of,
+    run_until_done,
+    step,
+    tokens_of,
+)
+
+
+def expected_tokens(req: AddRequest, n: int) -> list[int]:
+    """What an undisturbed run produces: the fake's next-token chain."""
+    ctx = list(req.prompt_token_ids)
+    for _ in range(n):
+        ctx.append(FakeBackend.next_token(ctx))
+    return ctx[len(req.prompt_token_ids) :]
+
+
+def assert_pool_drained(sched) -> None:
+    u = sched.kv.usage()
+    assert u["used"] == 0 and u["host_used"] == 0
+    assert sched.kv.num_available_blocks == u["total"] - u["pinned"]
+    assert not sched.has_work and sched.stats()["lanes_busy"] == 0
+
+
+def test_requests_complete_with_expected_tokens_and_free_blocks():
+    sched, backend, clock = create_scheduler()
+    reqs = create_requests(3, prompt_len=10, max_tokens=6)
+    for r in reqs:
+        assert sched.add_request(r) is None
+    msgs = run_until_done(sched, backend, clock)
+    for r in reqs:
+        assert tokens_of(msgs[r.request_id]) == expected_tokens(r, 6)
+        done = finished_of(msgs[r.request_id])
+        assert done["finish_reason"] == "length"
+        assert (done["prompt_tokens"], done["completion_tokens"]) == (10, 6)
+    assert_pool_drained(sched)
+
+
+def test_first_event_carries_ttft_only():
+    sched, backend, clock = create_scheduler(prefill_seconds=0.01)
+    (r,) = create_requests(1, max_tokens=3)
+    sched.add_request(r)
+    events = [m for m in run_until_done(sched, backend, clock)[r.request_id] if m["type"] == "engine.tokens"]
+    assert events[0]["ttft"] == pytest.approx(0.1)  # 10 prompt tokens at 0.01 s
+    assert all(e["ttft"] is None for e in events[1:])
+
+
+@pytest.mark.parametrize("abort_after_steps", [0, 1, 2, 4])
+def test_blocks_freed_after_abort(abort_after_steps):
+    sched, backend, clock = create_scheduler(prefill_chunk=4)
+    reqs = create_requests(2, prompt_len=10, max_tokens=20)
+    for r in reqs:
+        sched.add_request(r)
+    for _ in range(abort_after_steps):
+        step(sched, backend, clock)
+    out = sched.abort_request(reqs[0].request_id)
+    assert [(ch, m["finish_reason"]) for ch, m in out] == [(reqs[0].reply_channel, "abort")]
+    assert sched.abort_request(reqs[0].request_id) == []
+    assert sched.abort_request("nobody") == []
+    msgs = run_until_done(sched, backend, clock)
+    assert reqs[0].request_id not in msgs
+    assert tokens_of(msgs[reqs[1].request_id]) == expected_tokens(reqs[1], 20)
+    assert_pool_drained(sched)
+
+
+def test_abort_while_plan_in_flight_is_ignored_by_update():
+    sched, backend, clock = create_scheduler(prefill_chunk=4)
+    (r,) = create_requests(1, prompt_len=10)
+    sched.add_request(r)
+    plan = sched.schedule()
+    out = backend.step(plan)
+    sched.abort_request(r.request_id)
+    assert sched.update_from_output(plan, out) == []
+    assert_pool_drained(sched)
+
+
+def test_prefill_chunk_budget_never_exceeded():
+    sched, backend, clock = create_scheduler(prefill_chunk=8, max_context=512, num_blocks=128, decode_lanes=8)
+    reqs = create_requests(3, prompt_len=37, max_tokens=4) + create_requests(2, prompt_len=5, start=3)
+    for r in reqs:
+        sched.add_request(r)
+    msgs = run_until_done(sched, backend, clock)
+    spans = [p.prefill for p in backend.plans if p.prefill is not None]
+    assert spans and all(len(s.token_ids) <= 8 for s in spans)
+    assert sum(len(s.token_ids) for s in spans) == 3 * 37 + 2 * 5
+    assert all(s.sample is not None for s in spans if s.start_pos + len(s.token_ids) in (37, 5))
+    for r in reqs:
+        assert tokens_of(msgs[r.request_id]) == expected_tokens(r, r.max_tokens)
+
+
+def test_decode_share_wait_between_chunks():
+    sched, backend, clock = create_scheduler(prefill_chunk=10, decode_share=0.25, max_context=512, num_blocks=128)
+    first, long_prompt = create_requests(1, prompt_len=4, max_tokens=100) + create_requests(1, prompt_len=40, start=1)
+    sched.add_request(first)
+    step(sched, backend, clock)  # prefill, first token: now a lane decodes
+    sched.add_request(long_prompt)
+    plan = sched.schedule()
+    assert plan.prefill is not None and plan.decode
+    out = backend.step(plan)
+    out.prefill_seconds = 0.3  # the chunk took 0.3 s: the next waits 0.3 * 0.25 / 0.75 = 0.1 s
+    sched.update_from_output(plan, out)
+    for dt in (0.0, 0.05, 0.049):
+        clock.advance(dt)
+        plan = sched.schedule()
+        assert plan.prefill is None and len(plan.decode) == 1
+        sched.update_from_output(plan, backend.step(plan))
+    clock.advance(0.002)
+    plan = sched.schedule()
+    assert plan.prefill is not None and plan.prefill.start_pos == 10
+    assert sched.seconds_until_ready() == 0.0
+
+
+def test_prompt_with_no_lane_decoding_waits_for_nothing():
+    sched, backend, clock = create_scheduler(prefill_chunk=10, max_context=512, num_blocks=128)
+    (r,) = create_requests(1, prompt_len=40)
+    sched.add_request(r)
+    for start in (0, 10, 20, 30):
+        plan = sched.schedule()
+        assert plan.prefill.start_pos == start
+        out = backend.step(plan)
+        out.prefill_seconds = 1.0
+        sched.update_from_output(plan, out)  # the clock does not move
+
+
+def test_share_holds_over_a_long_prefill():
+    share = 0.25
+    sched, backend, clock = create_scheduler(
+        prefill_chunk=16,
+        decode_share=share,
+        max_context=2048,
+        num_blocks=512,
+        prefill_seconds=0.001,
+        decode_seconds=0.004,
+    )
+    lane, long_prompt = create_requests(1, prompt_len=4, max_tokens=1000) + create_requests(
+        1, prompt_len=640, max_tokens=1, start=1
+    )
+    sched.add_request(lane)
+    step(sched, backend, clock)
+    sched.add_request(long_prompt)
+    t0, decode_time = clock(), 0.0
+    while sched.sequence(1) is not None:
+        plan = sched.schedule()
+        decode_time += 0.004 if plan.decode else 0.0
+        out = backend.step(plan)
+        clock.advance(out.prefill_seconds + out.decode_seconds)
+        sched.update_from_output(plan, out)
+    assert decode_time / (clock() - t0) == pytest.approx(share, abs=0.05)
+
+
+def test_prefix_hit_skips_shared_full_blocks():
+    sched, backend, clock = create_scheduler(block_size=4, prefill_chunk=64)
+    shared = list(range(500, 513))  # 3 full blocks + 1 token
+    a, b = create_requests(2, prompt_len=20, max_tokens=5, prefix=shared)
+    sched.add_request(a)
+    run_until_done(sched, backend, clock)
+    sched.add_request(b)
+    msgs = run_until_done(sched, backend, clock)[b.request_id]
+    spans = [p.prefill for p in backend.plans if p.prefill is not None]
+    assert spans[-1].start_pos == 12 and len(spans[-1].token_ids) == 8
+    assert tokens_of(msgs) == expected_tokens(b, 5)  # the claimed blocks hold the right K/V
+    assert finished_of(msgs)["cached_tokens"] == 12
+    assert all(m["cached_tokens"] == 12 for m in msgs if m["type"] == "engine.tokens")
+    stats = sched.stats()
+    assert stats["prefix_hits"] == 1 and stats["cached_tokens"] == 12
+
+
+def test_identical_prompt_recomputes_its_last_token():
+    sched, backend, clock = create_scheduler(block_size=4)
+    (a,) = create_requests(1, prompt_len=12, max_tokens=3)
+    sched.add_request(a)
+    run_until_done(sched, backend, clock)
+    again = AddRequest("again", "chan-again", list(a.prompt_token_ids), 3)
+    sched.add_request(again)
+    msgs = run_until_done(sched, backend, clock)["again"]
+    assert finished_of(msgs)["cached_tokens"] == 8
+    assert tokens_of(msgs) == expected_tokens(a, 3)
+
+
+def test_interactive_ranks_above_agent():
+    sched, backend, clock = create_scheduler(prefill_chunk=4)
+    agent = create_requests(1, request_class="agent")[0]
+    interactive = create_requests(1, start=1)[0]
+    sched.add_request(agent)
+    sched.add_request(interactive)
+    plan = sched.schedule()
+    assert plan.prefill.seq_id == sched.seqs[interactive.request_id].seq_id
+    msgs = run_until_done(sched, backend, clock)
+    assert finished_of(msgs[agent.request_id])["finish_reason"] == "length"
+    assert sched.stats()["admitted"] == 2
+
+
+def test_preempted_request_resumes_identically():
+    # 12 blocks of 4 slots: the agent (prompt 16 + 24 tokens) fills most of the pool by
+    # the time the interactive request (prompt 20) arrives, so the agent moves to host.
+    sched, backend, clock = create_scheduler(
+        num_blocks=12, block_size=4, num_host_blocks=16, max_context=48, prefill_chunk=32
+    )
+    (agent,) = create_requests(1, prompt_len=16, max_tokens=24, request_class="agent")
+    (inter,) = create_requests(1, prompt_len=20, max_tokens=12, start=1)
+    sched.add_request(agent)
+    msgs: dict[str, list[dict]] = {}
+    for _ in range(12):
+        for _, m in step(sched, backend, clock):
+            msgs.setdefault(m["request_id"], []).append(m)
+    sched.add_request(inter)
+    for rid, ms in run_until_done(sched, backend, clock).items():
+        msgs.setdefault(rid, []).extend(ms)
+    assert any(p.swap_out for p in backend.plans) and any(p.swap_in for p in backend.plans)
+    assert sched.stats()["preempted"] >= 1 and sched.stats()["recomputed"] == 0
+    assert tokens_of(msgs[agent.request_id]) == expected_tokens(agent, 24)
+    assert tokens_of(msgs[inter.request_id]) == expected_tokens(inter, 12)
+    assert_pool_drained(sched)
+
+
+def test_preempted_when_host_full_recomputes_identically():
+    sched, backend, clock = create_scheduler(
+        num_blocks=12, block_size=4, num_host_blocks=0, max_context=48, prefill_chunk=32
+    )
+    (agent,) = create_requests(1, prompt_len=16, max_tokens=24, request_class="agent")
+    (inter,) = create_requests(1, prompt_len=20, max_tokens=12, start=1)
+    sched.add_request(agent)
+    msgs: dict[str, list[dict]] = {}
+    for _ in range(12):
+        for _, m in step(sched, backend, clock):
+            msgs.setdefault(m["request_id"], []).append(m)
+    sched.add_request(inter)
+    for rid, ms in run_until_done(sched, backend, clock).items():
+        msgs.setdefault(rid, []).extend(ms)
+    assert sched.stats()["recomputed"] >= 1
+    assert tokens_of(msgs[agent.request_id]) == expected_tokens(agent, 24)
+    assert tokens_of(msgs[inter.request_id]) == expected_tokens(inter, 12)
+    assert_pool_drained(sched)
+
+
+def test_many_requests_under_memory_pressure_all_match():
+    sched, backend, clock = create_scheduler(
+        num_blocks=20, block_size=4, num_host_blocks=24, decode_lanes=6, max_context=64, prefill_chunk=8
+    )
+    reqs = create_requests(3, prompt_len=9, max_tokens=30, request_class="agent") + create_requests(
+        3, prompt_len=13, max_tokens=25, start=3
+    )
+    for r in reqs:
+        assert sched.add_request(r) is None
+    msgs = run_until_done(sched, backend, clock)
+    for r in reqs:
+        assert tokens_of(msgs[r.request_id]) == expected_tokens(r, r.max_tokens)
+    assert sched.stats()["preempted"] >= 1
+    assert_pool_drained(sched)
+
+
+def test_engine_full_with_retry_after():
+    sched, backend, clock = create_scheduler(decode_lanes=2, decode_seconds=0.05)
+    reqs = create_requests(3, max_tokens=10)
+    assert sched.add_request(reqs[0]) is None and sched.add_request(reqs[1]) is None
+    refused = sched.add_request(reqs[2])
+    assert isinstance(refused, RequestFailed)
+    assert (refused.code, refused.status, refused.retry_after) == ("engine_full", 503, 1.0)
+    for _ in range(3):
+        step(sched, backend, clock)
+    sched.cfg.retry_after_floor = 0.1
+    refused = sched.add_request(reqs[2])
+    remaining = min(s.num_remaining_tokens for s in sched.seqs.values())
+    assert refused.retry_after == pytest.approx(remaining * 0.05)
+    decide = AddRequest("d", "chan-d", [1, 2, 3], 0, decide=True)
+    assert sched.add_request(decide) is None  # decide takes only the prefill lane
+    msgs = run_until_done(sched, backend, clock)
+    done = finished_of(msgs["d"])
+    assert done["logits"] == [3.0, 4.0, 5.0, 6.0] and done["completion_tokens"] == 0
+    assert sched.add_request(reqs[2]) is None
+
+
+def test_context_length_exceeded():
+    sched, _, _ = create_scheduler(max_context=32, num_blocks=6, block_size=4)
+    (too_long,) = create_requests(1, prompt_len=33)
+    (at_limit,) = create_requests(1, prompt_len=32, start=1)
+    for r in (too_long, at_limit):
+        failed = sched.add_request(r)
+        assert (failed.code, failed.status, failed.error_type, failed.param) == (
+            "context_length_exceeded",
+            400,
+            "invalid_request_error",
+            "messages",
+        )
+    (too_big_for_pool,) = create_requests(1, prompt_len=20, max_tokens=10, start=2)  # 30 tokens > 24 slots
+    assert sched.add_request(too_big_for_pool).code == "context_length_exceeded"
+    assert sched.add_request(create_requests(1, prompt_len=20, max_tokens=4, start=3)[0]) is None
+
+
+def test_max_tokens_clamped_to_context():
+    sched, backend, clock = create_scheduler(max_context=16, num_blocks=8)
+    (r,) = create_requests(1, prompt_len=12, max_tokens=100)
+    sched.add_request(r)
+    done = finished_of(run_until_done(sched, backend, clock)[r.request_id])
+    assert (done["finish_reason"], done["completion_tokens"]) == ("length", 4)
+
+
+def test_stop_token_finishes_without_streaming_it():
+    (r,) = create_requests(1, max_tokens=10)
+    stop = expected_tokens(r, 3)[2]
+    r.stop_token_ids = [stop]
+    sched, backend, clock = create_scheduler()
+    sched.add_request(r)
+    msgs = run_until_done(sched, backend, clock)[r.request_id]
+    assert tokens_of(msgs) == expected_tokens(r, 2)
+    done = finished_of(msgs)
+    assert (done["finish_reason"], done["completion_tokens"]) == ("stop", 3)
+    assert_pool_drained(sched)
+
+
+def test_unseeded_requests_get_a_seed_seeded_keep_theirs():
+    sched, _, _ = create_scheduler()
+    a, b = create_requests(2)
+    b.sampling = {"seed": 42, "temperature": 0.7}
+    sched.add_request(a)
+    sched.add_request(b)
+    assert isinstance(sched.seqs[a.request_id].seed, int)
+    assert sched.seqs[b.request_id].seed == 42
+    plan = sched.schedule()
+    assert plan.prefill.sample is None or plan.prefill.sample.seed in (42, sched.seqs[a.request_id].seed)
+
+
+def test_stats_shape():
+    sched, backend, clock = create_scheduler(decode_seconds=0.02)
+    for r in create_requests(2, max_tokens=50) + create_requests(1, request_class="agent", start=2):
+        sched.add_request(r)
+    for _ in range(4):
+        step(sched, backend, clock)
+    st = sched.stats()
+    assert st["lanes_busy"] == 3 and st["lanes_total"] == 4
+    assert st["requests_by_class"] == {"interactive": 2, "agent": 1}
+    assert sum(st["requests_by_state"].values()) == 3
+    assert st["kv_pages"]["used"] > 0 and st["round_seconds"] == pytest.approx(0.02)
+    assert st["decoded_tokens"] > 0 and st["prefilled_tokens"] == 30
+    assert sched.sequence(0).status == SequenceStatus.DECODING
