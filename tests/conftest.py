@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def models_dir() -> Path:
-    return Path(os.environ.get("IGNIS_MODELS_DIR", ROOT / "models"))
+    return Path(os.environ.get("IGNIS_SERVER_MODELS_DIR") or ROOT / "models")
 
 
 @pytest.fixture(scope="session")
