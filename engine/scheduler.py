@@ -293,17 +293,10 @@ class Scheduler:
         return bool(self.waiting or self.prefilling or self.running or self.preempted)
 
     def seconds_until_ready(self) -> float | None:
-        """None with no work, else how long until a step would do something.
-
-        Only a prefill chunk ever waits (on the decode share), and only while
-        lanes decode, which is itself work to run now: so this is 0 whenever
-        there is work. Kept so the loop need not know that.
-        """
-        if not self.has_work:
-            return None
-        if self.prefilling is not None and not self.running:
-            return 0.0  # a prompt with no lane decoding waits for nothing
-        return 0.0
+        """None with no work, else how long until a step would do something: 0,
+        since only a prefill chunk ever waits (on the decode share) and only
+        while lanes decode, which is itself work to run now."""
+        return 0.0 if self.has_work else None
 
     def sequence(self, seq_id: int) -> Sequence | None:
         """The live sequence a plan's ``seq_id`` names (None once finished)."""

@@ -343,3 +343,72 @@ def test_stats_shape():
     assert st["kv_pages"]["used"] > 0 and st["round_seconds"] == pytest.approx(0.02)
     assert st["decoded_tokens"] > 0 and st["prefilled_tokens"] == 30
     assert sched.sequence(0).status == SequenceStatus.DECODING
+
+
+def assert_books_consistent(sched) -> None:
+    kv = sched.kv
+    held: dict[int, int] = {}
+    for seq in sched.seqs.values():
+        for b in seq.block_table:
+            held[b] = held.get(b, 0) + 1
+        assert len(seq.block_table) == 0 or seq.status in (SequenceStatus.PREFILLING, SequenceStatus.DECODING)
+    assert all(kv.ref_count[b] == held.get(b, 0) for b in range(kv.num_blocks))
+    free, evictable = set(kv.free_blocks), set(kv.evictable)
+    assert len(free) == len(kv.free_blocks) and not free & evictable
+    assert all(kv.ref_count[b] == 0 and kv.hashes[b] is None for b in free)
+    assert all(kv.ref_count[b] == 0 and kv.hashes[b] is not None for b in evictable)
+    live = {b for b in range(kv.num_blocks) if kv.ref_count[b] > 0 or kv.pins[b] > 0}
+    assert free | evictable | live == set(range(kv.num_blocks))
+    host_held = [h for seq in sched.seqs.values() for h in seq.host_block_table]
+    assert len(set(host_held)) == len(host_held) and not set(host_held) & set(kv.free_host_blocks)
+    assert len(host_held) + len(kv.free_host_blocks) == kv.num_host_blocks
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_traffic_keeps_books_and_outputs(seed):
+    import random
+
+    rng = random.Random(seed)
+    sched, backend, clock = create_scheduler(
+        num_blocks=24,
+        block_size=4,
+        num_host_blocks=rng.choice([0, 8, 32]),
+        decode_lanes=5,
+        max_context=64,
+        prefill_chunk=rng.choice([4, 8, 32]),
+    )
+    shared = [7, 8, 9, 10, 11, 12, 13, 14]
+    pending = [
+        create_requests(
+            1,
+            prompt_len=rng.randint(2, 30),
+            max_tokens=rng.randint(1, 30),
+            start=i,
+            request_class=rng.choice(["interactive", "agent"]),
+            prefix=shared if i % 3 == 0 else (),
+        )[0]
+        for i in range(25)
+    ]
+    admitted, aborted, msgs = {}, set(), {}
+    for _ in range(3000):
+        if pending and rng.random() < 0.3:
+            r = pending.pop()
+            if sched.add_request(r) is None:
+                admitted[r.request_id] = r
+        if sched.seqs and rng.random() < 0.03:
+            rid = rng.choice(sorted(sched.seqs))
+            aborted.add(rid)
+            sched.abort_request(rid)
+        for _, m in step(sched, backend, clock):
+            msgs.setdefault(m["request_id"], []).append(m)
+        assert_books_consistent(sched)
+        if not pending and not sched.has_work:
+            break
+    assert not sched.has_work
+    for rid, r in admitted.items():
+        if rid in aborted:
+            continue
+        done = finished_of(msgs[rid])
+        assert tokens_of(msgs[rid]) == expected_tokens(r, done["completion_tokens"])
+        assert done["completion_tokens"] == min(r.max_tokens, 64 - len(r.prompt_token_ids))
+    assert_pool_drained(sched)
