@@ -41,6 +41,9 @@ class KVManager:
         self.free_blocks: deque[int] = deque(range(num_blocks))
         self.evictable: OrderedDict[int, None] = OrderedDict()  # retained, LRU first
         self.free_host_blocks: deque[int] = deque(range(num_host_blocks))
+        # Host blocks a swap-in is still reading: a plan runs its swap-outs first,
+        # so they may not take a new page until the plan has run (end_step()).
+        self.host_blocks_in_flight: list[int] = []
         self.num_prefix_hits = 0  # requests that claimed at least one block
         self.num_cached_tokens = 0  # tokens those claims skipped
 
@@ -68,7 +71,7 @@ class KVManager:
             "pinned": pinned,
             "free": len(self.free_blocks),
             "host_total": self.num_host_blocks,
-            "host_used": self.num_host_blocks - len(self.free_host_blocks),
+            "host_used": self.num_host_blocks - len(self.free_host_blocks) - len(self.host_blocks_in_flight),
         }
 
     # -- prefix matching -----------------------------------------------------
@@ -235,9 +238,14 @@ class KVManager:
             self.ref_count[b] = 1
             table.append(b)
             pairs.append((host, b))
-        self.free_host_blocks.extend(seq.host_block_table)
+        self.host_blocks_in_flight.extend(seq.host_block_table)
         seq.block_table, seq.host_block_table = table, []
         return pairs
+
+    def end_step(self) -> None:
+        """The plan that swapped pages in has run: their host blocks are free."""
+        self.free_host_blocks.extend(self.host_blocks_in_flight)
+        self.host_blocks_in_flight.clear()
 
     # -- shared prefixes -----------------------------------------------------
 

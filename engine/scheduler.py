@@ -121,6 +121,8 @@ class Scheduler:
     # -- schedule ------------------------------------------------------------
 
     def schedule(self) -> StepPlan:
+        """The next step. The previous plan must have run (update_from_output or not)."""
+        self.kv.end_step()
         plan = StepPlan()
         self._grow_running(plan)
         swapped_in = self._swap_in(plan)

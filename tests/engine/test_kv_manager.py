@@ -123,6 +123,9 @@ def test_swap_out_and_in_round_trip():
     back = kv.swap_in(seq)
     assert [h for h, _ in back] == [h for _, h in pairs]
     assert len(seq.block_table) == 2 and kv.usage()["host_used"] == 0
+    assert kv.num_free_host_blocks == 2  # the pages being read back stay reserved until the plan ran
+    kv.end_step()
+    assert kv.num_free_host_blocks == 4
 
 
 def test_swap_in_reclaims_blocks_still_on_device():
