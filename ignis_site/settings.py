@@ -84,7 +84,9 @@ if REDIS_URL:
     CHANNEL_LAYERS = {
         "default": {
             "BACKEND": "channels_redis.core.RedisChannelLayer",
-            "CONFIG": {"hosts": [REDIS_URL], "capacity": 2000, "expiry": 120},
+            # redis-py 8 times sockets out after 5 s by default, the same as
+            # channels_redis' blocking-pop timeout: a quiet channel would raise.
+            "CONFIG": {"hosts": [{"address": REDIS_URL, "socket_timeout": 30}], "capacity": 2000, "expiry": 120},
         }
     }
 else:
