@@ -17,8 +17,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
 
+from engine.backend import MemoryPlan
 from engine.config import EngineConfig
 from engine.messages import ENGINE_CHANNEL, AbortRequest, AddRequest, RequestFailed
+from engine.telemetry import TELEMETRY, lanes_snapshot
 
 log = logging.getLogger("ignis.engine")
 
@@ -76,20 +78,29 @@ class EngineWorker:
             self._wakeup.set()
 
     def status_message(self) -> dict:
+        """The reply to ``engine.status``: state, scheduler stats, lanes, the memory
+        plan (all zeros while nothing is loaded) and telemetry. Read-only: asking
+        never counts as using the model."""
         msg = {"type": "engine.status", "status": self.status, "model": self.served_id, "error": self.error,
                "backend": self.cfg.backend, "max_context": self._max_context}
         if self.scheduler is not None:
             msg["stats"] = self.scheduler.stats()
-        if self.backend is not None and self.backend.plan is not None:
-            msg["plan"] = asdict(self.backend.plan)
+            msg["lanes"] = lanes_snapshot(self.scheduler, self.scheduler.clock())
+        plan = getattr(self.backend, "plan", None)
+        msg["plan"] = asdict(plan) if plan is not None else dict.fromkeys(MemoryPlan.__dataclass_fields__, 0)
+        msg["telemetry"] = TELEMETRY.snapshot()
         return msg
 
     async def _send_all(self, outgoing: list[tuple[str, dict]]) -> None:
         for channel, msg in outgoing:
             await self.layer.send(channel, msg)
+            if msg["type"] == "engine.tokens" and msg.get("ttft") is not None:
+                log.info("ignis.request.ttft", extra={"request_id": msg["request_id"], "ttft": round(msg["ttft"], 4),
+                                                      "cached_tokens": msg.get("cached_tokens", 0)})
             if msg["type"] == "engine.finished":
-                log.info("ignis.request.done", extra={k: msg.get(k) for k in (
-                    "request_id", "finish_reason", "prompt_tokens", "completion_tokens", "cached_tokens")})
+                log.info("ignis.request.done", extra={**{k: msg.get(k) for k in (
+                    "request_id", "finish_reason", "prompt_tokens", "completion_tokens", "cached_tokens")},
+                    **TELEMETRY.timings(msg["request_id"])})
 
     async def _take_messages(self) -> None:
         while self._inbox:
@@ -147,6 +158,7 @@ class EngineWorker:
                     await self._fail_plan(plan)
                     continue
                 await self._send_all(sched.update_from_output(plan, out))
+                self._log_interval()
         finally:
             receiver.cancel()
             self._thread.shutdown(wait=False)
@@ -162,3 +174,13 @@ class EngineWorker:
             await self.layer.send(seq.reply_channel, RequestFailed(
                 request_id=seq.request_id, message="The engine failed while running this request.",
                 code="engine_error", status=500).to_message())
+
+    def _log_interval(self, every: float = 5.0) -> None:
+        """DEBUG ``ignis.scheduler.interval``: the scheduler's counters, at most every ``every`` s of work."""
+        now = time.monotonic()
+        if now - getattr(self, "_interval_at", 0.0) < every or not log.isEnabledFor(logging.DEBUG):
+            return
+        self._interval_at = now
+        stats = self.scheduler.stats()
+        kv = stats.pop("kv_pages", {})
+        log.debug("ignis.scheduler.interval", extra={**stats, **{f"kv_{k}": v for k, v in kv.items()}})
