@@ -60,6 +60,11 @@ class ModelNotFound(IgnisError):
     code = "model_not_found"
 
 
+class PreviousResponseNotFound(IgnisError):
+    status = 404
+    code = "previous_response_not_found"
+
+
 class EngineUnavailable(IgnisError):
     status = 503
     type = "server_error"
