@@ -54,6 +54,8 @@ class SampleRequest:
     output_token_ids: Sequence[int] = ()
     num_logprobs: int = 0  # top-n alternatives to return (0: only the chosen one's)
     want_logprobs: bool = False
+    # engine.constraint.GrammarConstraint: masks disallowed tokens before the draw (None: unconstrained).
+    constraint: object | None = None
 
 
 @dataclass

@@ -43,6 +43,7 @@ class AddRequest(_Msg):
     want_logprobs: bool = False
     model: str | None = None  # the served id the client named (None: whatever is loaded)
     decide: bool = False  # prefill only, return last-position logits
+    grammar: str | None = None  # llguidance grammar constraining the output (engine.constraint)
 
 
 @dataclass

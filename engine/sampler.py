@@ -53,6 +53,8 @@ def sample_row(row: np.ndarray, req: SampleRequest, position: int) -> tuple[int,
     p = req.params
     x = np.array(row, dtype=np.float32, copy=True)
     apply_penalties(x, p, req.prompt_token_ids, req.output_token_ids)
+    if req.constraint is not None:  # a grammar: disallowed tokens can be neither drawn nor listed
+        req.constraint.mask_logits(x)
     if p.is_greedy:
         token = int(np.argmax(x))
     else:

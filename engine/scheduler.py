@@ -61,6 +61,7 @@ class Scheduler:
         self.prefill_ready_at = 0.0  # decode share: the next chunk not before this
         self.prefill_late = 0.0  # how far past prefill_ready_at the last chunk started
         self.round_seconds: float | None = None  # EWMA of decode rounds
+        self.constraints = None  # engine.constraint.ConstraintFactory, set by the worker at load
         self.counters = dict.fromkeys(
             (
                 "admitted",
@@ -105,11 +106,31 @@ class Scheduler:
         if isinstance(seq, RequestFailed):
             self.counters["refused"] += 1
             return seq
+        if msg.grammar:
+            refused = self._attach_constraint(seq, msg)
+            if refused is not None:
+                self.counters["refused"] += 1
+                return refused
         self.next_seq_id += 1
         self.seqs[seq.request_id] = self.by_seq_id[seq.seq_id] = seq
         _insort(self.waiting, seq)
         self.counters["admitted"] += 1
         return None
+
+    def _attach_constraint(self, seq: Sequence, msg: AddRequest) -> RequestFailed | None:
+        """Give ``seq`` its grammar (engine.constraint), or the refusal saying why it cannot have one."""
+        from engine.constraint import ConstraintError
+
+        if self.constraints is None:
+            problem = "Constrained decoding is not available on this engine."
+        else:
+            try:
+                seq.constraint = self.constraints.build(msg.grammar, sorted(seq.stop_token_ids))
+                return None
+            except (ConstraintError, ImportError, ValueError) as exc:
+                problem = f"The output grammar does not compile: {exc}"
+        return RequestFailed(request_id=msg.request_id, message=problem, code="invalid_grammar", status=400,
+                             error_type="invalid_request_error", param="response_format")
 
     def abort_request(self, request_id: str) -> Outgoing:
         seq = self.seqs.get(request_id)
@@ -250,6 +271,8 @@ class Scheduler:
 
     def _append_token(self, seq: Sequence, token: int, lp: TokenLogprob | None, now: float, msgs: Outgoing) -> None:
         seq.output_token_ids.append(int(token))
+        if seq.constraint is not None:
+            seq.constraint.consume(token)
         self.counters["decoded_tokens"] += 1
         ttft = None
         if seq.first_token_time is None:

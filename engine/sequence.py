@@ -50,6 +50,7 @@ class Sequence:
     want_logprobs: bool = False
     is_decide: bool = False  # prefill only, answer with last-position logits
     arrival_time: float = 0.0
+    constraint: object | None = None  # engine.constraint.GrammarConstraint
     first_token_time: float | None = None
     status: SequenceStatus = SequenceStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
@@ -101,4 +102,5 @@ class Sequence:
             output_token_ids=self.output_token_ids,
             num_logprobs=self.num_logprobs,
             want_logprobs=self.want_logprobs,
+            constraint=self.constraint,
         )

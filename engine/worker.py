@@ -60,6 +60,10 @@ class EngineWorker:
         del weights
         self.backend = backend
         self.scheduler = Scheduler(self.cfg, KVManager(plan.num_blocks, plan.block_size, plan.num_host_blocks))
+        from engine.constraint import ConstraintFactory
+
+        self.scheduler.constraints = ConstraintFactory(self.artifact_path)
+        self.scheduler.constraints.warm_in_background()
         log.info("ignis.runtime.vram_plan", extra={"model": self.served_id, "backend": self.cfg.backend,
                                                     **asdict(plan)})
         log.info("ignis.model.loaded", extra={"model": self.served_id, "seconds": round(time.perf_counter() - t0, 2),
