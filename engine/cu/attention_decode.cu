@@ -1,0 +1,163 @@
+// attention_decode.cu: grouped-query decode attention over the paged KV cache,
+// split along the sequence (flash-decoding), then a combine pass.
+//
+// decode_attn: grid (KVH, M, NUM_SPLITS), block 128 (4 warps).
+//   q bf16 [M, H, D] (rotated); positions int32 [M] (context = position + 1: the
+//   round's own token is already in the cache); block_tables int32 [M, bt_stride];
+//   cache bf16 [num_blocks][L][2][block_size][KVH][D], passed offset to the layer.
+//   A block handles one lane, one KV head with its G = H / KVH query heads, and one
+//   contiguous range of chunk = max(SUB, roundup(ceil(ctx / NUM_SPLITS), SUB)) keys;
+//   blocks past the context return at once, so one fixed grid serves every round
+//   (CUDA-graph friendly) and short contexts use few blocks. The range is walked in
+//   sub-chunks of SUB keys with an online softmax (base 2):
+//   scores: warps take keys round-robin, lanes hold D/32 dims (a coalesced K row per
+//   warp), warp-sum per head into shared memory; one warp per head updates the
+//   running max / sum; P.V: warps take keys, lanes hold D/32 dims in registers.
+//   Writes unnormalised o_part fp32 [M, H, NUM_SPLITS, D] and ml fp32 [M, H, NUM_SPLITS, 2].
+// decode_combine: grid (H, M), block D: merges the splits, writes out bf16 [M, H * D].
+// Compile-time: HEAD_DIM (64 or 128), GROUP (G <= 8), NUM_SPLITS, SUB.
+
+#ifndef HEAD_DIM
+#define HEAD_DIM 128
+#endif
+#ifndef GROUP
+#define GROUP 4
+#endif
+#ifndef NUM_SPLITS
+#define NUM_SPLITS 32
+#endif
+#define SUB 64
+#define E (HEAD_DIM / 32)
+
+__device__ __forceinline__ int split_chunk(int ctx) {
+    const int c = (ctx + NUM_SPLITS - 1) / NUM_SPLITS;
+    return max(SUB, (c + SUB - 1) / SUB * SUB);
+}
+
+__device__ __forceinline__ void load_row(const bf16* p, float* f) {
+#if E == 4
+    const uint2 v = *reinterpret_cast<const uint2*>(p);
+    f[0] = bf_lo(v.x); f[1] = bf_hi(v.x); f[2] = bf_lo(v.y); f[3] = bf_hi(v.y);
+#else
+    const uint32_t v = *reinterpret_cast<const uint32_t*>(p);
+    f[0] = bf_lo(v); f[1] = bf_hi(v);
+#endif
+}
+
+extern "C" __global__ void __launch_bounds__(128)
+    decode_attn(const bf16* __restrict__ q, const int* __restrict__ positions, const int* __restrict__ block_tables,
+                int bt_stride, const bf16* __restrict__ cache, long long block_stride, int block_size, int KVH,
+                float scale_log2, float* __restrict__ o_part, float* __restrict__ ml) {
+    const int kh = blockIdx.x, m = blockIdx.y, sp = blockIdx.z;
+    const int ctx = positions[m] + 1;
+    const int chunk = split_chunk(ctx);
+    const int tb = sp * chunk;
+    if (tb >= ctx) return;
+    const int te = min(ctx, tb + chunk);
+    const int H = KVH * GROUP;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    __shared__ float sp_[GROUP][SUB];
+    __shared__ float sacc[4][GROUP][HEAD_DIM];
+    __shared__ float smax[GROUP], ssum[GROUP], scorr[GROUP];
+
+    float qr[GROUP][E];
+#pragma unroll
+    for (int g = 0; g < GROUP; g++) {
+        float f[E];
+        load_row(q + ((size_t)m * H + kh * GROUP + g) * HEAD_DIM + lane * E, f);
+#pragma unroll
+        for (int e = 0; e < E; e++) qr[g][e] = f[e] * scale_log2;
+    }
+    if (threadIdx.x < GROUP) { smax[threadIdx.x] = -INFINITY; ssum[threadIdx.x] = 0.f; }
+    const int* bt = block_tables + (size_t)m * bt_stride;
+    const size_t kv_half = (size_t)block_size * KVH * HEAD_DIM;
+    float acc[GROUP][E];
+#pragma unroll
+    for (int g = 0; g < GROUP; g++)
+#pragma unroll
+        for (int e = 0; e < E; e++) acc[g][e] = 0.f;
+
+    for (int t0 = tb; t0 < te; t0 += SUB) {
+        const int t1 = min(te, t0 + SUB), len = t1 - t0;
+        for (int t = t0 + warp; t < t1; t += 4) {
+            float kf[E];
+            load_row(cache + (size_t)bt[t / block_size] * block_stride +
+                         ((size_t)(t % block_size) * KVH + kh) * HEAD_DIM + lane * E, kf);
+#pragma unroll
+            for (int g = 0; g < GROUP; g++) {
+                float s = 0.f;
+#pragma unroll
+                for (int e = 0; e < E; e++) s = fmaf(qr[g][e], kf[e], s);
+                s = warp_sum(s);
+                if (lane == 0) sp_[g][t - t0] = s;
+            }
+        }
+        __syncthreads();
+        for (int g = warp; g < GROUP; g += 4) {
+            float mx = smax[g];
+            for (int i = lane; i < len; i += 32) mx = fmaxf(mx, sp_[g][i]);
+            mx = warp_max(mx);
+            float sum = 0.f;
+            for (int i = lane; i < len; i += 32) {
+                const float p = exp2f(sp_[g][i] - mx);
+                sp_[g][i] = p;
+                sum += p;
+            }
+            sum = warp_sum(sum);
+            if (lane == 0) {
+                const float c = exp2f(smax[g] - mx);
+                scorr[g] = c;
+                ssum[g] = ssum[g] * c + sum;
+                smax[g] = mx;
+            }
+        }
+        __syncthreads();
+#pragma unroll
+        for (int g = 0; g < GROUP; g++) {
+            const float c = scorr[g];
+#pragma unroll
+            for (int e = 0; e < E; e++) acc[g][e] *= c;
+        }
+        for (int t = t0 + warp; t < t1; t += 4) {
+            float vf[E];
+            load_row(cache + (size_t)bt[t / block_size] * block_stride + kv_half +
+                         ((size_t)(t % block_size) * KVH + kh) * HEAD_DIM + lane * E, vf);
+#pragma unroll
+            for (int g = 0; g < GROUP; g++) {
+                const float p = sp_[g][t - t0];
+#pragma unroll
+                for (int e = 0; e < E; e++) acc[g][e] = fmaf(p, vf[e], acc[g][e]);
+            }
+        }
+        __syncthreads();
+    }
+#pragma unroll
+    for (int g = 0; g < GROUP; g++)
+#pragma unroll
+        for (int e = 0; e < E; e++) sacc[warp][g][lane * E + e] = acc[g][e];
+    __syncthreads();
+    for (int i = threadIdx.x; i < GROUP * HEAD_DIM; i += 128) {
+        const int g = i / HEAD_DIM, d = i % HEAD_DIM;
+        const float v = sacc[0][g][d] + sacc[1][g][d] + sacc[2][g][d] + sacc[3][g][d];
+        const size_t row = ((size_t)m * H + kh * GROUP + g) * NUM_SPLITS + sp;
+        o_part[row * HEAD_DIM + d] = v;
+        if (d == 0) { ml[row * 2] = smax[g]; ml[row * 2 + 1] = ssum[g]; }
+    }
+}
+
+extern "C" __global__ void decode_combine(const float* __restrict__ o_part, const float* __restrict__ ml,
+                                          const int* __restrict__ positions, bf16* __restrict__ out) {
+    const int h = blockIdx.x, m = blockIdx.y, H = gridDim.x, d = threadIdx.x;
+    const int ctx = positions[m] + 1, chunk = split_chunk(ctx);
+    const int ns = (ctx + chunk - 1) / chunk;
+    const size_t base = ((size_t)m * H + h) * NUM_SPLITS;
+    float mx = -INFINITY;
+    for (int s = 0; s < ns; s++) mx = fmaxf(mx, ml[(base + s) * 2]);
+    float l = 0.f, o = 0.f;
+    for (int s = 0; s < ns; s++) {
+        const float w = exp2f(ml[(base + s) * 2] - mx);
+        l += w * ml[(base + s) * 2 + 1];
+        o += w * o_part[(base + s) * HEAD_DIM + d];
+    }
+    out[((size_t)m * H + h) * HEAD_DIM + d] = __float2bfloat16(o / l);
+}

@@ -1,0 +1,164 @@
+// attention_prefill.cu: causal flash attention for a prefill chunk over the paged KV
+// cache, including the retained prefix (positions before the chunk).
+//
+// q bf16 [n, H, D] (rotated) for positions start .. start + n - 1; the chunk's own K/V
+// are already in the cache (rope_kv_write ran first). block_table int32 [*] of the
+// sequence; cache bf16 [num_blocks][L][2][block_size][KVH][D] offset to the layer.
+// out bf16 [n, H * D].
+// Grid (ceil(n / 64), H), block 128 = 4 warps; warp w owns 16 query rows of the
+// block's 64. Per 64-key tile: K and V gathered through the block table with
+// cp.async (two commit groups, so V lands while S = Q K^T runs), S on mma.sync
+// m16n8k16 bf16 with fp32 accumulate, causal mask, online softmax in base 2 in
+// registers (rows shared by 4 lanes reduce with two shuffles), P re-packed from
+// the accumulator layout straight into A fragments, O += P V with V read through
+// ldmatrix.trans. The score matrix never leaves registers. Heaviest (last) query
+// tiles are launched first. Shared rows are padded by 8 bf16 (conflict-free ldmatrix).
+// Compile-time: HEAD_DIM (64 or 128), GROUP (H / KVH).
+
+#ifndef HEAD_DIM
+#define HEAD_DIM 128
+#endif
+#ifndef GROUP
+#define GROUP 4
+#endif
+#define LDK (HEAD_DIM + 8)
+#define KT 64
+
+extern "C" __global__ void __launch_bounds__(128)
+    prefill_attn(const bf16* __restrict__ q, const int* __restrict__ block_table, const bf16* __restrict__ cache,
+                 long long block_stride, int block_size, int KVH, int n, int start, float scale_log2,
+                 bf16* __restrict__ out) {
+    __shared__ __align__(16) bf16 sK[KT * LDK];
+    __shared__ __align__(16) bf16 sV[KT * LDK];
+    const int H = KVH * GROUP;
+    const int qtile = gridDim.x - 1 - blockIdx.x, h = blockIdx.y, kh = h / GROUP;
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int q0 = qtile * 64;
+    constexpr int CH = HEAD_DIM / 8;  // 16-byte chunks per row
+
+    for (int idx = tid; idx < 64 * CH; idx += 128) {
+        const int r = idx / CH, c = idx % CH, qi = q0 + r;
+        const bool ok = qi < n;
+        cp_async16(&sK[r * LDK + c * 8], q + ((size_t)(ok ? qi : 0) * H + h) * HEAD_DIM + c * 8, ok ? 16 : 0);
+    }
+    cp_async_commit();
+    cp_async_wait<0>();
+    __syncthreads();
+    uint32_t qf[HEAD_DIM / 16][4];
+#pragma unroll
+    for (int ks = 0; ks < HEAD_DIM / 16; ks++)
+        ldmatrix_x4(qf[ks], &sK[(warp * 16 + (lane & 15)) * LDK + ks * 16 + (lane >> 4) * 8]);
+    __syncthreads();
+
+    float o[HEAD_DIM / 8][4];
+#pragma unroll
+    for (int j = 0; j < HEAD_DIM / 8; j++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) o[j][e] = 0.f;
+    float mrow[2] = {-INFINITY, -INFINITY}, lrow[2] = {0.f, 0.f};
+    const int qp0 = start + q0 + warp * 16 + (lane >> 2);  // this thread's rows: qp0, qp0 + 8
+    const int nkeys = start + min(q0 + 64, n);
+    const size_t kv_half = (size_t)block_size * KVH * HEAD_DIM;
+
+    for (int k0 = 0; k0 < nkeys; k0 += KT) {
+        for (int idx = tid; idx < KT * CH; idx += 128) {
+            const int r = idx / CH, c = idx % CH, t = k0 + r;
+            const bool ok = t < nkeys;
+            const bf16* src = cache + (size_t)block_table[ok ? t / block_size : 0] * block_stride +
+                              ((size_t)(ok ? t % block_size : 0) * KVH + kh) * HEAD_DIM + c * 8;
+            cp_async16(&sK[r * LDK + c * 8], src, ok ? 16 : 0);
+        }
+        cp_async_commit();
+        for (int idx = tid; idx < KT * CH; idx += 128) {
+            const int r = idx / CH, c = idx % CH, t = k0 + r;
+            const bool ok = t < nkeys;
+            const bf16* src = cache + (size_t)block_table[ok ? t / block_size : 0] * block_stride + kv_half +
+                              ((size_t)(ok ? t % block_size : 0) * KVH + kh) * HEAD_DIM + c * 8;
+            cp_async16(&sV[r * LDK + c * 8], src, ok ? 16 : 0);
+        }
+        cp_async_commit();
+        cp_async_wait<1>();
+        __syncthreads();
+
+        float s[KT / 8][4];
+#pragma unroll
+        for (int j = 0; j < KT / 8; j++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) s[j][e] = 0.f;
+#pragma unroll
+        for (int ks = 0; ks < HEAD_DIM / 16; ks++)
+#pragma unroll
+            for (int nj = 0; nj < KT / 16; nj++) {
+                uint32_t r[4];
+                ldmatrix_x4(r, &sK[(nj * 16 + (lane & 7) + (lane >> 4) * 8) * LDK + ks * 16 + ((lane >> 3) & 1) * 8]);
+                mma_bf16(s[2 * nj], qf[ks], r[0], r[1]);
+                mma_bf16(s[2 * nj + 1], qf[ks], r[2], r[3]);
+            }
+
+        float mnew[2] = {mrow[0], mrow[1]};
+#pragma unroll
+        for (int j = 0; j < KT / 8; j++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const int key = k0 + j * 8 + (lane & 3) * 2 + (e & 1);
+                const int qp = qp0 + (e >> 1) * 8;
+                const float v = key <= qp ? s[j][e] * scale_log2 : -INFINITY;
+                s[j][e] = v;
+                mnew[e >> 1] = fmaxf(mnew[e >> 1], v);
+            }
+        float corr[2], rs[2] = {0.f, 0.f};
+#pragma unroll
+        for (int i = 0; i < 2; i++) {
+            mnew[i] = fmaxf(mnew[i], __shfl_xor_sync(FULL_MASK, mnew[i], 1));
+            mnew[i] = fmaxf(mnew[i], __shfl_xor_sync(FULL_MASK, mnew[i], 2));
+            corr[i] = exp2f(mrow[i] - mnew[i]);
+            mrow[i] = mnew[i];
+        }
+        uint32_t pa[KT / 16][4];
+#pragma unroll
+        for (int j = 0; j < KT / 8; j++) {
+            const float p0 = exp2f(s[j][0] - mnew[0]), p1 = exp2f(s[j][1] - mnew[0]);
+            const float p2 = exp2f(s[j][2] - mnew[1]), p3 = exp2f(s[j][3] - mnew[1]);
+            rs[0] += p0 + p1;
+            rs[1] += p2 + p3;
+            pa[j / 2][(j & 1) * 2] = pack_bf162(p0, p1);
+            pa[j / 2][(j & 1) * 2 + 1] = pack_bf162(p2, p3);
+        }
+#pragma unroll
+        for (int i = 0; i < 2; i++) lrow[i] = lrow[i] * corr[i] + rs[i];
+#pragma unroll
+        for (int j = 0; j < HEAD_DIM / 8; j++) {
+            o[j][0] *= corr[0]; o[j][1] *= corr[0];
+            o[j][2] *= corr[1]; o[j][3] *= corr[1];
+        }
+
+        cp_async_wait<0>();
+        __syncthreads();
+#pragma unroll
+        for (int kk = 0; kk < KT / 16; kk++)
+#pragma unroll
+            for (int dj = 0; dj < HEAD_DIM / 16; dj++) {
+                uint32_t r[4];
+                ldmatrix_x4_trans(r, &sV[(kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * LDK + dj * 16 + (lane >> 4) * 8]);
+                mma_bf16(o[2 * dj], pa[kk], r[0], r[1]);
+                mma_bf16(o[2 * dj + 1], pa[kk], r[2], r[3]);
+            }
+        __syncthreads();
+    }
+
+#pragma unroll
+    for (int i = 0; i < 2; i++) {
+        lrow[i] += __shfl_xor_sync(FULL_MASK, lrow[i], 1);
+        lrow[i] += __shfl_xor_sync(FULL_MASK, lrow[i], 2);
+        lrow[i] = 1.f / lrow[i];
+    }
+#pragma unroll
+    for (int i = 0; i < 2; i++) {
+        const int qi = q0 + warp * 16 + (lane >> 2) + i * 8;
+        if (qi >= n) continue;
+        bf16* dst = out + ((size_t)qi * H + h) * HEAD_DIM + (lane & 3) * 2;
+#pragma unroll
+        for (int j = 0; j < HEAD_DIM / 8; j++)
+            *reinterpret_cast<uint32_t*>(dst + j * 8) = pack_bf162(o[j][2 * i] * lrow[i], o[j][2 * i + 1] * lrow[i]);
+    }
+}

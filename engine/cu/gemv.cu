@@ -1,0 +1,106 @@
+// gemv.cu: bf16 weight GEMV / skinny GEMM for decode rounds of width M = 1..8.
+//
+// out[m, n] (+)= sum_k x[m, k] * W[n, k] (+ bias[n])
+//   x bf16 [M, K] (contiguous), W bf16 [N, K] (torch Linear layout), bias fp32 [N] or null,
+//   out fp32 [M, ldo]. accumulate != 0 adds into out (the fused residual add).
+// Each weight byte is read exactly once per call, whatever M is: a block of 256
+// threads owns R = 4 consecutive output rows; its threads stride over K in
+// 16-byte chunks (8 bf16), each chunk of the R rows loaded with a streaming,
+// L1-bypassing load (two chunks in flight per row per thread), and every one of
+// the M activation rows (small, L1/L2-resident) is multiplied against it in
+// registers. acc[R][M] fp32 is reduced by warp shuffles then across the 8 warps
+// in shared memory; one thread writes each output element, so accumulate mode
+// needs no atomics.
+// Preconditions (wrapper): K % 8 == 0, pointers 16-byte aligned, 1 <= M <= 8.
+
+#define GEMV_THREADS 256
+#define GEMV_R 4
+#define GEMV_U 2
+
+template <int M>
+__device__ __forceinline__ void gemv_body(const bf16* __restrict__ x, const bf16* __restrict__ W,
+                                          const float* __restrict__ bias, float* __restrict__ out, int N, int K,
+                                          int ldo, int accumulate) {
+    constexpr int R = GEMV_R, U = GEMV_U;
+    const int n0 = blockIdx.x * R;
+    const int K8 = K >> 3;
+    const uint4* W4 = reinterpret_cast<const uint4*>(W);
+    const uint4* x4 = reinterpret_cast<const uint4*>(x);
+    float acc[R][M];
+#pragma unroll
+    for (int r = 0; r < R; r++)
+#pragma unroll
+        for (int m = 0; m < M; m++) acc[r][m] = 0.f;
+
+    for (int c0 = threadIdx.x; c0 < K8; c0 += GEMV_THREADS * U) {
+        uint4 w[U][R];
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            const int c = c0 + u * GEMV_THREADS;
+#pragma unroll
+            for (int r = 0; r < R; r++)
+                w[u][r] = (c < K8 && n0 + r < N) ? ld_stream(W4 + (size_t)(n0 + r) * K8 + c) : make_uint4(0, 0, 0, 0);
+        }
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            const int c = c0 + u * GEMV_THREADS;
+            if (c >= K8) break;
+#pragma unroll
+            for (int m = 0; m < M; m++) {
+                const uint4 xv = __ldg(x4 + (size_t)m * K8 + c);
+                const float xf[8] = {bf_lo(xv.x), bf_hi(xv.x), bf_lo(xv.y), bf_hi(xv.y),
+                                     bf_lo(xv.z), bf_hi(xv.z), bf_lo(xv.w), bf_hi(xv.w)};
+#pragma unroll
+                for (int r = 0; r < R; r++) {
+                    const uint4 wv = w[u][r];
+                    float a = acc[r][m];
+                    a = fmaf(xf[0], bf_lo(wv.x), a);
+                    a = fmaf(xf[1], bf_hi(wv.x), a);
+                    a = fmaf(xf[2], bf_lo(wv.y), a);
+                    a = fmaf(xf[3], bf_hi(wv.y), a);
+                    a = fmaf(xf[4], bf_lo(wv.z), a);
+                    a = fmaf(xf[5], bf_hi(wv.z), a);
+                    a = fmaf(xf[6], bf_lo(wv.w), a);
+                    a = fmaf(xf[7], bf_hi(wv.w), a);
+                    acc[r][m] = a;
+                }
+            }
+        }
+    }
+
+    __shared__ float red[GEMV_THREADS / 32][R * M];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+    for (int r = 0; r < R; r++)
+#pragma unroll
+        for (int m = 0; m < M; m++) {
+            const float v = warp_sum(acc[r][m]);
+            if (lane == 0) red[warp][r * M + m] = v;
+        }
+    __syncthreads();
+    if (threadIdx.x < R * M) {
+        const int r = threadIdx.x / M, m = threadIdx.x % M, n = n0 + r;
+        if (n < N) {
+            float v = 0.f;
+#pragma unroll
+            for (int w = 0; w < GEMV_THREADS / 32; w++) v += red[w][threadIdx.x];
+            if (bias) v += bias[n];
+            float* o = out + (size_t)m * ldo + n;
+            *o = accumulate ? *o + v : v;
+        }
+    }
+}
+
+#define GEMV_ENTRY(M)                                                                                        \
+    extern "C" __global__ void __launch_bounds__(GEMV_THREADS)                                              \
+        gemv_m##M(const bf16* x, const bf16* W, const float* bias, float* out, int N, int K, int ldo, int acc) { \
+        gemv_body<M>(x, W, bias, out, N, K, ldo, acc);                                                      \
+    }
+GEMV_ENTRY(1)
+GEMV_ENTRY(2)
+GEMV_ENTRY(3)
+GEMV_ENTRY(4)
+GEMV_ENTRY(5)
+GEMV_ENTRY(6)
+GEMV_ENTRY(7)
+GEMV_ENTRY(8)

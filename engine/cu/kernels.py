@@ -1,0 +1,178 @@
+"""One Python wrapper per kernel in engine/cu/*.cu.
+
+Each ``.cu`` file is compiled once per set of compile-time constants
+(``functools.cache`` around ``SourceModule(..., no_extern_c=True)``), with
+``common.cuh`` prepended so PyCUDA's on-disk cache key covers it. The cache
+lives in ``PYCUDA_CACHE_DIR`` (default: ``<models dir>/.cache/pycuda``).
+Launches go through ``prepare()`` / ``prepared_async_call()`` on the caller's
+(non-default) stream, so a sequence of them can be captured into a CUDA graph.
+Pointers are plain ints (device addresses); scalars are numpy types.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from pathlib import Path
+
+import numpy as np
+
+CU_DIR = Path(__file__).resolve().parent
+ARCH = "sm_90"
+GEMV_MAX_ROWS = 8
+GEMM_SMEM = 3 * (128 + 128) * 40 * 2  # STAGES * (BM + BN) * LDS * sizeof(bf16)
+DECODE_SPLITS = 32
+
+_i32, _f32, _i64 = np.int32, np.float32, np.int64
+
+
+def cache_dir() -> str:
+    d = os.environ.get("PYCUDA_CACHE_DIR")
+    if not d:
+        models = os.environ.get("IGNIS_MODELS_DIR", str(CU_DIR.parent.parent / "models"))
+        d = os.path.join(models, ".cache", "pycuda")
+    os.makedirs(d, exist_ok=True)
+    return d
+
+
+@functools.cache
+def module(name: str, defines: tuple[tuple[str, int], ...] = ()):
+    """Compile ``engine/cu/<name>.cu`` (once per process and set of ``defines``)."""
+    from pycuda.compiler import SourceModule
+
+    src = (CU_DIR / "common.cuh").read_text() + "\n" + (CU_DIR / f"{name}.cu").read_text()
+    options = ["-O3", "-std=c++17"] + [f"-D{k}={v}" for k, v in defines]
+    return SourceModule(src, options=options, no_extern_c=True, arch=ARCH, cache_dir=cache_dir())
+
+
+def _fn(mod, name: str, arg_types: str):
+    f = mod.get_function(name)
+    f.prepare(arg_types)
+    return f
+
+
+class Kernels:
+    """Every kernel a model of this head size and grouping needs, compiled and prepared."""
+
+    def __init__(self, head_dim: int, group: int) -> None:
+        if head_dim not in (64, 128):
+            raise ValueError(f"head_dim {head_dim} not supported (64 or 128)")
+        if not 1 <= group <= 8:
+            raise ValueError(f"query heads per KV head {group} not supported (1..8)")
+        import pycuda.driver as cuda
+
+        self.head_dim, self.group = head_dim, group
+        attn = (("HEAD_DIM", head_dim), ("GROUP", group))
+        self._embed = _fn(module("embed"), "embed", "PPPi")
+        norm = module("norm")
+        self._rmsnorm = _fn(norm, "rmsnorm", "PPPiif")
+        self._swiglu = _fn(norm, "swiglu", "PPii")
+        self._rope = _fn(module("rope"), "rope_kv_write", "PPPPPPiiiiq")
+        gemv = module("gemv")
+        self._gemv = {m: _fn(gemv, f"gemv_m{m}", "PPPPiiii") for m in range(1, GEMV_MAX_ROWS + 1)}
+        self._gemm = _fn(module("gemm"), "gemm_bf16", "PPPPiiiii")
+        self._gemm.set_attribute(cuda.function_attribute.MAX_DYNAMIC_SHARED_SIZE_BYTES, GEMM_SMEM)
+        dec = module("attention_decode", attn + (("NUM_SPLITS", DECODE_SPLITS),))
+        self._decode_attn = _fn(dec, "decode_attn", "PPPiPqiifPP")
+        self._decode_combine = _fn(dec, "decode_combine", "PPPP")
+        self._prefill_attn = _fn(module("attention_prefill", attn), "prefill_attn", "PPPqiiiifP")
+        samp = module("sample")
+        self._penalties = _fn(samp, "apply_penalties", "PiPPPPi")
+        self._sample = _fn(samp, "sample", "PiPPPP")
+
+    # --- elementwise ---------------------------------------------------------------------
+
+    def embed(self, s, tokens: int, table: int, x: int, rows: int, hidden: int) -> None:
+        self._embed.prepared_async_call((rows, 1, 1), (128, 1, 1), s, tokens, table, x, _i32(hidden))
+
+    def rmsnorm(self, s, x: int, w: int, out: int, rows: int, hidden: int, eps: float, x_stride: int | None = None):
+        stride = hidden if x_stride is None else x_stride
+        self._rmsnorm.prepared_async_call(
+            (rows, 1, 1), (256, 1, 1), s, x, w, out, _i32(hidden), _i32(stride), _f32(eps)
+        )
+
+    def swiglu(self, s, gu: int, out: int, inter: int, rows: int) -> None:
+        blocks = max(1, min(4096, (rows * inter + 255) // 256))
+        self._swiglu.prepared_async_call((blocks, 1, 1), (256, 1, 1), s, gu, out, _i32(inter), _i32(rows))
+
+    def rope_kv_write(
+        self, s, qkv, positions, slots, inv_freq, q_out, cache, rows, heads, kv_heads, block_size, block_stride
+    ) -> None:
+        self._rope.prepared_async_call(
+            (rows, heads + kv_heads, 1), (self.head_dim // 2, 1, 1), s, qkv, positions, slots, inv_freq, q_out, cache,
+            _i32(heads), _i32(kv_heads), _i32(self.head_dim), _i32(block_size), _i64(block_stride),
+        )  # fmt: skip
+
+    # --- matrix products -----------------------------------------------------------------
+
+    def linear(
+        self,
+        s,
+        x: int,
+        w: int,
+        bias: int,
+        out: int,
+        rows: int,
+        n: int,
+        k: int,
+        ldo: int | None = None,
+        accumulate: bool = False,
+    ) -> None:
+        """out[rows, n] (+)= x[rows, k] @ w[n, k].T (+ bias): GEMV up to 8 rows, tensor cores above."""
+        if k % 8:
+            raise ValueError(f"K={k} must be a multiple of 8")
+        ldo = n if ldo is None else ldo
+        if rows <= GEMV_MAX_ROWS:
+            self._gemv[rows].prepared_async_call(
+                ((n + 3) // 4, 1, 1), (256, 1, 1), s, x, w, bias, out, _i32(n), _i32(k), _i32(ldo), _i32(accumulate)
+            )
+        else:
+            self._gemm.prepared_async_call(
+                ((rows + 127) // 128, (n + 127) // 128, 1), (256, 1, 1), s, x, w, bias, out,
+                _i32(rows), _i32(n), _i32(k), _i32(ldo), _i32(accumulate), shared_size=GEMM_SMEM,
+            )  # fmt: skip
+
+    # --- attention -----------------------------------------------------------------------
+
+    def decode_attention(
+        self, s, q, positions, block_tables, bt_stride, cache, block_stride, block_size, kv_heads, o_part, ml, out, rows
+    ) -> None:
+        scale = _f32(self.head_dim**-0.5 * np.log2(np.e))
+        self._decode_attn.prepared_async_call(
+            (kv_heads, rows, DECODE_SPLITS), (128, 1, 1), s, q, positions, block_tables, _i32(bt_stride), cache,
+            _i64(block_stride), _i32(block_size), _i32(kv_heads), scale, o_part, ml,
+        )  # fmt: skip
+        self._decode_combine.prepared_async_call(
+            (kv_heads * self.group, rows, 1), (self.head_dim, 1, 1), s, o_part, ml, positions, out
+        )
+
+    def prefill_attention(self, s, q, block_table, cache, block_stride, block_size, kv_heads, n, start, out) -> None:
+        scale = _f32(self.head_dim**-0.5 * np.log2(np.e))
+        self._prefill_attn.prepared_async_call(
+            ((n + 63) // 64, kv_heads * self.group, 1), (128, 1, 1), s, q, block_table, cache, _i64(block_stride),
+            _i32(block_size), _i32(kv_heads), _i32(n), _i32(start), scale, out,
+        )  # fmt: skip
+
+    # --- sampling ------------------------------------------------------------------------
+
+    def penalties(self, s, logits, vocab, params, pen_tokens, pen_counts, pen_num, pen_stride, rows) -> None:
+        self._penalties.prepared_async_call(
+            (rows, 1, 1), (256, 1, 1), s, logits, _i32(vocab), params, pen_tokens, pen_counts, pen_num,
+            _i32(pen_stride),
+        )  # fmt: skip
+
+    def sample(self, s, logits, vocab, params, seeds, positions, out_tokens, rows) -> None:
+        self._sample.prepared_async_call(
+            (rows, 1, 1), (1024, 1, 1), s, logits, _i32(vocab), params, seeds, positions, out_tokens
+        )
+
+
+def to_bf16(a: np.ndarray) -> np.ndarray:
+    """float32 -> bf16 bits (uint16), round to nearest even."""
+    u = np.ascontiguousarray(a, dtype=np.float32).view(np.uint32)
+    return ((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)).astype(np.uint16)
+
+
+def from_bf16(b: np.ndarray) -> np.ndarray:
+    """bf16 bits (uint16) -> float32."""
+    return (np.asarray(b, dtype=np.uint16).astype(np.uint32) << np.uint32(16)).view(np.float32)

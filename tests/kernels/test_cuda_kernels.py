@@ -1,0 +1,311 @@
+"""Every kernel in engine/cu against a numpy reference, on fresh random inputs of
+several shapes (bf16 tolerances). Skipped without PyCUDA and a CUDA device."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tests.kernels.gpu import requires_cuda
+
+pytestmark = requires_cuda
+
+
+@pytest.fixture(scope="module")
+def dev():
+    from engine.cu import runtime
+
+    with runtime.current():
+        import pycuda.driver as cuda
+
+        yield cuda
+
+
+@pytest.fixture(scope="module")
+def kern(dev):
+    from engine.cu.kernels import Kernels
+
+    return {(d, g): Kernels(d, g) for d in (64, 128) for g in (1, 4, 7)}
+
+
+@pytest.fixture(scope="module")
+def stream(dev):
+    return dev.Stream()
+
+
+rng = np.random.default_rng()
+
+
+def bf(a):
+    """Round to bf16 and back (what the device sees)."""
+    from engine.cu.kernels import from_bf16, to_bf16
+
+    return from_bf16(to_bf16(a)).reshape(np.shape(a))
+
+
+def put(a, bf16=False):
+    import pycuda.gpuarray as ga
+
+    from engine.cu.kernels import to_bf16
+
+    arr = to_bf16(a) if bf16 else np.ascontiguousarray(a)
+    g = ga.to_gpu(arr)
+    return g
+
+
+def get(g, bf16=False, shape=None):
+    from engine.cu.kernels import from_bf16
+
+    h = g.get()
+    h = from_bf16(h) if bf16 else h
+    return h.reshape(shape) if shape is not None else h
+
+
+def rel_err(a, b):
+    return float(np.linalg.norm(np.asarray(a, np.float64) - b) / (np.linalg.norm(b) + 1e-30))
+
+
+def test_embed(kern, stream):
+    k = kern[(128, 4)]
+    for vocab, hid, rows in [(1000, 576, 7), (50, 4096, 33)]:
+        table = bf(rng.standard_normal((vocab, hid)).astype(np.float32))
+        tok = rng.integers(0, vocab, rows).astype(np.int32)
+        g_tab, g_tok, g_x = put(table, True), put(tok), put(np.full((rows, hid), np.nan, np.float32))
+        k.embed(stream, g_tok.ptr, g_tab.ptr, g_x.ptr, rows, hid)
+        stream.synchronize()
+        np.testing.assert_array_equal(get(g_x), table[tok])
+
+
+def test_rmsnorm_and_swiglu(kern, stream):
+    k = kern[(128, 4)]
+    for rows, hid in [(1, 576), (5, 4096), (300, 1024)]:
+        x = (rng.standard_normal((rows, hid)) * 3).astype(np.float32)
+        w = bf(rng.standard_normal(hid).astype(np.float32))
+        g_x, g_w, g_o = put(x), put(w, True), put(np.zeros((rows, hid), np.uint16))
+        k.rmsnorm(stream, g_x.ptr, g_w.ptr, g_o.ptr, rows, hid, 1e-5)
+        stream.synchronize()
+        ref = x / np.sqrt((x * x).mean(-1, keepdims=True) + 1e-5) * w
+        assert rel_err(get(g_o, True, (rows, hid)), ref) < 8e-3
+    for rows, inter in [(1, 1536), (9, 14336)]:
+        gu = (rng.standard_normal((rows, 2 * inter)) * 2).astype(np.float32)
+        g_gu, g_o = put(gu), put(np.zeros((rows, inter), np.uint16))
+        k.swiglu(stream, g_gu.ptr, g_o.ptr, inter, rows)
+        stream.synchronize()
+        g, u = gu[:, :inter], gu[:, inter:]
+        assert rel_err(get(g_o, True, (rows, inter)), g / (1 + np.exp(-g)) * u) < 8e-3
+
+
+@pytest.mark.parametrize("rows,n,k_", [(1, 4096, 4096), (3, 1001, 576), (8, 256, 14336), (5, 77, 8), (16, 8, 64)])
+def test_linear_gemv_and_gemm(kern, stream, rows, n, k_):
+    k = kern[(128, 4)]
+    x = bf(rng.standard_normal((rows, k_)).astype(np.float32))
+    w = bf((rng.standard_normal((n, k_)) / np.sqrt(k_)).astype(np.float32))
+    bias = rng.standard_normal(n).astype(np.float32)
+    base = rng.standard_normal((rows, n)).astype(np.float32)
+    ref = x.astype(np.float64) @ w.T.astype(np.float64)
+    g_x, g_w, g_b = put(x, True), put(w, True), put(bias)
+    g_o = put(np.full((rows, n), np.nan, np.float32))
+    k.linear(stream, g_x.ptr, g_w.ptr, g_b.ptr, g_o.ptr, rows, n, k_)
+    stream.synchronize()
+    assert rel_err(get(g_o), ref + bias) < 1e-4
+    g_o = put(base)
+    k.linear(stream, g_x.ptr, g_w.ptr, 0, g_o.ptr, rows, n, k_, accumulate=True)
+    stream.synchronize()
+    assert rel_err(get(g_o), ref + base) < 1e-4
+
+
+@pytest.mark.parametrize("rows,n,k_", [(17, 200, 136), (128, 384, 512), (300, 128, 4096), (2048, 512, 1024)])
+def test_gemm_tensor_cores(kern, stream, rows, n, k_):
+    k = kern[(128, 4)]
+    x = bf(rng.standard_normal((rows, k_)).astype(np.float32))
+    w = bf((rng.standard_normal((n, k_)) / np.sqrt(k_)).astype(np.float32))
+    ref = x.astype(np.float64) @ w.T.astype(np.float64)
+    g_o = put(np.full((rows, n), np.nan, np.float32))
+    k.linear(stream, put(x, True).ptr, put(w, True).ptr, 0, g_o.ptr, rows, n, k_)
+    stream.synchronize()
+    assert rel_err(get(g_o), ref) < 1e-4
+
+
+def _cache_setup(num_blocks, L, bs, kvh, d):
+    cache = bf(rng.standard_normal((num_blocks, L, 2, bs, kvh, d)).astype(np.float32))
+    return cache
+
+
+def _inv_freq(d, theta=10000.0):
+    return (1.0 / theta ** (np.arange(0, d, 2) / d)).astype(np.float32)
+
+
+@pytest.mark.parametrize("d,g", [(64, 4), (128, 1), (128, 7)])
+def test_rope_kv_write(kern, stream, d, g):
+    k = kern[(d, g)]
+    kvh, rows, bs, L, nb = 2, 6, 16, 3, 20
+    h = kvh * g
+    qkv = rng.standard_normal((rows, (h + 2 * kvh) * d)).astype(np.float32)
+    pos = rng.integers(0, 5000, rows).astype(np.int32)
+    slots = rng.choice(nb * bs, rows, replace=False).astype(np.int32)
+    inv = _inv_freq(d)
+    cache = _cache_setup(nb, L, bs, kvh, d)
+    g_cache, g_q = put(cache, True), put(np.zeros((rows, h, d), np.uint16))
+    layer = 1
+    layer_off = layer * 2 * bs * kvh * d * 2
+    k.rope_kv_write(stream, put(qkv).ptr, put(pos).ptr, put(slots).ptr, put(inv).ptr, g_q.ptr,
+                    g_cache.ptr + layer_off, rows, h, kvh, bs, L * 2 * bs * kvh * d)  # fmt: skip
+    stream.synchronize()
+    ang = pos[:, None].astype(np.float32) * inv[None, :]
+    cos, sin = np.cos(ang)[:, None, :], np.sin(ang)[:, None, :]
+
+    def rot(x):
+        a, b = x[..., : d // 2], x[..., d // 2 :]
+        return np.concatenate([a * cos - b * sin, b * cos + a * sin], -1)
+
+    x = qkv.reshape(rows, h + 2 * kvh, d)
+    assert rel_err(get(g_q, True, (rows, h, d)), rot(x[:, :h])) < 8e-3
+    got = get(g_cache, True, cache.shape)
+    blk, off = slots // bs, slots % bs
+    assert rel_err(got[blk, layer, 0, off], rot(x[:, h : h + kvh])) < 8e-3
+    assert rel_err(got[blk, layer, 1, off], x[:, h + kvh :]) < 8e-3
+    mask = np.ones(cache.shape[:4], bool)
+    mask[blk, layer, :, off] = False
+    np.testing.assert_array_equal(got[mask], cache[mask])
+
+
+def _ref_attention(q, keys, vals, qpos, scale):
+    """q [n, h, d]; keys/vals [t, kvh, d]; query i sees keys <= qpos[i]."""
+    n, h, d = q.shape
+    g = h // keys.shape[1]
+    kk = np.repeat(keys, g, axis=1).astype(np.float64)
+    vv = np.repeat(vals, g, axis=1).astype(np.float64)
+    s = np.einsum("nhd,thd->hnt", q.astype(np.float64), kk) * scale
+    s = np.where(np.arange(keys.shape[0])[None, None, :] <= qpos[None, :, None], s, -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    return np.einsum("hnt,thd->nhd", p, vv)
+
+
+@pytest.mark.parametrize("d,g", [(64, 4), (128, 1), (128, 7)])
+def test_decode_attention(kern, stream, d, g):
+    from engine.cu.kernels import DECODE_SPLITS
+
+    k = kern[(d, g)]
+    kvh, bs, L = 2, 16, 2
+    h = kvh * g
+    ctxs = [1, 37, 700, 3000, 9000][: 5 if d == 128 else 4]
+    m = len(ctxs)
+    need = [-(-c // bs) for c in ctxs]
+    nb = sum(need) + 3
+    perm = rng.permutation(nb)
+    tables, o = [], 0
+    for n in need:
+        tables.append(perm[o : o + n])
+        o += n
+    stride = max(need)
+    bt = np.zeros((m, stride), np.int32)
+    for i, t in enumerate(tables):
+        bt[i, : len(t)] = t
+    cache = _cache_setup(nb, L, bs, kvh, d)
+    q = bf(rng.standard_normal((m, h, d)).astype(np.float32))
+    pos = np.array([c - 1 for c in ctxs], np.int32)
+    layer = 1
+    g_cache = put(cache, True)
+    g_out = put(np.zeros((m, h * d), np.uint16))
+    o_part = put(np.zeros(m * h * DECODE_SPLITS * d, np.float32))
+    ml = put(np.zeros(m * h * DECODE_SPLITS * 2, np.float32))
+    k.decode_attention(stream, put(q, True).ptr, put(pos).ptr, put(bt).ptr, stride,
+                       g_cache.ptr + layer * 2 * bs * kvh * d * 2, L * 2 * bs * kvh * d, bs, kvh, o_part.ptr, ml.ptr,
+                       g_out.ptr, m)  # fmt: skip
+    stream.synchronize()
+    got = get(g_out, True, (m, h, d))
+    for i, c in enumerate(ctxs):
+        t = np.arange(c)
+        blk, off = np.asarray(tables[i])[t // bs], t % bs
+        ref = _ref_attention(
+            q[i : i + 1], cache[blk, layer, 0, off], cache[blk, layer, 1, off], pos[i : i + 1], d**-0.5
+        )
+        assert rel_err(got[i], ref[0]) < 1e-2, f"lane {i} ctx {c}"
+
+
+@pytest.mark.parametrize("d,g", [(64, 4), (128, 1), (128, 7)])
+@pytest.mark.parametrize("n,start", [(1, 0), (70, 0), (200, 333), (130, 4000)])
+def test_prefill_attention(kern, stream, d, g, n, start):
+    k = kern[(d, g)]
+    kvh, bs, L = 2, 16, 2
+    h = kvh * g
+    end = start + n
+    nblk = -(-end // bs)
+    nb = nblk + 5
+    table = rng.permutation(nb)[:nblk].astype(np.int32)
+    cache = _cache_setup(nb, L, bs, kvh, d)
+    q = bf(rng.standard_normal((n, h, d)).astype(np.float32))
+    layer = 0
+    g_out = put(np.zeros((n, h * d), np.uint16))
+    k.prefill_attention(stream, put(q, True).ptr, put(table).ptr, put(cache, True).ptr, L * 2 * bs * kvh * d, bs,
+                        kvh, n, start, g_out.ptr)  # fmt: skip
+    stream.synchronize()
+    t = np.arange(end)
+    blk, off = table[t // bs], t % bs
+    ref = _ref_attention(q, cache[blk, layer, 0, off], cache[blk, layer, 1, off], np.arange(start, end), d**-0.5)
+    assert rel_err(get(g_out, True, (n, h, d)), ref) < 1.5e-2
+
+
+def test_penalties_and_sampling(kern, stream):
+    from engine import sampler
+    from engine.backend import SampleRequest
+    from engine.backends.cuda_backend import _penalty_list
+    from engine.sampling import SamplingParams
+
+    k = kern[(128, 4)]
+    vocab = 5000
+    cases = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.0, repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.2),
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=0.7, top_k=40),
+        SamplingParams(temperature=1.2, top_p=0.8),
+        SamplingParams(temperature=0.9, min_p=0.05, top_k=200, top_p=0.95),
+        SamplingParams(temperature=1.0, top_k=1),
+        SamplingParams(temperature=1.0, frequency_penalty=0.7),
+    ]
+    agree = total = 0
+    for _trial in range(6):
+        m = len(cases)
+        logits = (rng.standard_normal((m, vocab)) * 3).astype(np.float32)
+        reqs, positions = [], []
+        stride = 64
+        pen_tok = np.zeros((m, stride), np.int32)
+        pen_cnt = np.zeros((m, stride), np.int32)
+        pen_num = np.zeros(m, np.int32)
+        params = np.zeros((m, 8), np.float32)
+        seeds = np.zeros(m, np.uint64)
+        for i, p in enumerate(cases):
+            req = SampleRequest(params=p, seed=int(rng.integers(0, 2**63)),
+                                prompt_token_ids=rng.integers(0, vocab, 20).tolist(),
+                                output_token_ids=rng.integers(0, vocab, 15).tolist())  # fmt: skip
+            reqs.append(req)
+            positions.append(int(rng.integers(1, 100000)))
+            ids, cnt = _penalty_list(req, vocab)
+            pen_num[i] = len(ids)
+            pen_tok[i, : len(ids)], pen_cnt[i, : len(ids)] = ids, cnt
+            params[i] = (p.temperature, p.top_p, p.top_k, p.min_p, p.presence_penalty, p.frequency_penalty,
+                         p.repetition_penalty, 0)  # fmt: skip
+            seeds[i] = req.seed
+        g_l, g_p = put(logits), put(params)
+        g_out = put(np.full(m, -1, np.int32))
+        k.penalties(stream, g_l.ptr, vocab, g_p.ptr, put(pen_tok).ptr, put(pen_cnt).ptr, put(pen_num).ptr, stride, m)
+        k.sample(stream, g_l.ptr, vocab, g_p.ptr, put(seeds).ptr, put(np.array(positions, np.int32)).ptr,
+                 g_out.ptr, m)  # fmt: skip
+        stream.synchronize()
+        penalised = get(g_l)
+        toks = get(g_out)
+        for i, req in enumerate(reqs):
+            x = logits[i].copy()
+            sampler.apply_penalties(x, req.params, req.prompt_token_ids, req.output_token_ids)
+            np.testing.assert_allclose(penalised[i], x, rtol=1e-6, atol=1e-6)
+            ref, _ = sampler.sample_row(logits[i], req, positions[i])
+            if req.params.is_greedy:
+                assert toks[i] == ref
+            total += 1
+            agree += int(toks[i] == ref)
+            # The token must be one the filters keep.
+            if not req.params.is_greedy:
+                assert np.isfinite(sampler.process_logits(x, req.params)[toks[i]])
+    assert agree >= 0.9 * total, f"{agree}/{total} draws agree with engine.sampler"
