@@ -135,9 +135,13 @@ LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
     "formatters": {"json": {"()": "ignis_site.jsonlog.JsonFormatter"}},
-    "handlers": {"stderr": {"class": "logging.StreamHandler", "formatter": "json"}},
+    "handlers": {
+        "stderr": {"class": "logging.StreamHandler", "formatter": "json"},
+        # The engine's request and model events feed the metrics' histograms (engine/telemetry.py).
+        "telemetry": {"class": "engine.telemetry.TelemetryHandler"},
+    },
     "loggers": {
-        "ignis": {"handlers": ["stderr"], "level": "INFO", "propagate": False},
+        "ignis": {"handlers": ["stderr", "telemetry"], "level": "INFO", "propagate": False},
         "django": {"handlers": ["stderr"], "level": "WARNING"},
         "daphne": {"handlers": ["stderr"], "level": "WARNING"},
     },

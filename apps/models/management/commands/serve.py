@@ -62,6 +62,9 @@ class Command(BaseCommand):
 
         if embedded:
             reactor.callWhenRunning(start_engine)
+        from ignis_site.metrics import start_listener  # /metrics on its own loopback listener
+
+        start_listener(values["server.metrics_bind"], twisted_loop, public_port=int(port))
         server = Server(
             application=get_default_application(),
             endpoints=build_endpoint_description_strings(host=host, port=port),
