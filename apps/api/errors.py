@@ -71,6 +71,33 @@ class EngineUnavailable(IgnisError):
     code = "engine_unavailable"
 
 
+class ModelSwitching(IgnisError):
+    """503 while a switch runs; the client retries after Retry-After."""
+
+    status = 503
+    type = "server_error"
+    code = "model_switching"
+
+
+class SwitchInProgress(IgnisError):
+    status = 409
+    code = "switch_in_progress"
+
+
+class ModelSwitchFailed(IgnisError):
+    """503 without Retry-After: a retry would unload and reload the serving model again."""
+
+    status = 503
+    type = "server_error"
+    code = "model_switch_failed"
+
+
+class ModelLoadFailed(IgnisError):
+    status = 503
+    type = "server_error"
+    code = "model_load_failed"
+
+
 def error_from_engine(msg: dict) -> IgnisError:
     """An engine ``RequestFailed`` message as an IgnisError."""
     return IgnisError(msg.get("message", "engine error"), param=msg.get("param"), code=msg.get("code", "engine_error"),
