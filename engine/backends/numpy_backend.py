@@ -57,6 +57,8 @@ def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
         return inv
     if kind == "linear":
         return (inv / np.float32(rs["factor"])).astype(np.float32)
+    if kind == "freq_factors":  # from a GGUF's rope_freqs tensor: llama.cpp divides each frequency
+        return (inv / np.asarray(rs["factors"], dtype=np.float32)).astype(np.float32)
     if kind == "llama3":
         factor, low, high = rs["factor"], rs["low_freq_factor"], rs["high_freq_factor"]
         old_ctx = rs["original_max_position_embeddings"]

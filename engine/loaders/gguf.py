@@ -145,6 +145,11 @@ def load_gguf(
             weights[name] = np.ascontiguousarray(w)
         if progress:
             progress(done, total)
+    if "rope_freqs.weight" in names:
+        # llama3-style GGUFs carry per-pair frequency divisors instead of rope_scaling metadata.
+        t = next(t for t in reader.tensors if t.name == "rope_freqs.weight")
+        factors = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(-1)
+        cfg = _replace(cfg, rope_scaling={"rope_type": "freq_factors", "factors": factors.tolist()})
     if "model.embed_tokens.weight" in weights:
         cfg = _replace(cfg, vocab_size=weights["model.embed_tokens.weight"].shape[0])
     return cfg, weights
