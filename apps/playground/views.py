@@ -1,0 +1,69 @@
+"""The Playground at /ui/: one page and its assets, shipped with the project,
+talking to the same public API as any client; plus the Monitor's read-only
+status route, which reports the numbers /metrics has."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from django.conf import settings
+from django.http import JsonResponse
+from django.shortcuts import render
+from django.views.decorators.http import require_GET
+
+from apps.api import engine_client
+from ignis_site.metrics import engine_samples
+
+STATIC_DIR = Path(__file__).resolve().parent / "static" / "playground"
+
+
+def _key_refused(request) -> JsonResponse | None:
+    """With API keys configured, the Monitor route wants one too (the page sends it)."""
+    keys = [k.strip() for k in (settings.IGNIS.get("server.api_keys") or "").split(",") if k.strip()]
+    if not keys:
+        return None
+    header = request.headers.get("Authorization", "")
+    if header.startswith("Bearer ") and header[7:].strip() in keys:
+        return None
+    return JsonResponse(
+        {
+            "error": {
+                "message": "Missing or invalid API key.",
+                "type": "invalid_request_error",
+                "param": None,
+                "code": "invalid_api_key",
+            }
+        },
+        status=401,
+    )
+
+
+@require_GET
+def index(request):
+    return render(request, "playground/index.html", {"version": int(STATIC_DIR.stat().st_mtime)})
+
+
+@require_GET
+async def monitor(request):
+    """GET /ui/api/monitor: engine state, lanes and the /metrics samples, from one status reply.
+
+    Read-only: asking the engine for status never counts as using the model.
+    """
+    refused = _key_refused(request)
+    if refused is not None:
+        return refused
+    status = await engine_client.engine_status()
+    lanes = (status or {}).get("lanes") or {}
+    return JsonResponse(
+        {
+            "ts": time.time(),
+            "status": (status or {}).get("status", "unreachable"),
+            "model": (status or {}).get("model"),
+            "backend": (status or {}).get("backend"),
+            "error": (status or {}).get("error"),
+            "lanes": lanes.get("lanes") or [],
+            "prefill": lanes.get("prefill"),
+            "metrics": engine_samples(status),
+        }
+    )
