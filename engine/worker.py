@@ -5,14 +5,22 @@ Embedded, this task runs on Daphne's loop with the in-memory Channels layer;
 ``channels_redis``. Its shape is nano-vllm's: take messages, ``schedule()``
 a plan, ``backend.step(plan)`` on one dedicated thread (so numpy or CUDA work
 leaves the event loop free), ``update_from_output()`` into events, send them.
+
+One model at a time. Between steps the loop also runs the model's lifecycle:
+a switch (``engine.switch``: drain, check, tear down, load, restore on
+failure), an idle unload after ``idle_unload`` seconds with nothing in use,
+and the reload the next request triggers. ``status`` is serving | switching |
+loading | unloaded | failed, as GET /v1/models shows it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
@@ -20,18 +28,44 @@ from pathlib import Path
 from engine.backend import MemoryPlan
 from engine.config import EngineConfig
 from engine.messages import ENGINE_CHANNEL, AbortRequest, AddRequest, RequestFailed
+from engine.switching import (
+    FAILED,
+    LIVE_FIELDS,
+    REFUSED,
+    RESTORED,
+    SWITCHED,
+    ConfigureEngine,
+    SwitchAck,
+    SwitchDone,
+    SwitchModel,
+    SwitchRefused,
+    UnloadModel,
+    ram_plan,
+    switch_precheck,
+)
 from engine.telemetry import TELEMETRY, lanes_snapshot
 
 log = logging.getLogger("ignis.engine")
 
 
 class EngineWorker:
-    def __init__(self, layer, cfg: EngineConfig, artifact_path: Path, served_id: str):
+    def __init__(
+        self,
+        layer,
+        cfg: EngineConfig,
+        artifact_path: Path,
+        served_id: str,
+        *,
+        idle_unload: float = 0,
+        drain_timeout: float = 30.0,
+        ram_budget: int = 0,
+        on_progress: Callable[[str, int, int], None] | None = None,
+    ):
         self.layer = layer
         self.cfg = cfg
         self.artifact_path = Path(artifact_path)
         self.served_id = served_id
-        self.status = "loading"
+        self.state = "loading"  # serving | loading | unloaded | failed; "switching" while a switch is pending
         self.error: str | None = None
         self.backend = None
         self.scheduler = None
@@ -39,8 +73,30 @@ class EngineWorker:
         self._wakeup = asyncio.Event()
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ignis-step")
         self._max_context = cfg.max_context
+        self._requested_max_context = cfg.max_context  # a load clamps cfg.max_context to the model's own
+        self.idle_unload = float(idle_unload)
+        self.drain_timeout = float(drain_timeout)
+        self.ram_budget = int(ram_budget)
+        self.on_progress = on_progress
+        self.load_progress: dict | None = None
+        self.switching: dict | None = None  # {from, to} while a switch runs
+        self.last_switch: dict | None = None
+        self._pending: SwitchModel | None = None
+        self._precheck: asyncio.Task | None = None
+        self._drain_deadline = 0.0
+        self._last_active = time.monotonic()
+        self._unload_wanted = False
+
+    @property
+    def status(self) -> str:
+        return "switching" if self._pending is not None else self.state
 
     # -- loading ---------------------------------------------------------------
+
+    def _progress(self, done: int, total: int) -> None:
+        self.load_progress = {"done": done, "total": total, "unit": "tensors"}
+        if self.on_progress:
+            self.on_progress(self.served_id, done, total)
 
     def _load(self) -> None:
         """Runs on the step thread: weights in, plan made, scheduler built."""
@@ -50,13 +106,30 @@ class EngineWorker:
         from engine.scheduler import Scheduler
 
         t0 = time.perf_counter()
-        model_cfg, weights = load_artifact(self.artifact_path)
-        self._max_context = min(self.cfg.max_context, model_cfg.max_position)
+        self.load_progress = {"done": 0, "total": 0, "unit": "tensors"}
+        model_cfg, weights = load_artifact(self.artifact_path, self._progress)
+        self._max_context = min(self._requested_max_context, model_cfg.max_position)
         self.cfg.max_context = self._max_context
+        kv_budget = None
+        if self.cfg.backend == "numpy":
+            # Weights, then working memory; the KV pool takes the rest of the RAM budget.
+            kv_budget = ram_plan(
+                model_cfg,
+                ram_budget=self.ram_budget,
+                kv_ram_budget=self.cfg.kv_ram_budget,
+                max_context=self._max_context,
+                block_size=self.cfg.block_size,
+                freed_bytes=0,
+            ).kv_bytes
         backend = create_backend(self.cfg.backend)
-        plan = backend.load(model_cfg, weights, block_size=self.cfg.block_size,
-                            kv_budget_bytes=self.cfg.kv_ram_budget if self.cfg.backend == "numpy" else None,
-                            host_kv_budget_bytes=self.cfg.host_kv_budget, max_context=self._max_context)
+        plan = backend.load(
+            model_cfg,
+            weights,
+            block_size=self.cfg.block_size,
+            kv_budget_bytes=kv_budget,
+            host_kv_budget_bytes=self.cfg.host_kv_budget,
+            max_context=self._max_context,
+        )
         del weights
         self.backend = backend
         self.scheduler = Scheduler(self.cfg, KVManager(plan.num_blocks, plan.block_size, plan.num_host_blocks))
@@ -64,10 +137,41 @@ class EngineWorker:
 
         self.scheduler.constraints = ConstraintFactory(self.artifact_path)
         self.scheduler.constraints.warm_in_background()
-        log.info("ignis.runtime.vram_plan", extra={"model": self.served_id, "backend": self.cfg.backend,
-                                                    **asdict(plan)})
-        log.info("ignis.model.loaded", extra={"model": self.served_id, "seconds": round(time.perf_counter() - t0, 2),
-                                              "path": str(self.artifact_path)})
+        self.load_progress = None
+        log.info(
+            "ignis.runtime.vram_plan", extra={"model": self.served_id, "backend": self.cfg.backend, **asdict(plan)}
+        )
+        log.info(
+            "ignis.model.loaded",
+            extra={
+                "model": self.served_id,
+                "seconds": round(time.perf_counter() - t0, 2),
+                "path": str(self.artifact_path),
+            },
+        )
+
+    def _teardown(self) -> None:
+        """Runs on the step thread: everything the load held is released."""
+        if self.backend is not None:
+            self.backend.unload()
+        self.backend = self.scheduler = None
+        import gc
+
+        gc.collect()
+
+    async def _load_current(self) -> bool:
+        """Load ``served_id`` from ``artifact_path``; on failure status is failed with the reason."""
+        self.state, self.error = "loading", None
+        try:
+            await asyncio.get_running_loop().run_in_executor(self._thread, self._load)
+        except Exception as exc:  # a bad artifact must not take the process down
+            log.exception("ignis.model.load_failed", extra={"model": self.served_id, "path": str(self.artifact_path)})
+            await asyncio.get_running_loop().run_in_executor(self._thread, self._teardown)
+            self.state, self.error, self.load_progress = "failed", f"{type(exc).__name__}: {exc}", None
+            return False
+        self.state = "serving"
+        self._last_active = time.monotonic()
+        return True
 
     # -- messages --------------------------------------------------------------
 
@@ -75,18 +179,40 @@ class EngineWorker:
         """Never cancelled mid-receive: a cancelled channels_redis receive can drop a message."""
         while True:
             msg = await self.layer.receive(ENGINE_CHANNEL)
-            if msg.get("type") == "engine.status":
+            kind = msg.get("type")
+            if kind == "engine.status":
                 await self.layer.send(msg["reply_channel"], self.status_message())
                 continue
-            self._inbox.append(msg)
+            if kind == SwitchModel.TYPE:
+                await self._accept_switch(SwitchModel.from_message(msg))
+            elif kind == ConfigureEngine.TYPE:
+                self._configure(ConfigureEngine.from_message(msg).values)
+                if msg.get("reply_channel"):
+                    await self.layer.send(msg["reply_channel"], {"type": "engine.configured"})
+            elif kind == UnloadModel.TYPE:
+                self._unload_wanted = True
+            else:
+                self._inbox.append(msg)
             self._wakeup.set()
 
     def status_message(self) -> dict:
         """The reply to ``engine.status``: state, scheduler stats, lanes, the memory
         plan (all zeros while nothing is loaded) and telemetry. Read-only: asking
         never counts as using the model."""
-        msg = {"type": "engine.status", "status": self.status, "model": self.served_id, "error": self.error,
-               "backend": self.cfg.backend, "max_context": self._max_context}
+        msg = {
+            "type": "engine.status",
+            "status": self.status,
+            "model": self.served_id,
+            "error": self.error,
+            "backend": self.cfg.backend,
+            "max_context": self._max_context,
+            "path": str(self.artifact_path),
+            "switching": self.switching,
+            "last_switch": self.last_switch,
+            "load_progress": self.load_progress,
+            "idle_unload": self.idle_unload,
+            "idle_seconds": round(time.monotonic() - self._last_active, 3),
+        }
         if self.scheduler is not None:
             msg["stats"] = self.scheduler.stats()
             msg["lanes"] = lanes_snapshot(self.scheduler, self.scheduler.clock())
@@ -99,12 +225,37 @@ class EngineWorker:
         for channel, msg in outgoing:
             await self.layer.send(channel, msg)
             if msg["type"] == "engine.tokens" and msg.get("ttft") is not None:
-                log.info("ignis.request.ttft", extra={"request_id": msg["request_id"], "ttft": round(msg["ttft"], 4),
-                                                      "cached_tokens": msg.get("cached_tokens", 0)})
+                log.info(
+                    "ignis.request.ttft",
+                    extra={
+                        "request_id": msg["request_id"],
+                        "ttft": round(msg["ttft"], 4),
+                        "cached_tokens": msg.get("cached_tokens", 0),
+                    },
+                )
             if msg["type"] == "engine.finished":
-                log.info("ignis.request.done", extra={**{k: msg.get(k) for k in (
-                    "request_id", "finish_reason", "prompt_tokens", "completion_tokens", "cached_tokens")},
-                    **TELEMETRY.timings(msg["request_id"])})
+                log.info(
+                    "ignis.request.done",
+                    extra={
+                        **{
+                            k: msg.get(k)
+                            for k in (
+                                "request_id",
+                                "finish_reason",
+                                "prompt_tokens",
+                                "completion_tokens",
+                                "cached_tokens",
+                            )
+                        },
+                        **TELEMETRY.timings(msg["request_id"]),
+                    },
+                )
+
+    async def _refuse(self, add: AddRequest, message: str, code: str, retry_after: float | None = None) -> None:
+        await self.layer.send(
+            add.reply_channel,
+            RequestFailed(request_id=add.request_id, message=message, code=code, retry_after=retry_after).to_message(),
+        )
 
     async def _take_messages(self) -> None:
         while self._inbox:
@@ -112,20 +263,189 @@ class EngineWorker:
             kind = msg.get("type")
             if kind == AddRequest.TYPE:
                 add = AddRequest.from_message(msg)
-                if self.status != "serving":
-                    await self.layer.send(add.reply_channel, RequestFailed(
-                        request_id=add.request_id, message=f"The model failed to load: {self.error}",
-                        code="model_load_failed").to_message())
+                if self._pending is not None:
+                    await self._refuse(add, "The server is switching models; retry shortly.", "model_switching", 5)
                     continue
+                if self.state in ("unloaded", "failed"):
+                    self._inbox.appendleft(msg)  # the next request loads the model; it waits for that load
+                    return
+                if self.state != "serving":
+                    await self._refuse(add, f"The model failed to load: {self.error}", "model_load_failed")
+                    continue
+                if add.model and add.model.split("@")[0] != self.served_id:
+                    await self._refuse(
+                        add,
+                        f"The model changed to '{self.served_id}' while this request was prepared; retry it.",
+                        "model_switching",
+                        5,
+                    )
+                    continue
+                self._last_active = time.monotonic()
                 refused = self.scheduler.add_request(add)
                 if refused is not None:
                     await self.layer.send(add.reply_channel, refused.to_message())
                 else:
-                    log.info("ignis.request.admitted", extra={
-                        "request_id": add.request_id, "class": add.request_class,
-                        "prompt_tokens": len(add.prompt_token_ids), "max_tokens": add.max_tokens})
-            elif kind == AbortRequest.TYPE:
+                    log.info(
+                        "ignis.request.admitted",
+                        extra={
+                            "request_id": add.request_id,
+                            "class": add.request_class,
+                            "prompt_tokens": len(add.prompt_token_ids),
+                            "max_tokens": add.max_tokens,
+                        },
+                    )
+            elif kind == AbortRequest.TYPE and self.scheduler is not None:
                 await self._send_all(self.scheduler.abort_request(AbortRequest.from_message(msg).request_id))
+
+    def _configure(self, values: dict) -> None:
+        for key in LIVE_FIELDS:
+            if key in values:
+                setattr(self.cfg, key, values[key])
+        if "idle_unload" in values:
+            self.idle_unload = float(values["idle_unload"])
+            self._last_active = time.monotonic()
+        if "drain_timeout" in values:
+            self.drain_timeout = float(values["drain_timeout"])
+        log.info("ignis.engine.configured", extra={"values": values})
+
+    # -- switches ----------------------------------------------------------------
+
+    async def _accept_switch(self, sw: SwitchModel) -> None:
+        """Runs on the receive loop, so a second switch is refused at once (409 switch_in_progress)."""
+        if self._pending is not None:
+            if sw.reply_channel:
+                await self.layer.send(
+                    sw.reply_channel, SwitchAck(sw.switch_id, False, "A switch is running.").to_message()
+                )
+            return
+        self._pending = sw
+        self.switching = {"from": self.served_id, "to": sw.served_id}
+        self._drain_deadline = time.monotonic() + self.drain_timeout
+        freed = getattr(getattr(self.backend, "plan", None), "budget_bytes", 0)
+        cfg = dataclasses.replace(self.cfg, **{k: v for k, v in sw.config.items() if hasattr(self.cfg, k)})
+        max_context = sw.config.get("max_context", self._requested_max_context)
+        ram_budget = sw.config.get("ram_budget", self.ram_budget)
+        self._precheck = asyncio.create_task(
+            asyncio.to_thread(
+                switch_precheck,
+                sw,
+                ram_budget=ram_budget,
+                kv_ram_budget=cfg.kv_ram_budget,
+                max_context=max_context,
+                block_size=cfg.block_size,
+                backend=cfg.backend,
+                freed_bytes=freed,
+            )
+        )
+        self._precheck.add_done_callback(lambda _t: self._wakeup.set())
+        log.info(
+            "ignis.model.switch_started",
+            extra={"switch_id": sw.switch_id, "from": self.served_id, "to": sw.served_id, "trigger": sw.trigger},
+        )
+        if sw.reply_channel:
+            await self.layer.send(sw.reply_channel, SwitchAck(sw.switch_id, True).to_message())
+
+    def _switch_ready(self) -> bool:
+        """The precheck is done, and so is the drain (nothing running, or its timeout passed)."""
+        if self._precheck is None or not self._precheck.done():
+            return False
+        if self._precheck.exception() is not None:
+            return True  # refused: nothing to drain for
+        busy = self.scheduler is not None and self.scheduler.has_work
+        return not busy or time.monotonic() >= self._drain_deadline
+
+    async def _run_switch(self) -> None:
+        sw, t0 = self._pending, time.monotonic()
+        old = (self.served_id, self.artifact_path, self.cfg, self._requested_max_context, self.ram_budget, self.state)
+        exc = self._precheck.exception()
+        if exc is not None:
+            reason = str(exc) if isinstance(exc, SwitchRefused) else f"{type(exc).__name__}: {exc}"
+            return await self._end_switch(sw, REFUSED, reason, t0)
+        if self.scheduler is not None:  # the drain timed out: what still runs ends with engine_error
+            for seq in list(self.scheduler.seqs.values()):
+                self.scheduler.abort_request(seq.request_id)
+                await self.layer.send(
+                    seq.reply_channel,
+                    RequestFailed(
+                        request_id=seq.request_id,
+                        message="The server switched models while this request ran.",
+                        code="engine_error",
+                        status=500,
+                    ).to_message(),
+                )
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(self._thread, self._teardown)
+        self.served_id, self.artifact_path = sw.served_id, Path(sw.path)
+        self.cfg = dataclasses.replace(self.cfg, **{k: v for k, v in sw.config.items() if hasattr(self.cfg, k)})
+        self._requested_max_context = sw.config.get("max_context", self._requested_max_context)
+        self.ram_budget = sw.config.get("ram_budget", self.ram_budget)
+        if await self._load_current():
+            return await self._end_switch(sw, SWITCHED, "", t0)
+        reason = self.error
+        if old[5] != "serving":
+            return await self._end_switch(sw, FAILED, reason, t0)
+        self.served_id, self.artifact_path, self.cfg, self._requested_max_context, self.ram_budget = old[:5]
+        if await self._load_current():
+            return await self._end_switch(sw, RESTORED, reason, t0)
+        return await self._end_switch(sw, FAILED, f"{reason}; restoring {old[0]} failed too: {self.error}", t0)
+
+    async def _end_switch(self, sw: SwitchModel, outcome: str, reason: str, t0: float) -> None:
+        seconds = round(time.monotonic() - t0, 3)
+        self.last_switch = {
+            "outcome": outcome,
+            "reason": reason,
+            "from": self.switching["from"],
+            "to": sw.served_id,
+            "trigger": sw.trigger,
+            "seconds": seconds,
+            "at": time.time(),
+        }
+        self._pending = self._precheck = self.switching = None
+        self._last_active = time.monotonic()
+        log.info("ignis.model.switch", extra={"switch_id": sw.switch_id, **self.last_switch})
+        if sw.reply_channel:
+            await self.layer.send(
+                sw.reply_channel, SwitchDone(sw.switch_id, outcome, reason, self.served_id, seconds).to_message()
+            )
+
+    # -- idle unload and the reload after it -------------------------------------------
+
+    def _idle_left(self) -> float | None:
+        """Seconds until an idle unload is due (0: due now), or None when none will be."""
+        if self.state != "serving" or self._pending is not None:
+            return None
+        if self.scheduler is not None and self.scheduler.has_work:
+            return None
+        if self._unload_wanted:
+            return 0.0
+        if self.idle_unload <= 0:
+            return None
+        return max(0.0, self.idle_unload - (time.monotonic() - self._last_active))
+
+    async def _unload(self) -> None:
+        idle = round(time.monotonic() - self._last_active, 1)
+        self._unload_wanted = False
+        await asyncio.get_running_loop().run_in_executor(self._thread, self._teardown)
+        self.state = "unloaded"
+        log.info("ignis.model.unloaded", extra={"model": self.served_id, "idle_seconds": idle})
+
+    async def _reload(self) -> None:
+        """The first request after an unload (or a failed load) loads the model; the ones queued wait for it."""
+        t0 = time.monotonic()
+        if await self._load_current():
+            log.info(
+                "ignis.model.reloaded", extra={"model": self.served_id, "seconds": round(time.monotonic() - t0, 2)}
+            )
+            return
+        waiting = list(self._inbox)
+        self._inbox.clear()
+        for msg in waiting:  # those that waited for this load are refused; the next request tries again
+            if msg.get("type") == AddRequest.TYPE:
+                await self._refuse(
+                    AddRequest.from_message(msg), f"The model failed to load: {self.error}", "model_load_failed"
+                )
+            else:
+                self._inbox.append(msg)
 
     # -- the loop --------------------------------------------------------------
 
@@ -133,18 +453,30 @@ class EngineWorker:
         loop = asyncio.get_running_loop()
         receiver = asyncio.create_task(self._receive_loop())
         try:
-            try:
-                await loop.run_in_executor(self._thread, self._load)
-                self.status = "serving"
-            except Exception as exc:  # a bad artifact must not take the process down
-                log.exception("ignis.model.load_failed", extra={"model": self.served_id})
-                self.status, self.error = "failed", f"{type(exc).__name__}: {exc}"
+            await self._load_current()
             while True:
                 await self._take_messages()
+                if self._pending is not None and self._switch_ready():
+                    await self._run_switch()
+                    continue
+                if (
+                    self._pending is None
+                    and self.state in ("unloaded", "failed")
+                    and any(m.get("type") == AddRequest.TYPE for m in self._inbox)
+                ):
+                    await self._reload()
+                    continue
                 sched = self.scheduler
                 if sched is None or not sched.has_work:
+                    idle_left = self._idle_left()
+                    if idle_left == 0:
+                        await self._unload()
+                        continue
                     self._wakeup.clear()
-                    await self._wakeup.wait()
+                    try:
+                        await asyncio.wait_for(self._wakeup.wait(), idle_left)
+                    except TimeoutError:
+                        pass
                     continue
                 plan = sched.schedule()
                 if plan.is_empty:
@@ -152,7 +484,7 @@ class EngineWorker:
                     delay = sched.seconds_until_ready() or 0.001
                     try:
                         await asyncio.wait_for(self._wakeup.wait(), delay)
-                    except asyncio.TimeoutError:
+                    except TimeoutError:
                         pass
                     continue
                 try:
@@ -162,6 +494,7 @@ class EngineWorker:
                     await self._fail_plan(plan)
                     continue
                 await self._send_all(sched.update_from_output(plan, out))
+                self._last_active = time.monotonic()
                 self._log_interval()
         finally:
             receiver.cancel()
@@ -175,9 +508,15 @@ class EngineWorker:
             if seq is None:
                 continue
             self.scheduler.abort_request(seq.request_id)
-            await self.layer.send(seq.reply_channel, RequestFailed(
-                request_id=seq.request_id, message="The engine failed while running this request.",
-                code="engine_error", status=500).to_message())
+            await self.layer.send(
+                seq.reply_channel,
+                RequestFailed(
+                    request_id=seq.request_id,
+                    message="The engine failed while running this request.",
+                    code="engine_error",
+                    status=500,
+                ).to_message(),
+            )
 
     def _log_interval(self, every: float = 5.0) -> None:
         """DEBUG ``ignis.scheduler.interval``: the scheduler's counters, at most every ``every`` s of work."""

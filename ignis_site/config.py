@@ -47,6 +47,8 @@ class Field:
         if self.type in (int, float):
             if isinstance(raw, bool):
                 raise ValueError(f"{self.key} must be a number")
+            if self.type is int and isinstance(raw, float) and not raw.is_integer():
+                raise ValueError(f"{self.key} must be an integer")
             try:
                 value = self.type(raw)
             except (TypeError, ValueError):
@@ -71,11 +73,20 @@ FIELDS: dict[str, Field] = {
         Field("server.metrics_bind", str, "127.0.0.1:9464", "loopback listener for /metrics ('' = off)"),
         Field("server.body_limit", int, 4 * MiB, "largest request body in bytes", 1024, 1 << 30),
         Field("server.api_keys", str, "", "comma-separated API keys ('' = no auth)"),
+        Field("server.api_keys_file", str, "", "file of API keys, one a line ('#' comments), beside server.api_keys"),
+        Field("server.deadline", float, 600.0, "seconds a request may run before it is cut (0 = none)", 0, 86400),
+        Field("server.deadline_max", float, 3600.0, "largest per-request 'deadline' a client may ask for", 1, 86400),
         Field("server.models_dir", str, "", "where artifacts live (default: ./models)"),
         Field("server.data_dir", str, "", "state: SQLite, Celery queue, caches (default: ./var)"),
         Field("server.redis_url", str, "", "Redis URL: scaled mode (engine in `runengine`)"),
-        Field("server.socket_idle_close", int, 600, "idle seconds before a Responses WebSocket closes (0 = never)", 0,
-              1 << 31),
+        Field(
+            "server.socket_idle_close",
+            int,
+            600,
+            "idle seconds before a Responses WebSocket closes (0 = never)",
+            0,
+            1 << 31,
+        ),
         Field("server.responses_keep", int, 10000, "stored responses kept for previous_response_id", 1, 1 << 31),
         Field("model.id", str, "smollm2-135m-instruct", "served id of the model loaded at start"),
         Field("model.path", str, "", "artifact path (default: the catalog's file for model.id)"),
@@ -88,6 +99,18 @@ FIELDS: dict[str, Field] = {
         Field("model.kv_ram_budget", int, 768 * MiB, "numpy backend: bytes for the KV pool", MiB, 1 << 40),
         Field("model.host_kv_budget", int, 2048 * MiB, "bytes of host RAM for swapped KV pages", 0, 1 << 42),
         Field("model.idle_unload", int, 300, "seconds idle before unloading (0 = never)", 0, 1 << 31),
+        Field(
+            "model.ram_budget",
+            int,
+            0,
+            "numpy backend: bytes for weights + workspace + KV (0 = weights + workspace + model.kv_ram_budget)",
+            0,
+            1 << 44,
+        ),
+        Field("switch.allow_implicit", bool, True, "a request naming another known model switches to it"),
+        Field("switch.known_models", str, "", "comma-separated ids (or id=path) an implicit switch may reach"),
+        Field("switch.drain_timeout", float, 30.0, "seconds running requests get to finish before a switch", 0, 3600),
+        Field("server.celery_worker", bool, True, "serve starts an embedded Celery worker (--pool=solo)"),
         Field("spec.decode_lanes", int, 8, "decode lanes (rows of one round)", 1, 64),
     ]
 }
@@ -105,6 +128,64 @@ def load(overrides: dict[str, Any] | None = None, environ: dict[str, str] | None
             value = field.parse(overrides[key])
         values[key] = value
     return values
+
+
+# Keys a load is built from: changing one reloads the model (the way a switch does).
+RELOAD_KEYS = frozenset(
+    {
+        "model.id",
+        "model.path",
+        "model.backend",
+        "model.max_context",
+        "model.kv_block_size",
+        "model.kv_ram_budget",
+        "model.host_kv_budget",
+        "model.ram_budget",
+        "spec.decode_lanes",
+    }
+)
+# Keys that apply to the running server at once; the rest need a restart.
+LIVE_KEYS = frozenset(
+    {
+        "model.prefill_chunk",
+        "model.decode_share",
+        "model.default_max_tokens",
+        "model.idle_unload",
+        "switch.allow_implicit",
+        "switch.known_models",
+        "switch.drain_timeout",
+        "server.api_keys",
+        "server.body_limit",
+    }
+)
+
+
+def key_applies(key: str) -> str:
+    """``reload``, ``live`` or ``restart``: what setting ``key`` on a running server does."""
+    return "reload" if key in RELOAD_KEYS else "live" if key in LIVE_KEYS else "restart"
+
+
+def validate(patch: dict[str, Any]) -> dict[str, Any]:
+    """Parsed values for ``patch`` or ValueError(key, message) on the first bad one; nothing is applied."""
+    parsed = {}
+    for key, raw in patch.items():
+        field = FIELDS.get(key)
+        if field is None:
+            raise ValueError(key, f"unknown configuration key '{key}'")
+        try:
+            parsed[key] = field.parse(raw)
+        except ValueError as exc:
+            raise ValueError(key, str(exc)) from None
+    return parsed
+
+
+def worker_options(values: dict[str, Any]) -> dict[str, Any]:
+    """The engine worker's own settings (idle unload, switch drain, RAM plan)."""
+    return {
+        "idle_unload": values["model.idle_unload"],
+        "drain_timeout": values["switch.drain_timeout"],
+        "ram_budget": values["model.ram_budget"],
+    }
 
 
 def engine_config_dict(values: dict[str, Any]) -> dict[str, Any]:

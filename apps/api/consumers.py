@@ -24,6 +24,7 @@ from apps.api.errors import BodyTooLarge, IgnisError, error_from_engine
 from apps.api.services import PreparedChat, chat_prepare
 from apps.api.streaming import TextStream, chat_chunk, now, sse, usage_block
 from apps.api.validation import parse_json_body
+from apps.models.switching import model_hold, switch_gate
 
 log = logging.getLogger("ignis.api")
 JSON = [(b"content-type", b"application/json")]
@@ -54,7 +55,10 @@ class OpenAIHttpConsumer(AsyncConsumer):
                 return
             if self.scope["method"] not in self.methods:
                 raise IgnisError(f"Use {' or '.join(self.methods)} here.", code="method_not_allowed", status=405)
-            await self.handle(parse_json_body(bytes(self._body)))
+            await switch_gate(method=self.scope["method"], path=self.scope["path"])
+            body = parse_json_body(bytes(self._body))
+            await model_hold(name=body.get("model") if isinstance(body, dict) else None)  # implicit switch
+            await self.handle(body)
         except IgnisError as err:
             await self.finish_with_error(err)
 

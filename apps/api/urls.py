@@ -1,11 +1,16 @@
 from django.urls import path, re_path
 
-from apps.api import views
+from apps.api import model_views, views
 
 urlpatterns = [
     path("health", views.health),
     path("v1/models", views.models_list),
     path("v1/tokenize", views.tokenize),
     path("v1/detokenize", views.detokenize),
+    path("v1/models/switch", model_views.models_switch),
+    path("v1/config", model_views.config_view),
+    path("v1/catalog", model_views.catalog_list),
+    path("v1/catalog/download", model_views.catalog_download),
+    path("v1/catalog/import", model_views.catalog_import),
     re_path(r"^(?P<path>v1/.*)$", views.not_found),
 ]

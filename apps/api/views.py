@@ -20,22 +20,12 @@ def _error_response(err: IgnisError) -> JsonResponse:
 
 
 async def models_list(request):
-    """GET /v1/models: the servable model with the engine's status."""
+    """GET /v1/models: every servable model with its status, the running switch and how the last one ended."""
     if request.method != "GET":
         return _error_response(IgnisError("Use GET here.", code="method_not_allowed", status=405))
-    served = served_model()
-    status = await engine_client.engine_status()
-    entry = {
-        "id": served.served_id,
-        "object": "model",
-        "created": 0,
-        "owned_by": "ignis",
-        "status": (status or {}).get("status", "loading"),
-        "artifact": served.path.name,
-    }
-    if status and status.get("max_context"):
-        entry["max_model_len"] = status["max_context"]
-    return JsonResponse({"object": "list", "data": [entry]})
+    from apps.api.model_views import models_payload
+
+    return JsonResponse(await models_payload())
 
 
 async def health(request):

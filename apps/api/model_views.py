@@ -1,0 +1,104 @@
+"""Model and configuration routes: GET /v1/models' body, POST /v1/models/switch,
+GET/PATCH /v1/config, and the catalog (GET /v1/catalog, downloads and imports)."""
+
+from __future__ import annotations
+
+from asgiref.sync import async_to_sync
+from channels.db import database_sync_to_async
+from rest_framework.decorators import api_view
+from rest_framework.request import Request
+from rest_framework.response import Response
+
+from apps.api.errors import InvalidRequest
+from apps.models import catalog, config_service, selectors
+from apps.models.services import served_model, switch_target_resolve
+from apps.models.switching import model_switch, status_sync
+
+
+async def models_payload() -> dict:
+    """Every servable model; the loaded one carries the engine's status, the rest are ``unloaded``."""
+    status = await status_sync() or {}
+    served = served_model()
+    entries = await database_sync_to_async(selectors.servable_list)()
+    state = status.get("status", "loading")
+    switching = status.get("switching")
+    involved = {served.served_id} | set((switching or {}).values())
+    data = []
+    for item in entries:
+        entry = {
+            "id": item["id"],
+            "object": "model",
+            "created": 0,
+            "owned_by": "ignis",
+            "artifact": item["artifact"],
+            "status": state if item["id"] in involved else "unloaded",
+        }
+        if item["id"] in involved:
+            entry["switching"] = switching
+            entry["last_switch"] = status.get("last_switch")
+            if state in ("loading", "switching") and status.get("load_progress"):
+                entry["load_progress"] = status["load_progress"]
+            if state == "failed":
+                entry["error"] = status.get("error")
+            if status.get("max_context"):
+                entry["max_model_len"] = status["max_context"]
+        data.append(entry)
+    return {"object": "list", "data": data, "switching": switching, "last_switch": status.get("last_switch")}
+
+
+@api_view(["POST"])
+def models_switch(request: Request) -> Response:
+    """POST /v1/models/switch {"model": id} or {"path": artifact}: 202 at once, the work runs in the background."""
+    body = request.data if isinstance(request.data, dict) else None
+    if body is None:
+        raise InvalidRequest("The request body must be a JSON object.", code="invalid_json")
+    served_id, path = body.get("model"), body.get("path")
+    for param, value in (("model", served_id), ("path", path)):
+        if value is not None and (not isinstance(value, str) or not value.strip()):
+            raise InvalidRequest(f"'{param}' must be a non-empty string.", param=param, code="invalid_type")
+    target = switch_target_resolve(served_id=served_id, path=path)
+    return Response(async_to_sync(model_switch)(target=target, trigger="explicit"), status=202)
+
+
+@api_view(["GET", "PATCH"])
+def config_view(request: Request) -> Response:
+    """GET /v1/config: every key, its value and how setting it applies. PATCH: set some, atomically."""
+    if request.method == "GET":
+        return Response(config_service.config_describe())
+    if not isinstance(request.data, dict) or not request.data:
+        raise InvalidRequest("Send a JSON object of configuration keys and values.", code="invalid_json")
+    patch = request.data.get("values", request.data)
+    result = async_to_sync(config_service.config_update)(patch=patch)
+    return Response(result)
+
+
+@api_view(["GET"])
+def catalog_list(request: Request) -> Response:
+    """GET /v1/catalog: artifacts with their on-disk state and download/import progress."""
+    catalog.artifact_sync()
+    return Response({"object": "list", "data": [catalog.artifact_dict(a) for a in selectors.artifact_list()]})
+
+
+@api_view(["POST"])
+def catalog_download(request: Request) -> Response:
+    """POST /v1/catalog/download {"id"}: a Celery task fetches a known model; 202 with its progress row."""
+    served_id = request.data.get("id") if isinstance(request.data, dict) else None
+    if not isinstance(served_id, str) or not served_id:
+        raise InvalidRequest("'id' names the model to download.", param="id", code="missing_required_parameter")
+    return Response(catalog.artifact_dict(catalog.artifact_download(served_id=served_id)), status=202)
+
+
+@api_view(["POST"])
+def catalog_import(request: Request) -> Response:
+    """POST /v1/catalog/import {"path", "id"?}: a Celery task hashes an artifact in the models directory."""
+    body = request.data if isinstance(request.data, dict) else {}
+    path, served_id = body.get("path"), body.get("id")
+    if not isinstance(path, str) or not path:
+        raise InvalidRequest(
+            "'path' names the artifact, relative to the models directory.",
+            param="path",
+            code="missing_required_parameter",
+        )
+    if served_id is not None and (not isinstance(served_id, str) or not served_id.strip()):
+        raise InvalidRequest("'id' must be a non-empty string.", param="id", code="invalid_type")
+    return Response(catalog.artifact_dict(catalog.artifact_import(path=path, served_id=served_id)), status=202)

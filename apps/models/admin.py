@@ -1,0 +1,97 @@
+"""The catalog, the running configuration and the switch history in the Django admin.
+
+Actions call the same services as the API: downloads and imports queue the
+Celery tasks, a switch goes through ``model_switch``, a config edit through
+``config_update`` (validated whole; a reload key reloads the model).
+"""
+
+from __future__ import annotations
+
+from asgiref.sync import async_to_sync
+from django.contrib import admin, messages
+
+from apps.api.errors import IgnisError
+from apps.models import catalog
+from apps.models.models import Artifact, ConfigValue, SwitchRecord
+from apps.models.services import switch_target_resolve
+
+
+@admin.register(Artifact)
+class ArtifactAdmin(admin.ModelAdmin):
+    list_display = ("served_id", "state", "format", "size_bytes", "progress", "path", "source", "updated_at")
+    readonly_fields = ("sha256", "size_bytes", "state", "progress_bytes", "progress_total", "task_id", "error")
+    actions = ("download", "verify", "reimport", "switch_to")
+
+    @admin.display(description="progress")
+    def progress(self, obj: Artifact) -> str:
+        pct = obj.progress_percent
+        return f"{obj.progress_bytes}/{obj.progress_total} ({pct:.0f}%)" if pct is not None else "-"
+
+    def _each(self, request, queryset, fn, done: str) -> None:
+        for art in queryset:
+            try:
+                fn(art)
+                self.message_user(request, f"{art.served_id}: {done}")
+            except IgnisError as err:
+                self.message_user(request, f"{art.served_id}: {err.message}", messages.ERROR)
+
+    @admin.action(description="Download (Celery task)")
+    def download(self, request, queryset):
+        self._each(request, queryset, lambda a: catalog.artifact_download(served_id=a.served_id), "download queued")
+
+    @admin.action(description="Verify sha256")
+    def verify(self, request, queryset):
+        for art in queryset:
+            try:
+                clean, got, want = catalog.artifact_verify(served_id=art.served_id)
+            except IgnisError as err:
+                self.message_user(request, f"{art.served_id}: {err.message}", messages.ERROR)
+                continue
+            level = messages.SUCCESS if clean else messages.ERROR
+            self.message_user(request, f"{art.served_id}: {'ok' if clean else f'{got} != {want}'}", level)
+
+    @admin.action(description="Import again (hash and size, Celery task)")
+    def reimport(self, request, queryset):
+        self._each(
+            request, queryset, lambda a: catalog.artifact_import(path=a.path, served_id=a.served_id), "import queued"
+        )
+
+    @admin.action(description="Switch to this model")
+    def switch_to(self, request, queryset):
+        from apps.models.switching import model_switch
+
+        def go(art):
+            target = switch_target_resolve(served_id=art.served_id)
+            async_to_sync(model_switch)(target=target, trigger="explicit")
+
+        self._each(request, queryset[:1], go, "switch started")
+
+
+@admin.register(ConfigValue)
+class ConfigValueAdmin(admin.ModelAdmin):
+    list_display = ("key", "value", "updated_at")
+    readonly_fields = ("key",)
+
+    def has_add_permission(self, request) -> bool:
+        return False
+
+    def save_model(self, request, obj, form, change):
+        """Edits go through config_update, like PATCH /v1/config (it persists the row itself)."""
+        from apps.models.config_service import config_update
+
+        try:
+            async_to_sync(config_update)(patch={obj.key: obj.value})
+        except IgnisError as err:
+            self.message_user(request, f"{obj.key}: {err.message}", messages.ERROR)
+
+
+@admin.register(SwitchRecord)
+class SwitchRecordAdmin(admin.ModelAdmin):
+    list_display = ("started_at", "trigger", "from_id", "to_id", "outcome", "seconds", "reason")
+    list_filter = ("outcome", "trigger")
+
+    def has_add_permission(self, request) -> bool:
+        return False
+
+    def has_change_permission(self, request, obj=None) -> bool:
+        return False

@@ -1,0 +1,101 @@
+"""The running configuration: read it, patch it (GET / PATCH /v1/config, the admin).
+
+A patch is validated whole before anything applies: one bad value is a 400
+naming its key and nothing changes. Keys a load is built from reload the model
+with the whole patch, the way a switch does; the reload must land for the patch
+to apply. Live keys apply at once (the engine's through ``engine.configure``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from channels.db import database_sync_to_async
+from channels.layers import get_channel_layer
+from django.conf import settings
+
+from apps.api.errors import InvalidRequest, ModelSwitchFailed
+from apps.models.services import SwitchTarget, path_confine, servable_lookup, served_model
+from engine.messages import ENGINE_CHANNEL
+from engine.switching import SWITCHED, ConfigureEngine
+from ignis_site import config
+
+# Config keys the engine applies live, and the name the engine knows each by.
+ENGINE_LIVE = {
+    "model.prefill_chunk": "prefill_chunk",
+    "model.decode_share": "decode_share",
+    "model.default_max_tokens": "default_max_tokens",
+    "model.idle_unload": "idle_unload",
+    "switch.drain_timeout": "drain_timeout",
+}
+SECRET_KEYS = {"server.api_keys"}
+
+
+def config_describe() -> dict:
+    values = {k: ("***" if k in SECRET_KEYS and v else v) for k, v in settings.IGNIS.items() if k in config.FIELDS}
+    fields = {
+        f.key: {
+            "type": f.type.__name__,
+            "default": f.default,
+            "help": f.help,
+            "applies": config.key_applies(f.key),
+            "env": f.env_name,
+            "flag": f.flag,
+        }
+        for f in config.FIELDS.values()
+    }
+    return {"object": "config", "values": values, "fields": fields}
+
+
+def _persist(values: dict[str, Any]) -> None:
+    from apps.models.models import ConfigValue
+
+    for key, value in values.items():
+        ConfigValue.objects.update_or_create(key=key, defaults={"value": value})
+
+
+def config_snapshot() -> None:
+    """Record the values the server started with (the admin shows them)."""
+    _persist(dict(settings.IGNIS))
+
+
+def _reload_target(values: dict[str, Any]) -> SwitchTarget:
+    if values["model.path"]:
+        return SwitchTarget(values["model.id"], path_confine(values["model.path"]))
+    if values["model.id"] == served_model().served_id:
+        return SwitchTarget(values["model.id"], served_model().path)
+    return servable_lookup(values["model.id"])
+
+
+async def config_update(*, patch: dict[str, Any]) -> dict:
+    """Apply ``patch`` (dotted keys); returns the new values and, for a reload, how it ended."""
+    from apps.models.switching import model_switch
+
+    if not isinstance(patch, dict) or not patch:
+        raise InvalidRequest("Send a JSON object of configuration keys and values.", code="invalid_json")
+    try:
+        parsed = config.validate(patch)
+    except ValueError as exc:
+        key, message = exc.args
+        raise InvalidRequest(message, param=key) from None
+    changed = {k: v for k, v in parsed.items() if settings.IGNIS.get(k) != v}
+    new_values = {**settings.IGNIS, **changed}
+    result: dict[str, Any] = {"object": "config", "changed": sorted(changed), "reload": None}
+    if any(config.key_applies(k) == "reload" for k in changed):
+        target = await database_sync_to_async(_reload_target)(new_values)
+        engine_cfg = {**config.engine_config_dict(new_values), "ram_budget": new_values["model.ram_budget"]}
+        done = await model_switch(target=target, trigger="config", config=engine_cfg, wait=True)
+        result["reload"] = {k: done.get(k) for k in ("outcome", "reason", "seconds")}
+        if done.get("outcome") != SWITCHED:
+            raise ModelSwitchFailed(
+                f"The reload this patch needs did not land ({done.get('outcome')}): "
+                f"{done.get('reason')}; nothing changed."
+            )
+    settings.IGNIS.update(changed)
+    live = {ENGINE_LIVE[k]: v for k, v in changed.items() if k in ENGINE_LIVE}
+    if live:
+        await get_channel_layer().send(ENGINE_CHANNEL, ConfigureEngine(values=live).to_message())
+    await database_sync_to_async(_persist)(changed)
+    result["restart_required"] = sorted(k for k in changed if config.key_applies(k) == "restart")
+    result["values"] = config_describe()["values"]
+    return result

@@ -1,0 +1,29 @@
+"""Reads of the catalog: what can be served, artifacts, switch history (sync ORM: off the event loop)."""
+
+from __future__ import annotations
+
+from apps.models.models import Artifact, SwitchRecord
+from apps.models.services import known_models, served_model
+
+
+def servable_list() -> list[dict]:
+    """Every model a request may name: the serving one, ``switch.known_models``, catalog entries on disk."""
+    served = served_model()
+    out = {served.served_id: {"id": served.served_id, "artifact": served.path.name}}
+    for served_id, raw in known_models().items():
+        out.setdefault(served_id, {"id": served_id, "artifact": raw or served_id})
+    for art in Artifact.objects.filter(state=Artifact.State.ON_DISK):
+        out.setdefault(art.served_id, {"id": art.served_id, "artifact": art.path.rsplit("/", 1)[-1]})
+    return list(out.values())
+
+
+def artifact_list() -> list[Artifact]:
+    return list(Artifact.objects.all())
+
+
+def artifact_get(*, served_id: str) -> Artifact | None:
+    return Artifact.objects.filter(served_id=served_id).first()
+
+
+def switch_history_list(*, limit: int = 50) -> list[SwitchRecord]:
+    return list(SwitchRecord.objects.all()[:limit])

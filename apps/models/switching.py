@@ -1,0 +1,161 @@
+"""Switches from the Django side: explicit (POST /v1/models/switch), implicit (a request
+naming another known model), and config reloads; plus the gate that answers 503
+``model_switching`` on every other /v1 route while one runs.
+
+The engine is the one authority on what is loaded: it accepts or refuses a
+switch at once (a second one is ``switch_in_progress``) and reports how it
+ended. This side records the history and points its tokenizer at the new model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+
+from channels.db import database_sync_to_async
+from channels.layers import get_channel_layer
+from django.conf import settings
+from django.utils import timezone
+
+from apps.api import engine_client
+from apps.api.errors import ModelSwitchFailed, ModelSwitching, SwitchInProgress
+from apps.models.services import SwitchTarget, model_name_split, servable_lookup, served_model, served_model_update
+from engine.messages import ENGINE_CHANNEL
+from engine.switching import SWITCHED, SwitchModel
+
+log = logging.getLogger("ignis.models")
+_background: set[asyncio.Task] = set()
+ACK_TIMEOUT = 10.0
+SWITCH_RETRY_AFTER = 5
+
+
+async def _record_start(sw: SwitchModel, from_id: str) -> None:
+    from apps.models.models import SwitchRecord
+
+    await database_sync_to_async(SwitchRecord.objects.create)(
+        switch_id=sw.switch_id, trigger=sw.trigger, from_id=from_id, to_id=sw.served_id
+    )
+
+
+async def _record_end(done: dict) -> None:
+    from apps.models.models import SwitchRecord
+
+    await database_sync_to_async(
+        lambda: SwitchRecord.objects.filter(switch_id=done["switch_id"]).update(
+            outcome=done["outcome"], reason=done["reason"], seconds=done["seconds"], finished_at=timezone.now()
+        )
+    )()
+
+
+async def _wait_done(layer, reply: str, sw: SwitchModel) -> dict | None:
+    """The engine's SwitchDone for ``sw``; the model it reports serving becomes this side's model."""
+    try:
+        done = await asyncio.wait_for(layer.receive(reply), timeout=24 * 3600)
+    except TimeoutError:
+        return None
+    await _record_end(done)
+    await status_sync()
+    return done
+
+
+async def model_switch(
+    *, target: SwitchTarget, trigger: str = "explicit", config: dict | None = None, wait: bool = False
+) -> dict:
+    """Ask the engine to switch to ``target``.
+
+    Returns the switch's description at once (``wait=False``: the rest runs in
+    the background and is recorded) or once it ended (``wait=True``: the
+    engine's SwitchDone). A switch already running raises SwitchInProgress.
+    """
+    layer = get_channel_layer()
+    reply = await layer.new_channel("ignis.switch.")
+    sw = SwitchModel(
+        switch_id=f"switch-{uuid.uuid4().hex[:16]}",
+        served_id=target.served_id,
+        path=str(target.path),
+        sha256=target.sha256,
+        config=config or {},
+        trigger=trigger,
+        reply_channel=reply,
+        refuse=target.refuse,
+    )
+    from_id = served_model().served_id
+    await layer.send(ENGINE_CHANNEL, sw.to_message())
+    try:
+        ack = await asyncio.wait_for(layer.receive(reply), ACK_TIMEOUT)
+    except TimeoutError:
+        raise ModelSwitchFailed("The engine did not answer the switch request.") from None
+    if not ack.get("accepted"):
+        raise SwitchInProgress("A model switch is already running; wait for it to end.")
+    await _record_start(sw, from_id)
+    described = {
+        "id": sw.switch_id,
+        "object": "model.switch",
+        "from": from_id,
+        "to": sw.served_id,
+        "trigger": trigger,
+        "status": "switching",
+    }
+    if wait:
+        done = await _wait_done(layer, reply, sw)
+        return {**described, **(done or {}), "status": "done"}
+    task = asyncio.ensure_future(_wait_done(layer, reply, sw))
+    _background.add(task)
+    task.add_done_callback(_background.discard)
+    return described
+
+
+async def status_sync() -> dict | None:
+    """The engine's status; the model it names becomes the one this side tokenizes for."""
+    status = await engine_client.engine_status()
+    if status and status.get("model") and status.get("path"):
+        served = served_model()
+        if status["model"] != served.served_id or str(served.path) != status["path"]:
+            served_model_update(served_id=status["model"], path=status["path"])
+    return status
+
+
+async def model_hold(*, name: str | None) -> None:
+    """Before a chat completion, response or decision: make ``name`` the serving model.
+
+    No name, or the serving model's, passes at once (an unloaded model is
+    loaded by the engine when the request arrives). Another known model starts
+    an implicit switch and holds the request until it serves; one that does not
+    land is 503 ``model_switch_failed`` (no Retry-After), and the request is
+    never answered by another model. With implicit switching off, or for an
+    unknown name, ``model_name_resolve`` answers 404 afterwards.
+    """
+    if not isinstance(name, str):
+        return
+    served_id, _ = model_name_split(name)
+    status = await status_sync()
+    if not served_id or served_id == served_model().served_id:
+        return
+    if not settings.IGNIS["switch.allow_implicit"]:
+        return
+    if status and status.get("status") == "switching":
+        raise ModelSwitching("The server is switching models; retry shortly.", retry_after=SWITCH_RETRY_AFTER)
+    target = await database_sync_to_async(servable_lookup)(served_id)
+    try:
+        done = await model_switch(target=target, trigger="implicit", wait=True)
+    except SwitchInProgress:
+        raise ModelSwitching("The server is switching models; retry shortly.", retry_after=SWITCH_RETRY_AFTER) from None
+    if done.get("outcome") != SWITCHED or served_model().served_id != served_id:
+        raise ModelSwitchFailed(
+            f"The switch to '{served_id}' did not land ({done.get('outcome')}): "
+            f"{done.get('reason') or 'no reason given'}."
+        )
+
+
+# Routes a running switch does not refuse: reads of state, and the switch route itself (409).
+GATE_EXEMPT = {("GET", "/v1/models"), ("POST", "/v1/models/switch"), ("GET", "/v1/config"), ("GET", "/v1/catalog")}
+
+
+async def switch_gate(*, method: str, path: str) -> None:
+    """Raise ModelSwitching (503, Retry-After: 5) for a /v1 route while a switch runs."""
+    if not path.startswith("/v1/") or (method, path.rstrip("/")) in GATE_EXEMPT:
+        return
+    status = await engine_client.engine_status()
+    if status and status.get("status") == "switching":
+        raise ModelSwitching("The server is switching models; retry shortly.", retry_after=SWITCH_RETRY_AFTER)
