@@ -26,10 +26,6 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-LLAMA8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-               num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072, rope_theta=500000.0,
-               rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                             "original_max_position_embeddings": 8192}, tie_word_embeddings=False)  # fmt: skip
 WIDTHS = (1, 2, 4, 8)
 DECODE_CONTEXT = 512  # prompt tokens per lane before the timed decode rounds
 SECTION = "## CUDA backend (H200)"
@@ -78,23 +74,10 @@ def streamed_bytes(c) -> int:
     return 2 * (c.num_layers * per_layer + c.vocab_size * c.hidden_size + c.hidden_size)
 
 
-def build_model(torch, transformers, layers: int):
-    kw = dict(LLAMA8B, num_hidden_layers=layers)
-    hf = transformers.LlamaConfig(**kw)
-    hf._attn_implementation = "eager"
-    torch.manual_seed(0)
-    torch.set_default_dtype(torch.bfloat16)
-    with torch.device("cuda"):
-        model = transformers.LlamaForCausalLM(hf).eval()
-    torch.set_default_dtype(torch.float32)
-    from engine.model_config import ModelConfig
+def build_model(layers: int):
+    from tests.kernels.hf_models import LLAMA3_ROPE, LLAMA8B, random_model
 
-    cfg = ModelConfig(arch="llama", vocab_size=hf.vocab_size, hidden_size=hf.hidden_size,
-                      intermediate_size=hf.intermediate_size, num_layers=layers, num_heads=hf.num_attention_heads,
-                      num_kv_heads=hf.num_key_value_heads, head_dim=hf.hidden_size // hf.num_attention_heads,
-                      rms_norm_eps=hf.rms_norm_eps, rope_theta=hf.rope_theta, rope_scaling=hf.rope_scaling,
-                      max_position=hf.max_position_embeddings)  # fmt: skip
-    return model, cfg
+    return random_model("llama", LLAMA3_ROPE, dtype="bfloat16", **dict(LLAMA8B, num_hidden_layers=layers))
 
 
 def bench_ignis(be, cfg, rng, prompt_lens, rounds):
@@ -133,7 +116,59 @@ def bench_ignis(be, cfg, rng, prompt_lens, rounds):
             for ln, t in zip(lanes, out.decode_tokens):
                 ln.token_id, ln.position = t, ln.position + 1
         res[("decode", w)] = statistics.median(times[3:])
+        res[("graph", w)] = graph_time(be, w)
     return res
+
+
+def graph_time(be, w: int, reps: int = 20) -> float:
+    """Device time of one replay of the width-w decode graph (no host staging)."""
+    import pycuda.driver as cuda
+
+    from engine.cu import runtime
+
+    with runtime.current():
+        a, b = cuda.Event(), cuda.Event()
+        be.graphs[w].launch()
+        a.record(be.stream)
+        for _ in range(reps):
+            be.graphs[w].launch()
+        b.record(be.stream)
+        b.synchronize()
+        return b.time_since(a) / 1e3 / reps
+
+
+def kernel_breakdown(be, bw: float) -> list[str]:
+    """Achieved read bandwidth of each decode GEMV shape, FMA vs tensor-core kernel, widths 1 and 8.
+    Each repetition reads another layer's matrix, so L2 never holds the weights."""
+    import pycuda.driver as cuda
+
+    from engine.cu import runtime
+
+    c, k, s = be.config, be.kern, be.stream
+    hid, inter, hd = c.hidden_size, c.intermediate_size, c.num_heads * c.head_dim
+    shapes = [("q|k|v", "qkv", be.n_qkv, hid, be.xn), ("o", "o", hid, hd, be.attn),
+              ("gate|up", "gate_up", 2 * inter, hid, be.xn), ("down", "down", hid, inter, be.act)]  # fmt: skip
+    lines = ["| GEMV | N x K | width | FMA kernel | tensor-core kernel |", "|---|---|---|---|---|"]
+    saved = k.tc_from
+    with runtime.current():
+        for label, attr, n, kk, x in shapes + [("lm_head", None, c.vocab_size, hid, be.xn)]:
+            for m in (1, 8):
+                cells = []
+                for tc_from in (9, 1):
+                    k.tc_from = tc_from
+                    reps = 16
+                    a, b = cuda.Event(), cuda.Event()
+                    a.record(s)
+                    for r in range(reps):
+                        w = be.lm_head if attr is None else getattr(be.layers[r % len(be.layers)], attr)
+                        k.linear(s, x, w, 0, be.gu, m, n, kk)
+                    b.record(s)
+                    b.synchronize()
+                    t = b.time_since(a) / 1e3 / reps
+                    cells.append(f"{t * 1e6:.1f} us, {n * kk * 2 / t / 1e12:.2f} TB/s ({n * kk * 2 / t / bw:.0%})")
+                lines.append(f"| {label} | {n} x {kk} | {m} | {cells[0]} | {cells[1]} |")
+    k.tc_from = saved
+    return lines
 
 
 def bench_hf(torch, model, cfg, rng, prompt_lens, rounds):
@@ -183,7 +218,9 @@ def fmt_table(bw, bound, ig, hf, prompt_lens) -> list[str]:
     for w in WIDTHS:
         t, h = ig[("decode", w)], hf.get(("decode", w))
         hs = f"{h * 1e3:.1f} ms ({1 / h:.1f} tok/s/lane, {w / h:.0f} agg)" if h else "n/a"
-        rows.append(f"| decode round, width {w} | {t * 1e3:.2f} ms ({1 / t:.1f} tok/s/lane, {w / t:.0f} agg) | {hs} "
+        g = ig[("graph", w)]
+        rows.append(f"| decode round, width {w} | {t * 1e3:.2f} ms ({1 / t:.1f} tok/s/lane, {w / t:.0f} agg; "
+                    f"graph alone {g * 1e3:.2f} ms) | {hs} "
                     f"| {t / bound:.2f}x bound; {h / t if h else float('nan'):.1f}x faster |")  # fmt: skip
     for n in prompt_lens:
         t, h = ig[("prefill", n)], hf.get(("prefill", n))
@@ -230,7 +267,7 @@ def main() -> None:
     gpu = torch.cuda.get_device_name(0)
     with runtime.current():
         bw = read_bandwidth(cuda, cuda.Stream())
-    model, cfg = build_model(torch, transformers, args.layers)
+    model, cfg = build_model(args.layers)
     bound = streamed_bytes(cfg) / bw
     be = CudaBackend()
     t0 = time.perf_counter()
@@ -239,6 +276,7 @@ def main() -> None:
             host_kv_budget_bytes=0, max_context=max_ctx)  # fmt: skip
     load_s = time.perf_counter() - t0
     ig = bench_ignis(be, cfg, rng, args.prompts, args.rounds)
+    breakdown = kernel_breakdown(be, bw)
     be.unload()
     hf = {} if args.skip_hf else bench_hf(torch, model, cfg, rng, args.prompts, args.rounds)
 
@@ -259,6 +297,10 @@ def main() -> None:
         f"ignis load {load_s:.1f} s (kernels compiled, graphs captured)",
         "",
         *fmt_table(bw, bound, ig, hf, args.prompts),
+        "",
+        "Decode GEMVs alone (CUDA events, 16 calls over different layers' weights):",
+        "",
+        *breakdown,
     ]
     print("\n".join(lines))
     if args.write:

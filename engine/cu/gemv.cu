@@ -104,3 +104,75 @@ GEMV_ENTRY(5)
 GEMV_ENTRY(6)
 GEMV_ENTRY(7)
 GEMV_ENTRY(8)
+
+// gemv_tc: the same product on the tensor cores, for decode widths 1..8 (the FMA
+// version above becomes issue-bound near M = 8: M FMAs per weight element).
+// A block of 256 threads owns 16 output rows; its 8 warps split K in steps of 64.
+// In a step, thread (g = lane / 4, t = lane % 4) loads 32 bytes (16 k) of W rows g and
+// g + 8 and of activation row g (zero for g >= M): every W row segment is one 128-byte
+// line. Those registers feed four mma.m16n8k16 directly as A (W, 16 rows) and B (x^T,
+// 8 columns): the k order inside a step is permuted, identically for W and x, so the
+// fragments need no shuffles. The 16 x 8 accumulators are summed across warps in
+// shared memory; one thread writes each output.
+#define TC_ROWS 16
+
+__device__ __forceinline__ void tc_step(float* c, const uint4& wa, const uint4& wb, const uint4& xv) {
+    const uint32_t a0[4] = {wa.x, wb.x, wa.y, wb.y};
+    const uint32_t a1[4] = {wa.z, wb.z, wa.w, wb.w};
+    mma_bf16(c, a0, xv.x, xv.y);
+    mma_bf16(c, a1, xv.z, xv.w);
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+    gemv_tc(const bf16* __restrict__ x, const bf16* __restrict__ W, const float* __restrict__ bias,
+            float* __restrict__ out, int M, int N, int K, int ldo, int accumulate) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int n0 = blockIdx.x * TC_ROWS;
+    const int K8 = K >> 3;
+    const uint4* W4 = reinterpret_cast<const uint4*>(W);
+    const uint4* x4 = reinterpret_cast<const uint4*>(x);
+    const bool ra = n0 + g < N, rb = n0 + g + 8 < N, rx = g < M;
+    const uint4* wa_p = W4 + (size_t)(ra ? n0 + g : 0) * K8;
+    const uint4* wb_p = W4 + (size_t)(rb ? n0 + g + 8 : 0) * K8;
+    const uint4* x_p = x4 + (size_t)(rx ? g : 0) * K8;
+    const uint4 z = make_uint4(0, 0, 0, 0);
+    float c[4] = {0.f, 0.f, 0.f, 0.f};
+    // Step s covers chunks [8s, 8s + 8); this thread takes chunks 8s + 2t and 8s + 2t + 1.
+    const int steps = (K8 + 7) / 8;
+    for (int s0 = warp; s0 < steps; s0 += 16) {
+        uint4 wa[2][2], wb[2][2], xv[2][2];
+#pragma unroll
+        for (int u = 0; u < 2; u++) {
+            const int s = s0 + u * 8;
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                const int ch = s * 8 + 2 * t + h;
+                const bool ok = s < steps && ch < K8;
+                wa[u][h] = ok && ra ? ld_stream(wa_p + ch) : z;
+                wb[u][h] = ok && rb ? ld_stream(wb_p + ch) : z;
+                xv[u][h] = ok && rx ? __ldg(x_p + ch) : z;
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < 2; u++)
+#pragma unroll
+            for (int h = 0; h < 2; h++) tc_step(c, wa[u][h], wb[u][h], xv[u][h]);
+    }
+    __shared__ float red[8][TC_ROWS][8];
+    red[warp][g][2 * t] = c[0];
+    red[warp][g][2 * t + 1] = c[1];
+    red[warp][g + 8][2 * t] = c[2];
+    red[warp][g + 8][2 * t + 1] = c[3];
+    __syncthreads();
+    if (threadIdx.x < TC_ROWS * 8) {
+        const int r = threadIdx.x >> 3, m = threadIdx.x & 7, n = n0 + r;
+        if (m < M && n < N) {
+            float v = 0.f;
+#pragma unroll
+            for (int w = 0; w < 8; w++) v += red[w][r][m];
+            if (bias) v += bias[n];
+            float* o = out + (size_t)m * ldo + n;
+            *o = accumulate ? *o + v : v;
+        }
+    }
+}

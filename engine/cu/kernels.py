@@ -70,6 +70,10 @@ class Kernels:
         self._rope = _fn(module("rope"), "rope_kv_write", "PPPPPPiiiiq")
         gemv = module("gemv")
         self._gemv = {m: _fn(gemv, f"gemv_m{m}", "PPPPiiii") for m in range(1, GEMV_MAX_ROWS + 1)}
+        self._gemv_tc = _fn(gemv, "gemv_tc", "PPPPiiiii")
+        # Widths from which decode GEMVs run on the tensor cores (gemv_tc) instead of FMAs.
+        # From 1: every width then shares one per-lane arithmetic (width-invariant tokens).
+        self.tc_from = int(os.environ.get("IGNIS_CUDA_TC_FROM", "1"))
         self._gemm = _fn(module("gemm"), "gemm_bf16", "PPPPiiiii")
         self._gemm.set_attribute(cuda.function_attribute.MAX_DYNAMIC_SHARED_SIZE_BYTES, GEMM_SMEM)
         dec = module("attention_decode", attn + (("NUM_SPLITS", DECODE_SPLITS),))
@@ -122,7 +126,12 @@ class Kernels:
         if k % 8:
             raise ValueError(f"K={k} must be a multiple of 8")
         ldo = n if ldo is None else ldo
-        if rows <= GEMV_MAX_ROWS:
+        if self.tc_from <= rows <= GEMV_MAX_ROWS:
+            self._gemv_tc.prepared_async_call(
+                ((n + 15) // 16, 1, 1), (256, 1, 1), s, x, w, bias, out, _i32(rows), _i32(n), _i32(k), _i32(ldo),
+                _i32(accumulate),
+            )  # fmt: skip
+        elif rows <= GEMV_MAX_ROWS:
             self._gemv[rows].prepared_async_call(
                 ((n + 3) // 4, 1, 1), (256, 1, 1), s, x, w, bias, out, _i32(n), _i32(k), _i32(ldo), _i32(accumulate)
             )

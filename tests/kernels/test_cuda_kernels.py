@@ -43,6 +43,15 @@ def bf(a):
     return from_bf16(to_bf16(a)).reshape(np.shape(a))
 
 
+_live: list = []  # device arrays stay alive until the test's kernels have run
+
+
+@pytest.fixture(autouse=True)
+def _release():
+    yield
+    _live.clear()
+
+
 def put(a, bf16=False):
     import pycuda.gpuarray as ga
 
@@ -50,6 +59,7 @@ def put(a, bf16=False):
 
     arr = to_bf16(a) if bf16 else np.ascontiguousarray(a)
     g = ga.to_gpu(arr)
+    _live.append(g)
     return g
 
 
@@ -95,9 +105,21 @@ def test_rmsnorm_and_swiglu(kern, stream):
         assert rel_err(get(g_o, True, (rows, inter)), g / (1 + np.exp(-g)) * u) < 8e-3
 
 
-@pytest.mark.parametrize("rows,n,k_", [(1, 4096, 4096), (3, 1001, 576), (8, 256, 14336), (5, 77, 8), (16, 8, 64)])
-def test_linear_gemv_and_gemm(kern, stream, rows, n, k_):
+@pytest.mark.parametrize("tc_from", [1, 9])
+@pytest.mark.parametrize(
+    "rows,n,k_",
+    [(1, 4096, 4096), (2, 300, 1408), (3, 1001, 576), (8, 256, 14336), (5, 77, 8), (7, 33, 200), (16, 8, 64)],
+)
+def test_linear_gemv_and_gemm(kern, stream, rows, n, k_, tc_from):
     k = kern[(128, 4)]
+    saved, k.tc_from = k.tc_from, tc_from  # 1: every width on gemv_tc; 9: every width on the FMA gemv
+    try:
+        _check_linear(k, stream, rows, n, k_)
+    finally:
+        k.tc_from = saved
+
+
+def _check_linear(k, stream, rows, n, k_):
     x = bf(rng.standard_normal((rows, k_)).astype(np.float32))
     w = bf((rng.standard_normal((n, k_)) / np.sqrt(k_)).astype(np.float32))
     bias = rng.standard_normal(n).astype(np.float32)
