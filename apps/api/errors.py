@@ -19,8 +19,16 @@ class IgnisError(Exception):
     type = "invalid_request_error"
     code: str | None = None
 
-    def __init__(self, message: str, *, param: str | None = None, code: str | None = None,
-                 type: str | None = None, status: int | None = None, retry_after: float | None = None):
+    def __init__(
+        self,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        type: str | None = None,
+        status: int | None = None,
+        retry_after: float | None = None,
+    ):
         super().__init__(message)
         self.message = message
         self.param = param
@@ -43,6 +51,12 @@ class IgnisError(Exception):
 
 class InvalidRequest(IgnisError):
     code = "invalid_value"
+
+
+class AuthenticationError(IgnisError):
+    status = 401
+    type = "authentication_error"
+    code = "invalid_api_key"
 
 
 class BodyTooLarge(IgnisError):
@@ -100,9 +114,14 @@ class ModelLoadFailed(IgnisError):
 
 def error_from_engine(msg: dict) -> IgnisError:
     """An engine ``RequestFailed`` message as an IgnisError."""
-    return IgnisError(msg.get("message", "engine error"), param=msg.get("param"), code=msg.get("code", "engine_error"),
-                      type=msg.get("error_type", "server_error"), status=int(msg.get("status", 503)),
-                      retry_after=msg.get("retry_after"))
+    return IgnisError(
+        msg.get("message", "engine error"),
+        param=msg.get("param"),
+        code=msg.get("code", "engine_error"),
+        type=msg.get("error_type", "server_error"),
+        status=int(msg.get("status", 503)),
+        retry_after=msg.get("retry_after"),
+    )
 
 
 def drf_exception_handler(exc: Exception, context: dict) -> Response:
@@ -118,6 +137,10 @@ def drf_exception_handler(exc: Exception, context: dict) -> Response:
         err = IgnisError(str(exc.detail), code=exc.default_code, status=exc.status_code)
     else:
         log.exception("ignis.api.unhandled", extra={"view": str(context.get("view"))})
-        err = IgnisError("The server had an error while processing your request.", type="server_error",
-                         code="internal_error", status=500)
+        err = IgnisError(
+            "The server had an error while processing your request.",
+            type="server_error",
+            code="internal_error",
+            status=500,
+        )
     return Response(err.envelope(), status=err.status, headers=err.headers())

@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from django.conf import settings
 
 from apps.api.errors import IgnisError, InvalidRequest
-from apps.api.validation import ChatRequest, parse_chat_request
+from apps.api.validation import (
+    ChatRequest,
+    CompletionRequest,
+    parse_chat_request,
+    parse_completion_request,
+)
 from apps.models.services import ServedModel, model_name_resolve
 from engine.messages import AddRequest
 
@@ -17,68 +22,213 @@ from engine.messages import AddRequest
 class PreparedChat:
     request: ChatRequest
     served: ServedModel
-    add: AddRequest  # reply_channel is filled in by the consumer
+    add: AddRequest  # the first choice's; reply_channel is filled in by the consumer
+    adds: list[AddRequest] = field(default_factory=list)  # one per choice (n)
+    prompt: str = ""
+    in_reasoning: bool = False  # the template opened <think> in the prompt
+    parse_tools: bool = False
+    id: str = ""  # the response's id (choices' engine requests add -<i> when n > 1)
 
 
-def chat_render(served: ServedModel, messages: list[dict], template_kwargs: dict | None = None) -> str:
+@dataclass
+class PreparedCompletion:
+    request: CompletionRequest
+    served: ServedModel
+    adds: list[AddRequest]  # one per (prompt, n); empty when nothing is to be generated
+    prompt_ids: list[list[int]]  # per choice
+    prompt_texts: list[str]  # per choice (for echo)
+    id: str = ""
+
+
+def chat_render(
+    served: ServedModel, messages: list[dict], template_kwargs: dict | None = None, tools: list[dict] | None = None
+) -> str:
     from engine.chat_template import ChatTemplateError, render_chat
 
     tok = served.tokenizer
     try:
-        return render_chat(tok.chat_template, messages, add_generation_prompt=True, bos_token=tok.bos_token,
-                           eos_token=tok.eos_token, **(template_kwargs or {}))
+        return render_chat(
+            tok.chat_template,
+            messages,
+            tools=tools,
+            add_generation_prompt=True,
+            bos_token=tok.bos_token,
+            eos_token=tok.eos_token,
+            **(template_kwargs or {}),
+        )
     except ChatTemplateError as exc:
         raise InvalidRequest(f"The chat template refused these messages: {exc}", param="messages") from None
+    except TypeError as exc:  # a chat_template_kwargs key that clashes with the template's own arguments
+        raise InvalidRequest(f"chat_template_kwargs: {exc}", param="chat_template_kwargs") from None
 
 
 def generation_cap(prompt_len: int, requested: int | None) -> int:
     """max_tokens for the engine: the request's own, else the default, within the context."""
     max_context = settings.IGNIS["model.max_context"]
     if prompt_len >= max_context:
-        raise IgnisError(f"This prompt is {prompt_len} tokens; the context holds {max_context}.",
-                         param="messages", code="context_length_exceeded")
+        raise IgnisError(
+            f"This prompt is {prompt_len} tokens; the context holds {max_context}.",
+            param="messages",
+            code="context_length_exceeded",
+        )
     room = max_context - prompt_len
     if requested is None:
         return min(settings.IGNIS["model.default_max_tokens"], room)
     if requested > room:
-        raise IgnisError(f"max_tokens is {requested} but only {room} tokens of the {max_context}-token context "
-                         f"remain after the {prompt_len}-token prompt.", param="max_tokens",
-                         code="context_length_exceeded")
+        raise IgnisError(
+            f"max_tokens is {requested} but only {room} tokens of the {max_context}-token context "
+            f"remain after the {prompt_len}-token prompt.",
+            param="max_tokens",
+            code="context_length_exceeded",
+        )
     return requested
+
+
+def chat_prompt(req: ChatRequest, served: ServedModel) -> tuple[str, list[int]]:
+    """The prompt text and tokens exactly as the request would be served (tools and switches included)."""
+    from apps.api.tools import tools_prompt_apply
+
+    tools = req.tools if req.tool_choice != "none" else []
+    messages, template_tools = tools_prompt_apply(req.messages, tools, served.tokenizer.chat_template)
+    prompt = chat_render(served, messages, req.template_kwargs, template_tools)
+    return prompt, served.tokenizer.encode(prompt)
+
+
+def _sampling_for(sampling: dict, i: int) -> dict:
+    """Choice i's sampling: a seeded request's choices get consecutive seeds so they differ, reproducibly."""
+    if i == 0 or sampling.get("seed") is None:
+        return sampling
+    return {**sampling, "seed": (sampling["seed"] + i) % (1 << 64)}
+
+
+def _adds(
+    base_id: str,
+    prompts: list[list[int]],
+    copies: int,
+    served: ServedModel,
+    *,
+    max_tokens: list[int],
+    sampling: dict,
+    request_class: str,
+    grammar: str | None,
+    logprobs: bool,
+    top: int,
+) -> list[AddRequest]:
+    adds = []
+    for p, ids in enumerate(prompts):
+        for c in range(copies):
+            i = p * copies + c
+            adds.append(
+                AddRequest(
+                    request_id=base_id if len(prompts) * copies == 1 else f"{base_id}-{i}",
+                    reply_channel="",
+                    prompt_token_ids=ids,
+                    max_tokens=max_tokens[p],
+                    sampling=_sampling_for(sampling, i),
+                    stop_token_ids=list(served.tokenizer.eos_token_ids),
+                    request_class=request_class,
+                    model=served.served_id,
+                    want_logprobs=logprobs,
+                    num_logprobs=top,
+                    grammar=grammar,
+                )
+            )
+    return adds
 
 
 def chat_prepare(body: dict) -> PreparedChat:
     """Validate, render and tokenize a chat completion request (runs off the event loop)."""
     req = parse_chat_request(body)
     served, suffix_class = model_name_resolve(req.model)
-    prompt = chat_render(served, req.messages, req.template_kwargs)
-    tok = served.tokenizer
-    prompt_ids = tok.encode(prompt)
-    add = AddRequest(
-        request_id=f"chatcmpl-{uuid.uuid4().hex[:24]}",
-        reply_channel="",
-        prompt_token_ids=prompt_ids,
-        max_tokens=generation_cap(len(prompt_ids), req.max_tokens),
+    prompt, prompt_ids = chat_prompt(req, served)
+    base = f"chatcmpl-{uuid.uuid4().hex[:24]}"
+    adds = _adds(
+        base,
+        [prompt_ids],
+        req.n,
+        served,
+        max_tokens=[generation_cap(len(prompt_ids), req.max_tokens)],
         sampling=req.sampling,
-        stop_token_ids=list(tok.eos_token_ids),
         request_class=req.request_class or suffix_class or "interactive",
-        model=served.served_id,
+        grammar=req.grammar,
+        logprobs=req.logprobs,
+        top=req.top_logprobs,
     )
-    return PreparedChat(request=req, served=served, add=add)
+    return PreparedChat(
+        request=req,
+        served=served,
+        add=adds[0],
+        adds=adds,
+        prompt=prompt,
+        in_reasoning=prompt.rstrip().endswith("<think>"),
+        parse_tools=req.tool_choice != "none",
+        id=base,
+    )
+
+
+def completion_prepare(body: dict) -> PreparedCompletion:
+    """POST /v1/completions: the prompts as given (no template), one engine request per prompt and copy."""
+    req = parse_completion_request(body)
+    served, suffix_class = model_name_resolve(req.model)
+    tok = served.tokenizer
+    vocab = tok.vocab_size
+    ids_list, texts = [], []
+    for i, p in enumerate(req.prompts):
+        if isinstance(p, str):
+            ids = tok.encode(p, add_special_tokens=True)
+            text = p
+        else:
+            if any(t < 0 or t >= vocab for t in p):
+                raise InvalidRequest(f"Token ids must be in [0, {vocab}).", param=f"prompt[{i}]")
+            ids, text = list(p), tok.decode(p, skip_special_tokens=False)
+        if not ids:
+            raise InvalidRequest("The prompt is empty.", param="prompt", code="invalid_prompt")
+        ids_list.append(ids)
+        texts.append(text)
+    base = f"cmpl-{uuid.uuid4().hex[:24]}"
+    per_choice_ids = [ids for ids in ids_list for _ in range(req.n)]
+    per_choice_texts = [t for t in texts for _ in range(req.n)]
+    if req.max_tokens == 0:
+        if not req.echo:
+            raise InvalidRequest("max_tokens 0 generates nothing; use it with echo.", param="max_tokens")
+        return PreparedCompletion(req, served, [], per_choice_ids, per_choice_texts, base)
+    caps = [generation_cap(len(ids), req.max_tokens) for ids in ids_list]
+    adds = _adds(
+        base,
+        ids_list,
+        req.n,
+        served,
+        max_tokens=caps,
+        sampling=req.sampling,
+        request_class=req.request_class or suffix_class or "interactive",
+        grammar=req.grammar,
+        logprobs=req.logprobs is not None,
+        top=req.logprobs or 0,
+    )
+    return PreparedCompletion(req, served, adds, per_choice_ids, per_choice_texts, base)
 
 
 def tokenize_chat(body: dict) -> dict:
-    """POST /v1/tokenize: a chat request's prompt tokens exactly as it would be served, or a plain text."""
-    from apps.api.validation import parse_messages
-
-    served, _ = model_name_resolve(body.get("model") if isinstance(body.get("model"), str) else None)
-    tok = served.tokenizer
+    """POST /v1/tokenize: a chat request's prompt tokens exactly as chat completions would serve them
+    (the same validation, template, tools and switches), or a plain prompt as /v1/completions would."""
     if "messages" in body:
-        ids = tok.encode(chat_render(served, parse_messages(body["messages"]), body.get("chat_template_kwargs")))
-    elif isinstance(body.get("prompt"), str):
-        ids = tok.encode(body["prompt"])
+        req = parse_chat_request(body)
+        served, _ = model_name_resolve(req.model)
+        _, ids = chat_prompt(req, served)
+    elif "prompt" in body:
+        req = parse_completion_request({**body, "max_tokens": 1})
+        if len(req.prompts) != 1:
+            raise InvalidRequest("Tokenize one prompt at a time.", param="prompt")
+        served, _ = model_name_resolve(req.model)
+        p = req.prompts[0]
+        ids = served.tokenizer.encode(p, add_special_tokens=True) if isinstance(p, str) else list(p)
     else:
-        raise InvalidRequest("Send 'messages' (a chat) or 'prompt' (a string).", param="messages",
-                             code="missing_required_parameter")
-    return {"model": served.served_id, "tokens": ids, "count": len(ids),
-            "max_model_len": settings.IGNIS["model.max_context"]}
+        raise InvalidRequest(
+            "Send 'messages' (a chat) or 'prompt' (a string).", param="messages", code="missing_required_parameter"
+        )
+    return {
+        "model": served.served_id,
+        "tokens": ids,
+        "count": len(ids),
+        "max_model_len": settings.IGNIS["model.max_context"],
+    }

@@ -1,0 +1,142 @@
+"""POST /v1/completions: legacy text completions (load tools and older clients), streamed or whole.
+
+The prompt is used as given (text, several texts, token ids), with no chat
+template. ``echo`` puts the prompt in front of each choice's text; with
+``logprobs`` the prompt's tokens are listed too, with ``null`` logprobs (the
+engine scores generated tokens only; see docs/API.md). ``max_tokens: 0``
+with ``echo`` answers with the prompt alone and never reaches the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from channels.exceptions import StopConsumer
+
+from apps.api.consumers import Choice, MultiRequestConsumer
+from apps.api.logprobs import LegacyLogprobs
+from apps.api.services import PreparedCompletion, completion_prepare
+from apps.api.streaming import TextStream, now, sse
+from engine.messages import AddRequest
+
+
+class CompletionsConsumer(MultiRequestConsumer):
+    async def handle(self, body: dict) -> None:
+        prep: PreparedCompletion = await asyncio.to_thread(completion_prepare, body)
+        self.prep = prep
+        req, tok = prep.request, prep.served.tokenizer
+        self.legacy: dict[int, LegacyLogprobs] = {}
+        self.texts: dict[int, str] = {}
+        if not prep.adds:  # max_tokens 0 with echo: the prompt is the answer
+            self.created = now()
+            self.order = [
+                Choice(i, AddRequest(f"{prep.id}-{i}", "", ids, 0), TextStream(tok, []))
+                for i, ids in enumerate(prep.prompt_ids)
+            ]
+            for c in self.order:
+                c.finish_reason = "length"
+                self._echo(c)
+            await self.respond()
+            return
+        choices = [Choice(i, add, TextStream(tok, req.stop, add.prompt_token_ids)) for i, add in enumerate(prep.adds)]
+        for c in choices:
+            self._echo(c)
+        await self.submit(prep.adds, choices, req.deadline)
+
+    def _echo(self, choice: Choice) -> None:
+        req = self.prep.request
+        text = self.prep.prompt_texts[choice.index] if req.echo else ""
+        self.texts[choice.index] = text
+        if req.logprobs is not None:
+            lp = self.legacy[choice.index] = LegacyLogprobs(self.prep.served.tokenizer, req.logprobs)
+            if req.echo:
+                for t in self.prep.prompt_ids[choice.index]:
+                    lp.add(t, None, None)
+                lp.offset = len(text)
+
+    def _chunk(
+        self,
+        choice: Choice,
+        text: str,
+        logprobs: dict | None,
+        finish_reason: str | None = None,
+        usage: dict | None = None,
+    ) -> dict:
+        body = {
+            "id": self.prep.id,
+            "object": "text_completion",
+            "created": self.created,
+            "model": self.prep.served.served_id,
+            "system_fingerprint": "ignis",
+            "choices": [{"index": choice.index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}],
+        }
+        if usage is not None:
+            body["usage"] = usage
+        return body
+
+    async def _open(self, choice: Choice) -> None:
+        await self.start_stream()
+        if not choice.opened:
+            choice.opened = True
+            lp = self.legacy.get(choice.index)
+            if self.texts[choice.index] or lp is not None:
+                await self.write(sse(self._chunk(choice, self.texts[choice.index], lp.as_dict() if lp else None)))
+
+    async def on_token(self, choice: Choice, token_id: int) -> None:
+        piece = choice.text.feed([token_id])
+        self.texts[choice.index] += piece
+        lp_chunk = None
+        legacy = self.legacy.get(choice.index)
+        if legacy is not None:
+            item = choice.pending_logprobs.pop(0) if choice.pending_logprobs else None
+            if item is not None:
+                lp_chunk = legacy.add(item["token_id"], item["logprob"], [tuple(t) for t in item.get("top", [])])
+        if self.prep.request.stream:
+            await self._open(choice)
+            if piece or lp_chunk:
+                await self.write(sse(self._chunk(choice, piece, lp_chunk)))
+
+    async def on_choice_done(self, choice: Choice) -> None:
+        tail = choice.text.flush()
+        self.texts[choice.index] += tail
+        if self.prep.request.stream:
+            await self._open(choice)
+            await self.write(sse(self._chunk(choice, tail, None, choice.finish_reason)))
+
+    async def respond(self) -> None:
+        req, prep = self.prep.request, self.prep
+        usage = self.usage()
+        if not req.stream:
+            choices = [
+                {
+                    "index": c.index,
+                    "text": self.texts[c.index],
+                    "logprobs": self.legacy[c.index].as_dict() if c.index in self.legacy else None,
+                    "finish_reason": c.finish_reason,
+                }
+                for c in self.order
+            ]
+            await self.send_json(
+                200,
+                {
+                    "id": prep.id,
+                    "object": "text_completion",
+                    "created": self.created,
+                    "model": prep.served.served_id,
+                    "system_fingerprint": "ignis",
+                    "choices": choices,
+                    "usage": usage,
+                },
+            )
+            self._request_ids = set()
+            raise StopConsumer()
+        if not self._started:
+            for c in self.order:
+                await self._open(c)
+                await self.write(sse(self._chunk(c, "", None, c.finish_reason)))
+        out = b""
+        if req.include_usage:
+            body = self._chunk(self.order[0], "", None, usage=usage)
+            body["choices"] = []
+            out += sse(body)
+        await self.end(out + sse("[DONE]"))
