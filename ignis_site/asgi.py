@@ -10,15 +10,21 @@ django_asgi_app = get_asgi_application()
 from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
 from django.urls import path, re_path  # noqa: E402
 
+from apps.api.auth import ApiGate  # noqa: E402
+from apps.api.completions import CompletionsConsumer  # noqa: E402
 from apps.api.consumers import ChatCompletionsConsumer  # noqa: E402
 
-application = ProtocolTypeRouter(
-    {
-        "http": URLRouter(
-            [
-                path("v1/chat/completions", ChatCompletionsConsumer.as_asgi()),
-                re_path(r"", django_asgi_app),
-            ]
-        ),
-    }
+# ApiGate: API keys and the declared body size, before any consumer or view runs.
+application = ApiGate(
+    ProtocolTypeRouter(
+        {
+            "http": URLRouter(
+                [
+                    path("v1/chat/completions", ChatCompletionsConsumer.as_asgi()),
+                    path("v1/completions", CompletionsConsumer.as_asgi()),
+                    re_path(r"", django_asgi_app),
+                ]
+            ),
+        }
+    )
 )
