@@ -149,7 +149,8 @@ def kernel_breakdown(be, bw: float) -> list[str]:
     shapes = [("q|k|v", "qkv", be.n_qkv, hid, be.xn), ("o", "o", hid, hd, be.attn),
               ("gate|up", "gate_up", 2 * inter, hid, be.xn), ("down", "down", hid, inter, be.act)]  # fmt: skip
     lines = ["| GEMV | N x K | width | FMA kernel | tensor-core kernel |", "|---|---|---|---|---|"]
-    saved = k.tc_from
+    saved = k.tc_from, k.fma_min_elems
+    k.fma_min_elems = 1 << 62
     with runtime.current():
         for label, attr, n, kk, x in shapes + [("lm_head", None, c.vocab_size, hid, be.xn)]:
             for m in (1, 8):
@@ -167,7 +168,7 @@ def kernel_breakdown(be, bw: float) -> list[str]:
                     t = b.time_since(a) / 1e3 / reps
                     cells.append(f"{t * 1e6:.1f} us, {n * kk * 2 / t / 1e12:.2f} TB/s ({n * kk * 2 / t / bw:.0%})")
                 lines.append(f"| {label} | {n} x {kk} | {m} | {cells[0]} | {cells[1]} |")
-    k.tc_from = saved
+    k.tc_from, k.fma_min_elems = saved
     return lines
 
 

@@ -10,8 +10,8 @@
 //   blocks past the context return at once, so one fixed grid serves every round
 //   (CUDA-graph friendly) and short contexts use few blocks. The range is walked in
 //   sub-chunks of SUB keys with an online softmax (base 2):
-//   scores: warps take keys round-robin, lanes hold D/32 dims (a coalesced K row per
-//   warp), warp-sum per head into shared memory; one warp per head updates the
+//   scores: warps take keys round-robin, UNROLL keys' loads in flight at once, lanes hold
+//   D/32 dims (a coalesced K row per warp), warp-sum per head into shared memory; one warp per head updates the
 //   running max / sum; P.V: warps take keys, lanes hold D/32 dims in registers.
 //   Writes unnormalised o_part fp32 [M, H, NUM_SPLITS, D] and ml fp32 [M, H, NUM_SPLITS, 2].
 // decode_combine: grid (H, M), block D: merges the splits, writes out bf16 [M, H * D].
@@ -27,6 +27,7 @@
 #define NUM_SPLITS 32
 #endif
 #define SUB 64
+#define UNROLL 4
 #define E (HEAD_DIM / 32)
 
 __device__ __forceinline__ int split_chunk(int ctx) {
@@ -79,18 +80,25 @@ extern "C" __global__ void __launch_bounds__(128)
 
     for (int t0 = tb; t0 < te; t0 += SUB) {
         const int t1 = min(te, t0 + SUB), len = t1 - t0;
-        for (int t = t0 + warp; t < t1; t += 4) {
-            float kf[E];
-            load_row(cache + (size_t)bt[t / block_size] * block_stride +
-                         ((size_t)(t % block_size) * KVH + kh) * HEAD_DIM + lane * E, kf);
+        // Each warp keeps UNROLL keys' loads in flight before reducing any of them.
+        for (int tw = t0 + warp; tw < t1; tw += 4 * UNROLL) {
+            float kf[UNROLL][E];
 #pragma unroll
-            for (int g = 0; g < GROUP; g++) {
-                float s = 0.f;
-#pragma unroll
-                for (int e = 0; e < E; e++) s = fmaf(qr[g][e], kf[e], s);
-                s = warp_sum(s);
-                if (lane == 0) sp_[g][t - t0] = s;
+            for (int j = 0; j < UNROLL; j++) {
+                const int t = min(tw + 4 * j, t1 - 1);
+                load_row(cache + (size_t)bt[t / block_size] * block_stride +
+                             ((size_t)(t % block_size) * KVH + kh) * HEAD_DIM + lane * E, kf[j]);
             }
+#pragma unroll
+            for (int j = 0; j < UNROLL; j++)
+#pragma unroll
+                for (int g = 0; g < GROUP; g++) {
+                    float s = 0.f;
+#pragma unroll
+                    for (int e = 0; e < E; e++) s = fmaf(qr[g][e], kf[j][e], s);
+                    s = warp_sum(s);
+                    if (lane == 0 && tw + 4 * j < t1) sp_[g][tw + 4 * j - t0] = s;
+                }
         }
         __syncthreads();
         for (int g = warp; g < GROUP; g += 4) {
@@ -118,15 +126,23 @@ extern "C" __global__ void __launch_bounds__(128)
 #pragma unroll
             for (int e = 0; e < E; e++) acc[g][e] *= c;
         }
-        for (int t = t0 + warp; t < t1; t += 4) {
-            float vf[E];
-            load_row(cache + (size_t)bt[t / block_size] * block_stride + kv_half +
-                         ((size_t)(t % block_size) * KVH + kh) * HEAD_DIM + lane * E, vf);
+        for (int tw = t0 + warp; tw < t1; tw += 4 * UNROLL) {
+            float vf[UNROLL][E];
 #pragma unroll
-            for (int g = 0; g < GROUP; g++) {
-                const float p = sp_[g][t - t0];
+            for (int j = 0; j < UNROLL; j++) {
+                const int t = min(tw + 4 * j, t1 - 1);
+                load_row(cache + (size_t)bt[t / block_size] * block_stride + kv_half +
+                             ((size_t)(t % block_size) * KVH + kh) * HEAD_DIM + lane * E, vf[j]);
+            }
 #pragma unroll
-                for (int e = 0; e < E; e++) acc[g][e] = fmaf(p, vf[e], acc[g][e]);
+            for (int j = 0; j < UNROLL; j++) {
+                if (tw + 4 * j >= t1) break;
+#pragma unroll
+                for (int g = 0; g < GROUP; g++) {
+                    const float p = sp_[g][tw + 4 * j - t0];
+#pragma unroll
+                    for (int e = 0; e < E; e++) acc[g][e] = fmaf(p, vf[j][e], acc[g][e]);
+                }
             }
         }
         __syncthreads();

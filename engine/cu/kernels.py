@@ -72,8 +72,12 @@ class Kernels:
         self._gemv = {m: _fn(gemv, f"gemv_m{m}", "PPPPiiii") for m in range(1, GEMV_MAX_ROWS + 1)}
         self._gemv_tc = _fn(gemv, "gemv_tc", "PPPPiiiii")
         # Widths from which decode GEMVs run on the tensor cores (gemv_tc) instead of FMAs.
-        # From 1: every width then shares one per-lane arithmetic (width-invariant tokens).
+        # Measured on an H200 (docs/PERFORMANCE.md): at width 1 the FMA kernel streams the
+        # large matrices faster (96% vs 81% of read bandwidth), the tensor-core one the small
+        # ones; from width 2 the tensor cores win everywhere. So width 1 uses FMAs for
+        # matrices of at least FMA_MIN_ELEMS weights.
         self.tc_from = int(os.environ.get("IGNIS_CUDA_TC_FROM", "1"))
+        self.fma_min_elems = 32 << 20
         self._gemm = _fn(module("gemm"), "gemm_bf16", "PPPPiiiii")
         self._gemm.set_attribute(cuda.function_attribute.MAX_DYNAMIC_SHARED_SIZE_BYTES, GEMM_SMEM)
         dec = module("attention_decode", attn + (("NUM_SPLITS", DECODE_SPLITS),))
@@ -126,7 +130,8 @@ class Kernels:
         if k % 8:
             raise ValueError(f"K={k} must be a multiple of 8")
         ldo = n if ldo is None else ldo
-        if self.tc_from <= rows <= GEMV_MAX_ROWS:
+        use_tc = self.tc_from <= rows <= GEMV_MAX_ROWS and not (rows == 1 and n * k >= self.fma_min_elems)
+        if use_tc:
             self._gemv_tc.prepared_async_call(
                 ((n + 15) // 16, 1, 1), (256, 1, 1), s, x, w, bias, out, _i32(rows), _i32(n), _i32(k), _i32(ldo),
                 _i32(accumulate),

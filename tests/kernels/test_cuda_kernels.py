@@ -112,11 +112,12 @@ def test_rmsnorm_and_swiglu(kern, stream):
 )
 def test_linear_gemv_and_gemm(kern, stream, rows, n, k_, tc_from):
     k = kern[(128, 4)]
-    saved, k.tc_from = k.tc_from, tc_from  # 1: every width on gemv_tc; 9: every width on the FMA gemv
+    saved = k.tc_from, k.fma_min_elems
+    k.tc_from, k.fma_min_elems = tc_from, 1 << 62  # 1: every width on gemv_tc; 9: every width on the FMA gemv
     try:
         _check_linear(k, stream, rows, n, k_)
     finally:
-        k.tc_from = saved
+        k.tc_from, k.fma_min_elems = saved
 
 
 def _check_linear(k, stream, rows, n, k_):

@@ -109,7 +109,7 @@ def test_qwen2_greedy_matches_numpy_backend_and_widths(qwen):
                 for i, t in zip(group, out.decode_tokens):
                     seqs[i].append(t)
         toks[label] = seqs
-    # Every decode width runs the same per-lane arithmetic (gemv_tc for all widths by default),
+    # Below fma_min_elems (all of this small model) every width runs gemv_tc, the same per-lane arithmetic,
     # so a lane's tokens do not depend on its round's width.
     assert toks["cuda1"] == toks["cudaN"]
     # numpy (float32) vs cuda (bf16): identical up to the first position where the top-2 margin is small.
