@@ -1,0 +1,224 @@
+"""Switching between two real models on a live server: explicit, implicit, refused, restored, failed."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests.e2e.server import start_server
+from tests.e2e.switching_helpers import DEFAULT, TINY, chat, entry, models, switch, wait_status
+from tests.helpers import assert_openai_error
+from tests.models.tiny import models_dir_with_two
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(scope="module")
+def live(tmp_path_factory, default_gguf_path):
+    root = tmp_path_factory.mktemp("switching")
+    mdir = models_dir_with_two(root / "models", default_gguf_path, "broken-llama")
+    (mdir / "broken-llama" / "model.safetensors").write_bytes(b"not a safetensors file")  # config reads, load fails
+    outside = root / "outside"
+    outside.mkdir()
+    os.symlink(outside, mdir / "escape")
+    proc, base = start_server(
+        root / "var",
+        "--model-idle-unload",
+        "0",
+        "--switch-drain-timeout",
+        "2",
+        "--switch-known-models",
+        f"{TINY},broken-llama",
+        env_extra={"IGNIS_SERVER_MODELS_DIR": str(mdir)},
+    )
+    yield base, mdir, proc
+    proc.stop()
+
+
+def test_models_list_every_servable_model(live):
+    base, _, _ = live
+    body = models(base)
+    ids = [m["id"] for m in body["data"]]
+    assert ids[0] == DEFAULT and TINY in ids and "broken-llama" in ids
+    assert entry(base, DEFAULT)["status"] == "serving"
+    assert entry(base, TINY)["status"] == "unloaded"
+    assert body["switching"] is None
+
+
+def test_two_names_alternate_with_implicit_switching(live):
+    """The spec's "two names" pitfall: each request is answered by the model it names, one switch each."""
+    base, _, _ = live
+    for name in (TINY, DEFAULT, TINY):
+        resp = chat(base, name)
+        assert resp.status_code == 200, resp.text
+        assert resp.json()["model"] == name
+        last = models(base)["last_switch"]
+        assert last["outcome"] == "switched" and last["to"] == name and last["trigger"] == "implicit"
+    assert entry(base, TINY)["status"] == "serving"
+    assert entry(base, DEFAULT)["status"] == "unloaded"
+    resp = chat(base)  # no name: whatever serves, no switch
+    assert resp.status_code == 200 and resp.json()["model"] == TINY
+
+
+def test_explicit_switch_202_then_409_and_503_everywhere_else(live):
+    base, _, _ = live
+    wait_status(base, TINY, "serving")
+    t0 = time.monotonic()
+    resp = switch(base, model=DEFAULT)
+    assert resp.status_code == 202, resp.text
+    assert resp.json()["to"] == DEFAULT
+    assert_openai_error(switch(base, model=TINY), 409, "switch_in_progress")
+    body = models(base)
+    assert body["switching"] == {"from": TINY, "to": DEFAULT}
+    assert entry(base, DEFAULT)["status"] == "switching"
+    for resp in (
+        chat(base),
+        chat(base, DEFAULT),
+        httpx.post(base + "/v1/tokenize", json={"prompt": "hi"}, timeout=10),
+        httpx.patch(base + "/v1/config", json={"model.decode_share": 0.3}, timeout=10),
+    ):
+        err = assert_openai_error(resp, 503, "model_switching")
+        assert resp.headers["retry-after"] == "5", err
+    assert httpx.get(base + "/v1/config", timeout=10).status_code == 200  # reads are not refused
+    wait_status(base, DEFAULT, "serving")
+    print(f"switch {TINY} -> {DEFAULT}: {time.monotonic() - t0:.1f} s")
+    last = models(base)["last_switch"]
+    assert last["outcome"] == "switched" and last["from"] == TINY and last["trigger"] == "explicit"
+    resp = chat(base, DEFAULT, max_tokens=32)
+    assert resp.status_code == 200 and "4" in resp.json()["choices"][0]["message"]["content"]
+
+
+@pytest.mark.parametrize("path", ["../outside", "/etc", "escape", "smollm2-135m-instruct/../../outside"])
+def test_path_traversal_refused(live, path):
+    base, _, _ = live
+    assert_openai_error(switch(base, path=path), 400, "invalid_path", "path")
+    assert_openai_error(
+        httpx.post(base + "/v1/catalog/import", json={"path": path}, timeout=10), 400, "invalid_path", "path"
+    )
+
+
+def test_unknown_model_is_404_and_other_errors(live):
+    base, _, _ = live
+    assert_openai_error(switch(base, model="no-such-model"), 404, "model_not_found", "model")
+    assert_openai_error(chat(base, "no-such-model"), 404, "model_not_found", "model")
+    assert_openai_error(switch(base), 400, "missing_required_parameter", "model")
+    assert_openai_error(switch(base, model=7), 400, "invalid_type", "model")
+
+
+def test_no_file_and_wrong_id_are_refused_and_the_old_model_keeps_serving(live):
+    base, _, _ = live
+    serving = next(m["id"] for m in models(base)["data"] if m["status"] == "serving")
+    assert switch(base, path="nothing-here").status_code == 202
+    last = _wait_last(base, "refused")
+    assert "no file" in last["reason"]
+    assert switch(base, path=TINY, model="broken-llama").status_code == 202
+    last = _wait_last(base, "refused")
+    assert "belongs to" in last["reason"]
+    assert entry(base, serving)["status"] == "serving"
+
+
+def test_catalog_import_by_celery_then_bad_checksum_is_refused(live):
+    base, mdir, _ = live
+    shutil.copytree(mdir / TINY, mdir / "tiny-copy")
+    resp = httpx.post(base + "/v1/catalog/import", json={"path": "tiny-copy"}, timeout=10)
+    assert resp.status_code == 202, resp.text
+    art = _wait_catalog(base, "tiny-copy", "on_disk")
+    assert art["sha256"] and art["progress"]["percent"] == 100.0 and art["format"] == "hf"
+    assert "tiny-copy" in [m["id"] for m in models(base)["data"]]  # on disk in the catalog: servable
+    cfg = json.loads((mdir / "tiny-copy" / "config.json").read_text())
+    (mdir / "tiny-copy" / "config.json").write_text(json.dumps({**cfg, "note": "tampered"}))
+    serving = next(m["id"] for m in models(base)["data"] if m["status"] == "serving")
+    assert switch(base, model="tiny-copy").status_code == 202
+    last = _wait_last(base, "refused")
+    assert "checksum" in last["reason"]
+    assert entry(base, serving)["status"] == "serving"
+
+
+def test_failure_after_teardown_restores_and_implicit_failure_is_503_without_retry_after(live):
+    base, _, _ = live
+    assert chat(base, TINY).status_code == 200  # serving the quick one, so the restore is quick
+    assert switch(base, model="broken-llama").status_code == 202
+    last = _wait_last(base, "restored")
+    assert last["to"] == "broken-llama" and last["reason"]
+    assert entry(base, TINY)["status"] == "serving"
+    resp = chat(base, "broken-llama")
+    assert_openai_error(resp, 503, "model_switch_failed")
+    assert "retry-after" not in resp.headers
+    assert models(base)["last_switch"]["outcome"] == "restored"
+    assert entry(base, TINY)["status"] == "serving"
+
+
+def test_implicit_switching_off_makes_another_name_a_404(live):
+    base, _, _ = live
+    patch = httpx.patch(base + "/v1/config", json={"switch.allow_implicit": False}, timeout=10)
+    assert patch.status_code == 200, patch.text
+    try:
+        serving = next(m["id"] for m in models(base)["data"] if m["status"] == "serving")
+        other = DEFAULT if serving == TINY else TINY
+        for _ in range(2):  # alternating names no longer reloads anything
+            assert_openai_error(chat(base, other), 404, "model_not_found", "model")
+            assert chat(base, serving).status_code == 200
+        assert entry(base, serving)["status"] == "serving"
+    finally:
+        httpx.patch(base + "/v1/config", json={"switch.allow_implicit": True}, timeout=10)
+
+
+def test_running_request_gets_the_drain_timeout_then_engine_error(live):
+    base, _, _ = live
+    assert chat(base, TINY).status_code == 200
+    events: list[str] = []
+
+    def stream():
+        body = {
+            "model": TINY,
+            "messages": [{"role": "user", "content": "Count."}],
+            "max_tokens": 1900,
+            "stream": True,
+            "temperature": 1.0,
+            "ignore_eos": True,
+        }
+        with httpx.stream("POST", base + "/v1/chat/completions", json=body, timeout=120) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+
+    t = threading.Thread(target=stream)
+    t.start()
+    time.sleep(1.0)
+    t0 = time.monotonic()
+    assert switch(base, model="tiny-llama").status_code == 202  # a reload: the stream must end
+    t.join(60)
+    assert not t.is_alive()
+    errors = [json.loads(e)["error"] for e in events if e.startswith('{"error"')]
+    finished = any('"finish_reason": "stop"' in e or '"finish_reason":"stop"' in e for e in events)
+    assert errors and errors[0]["code"] == "engine_error" or finished, events[-3:]
+    _wait_last(base, "switched")
+    assert time.monotonic() - t0 >= 1.5 or finished  # it was given the drain timeout (2 s)
+
+
+def _wait_last(base: str, outcome: str, timeout: float = 120.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        body = models(base)
+        last = body["last_switch"]
+        if body["switching"] is None and last and last["outcome"] == outcome:
+            return last
+        time.sleep(0.2)
+    raise AssertionError(f"last_switch never became {outcome}: {models(base)}")
+
+
+def _wait_catalog(base: str, served_id: str, state: str, timeout: float = 60.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        data = httpx.get(base + "/v1/catalog", timeout=10).json()["data"]
+        art = next((a for a in data if a["id"] == served_id), None)
+        if art and art["state"] == state:
+            return art
+        time.sleep(0.3)
+    raise AssertionError(f"{served_id} never reached {state}: {data}")
