@@ -24,5 +24,5 @@ async def engine_status(timeout: float = 2.0) -> dict | None:
     await layer.send(ENGINE_CHANNEL, {"type": "engine.status", "reply_channel": reply})
     try:
         return await asyncio.wait_for(layer.receive(reply), timeout)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         return None

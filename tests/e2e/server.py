@@ -59,8 +59,9 @@ def start_server(data_dir: Path, *flags: str, env_extra: dict | None = None, por
     port = port or free_port()
     env = server_env(data_dir, **(env_extra or {}))
     migrate(env)
-    proc = LiveProcess([sys.executable, "manage.py", "serve", "--port", str(port), *flags], env,
-                       data_dir / f"server-{port}.log")
+    proc = LiveProcess(
+        [sys.executable, "manage.py", "serve", "--port", str(port), *flags], env, data_dir / f"server-{port}.log"
+    )
     base = f"http://127.0.0.1:{port}"
     wait_healthy(base, proc)
     return proc, base

@@ -40,11 +40,21 @@ def test_bad_field_is_400_naming_param(live_server_url, body, param):
     assert_openai_error(resp, 400, param=param)
 
 
-@pytest.mark.parametrize("raw", [b"{not json", b"[1, 2]", b'{"messages": NaN}', b"\xff\xfe", b"",
-                                 b'{"messages": [{"role": "user", "content": "x"}], "temperature": Infinity}'])
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"{not json",
+        b"[1, 2]",
+        b'{"messages": NaN}',
+        b"\xff\xfe",
+        b"",
+        b'{"messages": [{"role": "user", "content": "x"}], "temperature": Infinity}',
+    ],
+)
 def test_malformed_json_is_400(live_server_url, raw):
-    resp = httpx.post(live_server_url + "/v1/chat/completions", content=raw,
-                      headers={"content-type": "application/json"}, timeout=30)
+    resp = httpx.post(
+        live_server_url + "/v1/chat/completions", content=raw, headers={"content-type": "application/json"}, timeout=30
+    )
     assert_openai_error(resp, 400, code="invalid_json")
 
 
@@ -56,8 +66,9 @@ def test_body_over_limit_is_413(live_server_url):
 
 def test_prompt_beyond_context_is_context_length_exceeded(live_server_url):
     long = "hello " * 9000
-    resp = httpx.post(live_server_url + "/v1/chat/completions",
-                      json={"messages": [{"role": "user", "content": long}]}, timeout=60)
+    resp = httpx.post(
+        live_server_url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": long}]}, timeout=60
+    )
     assert_openai_error(resp, 400, code="context_length_exceeded", param="messages")
 
 

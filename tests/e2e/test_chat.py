@@ -9,14 +9,31 @@ import pytest
 
 pytestmark = pytest.mark.e2e
 
-COLORS = {"red", "blue", "green", "yellow", "orange", "purple", "pink", "black", "white", "brown", "gray", "grey",
-          "violet", "indigo", "cyan", "magenta"}
+COLORS = {
+    "red",
+    "blue",
+    "green",
+    "yellow",
+    "orange",
+    "purple",
+    "pink",
+    "black",
+    "white",
+    "brown",
+    "gray",
+    "grey",
+    "violet",
+    "indigo",
+    "cyan",
+    "magenta",
+}
 
 
 def ask(client, prompt: str, **kw):
     kw = {"temperature": 0, "max_tokens": 64, **kw}
-    return client.chat.completions.create(model="smollm2-135m-instruct",
-                                          messages=[{"role": "user", "content": prompt}], **kw)
+    return client.chat.completions.create(
+        model="smollm2-135m-instruct", messages=[{"role": "user", "content": prompt}], **kw
+    )
 
 
 def test_models_list_names_the_served_model(client):
@@ -61,8 +78,11 @@ def test_three_colors_streamed_with_usage(client):
 
 def test_stream_matches_non_stream_greedy(client):
     whole = ask(client, "Write one sentence about the sea.", max_tokens=24).choices[0].message.content
-    streamed = "".join(c.choices[0].delta.content or "" for c in ask(
-        client, "Write one sentence about the sea.", max_tokens=24, stream=True) if c.choices)
+    streamed = "".join(
+        c.choices[0].delta.content or ""
+        for c in ask(client, "Write one sentence about the sea.", max_tokens=24, stream=True)
+        if c.choices
+    )
     assert streamed == whole
 
 
@@ -82,10 +102,12 @@ def test_stop_string_cuts_the_text(client):
 
 def test_seeded_sampling_is_reproducible(client):
     kw = {"temperature": 0.9, "top_p": 0.95, "seed": 1234, "max_tokens": 20}
-    a = client.chat.completions.create(model="smollm2-135m-instruct", messages=[{"role": "user", "content": "Hi!"}],
-                                       **kw)
-    b = client.chat.completions.create(model="smollm2-135m-instruct", messages=[{"role": "user", "content": "Hi!"}],
-                                       **kw)
+    a = client.chat.completions.create(
+        model="smollm2-135m-instruct", messages=[{"role": "user", "content": "Hi!"}], **kw
+    )
+    b = client.chat.completions.create(
+        model="smollm2-135m-instruct", messages=[{"role": "user", "content": "Hi!"}], **kw
+    )
     assert a.choices[0].message.content == b.choices[0].message.content
 
 
