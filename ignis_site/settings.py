@@ -102,7 +102,7 @@ if REDIS_URL:
     CELERY_RESULT_BACKEND = REDIS_URL
 else:
     _celery_dir = VAR_DIR / "celery"
-    for _sub in ("in", "processed", "results"):
+    for _sub in ("in", "processed", "results", "control"):
         (_celery_dir / _sub).mkdir(parents=True, exist_ok=True)
     CELERY_BROKER_URL = "filesystem://"
     CELERY_BROKER_TRANSPORT_OPTIONS = {
@@ -110,6 +110,7 @@ else:
         "data_folder_out": str(_celery_dir / "in"),
         "processed_folder": str(_celery_dir / "processed"),
         "store_processed": False,
+        "control_folder": str(_celery_dir / "control"),
     }
     CELERY_RESULT_BACKEND = f"file://{_celery_dir / 'results'}"
 CELERY_TASK_SERIALIZER = "json"
