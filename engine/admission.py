@@ -100,5 +100,6 @@ def admit(
         num_logprobs=msg.num_logprobs,
         want_logprobs=msg.want_logprobs or msg.num_logprobs > 0,
         is_decide=msg.decide,
+        shared_prefix_len=min(max(msg.shared_prefix_len, 0), num_prompt),
         arrival_time=now,
     )

@@ -7,7 +7,9 @@ block is in exactly one of four states:
 * retained: ``ref_count == 0`` but hashed, so a later prompt with the same
   prefix can claim it; evicted LRU only when the free list runs dry, and
   never counted against a live request (it is available memory);
-* pinned: a retained block kept for a shared prefix, never evicted;
+* pinned: a retained block of a shared prefix (a system block that a burst of
+  subagents opens with): evicted only after every unpinned retained block, so
+  it outlives ordinary retention but is never counted against a live request;
 * free: unhashed, on the free list.
 
 A full prompt block's hash is chained from the previous block's hash, so a
@@ -40,6 +42,7 @@ class KVManager:
         self.hash_to_block: dict[int, int] = {}
         self.free_blocks: deque[int] = deque(range(num_blocks))
         self.evictable: OrderedDict[int, None] = OrderedDict()  # retained, LRU first
+        self.evictable_pinned: OrderedDict[int, None] = OrderedDict()  # pinned and unreferenced, LRU first
         self.free_host_blocks: deque[int] = deque(range(num_host_blocks))
         # Host blocks a swap-in is still reading: a plan runs its swap-outs first,
         # so they may not take a new page until the plan has run (end_step()).
@@ -54,8 +57,8 @@ class KVManager:
 
     @property
     def num_available_blocks(self) -> int:
-        """Free plus evictable retained blocks."""
-        return len(self.free_blocks) + len(self.evictable)
+        """Free plus evictable retained blocks (pinned ones included: they only go last)."""
+        return len(self.free_blocks) + len(self.evictable) + len(self.evictable_pinned)
 
     @property
     def num_free_host_blocks(self) -> int:
@@ -63,7 +66,7 @@ class KVManager:
 
     def usage(self) -> dict[str, int]:
         used = sum(1 for r in self.ref_count if r > 0)
-        pinned = sum(1 for r, p in zip(self.ref_count, self.pins) if r == 0 and p > 0)
+        pinned = len(self.evictable_pinned)
         return {
             "total": self.num_blocks,
             "used": used,
@@ -98,7 +101,7 @@ class KVManager:
     def num_blocks_to_allocate(self, seq: Sequence) -> int:
         """Available blocks ``allocate(seq)`` would take (claiming a retained block takes one)."""
         hits = self._claimable(seq)
-        live_hits = sum(1 for b, _ in hits if self.ref_count[b] > 0 or self.pins[b] > 0)
+        live_hits = sum(1 for b, _ in hits if self.ref_count[b] > 0)
         return self.blocks_for(seq.num_tokens) - live_hits
 
     def can_allocate(self, num_tokens: int, seq: Sequence | None = None) -> bool:
@@ -111,7 +114,8 @@ class KVManager:
     def _take_block(self) -> int:
         if self.free_blocks:
             return self.free_blocks.popleft()
-        b, _ = self.evictable.popitem(last=False)
+        b, _ = (self.evictable or self.evictable_pinned).popitem(last=False)
+        self.pins[b] = 0
         self._unhash(b)
         return b
 
@@ -125,12 +129,15 @@ class KVManager:
     def _claim(self, b: int) -> None:
         if self.ref_count[b] == 0:
             self.evictable.pop(b, None)
+            self.evictable_pinned.pop(b, None)
         self.ref_count[b] += 1
 
     def _release(self, b: int) -> None:
         self.ref_count[b] -= 1
-        if self.ref_count[b] == 0 and self.pins[b] == 0:
-            if self.hashes[b] is not None:
+        if self.ref_count[b] == 0:
+            if self.pins[b]:
+                self.evictable_pinned[b] = None
+            elif self.hashes[b] is not None:
                 self.evictable[b] = None
                 self.evictable.move_to_end(b)
             else:
@@ -222,7 +229,7 @@ class KVManager:
     def can_swap_in(self, seq: Sequence, num_tokens: int = 0) -> bool:
         """Whether ``seq``'s pages come back and it then holds ``num_tokens`` positions."""
         hits = self._swap_in_hits(seq)
-        need = len(seq.host_block_table) - sum(1 for b in hits if self.ref_count[b] > 0 or self.pins[b] > 0)
+        need = len(seq.host_block_table) - sum(1 for b in hits if self.ref_count[b] > 0)
         need += max(0, self.blocks_for(num_tokens) - len(seq.host_block_table))
         return need <= self.num_available_blocks
 
@@ -250,18 +257,23 @@ class KVManager:
     # -- shared prefixes -----------------------------------------------------
 
     def pin_prefix(self, token_ids: Seq[int]) -> int:
-        """Keep the cached full blocks prefixing ``token_ids`` resident for any number
-        of later requests (e.g. a system block); returns the pinned token count."""
+        """Mark the computed full blocks prefixing ``token_ids`` (e.g. a system block) as a
+        shared prefix: evicted only after every unpinned retained block. Idempotent;
+        returns the pinned token count."""
         hits = self._match(token_ids, len(token_ids) // self.block_size)
         for b, _ in hits:
-            self.pins[b] += 1
-            self.evictable.pop(b, None)
+            if not self.pins[b]:
+                self.pins[b] = 1
+                if self.ref_count[b] == 0:
+                    self.evictable.pop(b, None)
+                    self.evictable_pinned[b] = None
         return len(hits) * self.block_size
 
     def unpin_prefix(self, token_ids: Seq[int]) -> int:
-        hits = [(b, h) for b, h in self._match(token_ids, len(token_ids) // self.block_size) if self.pins[b] > 0]
-        for b, _ in hits:
-            self.pins[b] -= 1
-            if self.pins[b] == 0 and self.ref_count[b] == 0:
+        hits = [b for b, _ in self._match(token_ids, len(token_ids) // self.block_size) if self.pins[b]]
+        for b in hits:
+            self.pins[b] = 0
+            if self.ref_count[b] == 0:
+                self.evictable_pinned.pop(b, None)
                 self.evictable[b] = None
         return len(hits) * self.block_size

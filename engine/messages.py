@@ -44,6 +44,9 @@ class AddRequest(_Msg):
     model: str | None = None  # the served id the client named (None: whatever is loaded)
     decide: bool = False  # prefill only, return last-position logits
     grammar: str | None = None  # llguidance grammar constraining the output (engine.constraint)
+    # Leading prompt tokens that are its system block, kept as a shared prefix once
+    # computed (a burst of subagents opening with the same block): KVManager.pin_prefix.
+    shared_prefix_len: int = 0
 
 
 @dataclass

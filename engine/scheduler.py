@@ -259,6 +259,8 @@ class Scheduler:
         if seq.num_computed_tokens < seq.num_tokens:
             return
         self.prefilling = None
+        if seq.shared_prefix_len:  # its system block outlives plain retention (idempotent)
+            self.kv.pin_prefix(seq.prompt_token_ids[: seq.shared_prefix_len])
         if seq.is_decide:
             logits = None if out.prefill_logits is None else [float(x) for x in out.prefill_logits]
             seq.first_token_time = now

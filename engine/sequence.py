@@ -51,6 +51,7 @@ class Sequence:
     is_decide: bool = False  # prefill only, answer with last-position logits
     arrival_time: float = 0.0
     constraint: object | None = None  # engine.constraint.GrammarConstraint
+    shared_prefix_len: int = 0  # leading prompt tokens to pin as a shared prefix once computed
     first_token_time: float | None = None
     status: SequenceStatus = SequenceStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)

@@ -94,6 +94,39 @@ def chat_prompt(req: ChatRequest, served: ServedModel) -> tuple[str, list[int]]:
     return prompt, served.tokenizer.encode(prompt)
 
 
+def system_block_len(req: ChatRequest, served: ServedModel, prompt_ids: list[int]) -> int:
+    """How many leading prompt tokens are its system block: the leading system messages
+    rendered alone (tools included), as far as they tokenize the same. The engine keeps
+    that span as a shared prefix (a burst of subagents opening with one block); 0 if none."""
+    from apps.api.tools import tools_prompt_apply
+    from engine.chat_template import ChatTemplateError, render_chat
+
+    tok = served.tokenizer
+    tools = req.tools if req.tool_choice != "none" else []
+    messages, template_tools = tools_prompt_apply(req.messages, tools, tok.chat_template)
+    k = next((i for i, m in enumerate(messages) if m["role"] != "system"), len(messages))
+    if k == 0:
+        return 0
+    try:
+        text = render_chat(
+            tok.chat_template,
+            messages[:k],
+            tools=template_tools,
+            add_generation_prompt=False,
+            bos_token=tok.bos_token,
+            eos_token=tok.eos_token,
+            **req.template_kwargs,
+        )
+    except (ChatTemplateError, TypeError):  # a template that wants more than a system block
+        return 0
+    n = 0
+    for a, b in zip(tok.encode(text), prompt_ids):
+        if a != b:
+            break
+        n += 1
+    return n
+
+
 def _sampling_for(sampling: dict, i: int) -> dict:
     """Choice i's sampling: a seeded request's choices get consecutive seeds so they differ, reproducibly."""
     if i == 0 or sampling.get("seed") is None:
@@ -113,6 +146,7 @@ def _adds(
     grammar: str | None,
     logprobs: bool,
     top: int,
+    shared_prefix_len: int = 0,
 ) -> list[AddRequest]:
     adds = []
     for p, ids in enumerate(prompts):
@@ -131,6 +165,7 @@ def _adds(
                     want_logprobs=logprobs,
                     num_logprobs=top,
                     grammar=grammar,
+                    shared_prefix_len=shared_prefix_len,
                 )
             )
     return adds
@@ -153,6 +188,7 @@ def chat_prepare(body: dict) -> PreparedChat:
         grammar=req.grammar,
         logprobs=req.logprobs,
         top=req.top_logprobs,
+        shared_prefix_len=system_block_len(req, served, prompt_ids),
     )
     return PreparedChat(
         request=req,

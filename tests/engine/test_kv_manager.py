@@ -155,7 +155,9 @@ def test_pinned_prefix_survives_pressure():
     prefill(kv, a)
     kv.free(a)
     assert kv.pin_prefix(system) == 8
-    assert kv.usage()["pinned"] == 2 and kv.num_available_blocks == 2
+    assert kv.pin_prefix(system) == 8  # idempotent
+    # Pinned blocks stay available to a live request; they are only evicted last.
+    assert kv.usage()["pinned"] == 2 and kv.num_available_blocks == 4
     filler = make_seq(range(100, 108), seq_id=1)
     prefill(kv, filler)
     kv.free(filler)
@@ -165,3 +167,32 @@ def test_pinned_prefix_survives_pressure():
     assert kv.allocate(make_seq(system + [5], seq_id=3)) == 8
     assert kv.unpin_prefix(system) == 8
     assert kv.usage()["pinned"] == 0
+
+
+def test_pinned_prefix_goes_last_and_never_blocks_a_live_request():
+    kv = KVManager(6, BS, 0)
+    system = list(range(8))
+    a = make_seq(system + [1])
+    prefill(kv, a)
+    assert kv.pin_prefix(system) == 8  # pinned while live: retained pinned once freed
+    kv.free(a)
+    assert kv.usage()["pinned"] == 2
+    old = make_seq(range(100, 109), seq_id=1)  # retained after the pinned prefix, so younger in plain LRU
+    prefill(kv, old)
+    kv.free(old)
+    mid = make_seq(range(200, 215), seq_id=2)  # 4 blocks: the free ones, then unpinned retained
+    assert kv.allocate(mid) == 0
+    assert kv.usage()["pinned"] == 2
+    kv.free(mid)
+    assert kv.allocate(make_seq(system + [7], seq_id=3)) == 8
+    # A request that needs the whole pool gets it: the pinned prefix is evicted, last.
+    kv2 = KVManager(6, BS, 0)
+    s = make_seq(system + [1])
+    prefill(kv2, s)
+    kv2.pin_prefix(system)
+    kv2.free(s)
+    big = make_seq(range(300, 324), seq_id=4)
+    assert kv2.can_allocate(0, big) and kv2.allocate(big) == 0
+    assert kv2.usage()["pinned"] == 0 and not any(kv2.pins)
+    kv2.free(big)
+    assert kv2.allocate(make_seq(system + [2], seq_id=5)) == 0

@@ -29,7 +29,7 @@ def assert_pool_drained(sched) -> None:
     sched.kv.end_step()
     u = sched.kv.usage()
     assert u["used"] == 0 and u["host_used"] == 0
-    assert sched.kv.num_available_blocks == u["total"] - u["pinned"]
+    assert sched.kv.num_available_blocks == u["total"]  # pinned prefixes included: they only go last
     assert not sched.has_work and sched.stats()["lanes_busy"] == 0
 
 
@@ -174,6 +174,32 @@ def test_prefix_hit_skips_shared_full_blocks():
     assert all(m["cached_tokens"] == 12 for m in msgs if m["type"] == "engine.tokens")
     stats = sched.stats()
     assert stats["prefix_hits"] == 1 and stats["cached_tokens"] == 12
+
+
+@pytest.mark.parametrize("shared_prefix", [True, False])
+def test_a_burst_shares_its_system_block_and_a_pin_outlives_a_flood(shared_prefix):
+    """A burst of subagents claims the first one's system blocks while it is still
+    live; marked as a shared prefix, the block then survives traffic that evicts
+    every other retained page, so the next burst skips it too."""
+    sched, backend, clock = create_scheduler(num_blocks=24, block_size=4, prefill_chunk=64, decode_lanes=4)
+    system = list(range(500, 513))  # 3 full blocks + 1 token
+    kw = {"shared_prefix_len": len(system)} if shared_prefix else {}
+    burst = create_requests(4, prompt_len=20, max_tokens=5, prefix=system, **kw)
+    for r in burst:
+        assert sched.add_request(r) is None
+    done = run_until_done(sched, backend, clock)
+    cached = [finished_of(done[r.request_id])["cached_tokens"] for r in burst]
+    assert cached == [0, 12, 12, 12]  # live sharing: no pin needed within a burst
+    assert sched.kv.usage()["pinned"] == (3 if shared_prefix else 0)
+    for flood in create_requests(6, prompt_len=20, max_tokens=5, start=100):  # 30 retained blocks > the pool
+        sched.add_request(flood)
+        run_until_done(sched, backend, clock)
+    (late,) = create_requests(1, prompt_len=20, max_tokens=5, prefix=system, start=50, **kw)
+    sched.add_request(late)
+    msgs = run_until_done(sched, backend, clock)[late.request_id]
+    assert finished_of(msgs)["cached_tokens"] == (12 if shared_prefix else 0)
+    assert tokens_of(msgs) == expected_tokens(late, 5)
+    assert_pool_drained(sched)
 
 
 def test_identical_prompt_recomputes_its_last_token():
