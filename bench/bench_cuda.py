@@ -146,8 +146,8 @@ def kernel_breakdown(be, bw: float) -> list[str]:
 
     c, k, s = be.config, be.kern, be.stream
     hid, inter, hd = c.hidden_size, c.intermediate_size, c.num_heads * c.head_dim
-    shapes = [("q|k|v", "qkv", be.n_qkv, hid, be.xn), ("o", "o", hid, hd, be.attn),
-              ("gate|up", "gate_up", 2 * inter, hid, be.xn), ("down", "down", hid, inter, be.act)]  # fmt: skip
+    shapes = [("q,k,v", "qkv", be.n_qkv, hid, be.xn), ("o", "o", hid, hd, be.attn),
+              ("gate,up", "gate_up", 2 * inter, hid, be.xn), ("down", "down", hid, inter, be.act)]  # fmt: skip
     lines = ["| GEMV | N x K | width | FMA kernel | tensor-core kernel |", "|---|---|---|---|---|"]
     saved = k.tc_from, k.fma_min_elems
     k.fma_min_elems = 1 << 62
