@@ -54,7 +54,7 @@ class CudaBackend(Backend):
         super().__init__()
         self._allocs: list = []
         self.graphs: dict = {}
-        self.k = None
+        self.dstage = self.pstage = None
 
     # --- load ------------------------------------------------------------------------------
 
@@ -63,7 +63,11 @@ class CudaBackend(Backend):
         from engine.cu import runtime
 
         with runtime.current():
-            return self._load(config, weights, block_size, kv_budget_bytes, host_kv_budget_bytes, max_context)
+            try:
+                return self._load(config, weights, block_size, kv_budget_bytes, host_kv_budget_bytes, max_context)
+            except BaseException:
+                self.unload()  # free what the failed load took
+                raise
 
     def _load(self, cfg, weights, block_size, kv_budget_bytes, host_kv_budget_bytes, max_context) -> MemoryPlan:
         import pycuda.driver as cuda
@@ -454,7 +458,9 @@ class CudaBackend(Backend):
                 g.destroy()
             self.graphs = {}
             for st in (self.dstage, self.pstage):
-                st.free()
+                if st is not None:
+                    st.free()
+            self.dstage = self.pstage = None
             for a, _ in self._allocs:
                 a.free()
             self._allocs = []
