@@ -121,7 +121,7 @@ def weights_bytes(cfg: ModelConfig) -> int:
     h, i = cfg.hidden_size, cfg.intermediate_size
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     per_layer = 2 * h + h * (q + 2 * kv) + q * h + 3 * h * i + ((q + 2 * kv) if cfg.attention_bias else 0)
-    params = cfg.vocab_size * h * (1 if cfg.tie_word_embeddings else 2) + h + cfg.num_layers * per_layer
+    params = 2 * cfg.vocab_size * h + h + cfg.num_layers * per_layer  # a tied head is still its own [h, vocab] copy
     return 4 * params
 
 

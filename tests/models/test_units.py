@@ -1,0 +1,70 @@
+"""Unit tests for the catalog's rules: config validation, path confinement, the RAM plan."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from engine.model_config import ModelConfig
+from engine.switching import SwitchRefused, ram_plan, weights_bytes
+from ignis_site import config
+
+SMOL = ModelConfig(
+    arch="llama",
+    vocab_size=49152,
+    hidden_size=576,
+    intermediate_size=1536,
+    num_layers=30,
+    num_heads=9,
+    num_kv_heads=3,
+    head_dim=64,
+    max_position=8192,
+    tie_word_embeddings=True,
+)
+
+
+def test_validate_names_the_bad_key_and_parses_the_rest():
+    assert config.validate({"model.decode_share": "0.5", "switch.allow_implicit": "off"}) == {
+        "model.decode_share": 0.5,
+        "switch.allow_implicit": False,
+    }
+    for patch, key in [
+        ({"model.decode_share": 1.5}, "model.decode_share"),
+        ({"x.y": 1}, "x.y"),
+        ({"model.idle_unload": 2.5}, "model.idle_unload"),
+    ]:
+        with pytest.raises(ValueError) as exc:
+            config.validate(patch)
+        assert exc.value.args[0] == key
+
+
+def test_key_applies():
+    assert config.key_applies("model.max_context") == "reload"
+    assert config.key_applies("model.idle_unload") == "live"
+    assert config.key_applies("server.port") == "restart"
+
+
+def test_weights_estimate_matches_the_numpy_backend():
+    assert weights_bytes(SMOL) == 651306240  # what ignis.runtime.vram_plan logs for SmolLM2-135M
+
+
+def test_ram_plan_refuses_with_bytes():
+    plan = ram_plan(SMOL, ram_budget=0, kv_ram_budget=1 << 29, max_context=8192, block_size=16, freed_bytes=0)
+    assert plan.kv_bytes == 1 << 29
+    with pytest.raises(SwitchRefused, match="budget_bytes=700000000"):
+        ram_plan(SMOL, ram_budget=700_000_000, kv_ram_budget=0, max_context=8192, block_size=16, freed_bytes=0)
+
+
+@pytest.mark.django_db
+def test_path_confine_refuses_escapes(tmp_path, settings):
+    from apps.api.errors import InvalidRequest
+    from apps.models.services import path_confine
+
+    settings.MODELS_DIR = tmp_path / "models"
+    (tmp_path / "models" / "ok").mkdir(parents=True)
+    os.symlink(tmp_path, tmp_path / "models" / "escape")
+    assert path_confine("ok") == (tmp_path / "models" / "ok").resolve()
+    for raw in ("../x", "/etc/passwd", "escape", "ok/../../x"):
+        with pytest.raises(InvalidRequest):
+            path_confine(raw)
