@@ -312,7 +312,7 @@
     try {
       const data = await apiJson("GET", "/v1/models");
       const entries = data.data || [];
-      const live = entries.find((e) => e.status && e.status !== "available") || entries[0];
+      const live = entries.find((e) => e.status && e.status !== "unloaded") || entries[0];
       const pill = $("#model-status");
       pill.textContent = live ? live.id + " · " + (live.status || "?") : "no model";
       pill.dataset.status = live ? live.status || "" : "";
