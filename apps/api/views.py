@@ -29,11 +29,13 @@ async def models_list(request):
 
 
 async def health(request):
-    """GET /health: 200 when the engine answers and serves, else 503 with its state."""
+    """GET /health: 200 while the engine answers and can serve (serving, or unloaded and
+    ready to load on the next request); 503 with its state while loading, switching,
+    failed or unreachable, so a balancer sends traffic elsewhere only when it must."""
     status = await engine_client.engine_status()
     state = (status or {}).get("status", "unreachable")
-    return JsonResponse({"status": "ok" if state == "serving" else state, "engine": status},
-                        status=200 if state == "serving" else 503)
+    healthy = state in ("serving", "unloaded")
+    return JsonResponse({"status": "ok" if healthy else state, "engine": status}, status=200 if healthy else 503)
 
 
 @api_view(["POST"])
