@@ -90,6 +90,31 @@ def test_top_p_mask_keeps_smallest_prefix():
     assert list(np.isfinite(out)) == [True, False, False, False]
 
 
+def _top_p_by_full_sort(x: np.ndarray, top_p: float) -> np.ndarray:
+    """The plain definition: sort every survivor, keep the smallest prefix reaching top_p."""
+    x = x.copy()
+    live = np.flatnonzero(np.isfinite(x))
+    order = live[np.argsort(-x[live], kind="stable")]
+    e = np.exp(x[order].astype(np.float64) - x[order].max())
+    probs = e / e.sum()
+    x[order[np.cumsum(probs) - probs >= top_p]] = -np.inf
+    return x
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_top_p_partial_sort_matches_the_full_sort(seed):
+    rng = np.random.default_rng(seed)
+    vocab = 49152
+    for scale in (0.5, 3.0, 12.0):  # flat (widens past the first candidates) to peaked
+        x = (rng.standard_normal(vocab) * scale).astype(np.float32)
+        x[rng.integers(0, vocab, 300)] = x.max()  # ties at the top
+        x[rng.integers(0, vocab, 2000)] = np.round(x[rng.integers(0, vocab, 2000)], 1)  # ties everywhere
+        x[rng.integers(0, vocab, 5000)] = -np.inf  # an earlier mask
+        for top_p in (0.01, 0.5, 0.9, 0.999):
+            got = process_logits(x.copy(), SamplingParams(temperature=1.0, top_p=top_p))
+            np.testing.assert_array_equal(np.isfinite(got), np.isfinite(_top_p_by_full_sort(x, top_p)))
+
+
 def test_min_p_mask():
     probs = np.array([0.5, 0.3, 0.12, 0.08])
     x = np.log(probs).astype(np.float32)
