@@ -1,0 +1,84 @@
+"""A client that goes away frees its lane within a round: read from the engine's own state."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+pytestmark = pytest.mark.e2e
+BODY = {
+    "model": "smollm2-135m-instruct",
+    "messages": [{"role": "user", "content": "Tell a very long story."}],
+    "max_tokens": 3000,
+    "temperature": 0,
+    "stream": True,
+}
+
+
+def stats(base: str) -> dict:
+    return httpx.get(base + "/health", timeout=10).json()["engine"]["stats"]
+
+
+def wait_lanes_free(base: str, timeout: float = 10.0) -> float:
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        if stats(base)["lanes_busy"] == 0:
+            return time.monotonic() - t0
+        time.sleep(0.05)
+    raise AssertionError(f"lanes still busy after {timeout}s: {stats(base)}")
+
+
+def test_dropped_sse_client_frees_its_lane(live_server_url):
+    wait_lanes_free(live_server_url)
+    aborted = stats(live_server_url)["aborted"]
+    with (
+        httpx.Client(timeout=60) as http,
+        http.stream("POST", live_server_url + "/v1/chat/completions", json=BODY) as resp,
+    ):
+        lines = 0
+        for line in resp.iter_lines():
+            lines += line.startswith("data: ")
+            if lines >= 4:
+                break
+        assert stats(live_server_url)["lanes_busy"] == 1
+    # The connection is closed here, mid-stream.
+    assert wait_lanes_free(live_server_url) < 5.0
+    assert stats(live_server_url)["aborted"] == aborted + 1
+
+
+CHILD = """
+import sys, httpx, json
+with httpx.stream("POST", sys.argv[1] + "/v1/chat/completions", json=json.loads(sys.argv[2]), timeout=60) as r:
+    for line in r.iter_lines():
+        if line.startswith("data: "):
+            print("chunk", flush=True)
+"""
+
+
+def test_killed_client_process_frees_its_lanes(live_server_url):
+    wait_lanes_free(live_server_url)
+    body = {**BODY, "n": 2}
+    child = subprocess.Popen(
+        [sys.executable, "-c", CHILD, live_server_url, json.dumps(body)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        for _ in range(3):
+            assert child.stdout.readline().strip() == "chunk"
+        assert stats(live_server_url)["lanes_busy"] == 2
+        child.send_signal(signal.SIGKILL)
+    finally:
+        child.wait(10)
+    assert wait_lanes_free(live_server_url) < 5.0
+
+
+def test_non_streaming_client_that_times_out_frees_its_lane(live_server_url):
+    wait_lanes_free(live_server_url)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(live_server_url + "/v1/chat/completions", json={**BODY, "stream": False}, timeout=2.0)
+    assert wait_lanes_free(live_server_url) < 5.0
