@@ -1,0 +1,31 @@
+#!/bin/bash
+# The whole server on the GPU machine, in one device call: install the wheels
+# carried in .whl (once), start `manage.py serve --model-backend cuda` on the
+# default model, drive it with bench/gpu_server_check.py; logs under $OUT.
+# The GGUF travels in pieces under .gpu/{a,b,c} (a call carries at most 64 MiB).
+set -o pipefail
+export PYTHONUNBUFFERED=1 PYCUDA_CACHE_DIR=/tmp/pycuda-cache
+mkdir -p "$OUT"
+if [ ! -f .gpu-site/.done ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target .gpu-site .whl/*.whl && touch .gpu-site/.done
+fi
+export PYTHONPATH=$PWD/.gpu-site:$PWD
+[ "$1" = install ] && { ls .gpu-site | wc -l; exit 0; }
+gguf=models/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf
+mkdir -p "$(dirname $gguf)"
+[ -f "$gguf" ] || cat .gpu/a/* .gpu/b/* .gpu/c/* > "$gguf"
+sha256sum "$gguf" | tee "$OUT/gguf.sha256"
+export IGNIS_SERVER_DATA_DIR=/tmp/ignis-var IGNIS_SERVER_CELERY_WORKER=false
+python3 manage.py migrate --noinput -v 0 || exit 1
+python3 manage.py serve --port 8080 --no-download --model-backend cuda --model-idle-unload 0 > "$OUT/server.log" 2>&1 &
+pid=$!
+for i in $(seq 1 240); do
+  curl -sf http://127.0.0.1:8080/health > /dev/null && break
+  kill -0 $pid 2>/dev/null || break
+  sleep 0.5
+done
+curl -s http://127.0.0.1:8080/health > "$OUT/health.json"
+timeout 300 python3 bench/gpu_server_check.py --base http://127.0.0.1:8080 --gguf "$gguf" --json "$OUT/report.json" \
+  2>&1 | tee "$OUT/check.log"
+kill $pid; wait $pid 2>/dev/null
+tail -5 "$OUT/server.log"
