@@ -22,6 +22,7 @@ Numerics follow Hugging Face's llama/qwen2 modeling code (RMSNorm in float32,
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -72,6 +73,22 @@ def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
     raise NotImplementedError(f"rope_scaling type {kind!r} is not supported by the numpy backend")
 
 
+def limit_blas_threads() -> None:
+    """One BLAS thread, unless the environment names a count (OPENBLAS_NUM_THREADS ...).
+
+    On the 2-core machine the step thread shares the cores with the event loop and,
+    often, other processes; OpenBLAS's spinning workers then made a decode round up
+    to 14x slower with 2 threads than with 1 (docs/PERFORMANCE.md, numpy backend).
+    """
+    if any(os.environ.get(v) for v in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")):
+        return
+    try:
+        from threadpoolctl import threadpool_limits
+    except ImportError:  # pragma: no cover - a requirement; without it BLAS keeps its default
+        return
+    threadpool_limits(1, user_api="blas")
+
+
 def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     var = np.mean(x * x, axis=-1, keepdims=True)
     return w * (x / np.sqrt(var + np.float32(eps)))
@@ -104,8 +121,11 @@ class NumpyBackend(Backend):
             return np.asarray(weights[name], dtype=f32)
 
         self.embed = np.ascontiguousarray(w("model.embed_tokens.weight"))
-        head = self.embed if cfg.tie_word_embeddings else w("lm_head.weight")
-        self.lm_head = np.ascontiguousarray(head.T)  # [hidden, vocab]
+        limit_blas_threads()
+        # [hidden, vocab] as a view of [vocab, hidden] rows: BLAS reads it transposed at the
+        # same speed, and tied embeddings then cost no second 113 MB (SmolLM2) copy.
+        head = self.embed if cfg.tie_word_embeddings else np.ascontiguousarray(w("lm_head.weight"))
+        self.lm_head = head.T
         self.final_norm = w("model.norm.weight")
         self.layers: list[_Layer] = []
         for i in range(cfg.num_layers):
@@ -130,7 +150,7 @@ class NumpyBackend(Backend):
         self.inv_freq = rope_inv_freq(cfg)
         self.block_size = block_size
         weights_bytes = self.embed.nbytes + self.final_norm.nbytes
-        weights_bytes += self.lm_head.nbytes + sum(
+        weights_bytes += (0 if cfg.tie_word_embeddings else self.lm_head.nbytes) + sum(
             a.nbytes for lw in self.layers for a in vars(lw).values() if a is not None
         )
 
