@@ -8,8 +8,10 @@ Invariants:
 
 * one prompt prefills at a time, at most ``cfg.prefill_chunk`` tokens a step;
 * after a chunk that took t seconds the next chunk waits ``t * s / (1 - s)``
-  (s = ``cfg.decode_share``) while lanes decode; with no lane decoding nothing
-  waits;
+  (s = ``cfg.decode_share``) while lanes decode; a prompt that takes the prefill
+  lane while lanes decode first waits the same for its first
+  chunk's estimated time, so the share holds over a two-chunk prompt too; with no
+  lane decoding nothing waits;
 * every decoding sequence is a row of the step's one decode round;
 * when pages run short, the lowest-ranked decoding sequence moves to host
   (PREEMPTED) and later resumes without recomputing; if the host tier is full
@@ -60,6 +62,7 @@ class Scheduler:
         self.next_seq_id = 0
         self.prefill_ready_at = 0.0  # decode share: the next chunk not before this
         self.prefill_late = 0.0  # how far past prefill_ready_at the last chunk started
+        self.prefill_seconds_per_token: float | None = None  # of the last chunk: estimates a first chunk
         self.round_seconds: float | None = None  # EWMA of decode rounds
         self.constraints = None  # engine.constraint.ConstraintFactory, set by the worker at load
         self.counters = dict.fromkeys(
@@ -195,6 +198,13 @@ class Scheduler:
         self.kv.allocate(seq)
         seq.status = S.PREFILLING
         self.prefilling = seq
+        if self.running and self.prefill_seconds_per_token:
+            # The lanes' turn comes first, as it does before every later chunk (a debt
+            # the last prompt left counts toward it).
+            chunk = min(self.cfg.prefill_chunk, seq.num_tokens - seq.num_computed_tokens)
+            first = self.clock() + self._share_wait(chunk * self.prefill_seconds_per_token)
+            self.prefill_ready_at = max(self.prefill_ready_at, first)
+            self.prefill_late = 0.0
 
     def _preempt(self, seq: Sequence, plan: StepPlan) -> None:
         self.running.remove(seq)
@@ -245,11 +255,16 @@ class Scheduler:
             self._append_token(seq, token, lp, now, msgs)
         return msgs
 
+    def _share_wait(self, chunk_seconds: float) -> float:
+        s = min(max(self.cfg.decode_share, 0.0), 0.95)
+        return chunk_seconds * s / (1.0 - s)
+
     def _prefill_done(self, span: PrefillSpan, out: StepOutput, now: float, msgs: Outgoing) -> None:
         self.counters["prefill_chunks"] += 1
         self.counters["prefilled_tokens"] += len(span.token_ids)
-        s = min(max(self.cfg.decode_share, 0.0), 0.95)
-        wait = out.prefill_seconds * s / (1.0 - s)
+        wait = self._share_wait(out.prefill_seconds)
+        if out.prefill_seconds > 0:
+            self.prefill_seconds_per_token = out.prefill_seconds / len(span.token_ids)
         # The step ran the chunk, then a decode round: that round already counts as waiting.
         self.prefill_ready_at = now - out.decode_seconds + max(0.0, wait - self.prefill_late)
         seq = self.by_seq_id.get(span.seq_id)

@@ -159,6 +159,33 @@ def test_share_holds_over_a_long_prefill():
     assert decode_time / (clock() - t0) == pytest.approx(share, abs=0.05)
 
 
+@pytest.mark.parametrize("share", [0.25, 0.5])
+def test_share_holds_over_a_two_chunk_prompt(share):
+    """A prompt that takes the prefill lane while lanes decode waits before its first
+    chunk too, so over its own prefill the lanes keep the share, not (n-1)/n of it."""
+    sched, backend, clock = create_scheduler(
+        prefill_chunk=320, decode_share=share, max_context=2048, num_blocks=512, prefill_seconds=0.001,
+        decode_seconds=0.004,
+    )  # fmt: skip
+    (lane,) = create_requests(1, prompt_len=4, max_tokens=1000, start=9)
+    warm, prompt = create_requests(2, prompt_len=640, max_tokens=1)
+    for r in (lane, warm):  # warm: the scheduler has seen a chunk's rate
+        sched.add_request(r)
+    while sched.sequence(1) is not None:
+        step(sched, backend, clock)
+    for _ in range(10):  # the lanes alone a while: part of the last prompt's debt paid
+        step(sched, backend, clock)
+    sched.add_request(prompt)
+    t0, decode_time = clock(), 0.0
+    while sched.sequence(2) is not None:
+        plan = sched.schedule()
+        decode_time += 0.004 if plan.decode else 0.0
+        out = backend.step(plan)
+        clock.advance(out.prefill_seconds + out.decode_seconds)
+        sched.update_from_output(plan, out)
+    assert decode_time / (clock() - t0) == pytest.approx(share, abs=0.04)
+
+
 def test_prefix_hit_skips_shared_full_blocks():
     sched, backend, clock = create_scheduler(block_size=4, prefill_chunk=64)
     shared = list(range(500, 513))  # 3 full blocks + 1 token
