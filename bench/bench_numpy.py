@@ -268,6 +268,32 @@ def bench_server_memory(lanes: int, context: int, new_tokens: int) -> dict:
 # --- the table ------------------------------------------------------------------------------
 
 
+NOTES = [
+    "",
+    "What the profile says (cProfile and per-call timers on the same machine):",
+    "",
+    "* One BLAS thread. With OpenBLAS's default 2 threads on this 2-core machine, the step thread's spinning "
+    "workers compete with the event loop and with other processes; a decode round measured up to 14x slower "
+    "than with 1 thread under load. The backend now limits BLAS to 1 thread unless OPENBLAS_NUM_THREADS / "
+    "OMP_NUM_THREADS is set.",
+    "* Top-p sampling sorted the whole vocabulary per row (an argsort of 49k, ~4-37 ms a row under load); it now "
+    "sorts only the best candidates (a prefix of the same stable order), 2 ms a row or less.",
+    "* The 8-lane/1-lane ratio is set by OpenBLAS, not by Python: a 1-row product runs as GEMV and reads the "
+    "weights once, while any product of 2 or more rows runs the packed GEMM path, which copies every weight "
+    "panel before using it. A round at width 2 already costs about 2.5x width 1; from 2 to 8 lanes the cost "
+    "grows only ~40%. Splitting each weight into column blocks small enough for OpenBLAS's unpacked "
+    "small-matrix kernel (M*N*K <= 1e6) measured 72 ms against 128 ms for the layers' products at 8 rows "
+    "(microbenchmark, not yet in the backend); that is the next fix for the 2x target.",
+    "* Memory: the peak is the steady state of 8 full contexts, not the load: the weights as float32 "
+    "(0.54 GB) and the process (0.99 GB after load), the touched KV pages (8 x ~2,010 tokens x 46,080 B = "
+    "0.74 GB), the rest prefill activations and heap. The margin under 2 GB is thin; the tied lm_head used to "
+    "be a second 113 MB copy of the embedding, which alone would have put it over.",
+    "* Decode share: a prompt of two chunks used to wait only between its chunks, so at share 25 the lanes kept "
+    "12% of their rate over its prefill; the scheduler now makes a prompt that takes the prefill lane while "
+    "lanes decode wait its first chunk's share too.",
+]
+
+
 def fmt_table(widths, ttft, share, mem, kv_nbytes, plan) -> list[str]:
     rows = ["| figure | measured | target |", "|---|---|---|"]
     for n, sec in widths.items():
@@ -368,6 +394,7 @@ def main() -> None:
         "(default 768 MiB KV budget), 8 concurrent chat requests filling their contexts, /proc/<pid>/status.",
         "",
         *fmt_table(widths, ttft, share, mem, kv_nbytes, plan),
+        *NOTES,
     ]
     print("\n".join(lines))
     if args.write:
