@@ -81,6 +81,7 @@ class EngineWorker:
         self.load_progress: dict | None = None
         self.switching: dict | None = None  # {from, to} while a switch runs
         self.last_switch: dict | None = None
+        self.switch_outcomes: dict[str, int] = {}  # switched | refused | restored | failed -> count
         self._pending: SwitchModel | None = None
         self._precheck: asyncio.Task | None = None
         self._drain_deadline = 0.0
@@ -209,6 +210,7 @@ class EngineWorker:
             "path": str(self.artifact_path),
             "switching": self.switching,
             "last_switch": self.last_switch,
+            "switch_outcomes": self.switch_outcomes,
             "load_progress": self.load_progress,
             "idle_unload": self.idle_unload,
             "idle_seconds": round(time.monotonic() - self._last_active, 3),
@@ -402,6 +404,7 @@ class EngineWorker:
         }
         self._pending = self._precheck = self.switching = None
         self._last_active = time.monotonic()
+        self.switch_outcomes[outcome] = self.switch_outcomes.get(outcome, 0) + 1
         log.info("ignis.model.switch", extra={"switch_id": sw.switch_id, **self.last_switch})
         if sw.reply_channel:
             await self.layer.send(

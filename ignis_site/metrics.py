@@ -88,8 +88,11 @@ def engine_families(status: dict | None) -> list[Metric]:
     )
     out.append(_gauge("ignis_model_max_context_tokens", "Largest prompt + generation.", status.get("max_context") or 0))
     events = tele.get("model_events") or {}
-    switches = status.get("switches", events.get("switched", 0))
-    out.append(CounterMetricFamily("ignis_model_switches", "Model switches completed.", value=switches))
+    fam = CounterMetricFamily("ignis_model_switches", "Model switches by outcome.", labels=["outcome"])
+    outcomes = status.get("switch_outcomes") or {}
+    for outcome in ("switched", "refused", "restored", "failed"):
+        fam.add_metric([outcome], outcomes.get(outcome, 0))
+    out.append(fam)
     fam = CounterMetricFamily("ignis_model_events", "ignis.model.* log events by name.", labels=["event"])
     for event, n in sorted(events.items()):
         fam.add_metric([event], n)

@@ -13,6 +13,7 @@ STATUS = {
     "model": "m",
     "backend": "numpy",
     "max_context": 2048,
+    "switch_outcomes": {"switched": 1, "refused": 1},
     "stats": {
         "admitted": 4,
         "finished": 3,
@@ -61,7 +62,7 @@ STATUS = {
     "telemetry": {
         "ttft_seconds": {"bounds": [0.1, 1.0], "cumulative": [1, 2, 3], "sum": 2.5, "count": 3},
         "finish_reasons": {"stop": 2, "length": 1},
-        "model_events": {"switched": 1},
+        "model_events": {"switch": 2},
     },
 }
 
@@ -90,7 +91,9 @@ def test_a_status_reply_renders_every_family():
     assert v["ignis_engine_up[]"] == 1
     assert v["ignis_model_status[('model', 'm'), ('status', 'serving')]"] == 1
     assert v["ignis_model_status[('model', 'm'), ('status', 'loading')]"] == 0
-    assert v["ignis_model_switches_total[]"] == 1
+    assert v["ignis_model_switches_total[('outcome', 'switched')]"] == 1
+    assert v["ignis_model_switches_total[('outcome', 'refused')]"] == 1
+    assert v["ignis_model_switches_total[('outcome', 'failed')]"] == 0
     assert v["ignis_decoded_tokens_total[]"] == 50
     assert v["ignis_scheduler_requests[('class', 'agent'), ('state', 'decoding')]"] == 1
     assert v["ignis_scheduler_requests[('class', 'interactive'), ('state', 'waiting')]"] == 0
