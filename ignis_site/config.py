@@ -77,6 +77,7 @@ FIELDS: dict[str, Field] = {
         Field("server.deadline", float, 600.0, "seconds a request may run before it is cut (0 = none)", 0, 86400),
         Field("server.deadline_max", float, 3600.0, "largest per-request 'deadline' a client may ask for", 1, 86400),
         Field("server.models_dir", str, "", "where artifacts live (default: ./models)"),
+        Field("server.log_level", str, "info", "level of the JSON log on stderr: debug | info | warning | error"),
         Field("server.data_dir", str, "", "state: SQLite, Celery queue, caches (default: ./var)"),
         Field("server.redis_url", str, "", "Redis URL: scaled mode (engine in `runengine`)"),
         Field(

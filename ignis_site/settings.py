@@ -133,17 +133,26 @@ LANGUAGE_CODE = "en-us"
 TIME_ZONE = "UTC"
 USE_TZ = True
 
+_LOG_LEVEL = IGNIS["server.log_level"].upper()
+if _LOG_LEVEL not in ("DEBUG", "INFO", "WARNING", "ERROR"):
+    raise ValueError(f"server.log_level must be debug, info, warning or error, not {IGNIS['server.log_level']!r}")
+
 LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
     "formatters": {"json": {"()": "ignis_site.jsonlog.JsonFormatter"}},
     "handlers": {
-        "stderr": {"class": "logging.StreamHandler", "formatter": "json"},
+        "stderr": {"class": "logging.StreamHandler", "formatter": "json", "level": _LOG_LEVEL},
         # The engine's request and model events feed the metrics' histograms (engine/telemetry.py).
         "telemetry": {"class": "engine.telemetry.TelemetryHandler"},
     },
     "loggers": {
-        "ignis": {"handlers": ["stderr", "telemetry"], "level": "INFO", "propagate": False},
+        # The telemetry handler needs INFO events whatever stderr shows.
+        "ignis": {
+            "handlers": ["stderr", "telemetry"],
+            "level": "DEBUG" if _LOG_LEVEL == "DEBUG" else "INFO",
+            "propagate": False,
+        },
         "django": {"handlers": ["stderr"], "level": "WARNING"},
         "daphne": {"handlers": ["stderr"], "level": "WARNING"},
     },
