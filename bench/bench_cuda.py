@@ -148,15 +148,16 @@ def kernel_breakdown(be, bw: float) -> list[str]:
     hid, inter, hd = c.hidden_size, c.intermediate_size, c.num_heads * c.head_dim
     shapes = [("q,k,v", "qkv", be.n_qkv, hid, be.xn), ("o", "o", hid, hd, be.attn),
               ("gate,up", "gate_up", 2 * inter, hid, be.xn), ("down", "down", hid, inter, be.act)]  # fmt: skip
-    lines = ["| GEMV | N x K | width | FMA kernel | tensor-core kernel |", "|---|---|---|---|---|"]
-    saved = k.tc_from, k.fma_min_elems
+    lines = ["| GEMV | N x K | width | FMA kernel | tensor-core kernel (4 steps in flight, default) "
+             "| tensor-core kernel (2 steps) |", "|---|---|---|---|---|---|"]  # fmt: skip
+    saved = k.tc_from, k.fma_min_elems, k.u2_below
     k.fma_min_elems = 1 << 62
     with runtime.current():
         for label, attr, n, kk, x in shapes + [("lm_head", None, c.vocab_size, hid, be.xn)]:
             for m in (1, 8):
                 cells = []
-                for tc_from in (9, 1):
-                    k.tc_from = tc_from
+                for tc_from, u2 in ((9, 0), (1, 0), (1, 1 << 62)):
+                    k.tc_from, k.u2_below = tc_from, u2
                     reps = 16
                     a, b = cuda.Event(), cuda.Event()
                     a.record(s)
@@ -167,8 +168,27 @@ def kernel_breakdown(be, bw: float) -> list[str]:
                     b.synchronize()
                     t = b.time_since(a) / 1e3 / reps
                     cells.append(f"{t * 1e6:.1f} us, {n * kk * 2 / t / 1e12:.2f} TB/s ({n * kk * 2 / t / bw:.0%})")
-                lines.append(f"| {label} | {n} x {kk} | {m} | {cells[0]} | {cells[1]} |")
-    k.tc_from, k.fma_min_elems = saved
+                lines.append(f"| {label} | {n} x {kk} | {m} | " + " | ".join(cells) + " |")
+    k.tc_from, k.fma_min_elems, k.u2_below = saved
+    return lines
+
+
+def sweep(be, settings) -> list[str]:
+    """Graph time at widths 1 and 8 under other kernel settings (graphs re-captured for each)."""
+    from engine.cu import runtime
+
+    lines = ["| setting | graph w1 | graph w8 | w8 / w1 |", "|---|---|---|---|"]
+    saved = be.l2_prefetch, be.kern.u2_below, be.kern.fma_min_elems
+    for label, pf_mb, u2, fma in settings:
+        be.l2_prefetch, be.kern.u2_below, be.kern.fma_min_elems = int(pf_mb * (1 << 20)), u2, fma
+        with runtime.current():
+            be._capture_graphs()
+        g1, g8 = graph_time(be, 1, 40), graph_time(be, 8, 40)
+        lines.append(f"| {label} | {g1 * 1e3:.3f} ms | {g8 * 1e3:.3f} ms | {g8 / g1:.2f}x |")
+        print(lines[-1], flush=True)
+    be.l2_prefetch, be.kern.u2_below, be.kern.fma_min_elems = saved
+    with runtime.current():
+        be._capture_graphs()
     return lines
 
 
@@ -254,6 +274,7 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, nargs="*", default=[2048, 32768])
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--write", action="store_true", help="update docs/PERFORMANCE.md")
+    ap.add_argument("--sweep", action="store_true", help="also time the graphs under other L2-prefetch / GEMV settings")
     args = ap.parse_args()
 
     import pycuda.driver as cuda
@@ -278,6 +299,13 @@ def main() -> None:
     load_s = time.perf_counter() - t0
     ig = bench_ignis(be, cfg, rng, args.prompts, args.rounds)
     breakdown = kernel_breakdown(be, bw)
+    swept = []
+    if args.sweep:
+        settings = [("default", be.l2_prefetch >> 20, be.kern.u2_below, be.kern.fma_min_elems),
+                    ("every width on gemv_tc (width-invariant lanes)", be.l2_prefetch >> 20, be.kern.u2_below, 1 << 62),
+                    ("L2 prefetch 16 MB", 16, be.kern.u2_below, be.kern.fma_min_elems),
+                    ("2-step gemv_tc below 40M weights", be.l2_prefetch >> 20, 40 << 20, be.kern.fma_min_elems)]  # fmt: skip
+        swept = ["", "Decode graph alone under other settings (re-captured):", "", *sweep(be, settings)]
     be.unload()
     hf = {} if args.skip_hf else bench_hf(torch, model, cfg, rng, args.prompts, args.rounds)
 
@@ -302,6 +330,7 @@ def main() -> None:
         "Decode GEMVs alone (CUDA events, 16 calls over different layers' weights):",
         "",
         *breakdown,
+        *swept,
     ]
     print("\n".join(lines))
     if args.write:

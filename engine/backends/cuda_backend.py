@@ -17,6 +17,7 @@ Nothing here imports PyCUDA at module import time.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -85,6 +86,12 @@ class CudaBackend(Backend):
         hid, inter, D = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
         H, KVH = cfg.num_heads, cfg.num_kv_heads
         self.n_qkv = (H + 2 * KVH) * D
+        # gate|up interleaved in 8-row groups, so a decode GEMV block holds matching gate and up
+        # rows and applies SwiGLU in its epilogue (kernels.gate_up_act).
+        self.gu_interleaved = inter % 8 == 0
+        # Bytes of the next GEMV's weights the small kernels before it ask L2 to prefetch. Off by
+        # default: 8-16 MB measured no change on the H200, 32 MB slower (docs/PERFORMANCE.md).
+        self.l2_prefetch = int(float(os.environ.get("IGNIS_CUDA_L2_PREFETCH_MB", "0")) * (1 << 20))
 
         # Weights.
         self._weights_bytes = 0
@@ -102,7 +109,9 @@ class CudaBackend(Backend):
                     qkv=self._weights(weights, [x + "weight" for x in proj]),
                     qkv_bias=self._weights(weights, [x + "bias" for x in proj], fp32=True) if cfg.attention_bias else 0,
                     o=self._weights(weights, [p + "self_attn.o_proj.weight"]),
-                    gate_up=self._weights(weights, [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
+                    gate_up=self._weights(
+                        weights, [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"], interleave=self.gu_interleaved
+                    ),  # fmt: skip
                     down=self._weights(weights, [p + "mlp.down_proj.weight"]),
                 )
             )
@@ -184,14 +193,19 @@ class CudaBackend(Backend):
     def _allocated(self) -> int:
         return sum(n for _, n in self._allocs)
 
-    def _weights(self, weights, names: list[str], fp32: bool = False) -> int:
-        """Upload tensors ``names`` concatenated along dim 0 as bf16 (fp32 for biases).
+    def _weights(self, weights, names: list[str], fp32: bool = False, interleave: bool = False) -> int:
+        """Upload tensors ``names`` concatenated along dim 0 as bf16 (fp32 for biases); with
+        ``interleave`` the two (gate, up) are interleaved in 8-row groups instead.
 
         Values are float32 numpy arrays (the interface); torch tensors are accepted too
         (already-on-GPU ones are copied device to device)."""
         import pycuda.driver as cuda
 
+        from engine.cu.kernels import interleave_gate_up
+
         parts = [weights[n] for n in names]
+        if interleave:
+            parts = [interleave_gate_up(*parts)]
         nbytes = sum(int(np.prod(p.shape)) for p in parts) * (4 if fp32 else 2)
         dst = self._alloc(nbytes)
         self._weights_bytes += nbytes
@@ -217,29 +231,40 @@ class CudaBackend(Backend):
 
     # --- the forward pass ------------------------------------------------------------------
 
-    def _layers(self, rows: int, tokens: int, positions: int, slots: int, attend) -> None:
-        """Embed ``rows`` tokens and run every layer; leaves the residual stream in ``self.x``."""
+    def _layers(self, rows: int, tokens: int, positions: int, slots: int, attend, decode: bool = False) -> None:
+        """Embed ``rows`` tokens and run every layer; leaves the residual stream in ``self.x``.
+        In a decode round the small kernels also start L2 prefetches of the next GEMV's weights."""
         c, k, s = self.config, self.kern, self.stream
         hid, inter, H, KVH, D = c.hidden_size, c.intermediate_size, c.num_heads, c.num_kv_heads, c.head_dim
+        cap = self.l2_prefetch if decode else 0
+
+        def pf(ptr: int, nbytes: int) -> tuple[int, int]:
+            return (ptr, min(cap, nbytes)) if cap > 0 else (0, 0)
+
         k.embed(s, tokens, self.embed, self.x, rows, hid)
         for i, L in enumerate(self.layers):
             cache = self.kv + i * self.layer_stride * 2
-            k.rmsnorm(s, self.x, L.ln1, self.xn, rows, hid, c.rms_norm_eps)
+            k.rmsnorm(s, self.x, L.ln1, self.xn, rows, hid, c.rms_norm_eps, prefetch=pf(L.qkv, self.n_qkv * hid * 2))
             k.linear(s, self.xn, L.qkv, L.qkv_bias, self.qkv, rows, self.n_qkv, hid)
             k.rope_kv_write(s, self.qkv, positions, slots, self.inv_freq, self.q, cache, rows, H, KVH,
-                            self.block_size, self.block_stride)  # fmt: skip
+                            self.block_size, self.block_stride, prefetch=pf(L.o, hid * H * D * 2))  # fmt: skip
             attend(cache)
             k.linear(s, self.attn, L.o, 0, self.x, rows, hid, H * D, accumulate=True)
-            k.rmsnorm(s, self.x, L.ln2, self.xn, rows, hid, c.rms_norm_eps)
-            k.linear(s, self.xn, L.gate_up, 0, self.gu, rows, 2 * inter, hid)
-            k.swiglu(s, self.gu, self.act, inter, rows)
+            k.rmsnorm(s, self.x, L.ln2, self.xn, rows, hid, c.rms_norm_eps, prefetch=pf(L.gate_up, 4 * inter * hid))
+            if self.gu_interleaved:
+                k.gate_up_act(s, self.xn, L.gate_up, self.gu, self.act, rows, inter, hid)
+            else:
+                k.linear(s, self.xn, L.gate_up, 0, self.gu, rows, 2 * inter, hid)
+                k.swiglu(s, self.gu, self.act, inter, rows)
             k.linear(s, self.act, L.down, 0, self.x, rows, hid, inter, accumulate=True)
 
-    def _head(self, rows: int, x_row: int) -> None:
+    def _head(self, rows: int, x_row: int, decode: bool = False) -> None:
         """Final norm of ``rows`` residual rows from row ``x_row``, then the LM head into ``self.logits``."""
         c = self.config
         x = self.x + x_row * c.hidden_size * 4
-        self.kern.rmsnorm(self.stream, x, self.final_norm, self.xn, rows, c.hidden_size, c.rms_norm_eps)
+        nb = min(self.l2_prefetch, c.vocab_size * c.hidden_size * 2) if decode else 0
+        self.kern.rmsnorm(self.stream, x, self.final_norm, self.xn, rows, c.hidden_size, c.rms_norm_eps,
+                          prefetch=(self.lm_head, nb) if nb > 0 else (0, 0))  # fmt: skip
         self.kern.linear(self.stream, self.xn, self.lm_head, 0, self.logits, rows, c.vocab_size, c.hidden_size)
 
     def _sample(self, st, rows: int) -> None:
@@ -258,13 +283,19 @@ class CudaBackend(Backend):
                                        self.block_stride, self.block_size, c.num_kv_heads, self.o_part, self.ml,
                                        self.attn, rows)  # fmt: skip
 
-        self._layers(rows, p["tokens"], p["positions"], p["slots"], attend)
-        self._head(rows, 0)
+        self._layers(rows, p["tokens"], p["positions"], p["slots"], attend, decode=True)
+        self._head(rows, 0, decode=True)
         self._sample(st, rows)
 
     def _capture_graphs(self) -> None:
+        """(Re)capture the decode graph of every width 1..MAX_LANES (benchmarks re-capture after
+        changing a kernel setting)."""
         from engine.cu.runtime import Graph
 
+        self.stream.synchronize()
+        for g in self.graphs.values():
+            g.destroy()
+        self.graphs = {}
         v = self.dstage.view
         v["params"][:] = 0.0  # greedy
         v["sample_pos"][:] = 1
@@ -378,14 +409,20 @@ class CudaBackend(Backend):
         st, s, M = self.dstage, self.stream, len(lanes)
         v, stride = st.view, self.bt_stride
         any_pen = False
-        for i, ln in enumerate(lanes):
-            if len(ln.block_table) > stride:
+        bs = self.block_size
+        tokens, positions, slots = v["tokens"], v["positions"], v["slots"]
+        for i, ln in enumerate(lanes):  # plain Python per lane: this is on every round's critical path
+            bt, pos = ln.block_table, int(ln.position)
+            nb = len(bt)
+            if nb > stride:
                 raise ValueError(f"block table longer than max_context ({stride} blocks)")
-            v["tokens"][i] = ln.token_id
-            v["positions"][i] = ln.position
-            v["slots"][i] = self._slots(ln.block_table, np.array([ln.position]))[0]
-            v["block_tables"][i * stride : i * stride + len(ln.block_table)] = ln.block_table
-            any_pen |= self._stage_sample(st, i, ln.sample, ln.position + 1)
+            if not 0 <= pos < self.max_context or pos // bs >= nb:
+                raise ValueError(f"block table of {nb} blocks does not reach position {pos}")
+            tokens[i] = ln.token_id
+            positions[i] = pos
+            slots[i] = int(bt[pos // bs]) * bs + pos % bs
+            v["block_tables"][i * stride : i * stride + nb] = bt
+            any_pen |= self._stage_sample(st, i, ln.sample, pos + 1)
         st.upload(s, "tokens", "pen_num")
         st.upload(s, "block_tables", nbytes=4 * M * stride)
         if any_pen:

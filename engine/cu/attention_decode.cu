@@ -10,11 +10,17 @@
 //   blocks past the context return at once, so one fixed grid serves every round
 //   (CUDA-graph friendly) and short contexts use few blocks. The range is walked in
 //   sub-chunks of SUB keys with an online softmax (base 2):
-//   scores: warps take keys round-robin, UNROLL keys' loads in flight at once, lanes hold
+//   scores: warps take keys round-robin, UNROLL (16) keys' loads in flight at once, lanes hold
 //   D/32 dims (a coalesced K row per warp), warp-sum per head into shared memory; one warp per head updates the
 //   running max / sum; P.V: warps take keys, lanes hold D/32 dims in registers.
 //   Writes unnormalised o_part fp32 [M, H, NUM_SPLITS, D] and ml fp32 [M, H, NUM_SPLITS, 2].
-// decode_combine: grid (H, M), block D: merges the splits, writes out bf16 [M, H * D].
+//   The combine is fused: a context of one split (<= SUB keys) writes out directly; otherwise
+//   each split block bumps counters[m * KVH + kh] after a __threadfence, and the last of the
+//   lane's splits to arrive merges all of them (in split order, so the result does not depend
+//   on which block is last) and resets the counter to 0 for the next call. counters int32
+//   [M * KVH] must start zeroed.
+// decode_combine: grid (H, M), block D: the same merge as a separate pass (kept for reference
+//   and tests); writes out bf16 [M, H * D].
 // Compile-time: HEAD_DIM (64 or 128), GROUP (G <= 8), NUM_SPLITS, SUB.
 
 #ifndef HEAD_DIM
@@ -27,7 +33,7 @@
 #define NUM_SPLITS 32
 #endif
 #define SUB 64
-#define UNROLL 4
+#define UNROLL 16  // keys in flight per warp: 4 warps x 16 = a whole SUB of 64 keys in one pass
 #define E (HEAD_DIM / 32)
 
 __device__ __forceinline__ int split_chunk(int ctx) {
@@ -48,7 +54,8 @@ __device__ __forceinline__ void load_row(const bf16* p, float* f) {
 extern "C" __global__ void __launch_bounds__(128)
     decode_attn(const bf16* __restrict__ q, const int* __restrict__ positions, const int* __restrict__ block_tables,
                 int bt_stride, const bf16* __restrict__ cache, long long block_stride, int block_size, int KVH,
-                float scale_log2, float* __restrict__ o_part, float* __restrict__ ml) {
+                float scale_log2, float* __restrict__ o_part, float* __restrict__ ml, int* __restrict__ counters,
+                bf16* __restrict__ out) {
     const int kh = blockIdx.x, m = blockIdx.y, sp = blockIdx.z;
     const int ctx = positions[m] + 1;
     const int chunk = split_chunk(ctx);
@@ -152,12 +159,45 @@ extern "C" __global__ void __launch_bounds__(128)
 #pragma unroll
         for (int e = 0; e < E; e++) sacc[warp][g][lane * E + e] = acc[g][e];
     __syncthreads();
+    const int ns = (ctx + chunk - 1) / chunk;
+    if (ns == 1) {  // one split: normalise and write the output here
+        for (int i = threadIdx.x; i < GROUP * HEAD_DIM; i += 128) {
+            const int g = i / HEAD_DIM, d = i % HEAD_DIM;
+            const float v = sacc[0][g][d] + sacc[1][g][d] + sacc[2][g][d] + sacc[3][g][d];
+            out[((size_t)m * H + kh * GROUP + g) * HEAD_DIM + d] = __float2bfloat16(v / ssum[g]);
+        }
+        return;
+    }
     for (int i = threadIdx.x; i < GROUP * HEAD_DIM; i += 128) {
         const int g = i / HEAD_DIM, d = i % HEAD_DIM;
         const float v = sacc[0][g][d] + sacc[1][g][d] + sacc[2][g][d] + sacc[3][g][d];
         const size_t row = ((size_t)m * H + kh * GROUP + g) * NUM_SPLITS + sp;
         o_part[row * HEAD_DIM + d] = v;
         if (d == 0) { ml[row * 2] = smax[g]; ml[row * 2 + 1] = ssum[g]; }
+    }
+    __threadfence();
+    __syncthreads();
+    __shared__ int is_last;
+    if (threadIdx.x == 0) {
+        const int prev = atomicAdd(counters + m * KVH + kh, 1);
+        is_last = prev == ns - 1;
+        if (is_last) counters[m * KVH + kh] = 0;
+    }
+    __syncthreads();
+    if (!is_last) return;
+    __threadfence();
+    for (int i = threadIdx.x; i < GROUP * HEAD_DIM; i += 128) {
+        const int g = i / HEAD_DIM, d = i % HEAD_DIM;
+        const size_t base = ((size_t)m * H + kh * GROUP + g) * NUM_SPLITS;
+        float mx = -INFINITY;
+        for (int s2 = 0; s2 < ns; s2++) mx = fmaxf(mx, __ldcg(ml + (base + s2) * 2));
+        float l = 0.f, o = 0.f;
+        for (int s2 = 0; s2 < ns; s2++) {
+            const float w = exp2f(__ldcg(ml + (base + s2) * 2) - mx);
+            l += w * __ldcg(ml + (base + s2) * 2 + 1);
+            o += w * __ldcg(o_part + (base + s2) * HEAD_DIM + d);
+        }
+        out[((size_t)m * H + kh * GROUP + g) * HEAD_DIM + d] = __float2bfloat16(o / l);
     }
 }
 

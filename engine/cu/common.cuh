@@ -61,6 +61,35 @@ __device__ __forceinline__ uint4 ld_stream(const void* p) {
     return r;
 }
 
+// Ask L2 to fetch bytes [off, off + bytes) of p (fire and forget; sm_90 bulk prefetch). Thread
+// `idx` of `count` takes every count-th 8 KB piece. Used by the small kernels of a decode round
+// to start streaming the next GEMV's weights while the memory system would otherwise idle.
+__device__ __forceinline__ void prefetch_l2(const void* p, long long bytes, int idx, int count) {
+    const char* c = static_cast<const char*>(p);
+    for (long long off = (long long)idx * 8192; off < bytes; off += (long long)count * 8192) {
+        const unsigned n = (unsigned)min(8192LL, bytes - off) & ~15u;
+        if (n) asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(c + off), "r"(n) : "memory");
+    }
+}
+
+// Predicated 16-byte loads (zero when !pred) without a branch, so a batch of them stays in flight.
+__device__ __forceinline__ uint4 ld_stream_if(const void* p, bool pred) {
+    uint4 r;
+    asm volatile(
+        "{\n .reg .pred q;\n setp.ne.b32 q, %5, 0;\n mov.b32 %0, 0;\n mov.b32 %1, 0;\n mov.b32 %2, 0;\n"
+        " mov.b32 %3, 0;\n @q ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];\n}"
+        : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p), "r"((int)pred));
+    return r;
+}
+__device__ __forceinline__ uint4 ldg_if(const void* p, bool pred) {
+    uint4 r;
+    asm volatile(
+        "{\n .reg .pred q;\n setp.ne.b32 q, %5, 0;\n mov.b32 %0, 0;\n mov.b32 %1, 0;\n mov.b32 %2, 0;\n"
+        " mov.b32 %3, 0;\n @q ld.global.nc.v4.u32 {%0,%1,%2,%3}, [%4];\n}"
+        : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p), "r"((int)pred));
+    return r;
+}
+
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, int src_bytes) {
     uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(s), "l"(gmem), "r"(src_bytes));

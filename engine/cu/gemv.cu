@@ -106,14 +106,22 @@ GEMV_ENTRY(7)
 GEMV_ENTRY(8)
 
 // gemv_tc: the same product on the tensor cores, for decode widths 1..8 (the FMA
-// version above becomes issue-bound near M = 8: M FMAs per weight element).
+// version above becomes issue-bound near M = 8: M FMAs per weight element). The
+// backend runs every decode width on it, so a lane's arithmetic (and its tokens) do
+// not depend on the width of its round.
 // A block of 256 threads owns 16 output rows; its 8 warps split K in steps of 64.
-// In a step, thread (g = lane / 4, t = lane % 4) loads 32 bytes (16 k) of W rows g and
-// g + 8 and of activation row g (zero for g >= M): every W row segment is one 128-byte
-// line. Those registers feed four mma.m16n8k16 directly as A (W, 16 rows) and B (x^T,
-// 8 columns): the k order inside a step is permuted, identically for W and x, so the
-// fragments need no shuffles. The 16 x 8 accumulators are summed across warps in
-// shared memory; one thread writes each output.
+// In a step, thread (g = lane / 4, t = lane % 4) loads chunks t and t + 4 (16 bytes =
+// 8 k each) of W rows g and g + 8 and of activation row g (zero for g >= M): each load
+// instruction covers 64 contiguous bytes of 8 rows (whole 32-byte sectors, so no sector
+// is fetched twice). U steps are in flight per warp. Those registers feed four
+// mma.m16n8k16 directly as A (W, 16 rows) and B (x^T, 8 columns): the k order inside a
+// step is permuted, identically for W and x, so the fragments need no shuffles. The
+// 16 x 8 accumulators are summed across warps in shared memory in a fixed order; one
+// thread writes each output.
+// mode 0: out fp32 = acc (+ bias); 1: out += acc (the fused residual add);
+// 2 (SwiGLU epilogue): W is the gate|up matrix interleaved in 8-row groups (rows
+//   16j..16j+7 = gate rows 8j..8j+7, rows 16j+8..16j+15 = up rows 8j..8j+7), out is
+//   bf16 act [M, ldo] and act[m, 8j + r] = bf16(silu(gate) * up); no bias.
 #define TC_ROWS 16
 
 __device__ __forceinline__ void tc_step(float* c, const uint4& wa, const uint4& wb, const uint4& xv) {
@@ -123,9 +131,10 @@ __device__ __forceinline__ void tc_step(float* c, const uint4& wa, const uint4& 
     mma_bf16(c, a1, xv.z, xv.w);
 }
 
-extern "C" __global__ void __launch_bounds__(256)
-    gemv_tc(const bf16* __restrict__ x, const bf16* __restrict__ W, const float* __restrict__ bias,
-            float* __restrict__ out, int M, int N, int K, int ldo, int accumulate) {
+template <int U>
+__device__ __forceinline__ void gemv_tc_body(const bf16* __restrict__ x, const bf16* __restrict__ W,
+                                             const float* __restrict__ bias, void* __restrict__ out, int M,
+                                             int N, int K, int ldo, int mode) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int n0 = blockIdx.x * TC_ROWS;
     const int K8 = K >> 3;
@@ -135,26 +144,25 @@ extern "C" __global__ void __launch_bounds__(256)
     const uint4* wa_p = W4 + (size_t)(ra ? n0 + g : 0) * K8;
     const uint4* wb_p = W4 + (size_t)(rb ? n0 + g + 8 : 0) * K8;
     const uint4* x_p = x4 + (size_t)(rx ? g : 0) * K8;
-    const uint4 z = make_uint4(0, 0, 0, 0);
     float c[4] = {0.f, 0.f, 0.f, 0.f};
-    // Step s covers chunks [8s, 8s + 8); this thread takes chunks 8s + 2t and 8s + 2t + 1.
+    // Step s covers chunks [8s, 8s + 8); this thread takes chunks 8s + t and 8s + t + 4.
     const int steps = (K8 + 7) / 8;
-    for (int s0 = warp; s0 < steps; s0 += 16) {
-        uint4 wa[2][2], wb[2][2], xv[2][2];
+    for (int s0 = warp; s0 < steps; s0 += 8 * U) {
+        uint4 wa[U][2], wb[U][2], xv[U][2];
 #pragma unroll
-        for (int u = 0; u < 2; u++) {
+        for (int u = 0; u < U; u++) {
             const int s = s0 + u * 8;
 #pragma unroll
             for (int h = 0; h < 2; h++) {
-                const int ch = s * 8 + 2 * t + h;
+                const int ch = s * 8 + t + 4 * h;
                 const bool ok = s < steps && ch < K8;
-                wa[u][h] = ok && ra ? ld_stream(wa_p + ch) : z;
-                wb[u][h] = ok && rb ? ld_stream(wb_p + ch) : z;
-                xv[u][h] = ok && rx ? __ldg(x_p + ch) : z;
+                wa[u][h] = ld_stream_if(wa_p + ch, ok && ra);
+                wb[u][h] = ld_stream_if(wb_p + ch, ok && rb);
+                xv[u][h] = ldg_if(x_p + ch, ok && rx);
             }
         }
 #pragma unroll
-        for (int u = 0; u < 2; u++)
+        for (int u = 0; u < U; u++)
 #pragma unroll
             for (int h = 0; h < 2; h++) tc_step(c, wa[u][h], wb[u][h], xv[u][h]);
     }
@@ -164,6 +172,20 @@ extern "C" __global__ void __launch_bounds__(256)
     red[warp][g + 8][2 * t] = c[2];
     red[warp][g + 8][2 * t + 1] = c[3];
     __syncthreads();
+    if (mode == 2) {
+        if (threadIdx.x < 8 * 8) {
+            const int r = threadIdx.x >> 3, m = threadIdx.x & 7;
+            if (m < M && n0 + r + 8 < N) {
+                float gt = 0.f, up = 0.f;
+#pragma unroll
+                for (int w = 0; w < 8; w++) gt += red[w][r][m];
+#pragma unroll
+                for (int w = 0; w < 8; w++) up += red[w][r + 8][m];
+                static_cast<bf16*>(out)[(size_t)m * ldo + (n0 >> 1) + r] = __float2bfloat16(gt / (1.f + expf(-gt)) * up);
+            }
+        }
+        return;
+    }
     if (threadIdx.x < TC_ROWS * 8) {
         const int r = threadIdx.x >> 3, m = threadIdx.x & 7, n = n0 + r;
         if (m < M && n < N) {
@@ -171,8 +193,18 @@ extern "C" __global__ void __launch_bounds__(256)
 #pragma unroll
             for (int w = 0; w < 8; w++) v += red[w][r][m];
             if (bias) v += bias[n];
-            float* o = out + (size_t)m * ldo + n;
-            *o = accumulate ? *o + v : v;
+            float* o = static_cast<float*>(out) + (size_t)m * ldo + n;
+            *o = mode == 1 ? *o + v : v;
         }
     }
 }
+
+// MINB: blocks per SM the register allocation must allow. Without it ptxas sinks each load down
+// to its mma (3 loads in flight per warp); with it every load of a batch issues first.
+#define GEMV_TC_ENTRY(NAME, U, MINB)                                                                           \
+    extern "C" __global__ void __launch_bounds__(256, MINB)                                                  \
+        NAME(const bf16* x, const bf16* W, const float* bias, void* out, int M, int N, int K, int ldo, int mode) { \
+        gemv_tc_body<U>(x, W, bias, out, M, N, K, ldo, mode);                                                  \
+    }
+GEMV_TC_ENTRY(gemv_tc, 4, 2)
+GEMV_TC_ENTRY(gemv_tc_u2, 2, 4)

@@ -22,6 +22,8 @@ ARCH = "sm_90"
 GEMV_MAX_ROWS = 8
 GEMM_SMEM = 3 * (128 + 128) * 40 * 2  # STAGES * (BM + BN) * LDS * sizeof(bf16)
 DECODE_SPLITS = 32
+MAX_COUNTERS = 8192  # decode attention (lane, KV head) pairs
+PF_BLOCKS = 16  # rmsnorm's L2-prefetch blocks
 
 _i32, _f32, _i64 = np.int32, np.float32, np.int64
 
@@ -65,25 +67,30 @@ class Kernels:
         attn = (("HEAD_DIM", head_dim), ("GROUP", group))
         self._embed = _fn(module("embed"), "embed", "PPPi")
         norm = module("norm")
-        self._rmsnorm = _fn(norm, "rmsnorm", "PPPiif")
-        self._swiglu = _fn(norm, "swiglu", "PPii")
-        self._rope = _fn(module("rope"), "rope_kv_write", "PPPPPPiiiiq")
+        self._rmsnorm = _fn(norm, "rmsnorm", "PPPiifiPq")
+        self._swiglu = _fn(norm, "swiglu", "PPiii")
+        self._rope = _fn(module("rope"), "rope_kv_write", "PPPPPPiiiiqiPq")
         gemv = module("gemv")
         self._gemv = {m: _fn(gemv, f"gemv_m{m}", "PPPPiiii") for m in range(1, GEMV_MAX_ROWS + 1)}
         self._gemv_tc = _fn(gemv, "gemv_tc", "PPPPiiiii")
-        # Widths from which decode GEMVs run on the tensor cores (gemv_tc) instead of FMAs.
-        # Measured on an H200 (docs/PERFORMANCE.md): at width 1 the FMA kernel streams the
-        # large matrices faster (96% vs 81% of read bandwidth), the tensor-core one the small
-        # ones; from width 2 the tensor cores win everywhere. So width 1 uses FMAs for
-        # matrices of at least FMA_MIN_ELEMS weights.
+        self._gemv_tc_u2 = _fn(gemv, "gemv_tc_u2", "PPPPiiiii")
+        # Decode GEMVs run on the tensor cores (gemv_tc) at every width, except width-1 rounds on
+        # matrices of at least fma_min_elems weights, which the FMA kernel streams faster (95%
+        # vs 83% of read bandwidth for gate|up on an H200, docs/PERFORMANCE.md). Below that size
+        # a lane's arithmetic does not depend on its round's width. tc_from routes narrower widths
+        # to the FMA kernel (benchmarks and tests). Matrices under u2_below weights use the
+        # 2-step gemv_tc variant (measured: no difference on the 8B shapes, so off).
         self.tc_from = int(os.environ.get("IGNIS_CUDA_TC_FROM", "1"))
-        self.fma_min_elems = 32 << 20
+        self.fma_min_elems = int(os.environ.get("IGNIS_CUDA_FMA_MIN_ELEMS", str(32 << 20)))
+        self.u2_below = int(os.environ.get("IGNIS_CUDA_GEMV_U2_BELOW", "0"))
         self._gemm = _fn(module("gemm"), "gemm_bf16", "PPPPiiiii")
         self._gemm.set_attribute(cuda.function_attribute.MAX_DYNAMIC_SHARED_SIZE_BYTES, GEMM_SMEM)
         dec = module("attention_decode", attn + (("NUM_SPLITS", DECODE_SPLITS),))
-        self._decode_attn = _fn(dec, "decode_attn", "PPPiPqiifPP")
+        self._decode_attn = _fn(dec, "decode_attn", "PPPiPqiifPPPP")
         self._decode_combine = _fn(dec, "decode_combine", "PPPP")
         self._prefill_attn = _fn(module("attention_prefill", attn), "prefill_attn", "PPPqiiiifP")
+        self._counters = cuda.mem_alloc(4 * MAX_COUNTERS)  # decode_attn's split counters, self-resetting
+        cuda.memset_d32(self._counters, 0, MAX_COUNTERS)
         samp = module("sample")
         self._penalties = _fn(samp, "apply_penalties", "PiPPPPi")
         self._sample = _fn(samp, "sample", "PiPPPP")
@@ -93,22 +100,31 @@ class Kernels:
     def embed(self, s, tokens: int, table: int, x: int, rows: int, hidden: int) -> None:
         self._embed.prepared_async_call((rows, 1, 1), (128, 1, 1), s, tokens, table, x, _i32(hidden))
 
-    def rmsnorm(self, s, x: int, w: int, out: int, rows: int, hidden: int, eps: float, x_stride: int | None = None):
+    def rmsnorm(self, s, x: int, w: int, out: int, rows: int, hidden: int, eps: float, x_stride: int | None = None,
+                prefetch: tuple[int, int] = (0, 0)):  # fmt: skip
+        """``prefetch`` = (pointer, bytes): ask L2 to start fetching them (the next GEMV's weights)."""
         stride = hidden if x_stride is None else x_stride
+        pf, nb = prefetch
+        grid = rows + (PF_BLOCKS if nb > 0 else 0)
         self._rmsnorm.prepared_async_call(
-            (rows, 1, 1), (256, 1, 1), s, x, w, out, _i32(hidden), _i32(stride), _f32(eps)
+            (grid, 1, 1), (256, 1, 1), s, x, w, out, _i32(hidden), _i32(stride), _f32(eps), _i32(rows), pf, _i64(nb)
         )
 
-    def swiglu(self, s, gu: int, out: int, inter: int, rows: int) -> None:
+    def swiglu(self, s, gu: int, out: int, inter: int, rows: int, interleaved: bool = False) -> None:
         blocks = max(1, min(4096, (rows * inter + 255) // 256))
-        self._swiglu.prepared_async_call((blocks, 1, 1), (256, 1, 1), s, gu, out, _i32(inter), _i32(rows))
+        self._swiglu.prepared_async_call(
+            (blocks, 1, 1), (256, 1, 1), s, gu, out, _i32(inter), _i32(rows), _i32(interleaved)
+        )
 
     def rope_kv_write(
-        self, s, qkv, positions, slots, inv_freq, q_out, cache, rows, heads, kv_heads, block_size, block_stride
-    ) -> None:
+        self, s, qkv, positions, slots, inv_freq, q_out, cache, rows, heads, kv_heads, block_size, block_stride,
+        prefetch: tuple[int, int] = (0, 0),
+    ) -> None:  # fmt: skip
+        pf, nb = prefetch
         self._rope.prepared_async_call(
-            (rows, heads + kv_heads, 1), (self.head_dim // 2, 1, 1), s, qkv, positions, slots, inv_freq, q_out, cache,
-            _i32(heads), _i32(kv_heads), _i32(self.head_dim), _i32(block_size), _i64(block_stride),
+            (rows + (1 if nb > 0 else 0), heads + kv_heads, 1), (self.head_dim // 2, 1, 1), s, qkv, positions, slots,
+            inv_freq, q_out, cache, _i32(heads), _i32(kv_heads), _i32(self.head_dim), _i32(block_size),
+            _i64(block_stride), _i32(rows), pf, _i64(nb),
         )  # fmt: skip
 
     # --- matrix products -----------------------------------------------------------------
@@ -132,10 +148,7 @@ class Kernels:
         ldo = n if ldo is None else ldo
         use_tc = self.tc_from <= rows <= GEMV_MAX_ROWS and not (rows == 1 and n * k >= self.fma_min_elems)
         if use_tc:
-            self._gemv_tc.prepared_async_call(
-                ((n + 15) // 16, 1, 1), (256, 1, 1), s, x, w, bias, out, _i32(rows), _i32(n), _i32(k), _i32(ldo),
-                _i32(accumulate),
-            )  # fmt: skip
+            self._tc(s, x, w, bias, out, rows, n, k, ldo, int(accumulate))
         elif rows <= GEMV_MAX_ROWS:
             self._gemv[rows].prepared_async_call(
                 ((n + 3) // 4, 1, 1), (256, 1, 1), s, x, w, bias, out, _i32(n), _i32(k), _i32(ldo), _i32(accumulate)
@@ -146,19 +159,38 @@ class Kernels:
                 _i32(rows), _i32(n), _i32(k), _i32(ldo), _i32(accumulate), shared_size=GEMM_SMEM,
             )  # fmt: skip
 
+    def _tc(self, s, x, w, bias, out, rows, n, k, ldo, mode) -> None:
+        fn = self._gemv_tc_u2 if n * k < self.u2_below else self._gemv_tc
+        fn.prepared_async_call(
+            ((n + 15) // 16, 1, 1), (256, 1, 1), s, x, w, bias, out, _i32(rows), _i32(n), _i32(k), _i32(ldo), _i32(mode)
+        )
+
+    def gate_up_act(self, s, x: int, w: int, gu: int, act: int, rows: int, inter: int, k: int) -> None:
+        """act[rows, inter] = bf16(silu(gate) * up) of x @ w.T, ``w`` the gate|up matrix interleaved in
+        8-row groups (``interleave_gate_up``). Up to 8 rows the SwiGLU is the GEMV's epilogue (no fp32
+        ``gu`` round trip, one launch); wider, the GEMM writes ``gu`` and ``swiglu`` reads it."""
+        if k % 8 or inter % 8:
+            raise ValueError(f"K={k} and I={inter} must be multiples of 8")
+        if self.tc_from <= rows <= GEMV_MAX_ROWS:
+            self._tc(s, x, w, 0, act, rows, 2 * inter, k, inter, 2)
+        else:
+            self.linear(s, x, w, 0, gu, rows, 2 * inter, k)
+            self.swiglu(s, gu, act, inter, rows, interleaved=True)
+
     # --- attention -----------------------------------------------------------------------
 
     def decode_attention(
         self, s, q, positions, block_tables, bt_stride, cache, block_stride, block_size, kv_heads, o_part, ml, out, rows
     ) -> None:
+        """Split-K decode attention; the splits are merged inside the same kernel (last block per lane
+        and KV head), so this is one launch."""
+        if rows * kv_heads > MAX_COUNTERS:
+            raise ValueError(f"{rows} rows x {kv_heads} KV heads exceeds {MAX_COUNTERS} split counters")
         scale = _f32(self.head_dim**-0.5 * np.log2(np.e))
         self._decode_attn.prepared_async_call(
             (kv_heads, rows, DECODE_SPLITS), (128, 1, 1), s, q, positions, block_tables, _i32(bt_stride), cache,
-            _i64(block_stride), _i32(block_size), _i32(kv_heads), scale, o_part, ml,
+            _i64(block_stride), _i32(block_size), _i32(kv_heads), scale, o_part, ml, self._counters, out,
         )  # fmt: skip
-        self._decode_combine.prepared_async_call(
-            (kv_heads * self.group, rows, 1), (self.head_dim, 1, 1), s, o_part, ml, positions, out
-        )
 
     def prefill_attention(self, s, q, block_table, cache, block_stride, block_size, kv_heads, n, start, out) -> None:
         scale = _f32(self.head_dim**-0.5 * np.log2(np.e))
@@ -179,6 +211,17 @@ class Kernels:
         self._sample.prepared_async_call(
             (rows, 1, 1), (1024, 1, 1), s, logits, _i32(vocab), params, seeds, positions, out_tokens
         )
+
+
+def interleave_gate_up(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+    """[I, K] gate and up -> [2I, K] in 8-row groups (gate 8j..8j+7, then up 8j..8j+7), the layout
+    ``gate_up_act`` and ``swiglu(interleaved=True)`` read. Works on numpy arrays and torch tensors."""
+    i, k = gate.shape
+    if type(gate).__module__.startswith("torch"):
+        import torch
+
+        return torch.stack([gate.reshape(i // 8, 8, k), up.reshape(i // 8, 8, k)], 1).reshape(2 * i, k)
+    return np.stack([gate.reshape(i // 8, 8, k), up.reshape(i // 8, 8, k)], 1).reshape(2 * i, k)
 
 
 def to_bf16(a: np.ndarray) -> np.ndarray:

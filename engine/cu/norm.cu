@@ -5,14 +5,23 @@
 //   The residual add is fused into the GEMV/GEMM epilogue that produces x
 //   (accumulate mode), so this kernel reads the already-updated residual.
 //   One block of 256 threads per row, two passes over the row (L1-resident).
-// swiglu: out[r, j] = bf16(silu(gu[r, j]) * gu[r, I + j])
-//   gu fp32 [rows, 2I] (gate then up, the fused gate_up projection), out bf16 [rows, I].
-//   Grid-stride over rows*I.
+//   Blocks past `rows` (decode rounds) only ask L2 to prefetch pf_bytes of pf, the
+//   weights of the GEMV that follows, so DRAM streams while this kernel runs.
+// swiglu: out[r, j] = bf16(silu(gate_j) * up_j) from gu fp32 [rows, 2I], the fused
+//   gate_up projection, out bf16 [rows, I]. interleaved = 0: gate_j = gu[r, j], up_j =
+//   gu[r, I + j]; interleaved = 1 (the backend's layout, I % 8 == 0): 8-row groups,
+//   gate_j = gu[r, 16(j/8) + j%8], up_j = gu[r, 16(j/8) + 8 + j%8]. Decode rounds fuse
+//   this into the gate_up GEMV (gemv.cu, mode 2); prefill chunks run it. Grid-stride.
 
 extern "C" __global__ void rmsnorm(const float* __restrict__ x, const bf16* __restrict__ w,
-                                   bf16* __restrict__ out, int H, int x_stride, float eps) {
+                                   bf16* __restrict__ out, int H, int x_stride, float eps, int rows,
+                                   const void* pf, long long pf_bytes) {
     __shared__ float scratch[32];
     const int row = blockIdx.x;
+    if (row >= rows) {
+        prefetch_l2(pf, pf_bytes, (row - rows) * blockDim.x + threadIdx.x, (gridDim.x - rows) * blockDim.x);
+        return;
+    }
     const float* xr = x + (size_t)row * x_stride;
     float ss = 0.f;
     for (int i = threadIdx.x; i < H; i += blockDim.x) ss += xr[i] * xr[i];
@@ -22,11 +31,13 @@ extern "C" __global__ void rmsnorm(const float* __restrict__ x, const bf16* __re
     for (int i = threadIdx.x; i < H; i += blockDim.x) o[i] = __float2bfloat16(xr[i] * r * __bfloat162float(w[i]));
 }
 
-extern "C" __global__ void swiglu(const float* __restrict__ gu, bf16* __restrict__ out, int I, int rows) {
+extern "C" __global__ void swiglu(const float* __restrict__ gu, bf16* __restrict__ out, int I, int rows,
+                                  int interleaved) {
     const size_t n = (size_t)rows * I;
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
         const size_t r = i / I, j = i % I;
-        const float g = gu[r * 2 * I + j], u = gu[r * 2 * I + I + j];
+        const size_t gi = interleaved ? (j >> 3) * 16 + (j & 7) : j, ui = interleaved ? gi + 8 : I + j;
+        const float g = gu[r * 2 * I + gi], u = gu[r * 2 * I + ui];
         out[i] = __float2bfloat16(g / (1.f + expf(-g)) * u);
     }
 }

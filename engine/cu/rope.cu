@@ -8,13 +8,20 @@
 //   wrapper passes `cache` already offset to this layer, `block_stride` elements
 //   between blocks. slot s -> block s / block_size, offset s % block_size.
 // Rotation is Hugging Face's rotate_half: pairs (i, i + D/2), angle pos * inv_freq[i].
-// Grid (rows, H + KVH), block D/2 threads; blocks with head >= H do one KV head.
+// Grid (rows + 1, H + KVH), block D/2 threads; blocks with head >= H do one KV head.
+// The extra row of blocks (row == rows) only asks L2 to prefetch pf_bytes of pf (in a
+// decode round: the o-projection weights, streamed while attention runs).
 
 extern "C" __global__ void rope_kv_write(const float* __restrict__ qkv, const int* __restrict__ positions,
                                          const int* __restrict__ slots, const float* __restrict__ inv_freq,
                                          bf16* __restrict__ q_out, bf16* __restrict__ cache, int H, int KVH,
-                                         int D, int block_size, long long block_stride) {
+                                         int D, int block_size, long long block_stride, int rows, const void* pf,
+                                         long long pf_bytes) {
     const int row = blockIdx.x, head = blockIdx.y, i = threadIdx.x, half = D / 2;
+    if (row >= rows) {
+        prefetch_l2(pf, pf_bytes, head * blockDim.x + i, gridDim.y * blockDim.x);
+        return;
+    }
     const float* src = qkv + (size_t)row * (H + 2 * KVH) * D;
     float s, c;
     sincosf((float)positions[row] * inv_freq[i], &s, &c);

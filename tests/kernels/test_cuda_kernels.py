@@ -95,29 +95,80 @@ def test_rmsnorm_and_swiglu(kern, stream):
         k.rmsnorm(stream, g_x.ptr, g_w.ptr, g_o.ptr, rows, hid, 1e-5)
         stream.synchronize()
         ref = x / np.sqrt((x * x).mean(-1, keepdims=True) + 1e-5) * w
-        assert rel_err(get(g_o, True, (rows, hid)), ref) < 8e-3
+        got = get(g_o, True, (rows, hid))
+        assert rel_err(got, ref) < 8e-3
+        # With L2-prefetch blocks (here over the input itself, any odd size): the same output.
+        g_o2 = put(np.zeros((rows, hid), np.uint16))
+        k.rmsnorm(stream, g_x.ptr, g_w.ptr, g_o2.ptr, rows, hid, 1e-5, prefetch=(g_x.ptr, x.nbytes - 40))
+        stream.synchronize()
+        np.testing.assert_array_equal(get(g_o2, True, (rows, hid)), got)
     for rows, inter in [(1, 1536), (9, 14336)]:
         gu = (rng.standard_normal((rows, 2 * inter)) * 2).astype(np.float32)
+        g, u = gu[:, :inter], gu[:, inter:]
+        ref = g / (1 + np.exp(-g)) * u
         g_gu, g_o = put(gu), put(np.zeros((rows, inter), np.uint16))
         k.swiglu(stream, g_gu.ptr, g_o.ptr, inter, rows)
         stream.synchronize()
-        g, u = gu[:, :inter], gu[:, inter:]
-        assert rel_err(get(g_o, True, (rows, inter)), g / (1 + np.exp(-g)) * u) < 8e-3
+        assert rel_err(get(g_o, True, (rows, inter)), ref) < 8e-3
+        # interleaved layout: 8 gate columns, then the same 8 up columns
+        gi = np.stack([g.reshape(rows, -1, 8), u.reshape(rows, -1, 8)], 2).reshape(rows, 2 * inter)
+        g_gu, g_o = put(np.ascontiguousarray(gi)), put(np.zeros((rows, inter), np.uint16))
+        k.swiglu(stream, g_gu.ptr, g_o.ptr, inter, rows, interleaved=True)
+        stream.synchronize()
+        assert rel_err(get(g_o, True, (rows, inter)), ref) < 8e-3
 
 
-@pytest.mark.parametrize("tc_from", [1, 9])
+@pytest.mark.parametrize("rows,inter,k_", [(1, 1408, 512), (3, 14336, 4096), (8, 64, 200), (12, 1536, 576)])
+def test_gate_up_act(kern, stream, rows, inter, k_):
+    """The gate_up GEMV with SwiGLU in its epilogue (rows <= 8) / GEMM + swiglu (wider), on the
+    interleaved gate|up matrix, against numpy."""
+    from engine.cu.kernels import interleave_gate_up
+
+    k = kern[(128, 4)]
+    x = bf(rng.standard_normal((rows, k_)).astype(np.float32))
+    gate = bf((rng.standard_normal((inter, k_)) / np.sqrt(k_)).astype(np.float32))
+    up = bf((rng.standard_normal((inter, k_)) / np.sqrt(k_)).astype(np.float32))
+    g, u = x.astype(np.float64) @ gate.T, x.astype(np.float64) @ up.T
+    ref = g / (1 + np.exp(-g)) * u
+    w = interleave_gate_up(gate, up)
+    g_act = put(np.full((rows, inter), 0x7FC0, np.uint16))  # bf16 NaN
+    g_gu = put(np.full((rows, 2 * inter), np.nan, np.float32))
+    k.gate_up_act(stream, put(x, True).ptr, put(w, True).ptr, g_gu.ptr, g_act.ptr, rows, inter, k_)
+    stream.synchronize()
+    assert rel_err(get(g_act, True, (rows, inter)), ref) < 8e-3
+
+
+@pytest.mark.parametrize("tc_from,u2", [(1, False), (1, True), (9, False)])
 @pytest.mark.parametrize(
     "rows,n,k_",
-    [(1, 4096, 4096), (2, 300, 1408), (3, 1001, 576), (8, 256, 14336), (5, 77, 8), (7, 33, 200), (16, 8, 64)],
-)
-def test_linear_gemv_and_gemm(kern, stream, rows, n, k_, tc_from):
+    [(1, 4096, 4096), (2, 300, 1408), (3, 1001, 576), (8, 256, 14336), (5, 77, 8), (7, 33, 200), (16, 8, 64),
+     (1, 24, 1032)],
+)  # fmt: skip
+def test_linear_gemv_and_gemm(kern, stream, rows, n, k_, tc_from, u2):
     k = kern[(128, 4)]
-    saved = k.tc_from, k.fma_min_elems
-    k.tc_from, k.fma_min_elems = tc_from, 1 << 62  # 1: every width on gemv_tc; 9: every width on the FMA gemv
+    saved = k.tc_from, k.fma_min_elems, k.u2_below
+    # tc_from 1: every width on gemv_tc (u2: its 2-step variant); 9: every width on the FMA gemv
+    k.tc_from, k.fma_min_elems, k.u2_below = tc_from, 1 << 62, (1 << 62 if u2 else 0)
     try:
         _check_linear(k, stream, rows, n, k_)
     finally:
-        k.tc_from, k.fma_min_elems = saved
+        k.tc_from, k.fma_min_elems, k.u2_below = saved
+
+
+def test_gemv_tc_width_invariant(kern, stream):
+    """A row's output of gemv_tc is bitwise the same whatever the other rows and the width are."""
+    k = kern[(128, 4)]
+    n, k_ = 1000, 4096
+    x = bf(rng.standard_normal((8, k_)).astype(np.float32))
+    w = put(bf((rng.standard_normal((n, k_)) / np.sqrt(k_)).astype(np.float32)), True)
+    outs = []
+    for rows in (1, 3, 8):
+        g_o = put(np.full((rows, n), np.nan, np.float32))
+        k.linear(stream, put(x[:rows], True).ptr, w.ptr, 0, g_o.ptr, rows, n, k_)
+        stream.synchronize()
+        outs.append(get(g_o).reshape(rows, n))
+    np.testing.assert_array_equal(outs[0][0], outs[1][0])
+    np.testing.assert_array_equal(outs[1], outs[2][:3])
 
 
 def _check_linear(k, stream, rows, n, k_):
@@ -171,8 +222,21 @@ def test_rope_kv_write(kern, stream, d, g):
     g_cache, g_q = put(cache, True), put(np.zeros((rows, h, d), np.uint16))
     layer = 1
     layer_off = layer * 2 * bs * kvh * d * 2
-    k.rope_kv_write(stream, put(qkv).ptr, put(pos).ptr, put(slots).ptr, put(inv).ptr, g_q.ptr,
-                    g_cache.ptr + layer_off, rows, h, kvh, bs, L * 2 * bs * kvh * d)  # fmt: skip
+    k.rope_kv_write(
+        stream,
+        put(qkv).ptr,
+        put(pos).ptr,
+        put(slots).ptr,
+        put(inv).ptr,
+        g_q.ptr,
+        g_cache.ptr + layer_off,
+        rows,
+        h,
+        kvh,
+        bs,
+        L * 2 * bs * kvh * d,
+        prefetch=(g_cache.ptr, cache.size * 2),
+    )  # fmt: skip  (L2 prefetch blocks: no effect on results)
     stream.synchronize()
     ang = pos[:, None].astype(np.float32) * inv[None, :]
     cos, sin = np.cos(ang)[:, None, :], np.sin(ang)[:, None, :]
@@ -238,6 +302,14 @@ def test_decode_attention(kern, stream, d, g):
                        g_out.ptr, m)  # fmt: skip
     stream.synchronize()
     got = get(g_out, True, (m, h, d))
+    # The splits are merged in-kernel by the last block of each (lane, KV head); its counters reset,
+    # so a second call gives bitwise the same output.
+    g_out2 = put(np.zeros((m, h * d), np.uint16))
+    k.decode_attention(stream, put(q, True).ptr, put(pos).ptr, put(bt).ptr, stride,
+                       g_cache.ptr + layer * 2 * bs * kvh * d * 2, L * 2 * bs * kvh * d, bs, kvh, o_part.ptr, ml.ptr,
+                       g_out2.ptr, m)  # fmt: skip
+    stream.synchronize()
+    np.testing.assert_array_equal(get(g_out2, True, (m, h, d)), got)
     for i, c in enumerate(ctxs):
         t = np.arange(c)
         blk, off = np.asarray(tables[i])[t // bs], t % bs
