@@ -1,0 +1,222 @@
+"""POST /v1/decide: a classification answered from one prefill, no token decoded.
+
+    {"evidence": str, "question": str, "labels": [str, ...], "model"?: str,
+     "instructions"?: str, "class"?: "agent" | "interactive"}
+    -> {"id": "decision-...", "object": "decision", "created", "model", "label",
+        "distribution": [{"label", "probability", "logprob"}, ...],
+        "label_mass": float, "usage": {...}}
+
+The evidence, question and labels are rendered as a user turn through the
+model's template (``instructions``, when given, as the system message), and
+the assistant turn is opened with ``Answer:`` so that the next token is the
+answer rather than a preamble. The engine prefills that prompt once (the
+prefill lane, no decode lane: it defaults to the agent class) and returns
+the logits at its last position.
+
+One position means each label is read through its first token. A label
+counts the first tokens of its spellings the model might start an answer
+with (as given, lower-case, capitalized, with a leading space) unless
+another label claims the same token; the label's probability is the sum of
+its tokens' probabilities, renormalised over the labels (``label_mass`` is
+how much of the model's next-token probability the labels held before
+that). Labels whose given spellings begin with the same token (``"New
+York"`` and ``"New Delhi"``) cannot be told apart at one position and are
+refused with 400 naming ``labels``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+import uuid
+from dataclasses import dataclass
+
+from channels.exceptions import StopConsumer
+
+from apps.api import engine_client
+from apps.api.consumers import OpenAIHttpConsumer
+from apps.api.errors import IgnisError, InvalidRequest, error_from_engine
+from apps.api.services import chat_render
+from apps.models.services import ServedModel, model_name_resolve
+from engine.messages import AddRequest
+
+MAX_LABELS = 64
+MAX_LABEL_LEN = 200
+ANSWER_LEAD = "Answer:"
+
+
+@dataclass
+class PreparedDecision:
+    served: ServedModel
+    add: AddRequest
+    labels: list[str]
+    label_tokens: list[list[int]]  # per label, the first tokens that count for it
+
+
+def _string(body: dict, name: str, *, required: bool, allow_empty: bool = False) -> str | None:
+    value = body.get(name)
+    if value is None:
+        if required:
+            raise InvalidRequest(f"'{name}' is required.", param=name, code="missing_required_parameter")
+        return None
+    if not isinstance(value, str):
+        raise InvalidRequest(f"'{name}' must be a string.", param=name, code="invalid_type")
+    if not allow_empty and not value.strip():
+        raise InvalidRequest(f"'{name}' must not be empty.", param=name)
+    return value
+
+
+def _labels(value) -> list[str]:
+    if value is None:
+        raise InvalidRequest("'labels' is required.", param="labels", code="missing_required_parameter")
+    if not isinstance(value, list):
+        raise InvalidRequest("'labels' must be an array of strings.", param="labels", code="invalid_type")
+    if not 2 <= len(value) <= MAX_LABELS:
+        raise InvalidRequest(f"Give between 2 and {MAX_LABELS} labels.", param="labels")
+    for i, label in enumerate(value):
+        if not isinstance(label, str):
+            raise InvalidRequest("Each label must be a string.", param=f"labels[{i}]", code="invalid_type")
+        if not label.strip() or len(label) > MAX_LABEL_LEN:
+            raise InvalidRequest(f"A label is 1 to {MAX_LABEL_LEN} characters, not blank.", param=f"labels[{i}]")
+    if len(set(value)) != len(value):
+        raise InvalidRequest("Labels must be distinct.", param="labels")
+    return value
+
+
+def label_first_tokens(tokenizer, labels: list[str]) -> list[list[int]]:
+    """Per label, the first tokens that stand for it; 400 when two labels share their own first token."""
+
+    def first(text: str) -> int | None:
+        ids = tokenizer.encode(text)
+        return ids[0] if ids else None
+
+    primary = [first(label) for label in labels]
+    for i, tok in enumerate(primary):
+        if tok is None:
+            raise InvalidRequest("This label encodes to no token.", param=f"labels[{i}]")
+        if primary.index(tok) != i:
+            j = primary.index(tok)
+            raise InvalidRequest(
+                f"Labels {labels[j]!r} and {labels[i]!r} begin with the same token, so one position cannot tell "
+                "them apart; reword one so their first words differ.",
+                param="labels",
+                code="ambiguous_labels",
+            )
+    spellings = []
+    for label in labels:
+        forms = {label, label.lower(), label.capitalize(), label.upper()}
+        forms |= {" " + f for f in forms}
+        spellings.append({t for f in forms if (t := first(f)) is not None})
+    owners: dict[int, int] = {}
+    for i, toks in enumerate(spellings):
+        for t in toks:
+            owners[t] = -1 if t in owners and owners[t] != i else i
+    taken = set(primary)
+    return [
+        sorted({primary[i]} | {t for t in toks if owners[t] == i and t not in taken - {primary[i]}})
+        for i, toks in enumerate(spellings)
+    ]
+
+
+def decide_prepare(body: dict) -> PreparedDecision:
+    """Validate, render and tokenize a decision request (runs off the event loop)."""
+    evidence = _string(body, "evidence", required=False, allow_empty=True) or ""
+    question = _string(body, "question", required=True)
+    labels = _labels(body.get("labels"))
+    instructions = _string(body, "instructions", required=False)
+    model = _string(body, "model", required=False)
+    request_class = body.get("class")
+    if request_class is not None and request_class not in ("interactive", "agent"):
+        raise InvalidRequest("'class' must be 'interactive' or 'agent'.", param="class")
+    served, suffix_class = model_name_resolve(model)
+    tok = served.tokenizer
+    label_tokens = label_first_tokens(tok, labels)
+    user = (f"Evidence: {evidence}\n" if evidence else "") + (
+        f"Question: {question}\nLabels: {', '.join(labels)}\nAnswer with the correct label only."
+    )
+    messages = ([{"role": "system", "content": instructions}] if instructions else []) + [
+        {"role": "user", "content": user}
+    ]
+    # The assistant turn opens with ANSWER_LEAD so the next token is the answer itself, not a
+    # preamble ("The answer is ..."): small models put far more mass on the labels this way.
+    prompt = chat_render(served, messages) + ANSWER_LEAD
+    prompt_ids = tok.encode(prompt)
+    add = AddRequest(
+        request_id=f"decision-{uuid.uuid4().hex[:24]}",
+        reply_channel="",
+        prompt_token_ids=prompt_ids,
+        max_tokens=0,
+        stop_token_ids=list(tok.eos_token_ids),
+        request_class=request_class or suffix_class or "agent",
+        model=served.served_id,
+        decide=True,
+    )
+    return PreparedDecision(served=served, add=add, labels=labels, label_tokens=label_tokens)
+
+
+def decision_render(prep: PreparedDecision, logits: list[float], prompt_tokens: int, cached_tokens: int) -> dict:
+    """The label distribution from the last position's logits (softmax over the whole vocabulary first)."""
+    top = max(logits)
+    log_z = top + math.log(sum(math.exp(x - top) for x in logits))
+    mass = [sum(math.exp(logits[t] - log_z) for t in toks if t < len(logits)) for toks in prep.label_tokens]
+    total = sum(mass)
+    probs = [m / total for m in mass] if total > 0 else [1.0 / len(mass)] * len(mass)
+    best = max(range(len(probs)), key=probs.__getitem__)
+    return {
+        "id": prep.add.request_id,
+        "object": "decision",
+        "created": int(time.time()),
+        "model": prep.served.served_id,
+        "label": prep.labels[best],
+        "distribution": [
+            {"label": label, "probability": p, "logprob": math.log(p) if p > 0 else None}
+            for label, p in zip(prep.labels, probs)
+        ],
+        "label_mass": total,
+        "usage": {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": 0,
+            "total_tokens": prompt_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens},
+        },
+    }
+
+
+class DecideConsumer(OpenAIHttpConsumer):
+    """POST /v1/decide: submit a prefill-only request, answer from its logits."""
+
+    async def handle(self, body: dict) -> None:
+        self.prep = await asyncio.to_thread(decide_prepare, body)
+        self.prep.add.reply_channel = self.channel_name
+        self._request_id = self.prep.add.request_id
+        await engine_client.request_submit(self.prep.add)
+
+    async def engine_tokens(self, msg: dict) -> None:  # a decide request decodes nothing
+        return
+
+    async def engine_finished(self, msg: dict) -> None:
+        if msg["request_id"] != self._request_id:
+            return
+        self._request_id = None
+        logits = msg.get("logits")
+        if not logits:
+            await self.finish_with_error(
+                IgnisError(
+                    "The engine returned no logits for this decision.",
+                    type="server_error",
+                    code="engine_error",
+                    status=500,
+                )
+            )
+        decision = await asyncio.to_thread(
+            decision_render, self.prep, logits, msg["prompt_tokens"], msg.get("cached_tokens", 0)
+        )
+        await self.send_json(200, decision)
+        raise StopConsumer()
+
+    async def engine_failed(self, msg: dict) -> None:
+        if msg["request_id"] != self._request_id:
+            return
+        self._request_id = None
+        await self.finish_with_error(error_from_engine(msg))

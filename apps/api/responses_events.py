@@ -1,0 +1,384 @@
+"""Responses API output: generated text split into items, and the events that build them.
+
+``ChannelSplitter`` turns the text of a generation, piece by piece, into
+reasoning (between ``<think>`` and ``</think>``), content, and tool calls
+(Hermes/Qwen ``<tool_call>{"name": ..., "arguments": ...}</tool_call>``),
+never acting on half a tag. ``ResponseEvents`` turns those pieces into the
+Responses API's output items and its stream events, in the order the
+official SDK's accumulator (``ResponseStreamState``) checks:
+
+    response.created, response.in_progress,
+    per item: response.output_item.added,
+      message:   response.content_part.added, response.output_text.delta...,
+                 response.output_text.done, response.content_part.done
+      reasoning: response.reasoning_text.delta..., response.reasoning_text.done
+      function:  response.function_call_arguments.delta, ...arguments.done
+    response.output_item.done,
+    response.completed | response.incomplete | response.failed
+
+Every event carries ``sequence_number`` (0, 1, 2 ... per response). The same
+builder serves non-streamed requests: the events are dropped and
+``response`` is the answer.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def _held_suffix(text: str, tags: tuple[str, ...]) -> int:
+    """How many trailing characters of ``text`` could begin one of ``tags``."""
+    best = 0
+    for tag in tags:
+        for n in range(min(len(tag) - 1, len(text)), best, -1):
+            if text.endswith(tag[:n]):
+                best = n
+                break
+    return best
+
+
+class ChannelSplitter:
+    """Incremental split into ("reasoning", text), ("content", text) and ("tool_call", raw) pieces."""
+
+    def __init__(self, *, tools: bool, in_reasoning: bool = False):
+        self.tools = tools
+        self.mode = "reasoning" if in_reasoning else "content"  # | "tool_call"
+        self._buf = ""
+
+    def _tags(self) -> tuple[str, ...]:
+        if self.mode == "reasoning":
+            return (THINK_CLOSE,)
+        if self.mode == "tool_call":
+            return (TOOL_CLOSE,)
+        return (THINK_OPEN, TOOL_OPEN) if self.tools else (THINK_OPEN,)
+
+    def feed(self, text: str) -> list[tuple[str, str]]:
+        self._buf += text
+        out: list[tuple[str, str]] = []
+        while True:
+            tags = self._tags()
+            hits = [(i, t) for t in tags if (i := self._buf.find(t)) >= 0]
+            if not hits:
+                break
+            i, tag = min(hits)
+            before, self._buf = self._buf[:i], self._buf[i + len(tag) :]
+            if self.mode == "tool_call":
+                out.append(("tool_call", before))
+                self.mode = "content"
+                continue
+            if before:
+                out.append((self.mode, before))
+            self.mode = {THINK_OPEN: "reasoning", TOOL_OPEN: "tool_call", THINK_CLOSE: "content"}[tag]
+        if self.mode != "tool_call":  # a tool call is emitted whole, at its closing tag
+            keep = _held_suffix(self._buf, self._tags())
+            ready, self._buf = self._buf[: len(self._buf) - keep], self._buf[len(self._buf) - keep :]
+            if ready:
+                out.append((self.mode, ready))
+        return out
+
+    def flush(self) -> list[tuple[str, str]]:
+        """The end of generation: held text is what it is; an unclosed tool call stays text."""
+        buf, self._buf = self._buf, ""
+        if not buf:
+            return []
+        if self.mode == "tool_call":
+            return [("content", TOOL_OPEN + buf)]
+        return [(self.mode, buf)]
+
+
+def parse_tool_call(raw: str) -> tuple[str, str] | None:
+    """(name, arguments JSON) from a Hermes tool call body, or None when it is not one."""
+    try:
+        call = json.loads(raw)
+    except ValueError:
+        return None
+    if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+        return None
+    args = call.get("arguments", call.get("parameters", {}))
+    return call["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
+
+
+def usage_object(input_tokens: int, output_tokens: int, cached_tokens: int, reasoning_tokens: int = 0) -> dict:
+    return {
+        "input_tokens": input_tokens,
+        "input_tokens_details": {"cached_tokens": cached_tokens, "cache_write_tokens": 0},
+        "output_tokens": output_tokens,
+        "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
+        "total_tokens": input_tokens + output_tokens,
+    }
+
+
+class ResponseEvents:
+    """One response's output items and stream events, built from split text."""
+
+    def __init__(self, response: dict, *, tools: bool, in_reasoning: bool = False):
+        self.response = response  # the Response object; ``output`` fills as items close
+        self.splitter = ChannelSplitter(tools=tools, in_reasoning=in_reasoning)
+        self.seq = 0
+        self.open: dict | None = None  # the item receiving deltas (reasoning or message)
+        self.reasoning_tokens = 0
+
+    def _event(self, type_: str, **fields) -> dict:
+        event = {"type": type_, "sequence_number": self.seq, **fields}
+        self.seq += 1
+        return event
+
+    def _snapshot(self) -> dict:
+        return json.loads(json.dumps(self.response))
+
+    def start(self) -> list[dict]:
+        self.response["status"] = "in_progress"
+        return [
+            self._event("response.created", response=self._snapshot()),
+            self._event("response.in_progress", response=self._snapshot()),
+        ]
+
+    def feed(self, text: str, num_tokens: int = 0) -> list[dict]:
+        if self.splitter.mode == "reasoning":
+            self.reasoning_tokens += num_tokens
+        events: list[dict] = []
+        for kind, piece in self.splitter.feed(text):
+            events += self._piece(kind, piece)
+        return events
+
+    # -- items ---------------------------------------------------------------
+
+    @property
+    def _index(self) -> int:
+        return len(self.response["output"])
+
+    def _piece(self, kind: str, piece: str) -> list[dict]:
+        if kind == "tool_call":
+            parsed = parse_tool_call(piece.strip())
+            if parsed is not None:
+                return self._close() + self._function_call(*parsed)
+            kind, piece = "content", TOOL_OPEN + piece + TOOL_CLOSE
+        if kind == "content" and (self.open is None or self.open["type"] != "message"):
+            if self.response["output"] or (self.open is not None):
+                piece = piece.lstrip()  # the newline after </think> or a tool call opens no message
+            if not piece:
+                return []
+        events: list[dict] = []
+        want = "reasoning" if kind == "reasoning" else "message"
+        if self.open is None or self.open["type"] != want:
+            events += self._close()
+            events += self._open_reasoning() if want == "reasoning" else self._open_message()
+        item = self.open
+        if want == "reasoning":
+            item["content"][0]["text"] += piece
+            events.append(
+                self._event(
+                    "response.reasoning_text.delta",
+                    item_id=item["id"],
+                    output_index=self._index,
+                    content_index=0,
+                    delta=piece,
+                )
+            )
+        else:
+            item["content"][0]["text"] += piece
+            events.append(
+                self._event(
+                    "response.output_text.delta",
+                    item_id=item["id"],
+                    output_index=self._index,
+                    content_index=0,
+                    delta=piece,
+                    logprobs=[],
+                )
+            )
+        return events
+
+    def _open_message(self) -> list[dict]:
+        self.open = {
+            "id": new_id("msg"),
+            "type": "message",
+            "role": "assistant",
+            "status": "in_progress",
+            "content": [],
+        }
+        added = self._event(
+            "response.output_item.added", output_index=self._index, item=json.loads(json.dumps(self.open))
+        )
+        part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+        self.open["content"].append(part)
+        return [
+            added,
+            self._event(
+                "response.content_part.added",
+                item_id=self.open["id"],
+                output_index=self._index,
+                content_index=0,
+                part=dict(part, annotations=[]),
+            ),
+        ]
+
+    def _open_reasoning(self) -> list[dict]:
+        self.open = {"id": new_id("rs"), "type": "reasoning", "status": "in_progress", "summary": [], "content": []}
+        added = self._event(
+            "response.output_item.added", output_index=self._index, item=json.loads(json.dumps(self.open))
+        )
+        self.open["content"].append({"type": "reasoning_text", "text": ""})
+        return [added]
+
+    def _close(self, status: str = "completed") -> list[dict]:
+        item, self.open = self.open, None
+        if item is None:
+            return []
+        idx, text = self._index, item["content"][0]["text"]
+        item["status"] = status
+        if item["type"] == "reasoning":
+            events = [
+                self._event(
+                    "response.reasoning_text.done", item_id=item["id"], output_index=idx, content_index=0, text=text
+                )
+            ]
+        else:
+            events = [
+                self._event(
+                    "response.output_text.done",
+                    item_id=item["id"],
+                    output_index=idx,
+                    content_index=0,
+                    text=text,
+                    logprobs=[],
+                ),
+                self._event(
+                    "response.content_part.done",
+                    item_id=item["id"],
+                    output_index=idx,
+                    content_index=0,
+                    part=dict(item["content"][0]),
+                ),
+            ]
+        self.response["output"].append(item)
+        return events + [self._event("response.output_item.done", output_index=idx, item=json.loads(json.dumps(item)))]
+
+    def _function_call(self, name: str, arguments: str) -> list[dict]:
+        idx = self._index
+        item = {
+            "id": new_id("fc"),
+            "type": "function_call",
+            "call_id": new_id("call"),
+            "name": name,
+            "arguments": "",
+            "status": "in_progress",
+        }
+        events = [self._event("response.output_item.added", output_index=idx, item=dict(item))]
+        events.append(
+            self._event("response.function_call_arguments.delta", item_id=item["id"], output_index=idx, delta=arguments)
+        )
+        item.update(arguments=arguments, status="completed")
+        events.append(
+            self._event(
+                "response.function_call_arguments.done",
+                item_id=item["id"],
+                output_index=idx,
+                name=name,
+                arguments=arguments,
+            )
+        )
+        self.response["output"].append(item)
+        events.append(self._event("response.output_item.done", output_index=idx, item=dict(item)))
+        return events
+
+    # -- the end -------------------------------------------------------------
+
+    def finish(self, usage: dict, *, incomplete_reason: str | None = None) -> list[dict]:
+        """Close what is open; response.completed, or response.incomplete when cut (max_output_tokens)."""
+        events: list[dict] = []
+        for kind, piece in self.splitter.flush():
+            events += self._piece(kind, piece)
+        events += self._close("incomplete" if incomplete_reason else "completed")
+        usage["output_tokens_details"]["reasoning_tokens"] = self.reasoning_tokens
+        self.response.update(usage=usage, completed_at=int(time.time()))
+        if incomplete_reason:
+            self.response.update(status="incomplete", incomplete_details={"reason": incomplete_reason})
+            return events + [self._event("response.incomplete", response=self._snapshot())]
+        self.response["status"] = "completed"
+        return events + [self._event("response.completed", response=self._snapshot())]
+
+    def fail(self, code: str, message: str) -> list[dict]:
+        """The engine failed mid-response: response.failed, with what was produced so far."""
+        events = self._close("incomplete")
+        self.response.update(status="failed", error={"code": code, "message": message})
+        return events + [self._event("response.failed", response=self._snapshot())]
+
+    def output_messages(self) -> list[dict]:
+        """This response's output as chat messages, for the next turn's prompt (reasoning dropped)."""
+        text = "".join(i["content"][0]["text"] for i in self.response["output"] if i["type"] == "message")
+        calls = [
+            {"id": i["call_id"], "type": "function", "function": {"name": i["name"], "arguments": i["arguments"]}}
+            for i in self.response["output"]
+            if i["type"] == "function_call"
+        ]
+        if not text and not calls:
+            return []
+        msg: dict = {"role": "assistant", "content": text}
+        if calls:
+            msg["tool_calls"] = calls
+        return [msg]
+
+
+def output_text(response: dict) -> str:
+    return "".join(
+        p["text"]
+        for i in response["output"]
+        if i["type"] == "message"
+        for p in i["content"]
+        if p["type"] == "output_text"
+    )
+
+
+class ResponseRun:
+    """One response in flight: engine messages in, stream events out."""
+
+    def __init__(self, prep):
+        from apps.api.streaming import TextStream
+
+        self.prep = prep
+        req = prep.request
+        self.events = ResponseEvents(
+            json.loads(json.dumps(prep.base)), tools=bool(req.tools) and req.tool_choice != "none"
+        )
+        self.text = TextStream(prep.served.tokenizer, [], prep.add.prompt_token_ids)
+        self.cached_tokens = 0
+        self.done = False
+
+    @property
+    def request_id(self) -> str:
+        return self.prep.add.request_id
+
+    @property
+    def response(self) -> dict:
+        return self.events.response
+
+    def start(self) -> list[dict]:
+        return self.events.start()
+
+    def tokens(self, msg: dict) -> list[dict]:
+        self.cached_tokens = msg.get("cached_tokens", self.cached_tokens)
+        return self.events.feed(self.text.feed(msg["token_ids"]), len(msg["token_ids"]))
+
+    def finished(self, msg: dict) -> list[dict]:
+        self.done = True
+        events = self.events.feed(self.text.flush())
+        usage = usage_object(msg["prompt_tokens"], msg["completion_tokens"], msg.get("cached_tokens", 0))
+        cut = msg["finish_reason"] == "length" and msg["completion_tokens"] > 0
+        return events + self.events.finish(usage, incomplete_reason="max_output_tokens" if cut else None)
+
+    def failed(self, code: str, message: str) -> list[dict]:
+        self.done = True
+        return self.events.fail(code, message)
+
+    def stored_messages(self) -> list[dict]:
+        return self.prep.conversation + self.events.output_messages()
