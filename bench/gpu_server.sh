@@ -2,18 +2,21 @@
 # The whole server on the GPU machine, in one device call: install the wheels
 # carried in .whl (once), start `manage.py serve --model-backend cuda` on the
 # default model, drive it with bench/gpu_server_check.py; logs under $OUT.
-# The GGUF travels in pieces under .gpu/{a,b,c} (a call carries at most 64 MiB).
+# The GGUF travels in pieces under .gpu/{a,b,c} (a call carries at most 64 MiB,
+# and only /tmp outlives a call): `bash bench/gpu_server.sh stash` keeps the
+# pieces a call carried in /tmp/parts until the last call assembles them.
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYCUDA_CACHE_DIR=/tmp/pycuda-cache
 mkdir -p "$OUT"
-if [ ! -f .gpu-site/.done ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target .gpu-site .whl/*.whl && touch .gpu-site/.done
+mkdir -p /tmp/parts && cp .gpu/*/* /tmp/parts/ 2>/dev/null
+[ "$1" = stash ] && { ls -l /tmp/parts; exit 0; }
+if [ ! -f /tmp/ignis-site/.done ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/ignis-site .whl/*.whl && touch /tmp/ignis-site/.done
 fi
-export PYTHONPATH=$PWD/.gpu-site:$PWD
-[ "$1" = install ] && { ls .gpu-site | wc -l; exit 0; }
+export PYTHONPATH=/tmp/ignis-site:$PWD
 gguf=models/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf
 mkdir -p "$(dirname $gguf)"
-[ -f "$gguf" ] || cat .gpu/a/* .gpu/b/* .gpu/c/* > "$gguf"
+[ -f "$gguf" ] || cat /tmp/parts/gguf.part-* > "$gguf"
 sha256sum "$gguf" | tee "$OUT/gguf.sha256"
 export IGNIS_SERVER_DATA_DIR=/tmp/ignis-var IGNIS_SERVER_CELERY_WORKER=false
 python3 manage.py migrate --noinput -v 0 || exit 1

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -331,6 +331,16 @@ class CudaBackend(Backend):
             raise ValueError(f"block table of {len(bt)} blocks does not reach position {int(positions.max())}")
         return bt[idx] * self.block_size + positions % self.block_size
 
+    def _host_sample(self, row: np.ndarray, req: SampleRequest, position: int):
+        """A grammar-constrained row is drawn on the host: its mask comes from the
+        request's matcher, which lives in Python. ``row`` already carries the
+        device's penalties, so the host sampler applies none of its own; the draw
+        uses the same (seed, position) Philox as the device would."""
+        p = req.params
+        neutral = replace(req, params=replace(p, presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0))
+        token, lp = sampler.sample_row(row, neutral, position)
+        return token, lp
+
     def _logprob(self, row: np.ndarray, req: SampleRequest, token: int):
         x = np.array(row, dtype=np.float32)
         if not req.params.is_greedy:
@@ -386,12 +396,15 @@ class CudaBackend(Backend):
             st.upload(s, "sample_pos", "out")
             self._sample(st, 1)
             cuda.memcpy_dtoh_async(v["out"], p["out"], s)
-            if req.want_logprobs:
+            if req.want_logprobs or req.constraint is not None:
                 cuda.memcpy_dtoh_async(self.logits_host[1], self.logits, s)
         s.synchronize()
         if span.want_logits:
             out.prefill_logits = self.logits_host[0].copy()
         if req is not None:
+            if req.constraint is not None:
+                out.prefill_token, out.prefill_logprob = self._host_sample(self.logits_host[1], req, start + n)
+                return
             out.prefill_token = int(v["out"][0])
             if req.want_logprobs:
                 out.prefill_logprob = self._logprob(self.logits_host[1], req, out.prefill_token)
@@ -430,15 +443,19 @@ class CudaBackend(Backend):
             st.upload(s, "pen_counts", nbytes=4 * M * self.pen_stride)
         self.graphs[M].launch()
         cuda.memcpy_dtoh_async(v["out"], st.ptr["out"], s)
-        want = [i for i, ln in enumerate(lanes) if ln.sample.want_logprobs]
+        want = {i for i, ln in enumerate(lanes) if ln.sample.want_logprobs or ln.sample.constraint is not None}
         if want:
             cuda.memcpy_dtoh_async(self.logits_host[:M], self.logits, s)
         s.synchronize()
         tokens = [int(t) for t in v["out"][:M]]
-        out.decode_tokens.extend(tokens)
         for i, ln in enumerate(lanes):
-            lp = self._logprob(self.logits_host[i], ln.sample, tokens[i]) if i in want else None
+            lp = None
+            if ln.sample.constraint is not None:
+                tokens[i], lp = self._host_sample(self.logits_host[i], ln.sample, int(ln.position) + 1)
+            elif i in want:
+                lp = self._logprob(self.logits_host[i], ln.sample, tokens[i])
             out.decode_logprobs.append(lp)
+        out.decode_tokens.extend(tokens)
 
     # --- KV pages --------------------------------------------------------------------------
 
