@@ -21,12 +21,12 @@ from django.conf import settings
 from apps.api.errors import IgnisError, InvalidRequest, PreviousResponseNotFound
 from apps.api.responses_events import new_id
 from apps.api.services import chat_render, generation_cap
+from apps.api.tools import Tool, tool_choice_grammar, tool_choice_parse, tools_parse, tools_prompt_apply
 from apps.api.validation import _integer, _number, _text_of
 from apps.models.services import ServedModel, model_name_resolve
 from engine.messages import AddRequest
 
 MAX_ITEMS = 2048
-MAX_TOOLS = 128
 INPUT_ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
 
 
@@ -40,12 +40,14 @@ class ResponseRequest:
     generate: bool = True
     previous_response_id: str | None = None
     max_output_tokens: int | None = None
-    tools: list[dict] = field(default_factory=list)  # Responses shape, echoed back
-    tool_choice: Any = "auto"
+    tools: list[Tool] = field(default_factory=list)
+    tools_echo: list[dict] = field(default_factory=list)  # as the request gave them
+    tool_choice: str | Tool = "none"
     parallel_tool_calls: bool = True
     sampling: dict = field(default_factory=dict)
     request_class: str | None = None
     metadata: dict = field(default_factory=dict)
+    deadline: float | None = None  # seconds; None: server.deadline
 
 
 @dataclass
@@ -55,6 +57,7 @@ class PreparedResponse:
     add: AddRequest  # reply_channel is filled in by the consumer
     conversation: list[dict]  # previous messages + the new input (no instructions)
     base: dict  # the Response object before any output
+    in_reasoning: bool = False  # the prompt opened <think> itself
 
 
 def _bool(body: dict, name: str, default: bool) -> bool:
@@ -131,38 +134,8 @@ def _messages_of(value: Any) -> list[dict]:
     return merged
 
 
-def _tools_of(value: Any) -> list[dict]:
-    if value is None:
-        return []
-    if not isinstance(value, list):
-        raise InvalidRequest("'tools' must be an array.", param="tools", code="invalid_type")
-    if len(value) > MAX_TOOLS:
-        raise InvalidRequest(f"At most {MAX_TOOLS} tools.", param="tools")
-    for i, tool in enumerate(value):
-        if not isinstance(tool, dict) or tool.get("type") != "function":
-            raise InvalidRequest("Only tools of type 'function' are supported.", param=f"tools[{i}].type")
-        if not isinstance(tool.get("name"), str) or not tool["name"]:
-            raise InvalidRequest("A function tool needs a 'name'.", param=f"tools[{i}].name", code="invalid_type")
-        params = tool.get("parameters")
-        if params is not None and not isinstance(params, dict):
-            raise InvalidRequest(
-                "'parameters' must be a JSON schema object.", param=f"tools[{i}].parameters", code="invalid_type"
-            )
-    return value
-
-
-def _tool_choice_of(value: Any, tools: list[dict]) -> Any:
-    if value is None:
-        return "auto"
-    if value in ("auto", "none", "required"):
-        return value
-    if isinstance(value, dict) and value.get("type") == "function" and isinstance(value.get("name"), str):
-        if value["name"] not in {t["name"] for t in tools}:
-            raise InvalidRequest(f"tool_choice names {value['name']!r}, which is not in 'tools'.", param="tool_choice")
-        return value
-    raise InvalidRequest(
-        "'tool_choice' must be 'auto', 'none', 'required' or {type: function, name}.", param="tool_choice"
-    )
+def _tool_choice_echo(choice: str | Tool) -> Any:
+    return {"type": "function", "name": choice.name} if isinstance(choice, Tool) else choice
 
 
 def response_parse(body: dict) -> ResponseRequest:
@@ -170,7 +143,7 @@ def response_parse(body: dict) -> ResponseRequest:
     if body.get("input") is None:
         raise InvalidRequest("'input' is required.", param="input", code="missing_required_parameter")
     messages = _messages_of(body["input"])
-    tools = _tools_of(body.get("tools"))
+    tools = tools_parse(body.get("tools"))
     request_class = body.get("class")
     if request_class is not None and request_class not in ("interactive", "agent"):
         raise InvalidRequest("'class' must be 'interactive' or 'agent'.", param="class")
@@ -178,6 +151,9 @@ def response_parse(body: dict) -> ResponseRequest:
     if not isinstance(metadata, dict):
         raise InvalidRequest("'metadata' must be an object.", param="metadata", code="invalid_type")
     seed = _integer(body, "seed", -(1 << 63), (1 << 64) - 1)
+    deadline = None
+    if body.get("deadline") is not None:
+        deadline = _number(body, "deadline", 0.0, 0.0, settings.IGNIS.get("server.deadline_max", 3600.0), lo_open=True)
     return ResponseRequest(
         messages=messages,
         instructions=_optional_str(body, "instructions"),
@@ -188,7 +164,8 @@ def response_parse(body: dict) -> ResponseRequest:
         previous_response_id=_optional_str(body, "previous_response_id"),
         max_output_tokens=_integer(body, "max_output_tokens", 1, 1 << 30),
         tools=tools,
-        tool_choice=_tool_choice_of(body.get("tool_choice"), tools),
+        tools_echo=body.get("tools") or [],
+        tool_choice=tool_choice_parse(body.get("tool_choice"), tools),
         parallel_tool_calls=_bool(body, "parallel_tool_calls", True),
         sampling={
             "temperature": _number(body, "temperature", 1.0, 0.0, 2.0),
@@ -197,15 +174,8 @@ def response_parse(body: dict) -> ResponseRequest:
         },
         request_class=request_class,
         metadata=metadata,
+        deadline=deadline,
     )
-
-
-def _chat_tools(tools: list[dict]) -> list[dict]:
-    """Responses function tools in the chat-completions shape chat templates expect."""
-    return [
-        {"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters") if k in t}}
-        for t in tools
-    ]
 
 
 def _remap(err: IgnisError) -> IgnisError:
@@ -219,10 +189,12 @@ def response_prepare(req: ResponseRequest, previous: dict | None) -> PreparedRes
     served, suffix_class = model_name_resolve(req.model)
     conversation = (previous["messages"] if previous else []) + req.messages
     messages = ([{"role": "system", "content": req.instructions}] if req.instructions else []) + conversation
-    use_tools = bool(req.tools) and req.tool_choice != "none"
+    tools = req.tools if req.tool_choice != "none" else []
     try:
-        prompt = chat_render(served, messages, {"tools": _chat_tools(req.tools)} if use_tools else None)
+        messages, template_tools = tools_prompt_apply(messages, tools, served.tokenizer.chat_template)
+        prompt = chat_render(served, messages, None, template_tools)
         prompt_ids = served.tokenizer.encode(prompt)
+        grammar = tool_choice_grammar(req.tool_choice, tools, req.parallel_tool_calls)
         max_tokens = generation_cap(len(prompt_ids), req.max_output_tokens)
     except IgnisError as err:
         raise _remap(err) from None
@@ -236,6 +208,7 @@ def response_prepare(req: ResponseRequest, previous: dict | None) -> PreparedRes
         stop_token_ids=list(served.tokenizer.eos_token_ids),
         request_class=req.request_class or suffix_class or "interactive",
         model=served.served_id,
+        grammar=grammar,  # tool_choice required or named: the call is forced by grammar
         decide=not req.generate,  # generate: false prefills only, and the state is retained
     )
     base = {
@@ -256,15 +229,22 @@ def response_prepare(req: ResponseRequest, previous: dict | None) -> PreparedRes
         "store": req.store,
         "temperature": req.sampling["temperature"],
         "text": {"format": {"type": "text"}},
-        "tool_choice": req.tool_choice,
-        "tools": req.tools,
+        "tool_choice": _tool_choice_echo(req.tool_choice),
+        "tools": req.tools_echo,
         "top_p": req.sampling["top_p"],
         "truncation": "disabled",
         "usage": None,
         "user": None,
         "metadata": req.metadata,
     }
-    return PreparedResponse(request=req, served=served, add=add, conversation=conversation, base=base)
+    return PreparedResponse(
+        request=req,
+        served=served,
+        add=add,
+        conversation=conversation,
+        base=base,
+        in_reasoning=prompt.rstrip().endswith("<think>"),
+    )
 
 
 # -- the store -----------------------------------------------------------------

@@ -1,9 +1,8 @@
 """Responses API output: generated text split into items, and the events that build them.
 
-``ChannelSplitter`` turns the text of a generation, piece by piece, into
-reasoning (between ``<think>`` and ``</think>``), content, and tool calls
-(Hermes/Qwen ``<tool_call>{"name": ..., "arguments": ...}</tool_call>``),
-never acting on half a tag. ``ResponseEvents`` turns those pieces into the
+The chat side's ``ChannelSplitter`` (channels_split.py) turns the text of a
+generation into reasoning, content and tool calls, never acting on half a
+tag; ``ResponseEvents`` turns those pieces into the
 Responses API's output items and its stream events, in the order the
 official SDK's accumulator (``ResponseStreamState``) checks:
 
@@ -27,84 +26,11 @@ import json
 import time
 import uuid
 
-THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
-TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
+from apps.api.channels_split import ChannelSplitter
 
 
 def new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
-
-
-def _held_suffix(text: str, tags: tuple[str, ...]) -> int:
-    """How many trailing characters of ``text`` could begin one of ``tags``."""
-    best = 0
-    for tag in tags:
-        for n in range(min(len(tag) - 1, len(text)), best, -1):
-            if text.endswith(tag[:n]):
-                best = n
-                break
-    return best
-
-
-class ChannelSplitter:
-    """Incremental split into ("reasoning", text), ("content", text) and ("tool_call", raw) pieces."""
-
-    def __init__(self, *, tools: bool, in_reasoning: bool = False):
-        self.tools = tools
-        self.mode = "reasoning" if in_reasoning else "content"  # | "tool_call"
-        self._buf = ""
-
-    def _tags(self) -> tuple[str, ...]:
-        if self.mode == "reasoning":
-            return (THINK_CLOSE,)
-        if self.mode == "tool_call":
-            return (TOOL_CLOSE,)
-        return (THINK_OPEN, TOOL_OPEN) if self.tools else (THINK_OPEN,)
-
-    def feed(self, text: str) -> list[tuple[str, str]]:
-        self._buf += text
-        out: list[tuple[str, str]] = []
-        while True:
-            tags = self._tags()
-            hits = [(i, t) for t in tags if (i := self._buf.find(t)) >= 0]
-            if not hits:
-                break
-            i, tag = min(hits)
-            before, self._buf = self._buf[:i], self._buf[i + len(tag) :]
-            if self.mode == "tool_call":
-                out.append(("tool_call", before))
-                self.mode = "content"
-                continue
-            if before:
-                out.append((self.mode, before))
-            self.mode = {THINK_OPEN: "reasoning", TOOL_OPEN: "tool_call", THINK_CLOSE: "content"}[tag]
-        if self.mode != "tool_call":  # a tool call is emitted whole, at its closing tag
-            keep = _held_suffix(self._buf, self._tags())
-            ready, self._buf = self._buf[: len(self._buf) - keep], self._buf[len(self._buf) - keep :]
-            if ready:
-                out.append((self.mode, ready))
-        return out
-
-    def flush(self) -> list[tuple[str, str]]:
-        """The end of generation: held text is what it is; an unclosed tool call stays text."""
-        buf, self._buf = self._buf, ""
-        if not buf:
-            return []
-        if self.mode == "tool_call":
-            return [("content", TOOL_OPEN + buf)]
-        return [(self.mode, buf)]
-
-
-def parse_tool_call(raw: str) -> tuple[str, str] | None:
-    """(name, arguments JSON) from a Hermes tool call body, or None when it is not one."""
-    try:
-        call = json.loads(raw)
-    except ValueError:
-        return None
-    if not isinstance(call, dict) or not isinstance(call.get("name"), str):
-        return None
-    args = call.get("arguments", call.get("parameters", {}))
-    return call["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
 
 
 def usage_object(input_tokens: int, output_tokens: int, cached_tokens: int, reasoning_tokens: int = 0) -> dict:
@@ -122,7 +48,7 @@ class ResponseEvents:
 
     def __init__(self, response: dict, *, tools: bool, in_reasoning: bool = False):
         self.response = response  # the Response object; ``output`` fills as items close
-        self.splitter = ChannelSplitter(tools=tools, in_reasoning=in_reasoning)
+        self.splitter = ChannelSplitter(in_reasoning=in_reasoning, parse_tools=tools)
         self.seq = 0
         self.open: dict | None = None  # the item receiving deltas (reasoning or message)
         self.reasoning_tokens = 0
@@ -146,8 +72,8 @@ class ResponseEvents:
         if self.splitter.mode == "reasoning":
             self.reasoning_tokens += num_tokens
         events: list[dict] = []
-        for kind, piece in self.splitter.feed(text):
-            events += self._piece(kind, piece)
+        for ev in self.splitter.feed(text):
+            events += self._piece(ev)
         return events
 
     # -- items ---------------------------------------------------------------
@@ -156,12 +82,11 @@ class ResponseEvents:
     def _index(self) -> int:
         return len(self.response["output"])
 
-    def _piece(self, kind: str, piece: str) -> list[dict]:
-        if kind == "tool_call":
-            parsed = parse_tool_call(piece.strip())
-            if parsed is not None:
-                return self._close() + self._function_call(*parsed)
-            kind, piece = "content", TOOL_OPEN + piece + TOOL_CLOSE
+    def _piece(self, ev) -> list[dict]:
+        """One splitter event (channels_split.Event) as item events."""
+        if ev.kind == "tool_call":
+            return self._close() + self._function_call(ev.call.name, ev.call.arguments, ev.call.id)
+        kind, piece = ev.kind, ev.text
         if kind == "content" and (self.open is None or self.open["type"] != "message"):
             if self.response["output"] or (self.open is not None):
                 piece = piece.lstrip()  # the newline after </think> or a tool call opens no message
@@ -263,12 +188,12 @@ class ResponseEvents:
         self.response["output"].append(item)
         return events + [self._event("response.output_item.done", output_index=idx, item=json.loads(json.dumps(item)))]
 
-    def _function_call(self, name: str, arguments: str) -> list[dict]:
+    def _function_call(self, name: str, arguments: str, call_id: str) -> list[dict]:
         idx = self._index
         item = {
             "id": new_id("fc"),
             "type": "function_call",
-            "call_id": new_id("call"),
+            "call_id": call_id,
             "name": name,
             "arguments": "",
             "status": "in_progress",
@@ -296,8 +221,8 @@ class ResponseEvents:
     def finish(self, usage: dict, *, incomplete_reason: str | None = None) -> list[dict]:
         """Close what is open; response.completed, or response.incomplete when cut (max_output_tokens)."""
         events: list[dict] = []
-        for kind, piece in self.splitter.flush():
-            events += self._piece(kind, piece)
+        for ev in self.splitter.flush():
+            events += self._piece(ev)
         events += self._close("incomplete" if incomplete_reason else "completed")
         usage["output_tokens_details"]["reasoning_tokens"] = self.reasoning_tokens
         self.response.update(usage=usage, completed_at=int(time.time()))
@@ -348,10 +273,11 @@ class ResponseRun:
         self.prep = prep
         req = prep.request
         self.events = ResponseEvents(
-            json.loads(json.dumps(prep.base)), tools=bool(req.tools) and req.tool_choice != "none"
+            json.loads(json.dumps(prep.base)), tools=req.tool_choice != "none", in_reasoning=prep.in_reasoning
         )
         self.text = TextStream(prep.served.tokenizer, [], prep.add.prompt_token_ids)
         self.cached_tokens = 0
+        self.num_tokens = 0
         self.done = False
 
     @property
@@ -366,15 +292,22 @@ class ResponseRun:
         return self.events.start()
 
     def tokens(self, msg: dict) -> list[dict]:
+        """A round's tokens, one at a time (a round may commit several; deltas stay per token)."""
         self.cached_tokens = msg.get("cached_tokens", self.cached_tokens)
-        return self.events.feed(self.text.feed(msg["token_ids"]), len(msg["token_ids"]))
+        events: list[dict] = []
+        for token_id in msg["token_ids"]:
+            self.num_tokens += 1
+            events += self.events.feed(self.text.feed([token_id]), 1)
+        return events
 
     def finished(self, msg: dict) -> list[dict]:
+        """The engine's RequestFinished (or, cut by the deadline, one made up like it)."""
         self.done = True
         events = self.events.feed(self.text.flush())
         usage = usage_object(msg["prompt_tokens"], msg["completion_tokens"], msg.get("cached_tokens", 0))
-        cut = msg["finish_reason"] == "length" and msg["completion_tokens"] > 0
-        return events + self.events.finish(usage, incomplete_reason="max_output_tokens" if cut else None)
+        reason = msg["finish_reason"]
+        cut = {"length": "max_output_tokens", "deadline": "deadline"}.get(reason) if msg["completion_tokens"] else None
+        return events + self.events.finish(usage, incomplete_reason=cut)
 
     def failed(self, code: str, message: str) -> list[dict]:
         self.done = True

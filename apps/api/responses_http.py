@@ -39,6 +39,7 @@ class ResponsesConsumer(OpenAIHttpConsumer):
         self.stream = prep.request.stream
         prep.add.reply_channel = self.channel_name
         self._request_id = prep.add.request_id
+        self.deadline_start(prep.request.deadline)
         await engine_client.request_submit(prep.add)
 
     def _mine(self, msg: dict) -> bool:
@@ -62,8 +63,25 @@ class ResponsesConsumer(OpenAIHttpConsumer):
             await self.write(sse_events(events))
 
     async def engine_finished(self, msg: dict) -> None:
-        if not self._mine(msg):
+        if self._mine(msg):
+            await self._complete(msg)
+
+    async def on_deadline(self) -> None:
+        """Cut by the deadline: the output so far, as an incomplete response (reason ``deadline``)."""
+        if self._request_id is None:
             return
+        await self.abort_all()
+        prompt = len(self.run.prep.add.prompt_token_ids)
+        await self._complete(
+            {
+                "finish_reason": "deadline",
+                "prompt_tokens": prompt,
+                "completion_tokens": self.run.num_tokens,
+                "cached_tokens": self.run.cached_tokens,
+            }
+        )
+
+    async def _complete(self, msg: dict) -> None:
         opening = await self._opening() if self.stream else []
         events = opening + self.run.finished(msg)
         if self.run.prep.request.store:

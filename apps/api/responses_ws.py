@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from collections import deque
 
@@ -31,7 +32,9 @@ from apps.api.errors import IgnisError, InvalidRequest, error_from_engine
 from apps.api.responses import response_parse, response_prepare_async, stored_response_save
 from apps.api.responses_events import ResponseRun
 from apps.api.validation import parse_json_body
+from apps.models.switching import model_hold, switch_gate
 
+log = logging.getLogger("ignis.api")
 RETRY_MAX_WAIT = 0.5  # seconds between admission attempts while every lane is busy
 
 
@@ -89,9 +92,22 @@ class ResponsesSocketConsumer(AsyncWebsocketConsumer):
                 stream_id = event.get("stream_id")
                 if stream_id is not None and not isinstance(stream_id, str):
                     raise InvalidRequest("'stream_id' must be a string.", param="stream_id", code="invalid_type")
+                await switch_gate(method="POST", path="/v1/responses")
+                await model_hold(name=body.get("model"))  # an implicit switch, as over HTTP
                 prep = await response_prepare_async(response_parse(body))
             except IgnisError as err:
                 await self._error(err)
+                continue
+            except Exception:  # a bug answers in the envelope and leaves the socket open
+                log.exception("ignis.api.unhandled", extra={"path": "/v1/responses (websocket)"})
+                await self._error(
+                    IgnisError(
+                        "The server had an error while processing your request.",
+                        type="server_error",
+                        code="internal_error",
+                        status=500,
+                    )
+                )
                 continue
             prep.add.reply_channel = self.channel_name
             self.run, self.stream_id, self.started = ResponseRun(prep), stream_id, False
