@@ -1,0 +1,187 @@
+"""The Responses API over a WebSocket (``client.responses.connect()``, the openai[realtime] extra)."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+from openai import OpenAI
+from websockets.exceptions import ConnectionClosedOK
+from websockets.sync.client import connect as ws_connect
+
+from tests.e2e.server import start_server
+
+pytestmark = pytest.mark.e2e
+
+TERMINAL = ("response.completed", "response.incomplete", "response.failed")
+IDLE = 3  # server.socket_idle_close of the one-lane server
+
+
+def until_terminal(conn) -> list:
+    events = []
+    for ev in conn:
+        events.append(ev)
+        if ev.type in TERMINAL:
+            return events
+    raise AssertionError(f"socket closed after {[e.type for e in events]}")
+
+
+def test_events_as_on_sse(client):
+    with client.responses.connect() as conn:
+        conn.send({"type": "response.create", "input": "What is 2+2?", "max_output_tokens": 16, "temperature": 0})
+        events = until_terminal(conn)
+    types = [e.type for e in events]
+    assert types[:4] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+    ]
+    assert types[-1] in ("response.completed", "response.incomplete")
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    final = events[-1].response
+    assert final.id.startswith("resp_")
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == final.output_text
+    assert "4" in final.output_text
+
+
+def test_errors_leave_the_socket_open(client):
+    with client.responses.connect() as conn:
+        conn.send_raw("{not json")
+        ev = conn.recv()
+        assert ev.type == "error" and ev.error.code == "invalid_json"
+        conn.send_raw(json.dumps({"type": "response.dance"}))
+        ev = conn.recv()
+        assert ev.type == "error" and ev.error.code == "unknown_event_type" and ev.error.param == "type"
+        conn.send({"type": "response.create", "input": "hi", "previous_response_id": "resp_missing"})
+        ev = conn.recv()
+        assert ev.type == "error" and ev.error.code == "previous_response_not_found"
+        assert ev.error.param == "previous_response_id"
+        conn.send_raw(json.dumps({"type": "response.create", "input": 5}))
+        ev = conn.recv()
+        assert ev.type == "error" and ev.error.param == "input"
+        conn.send({"type": "response.create", "input": "Say hi.", "max_output_tokens": 4, "temperature": 0})
+        assert until_terminal(conn)[-1].response.output_text
+
+
+def test_generate_false_warms_state_for_the_next_turn(client):
+    with client.responses.connect() as conn:
+        conn.send(
+            {
+                "type": "response.create",
+                "input": "Here is a list: apples, pears, plums, figs, limes.",
+                "generate": False,
+                "stream_id": "s1",
+            }
+        )
+        events = until_terminal(conn)
+        assert [e.type for e in events] == ["response.created", "response.in_progress", "response.completed"]
+        assert all(e.stream_id == "s1" for e in events)
+        warm = events[-1].response
+        assert warm.output == [] and warm.usage.output_tokens == 0
+        conn.send(
+            {
+                "type": "response.create",
+                "input": "Which fruit is first?",
+                "previous_response_id": warm.id,
+                "max_output_tokens": 6,
+                "temperature": 0,
+            }
+        )
+        done = until_terminal(conn)[-1].response
+    assert done.previous_response_id == warm.id
+    assert done.usage.input_tokens_details.cached_tokens >= (warm.usage.input_tokens // 16) * 16 > 0
+
+
+def test_two_creates_run_in_order(client):
+    with client.responses.connect() as conn:
+        conn.send({"type": "response.create", "input": "Say one.", "max_output_tokens": 3, "temperature": 0})
+        conn.send({"type": "response.create", "input": "Say two.", "max_output_tokens": 3, "temperature": 0})
+        a = until_terminal(conn)
+        b = until_terminal(conn)
+    assert a[-1].response.id != b[-1].response.id
+    assert b[0].sequence_number == 0  # each response numbers its own events
+
+
+# -- one lane, short idle timeout ------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def one_lane(tmp_path_factory, default_gguf_path):
+    proc, base = start_server(
+        tmp_path_factory.mktemp("ws"),
+        "--model-idle-unload",
+        "0",
+        "--spec-decode-lanes",
+        "1",
+        "--server-socket-idle-close",
+        str(IDLE),
+    )
+    yield base
+    proc.stop()
+
+
+def lanes_busy(base: str) -> int:
+    return httpx.get(base + "/health", timeout=10).json()["engine"]["stats"]["lanes_busy"]
+
+
+def wait_for(predicate, timeout: float = 60.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"not within {timeout}s")
+
+
+def test_busy_lanes_queue_a_socket_request(one_lane):
+    client = OpenAI(base_url=one_lane + "/v1", api_key="unused", max_retries=0, timeout=300)
+    held = threading.Event()
+
+    def hold_the_lane():
+        client.chat.completions.create(
+            model="smollm2-135m-instruct",
+            max_tokens=40,
+            temperature=0,
+            messages=[{"role": "user", "content": "Tell me a long story."}],
+        )
+        held.set()
+
+    holder = threading.Thread(target=hold_the_lane)
+    holder.start()
+    wait_for(lambda: lanes_busy(one_lane) == 1)
+    with pytest.raises(openai.InternalServerError) as refused:  # over HTTP: 503 engine_full
+        client.responses.create(input="hi", max_output_tokens=2)
+    assert refused.value.status_code == 503 and refused.value.body["code"] == "engine_full"
+    with client.responses.connect() as conn:  # over the socket: queued until the lane frees
+        conn.send({"type": "response.create", "input": "Say hi.", "max_output_tokens": 4, "temperature": 0})
+        events = until_terminal(conn)
+        assert held.wait(10), "answered once the holder had finished"
+    holder.join()
+    assert not [e for e in events if e.type == "error"]
+    assert events[-1].response.output_text
+
+
+def test_closing_the_socket_frees_the_lane(one_lane):
+    client = OpenAI(base_url=one_lane + "/v1", api_key="unused", max_retries=0, timeout=300)
+    with client.responses.connect() as conn:
+        conn.send({"type": "response.create", "input": "Tell me a very long story.", "max_output_tokens": 400})
+        for ev in conn:
+            if ev.type == "response.output_text.delta":
+                break
+        assert lanes_busy(one_lane) == 1
+    wait_for(lambda: lanes_busy(one_lane) == 0, timeout=10)
+
+
+def test_idle_socket_is_closed(one_lane):
+    with ws_connect(one_lane.replace("http", "ws") + "/v1/responses") as ws:
+        ws.send(json.dumps({"type": "nope"}))
+        assert json.loads(ws.recv(timeout=10))["type"] == "error"
+        t0 = time.monotonic()
+        with pytest.raises(ConnectionClosedOK):
+            ws.recv(timeout=IDLE + 10)
+        assert IDLE - 0.5 <= time.monotonic() - t0 <= IDLE + 5
