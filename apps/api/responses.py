@@ -279,3 +279,11 @@ async def response_prepare_async(req: ResponseRequest) -> PreparedResponse:
 
     previous = await stored_response_get(req.previous_response_id) if req.previous_response_id else None
     return await asyncio.to_thread(response_prepare, req, previous)
+
+
+@database_sync_to_async
+def stored_response_delete(response_id: str) -> bool:
+    from apps.api.models import StoredResponse
+
+    deleted, _ = StoredResponse.objects.filter(id=response_id).delete()
+    return deleted > 0

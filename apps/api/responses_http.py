@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 
 from channels.exceptions import StopConsumer
+from django.views.decorators.csrf import csrf_exempt
 
 from apps.api import engine_client
 from apps.api.consumers import OpenAIHttpConsumer
@@ -100,3 +101,26 @@ class ResponsesConsumer(OpenAIHttpConsumer):
             self._request_id = None
             await self.finish_with_error(err)
         await self.end(sse_events(self.run.failed(err.code or "server_error", err.message)))
+
+
+@csrf_exempt
+async def response_detail(request, response_id: str):
+    """GET /v1/responses/{id}: a stored response as it was answered; DELETE forgets it."""
+    from django.http import JsonResponse
+
+    from apps.api.errors import IgnisError, NotFound
+    from apps.api.responses import stored_response_delete, stored_response_get
+
+    try:
+        if request.method == "GET":
+            try:
+                return JsonResponse((await stored_response_get(response_id))["response"])
+            except IgnisError:
+                raise NotFound(f"No stored response with id '{response_id}'.", param="response_id") from None
+        if request.method == "DELETE":
+            if not await stored_response_delete(response_id):
+                raise NotFound(f"No stored response with id '{response_id}'.", param="response_id")
+            return JsonResponse({"id": response_id, "object": "response.deleted", "deleted": True})
+        raise IgnisError("Use GET or DELETE here.", code="method_not_allowed", status=405)
+    except IgnisError as err:
+        return JsonResponse(err.envelope(), status=err.status)

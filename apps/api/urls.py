@@ -1,6 +1,7 @@
 from django.urls import path, re_path
 
 from apps.api import model_views, views
+from apps.api.responses_http import response_detail
 
 urlpatterns = [
     path("health", views.health),
@@ -12,5 +13,6 @@ urlpatterns = [
     path("v1/catalog", model_views.catalog_list),
     path("v1/catalog/download", model_views.catalog_download),
     path("v1/catalog/import", model_views.catalog_import),
+    path("v1/responses/<str:response_id>", response_detail),
     re_path(r"^(?P<path>v1/.*)$", views.not_found),
 ]

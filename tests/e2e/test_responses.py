@@ -167,3 +167,14 @@ def test_malformed_json_is_400(live_server_url):
         live_server_url + "/v1/responses", content=b"{nope", headers={"content-type": "application/json"}, timeout=30
     )
     assert_openai_error(resp, 400, code="invalid_json")
+
+
+def test_retrieve_and_delete_a_stored_response(client):
+    r = create(client, "Hi", max_output_tokens=3)
+    got = client.responses.retrieve(r.id)
+    assert got.id == r.id and got.output_text == r.output_text and got.usage == r.usage
+    client.responses.delete(r.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(r.id)
+    with pytest.raises(openai.NotFoundError):
+        create(client, "Again", previous_response_id=r.id, max_output_tokens=2)
