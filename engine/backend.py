@@ -128,8 +128,16 @@ class Backend(abc.ABC):
         self.plan: MemoryPlan | None = None
 
     @abc.abstractmethod
-    def load(self, config: ModelConfig, weights: dict[str, np.ndarray], *, block_size: int,
-             kv_budget_bytes: int | None, host_kv_budget_bytes: int, max_context: int) -> MemoryPlan:
+    def load(
+        self,
+        config: ModelConfig,
+        weights: dict[str, np.ndarray],
+        *,
+        block_size: int,
+        kv_budget_bytes: int | None,
+        host_kv_budget_bytes: int,
+        max_context: int,
+    ) -> MemoryPlan:
         """Take the weights in, size the KV pool, return the plan."""
 
     @abc.abstractmethod

@@ -132,8 +132,14 @@ class Scheduler:
                 return None
             except (ConstraintError, ImportError, ValueError) as exc:
                 problem = f"The output grammar does not compile: {exc}"
-        return RequestFailed(request_id=msg.request_id, message=problem, code="invalid_grammar", status=400,
-                             error_type="invalid_request_error", param="response_format")
+        return RequestFailed(
+            request_id=msg.request_id,
+            message=problem,
+            code="invalid_grammar",
+            status=400,
+            error_type="invalid_request_error",
+            param="response_format",
+        )
 
     def abort_request(self, request_id: str) -> Outgoing:
         seq = self.seqs.get(request_id)

@@ -32,7 +32,7 @@ class TextStream:
             self._held = ""
             return self._emit(pending[:cut])
         keep = self._partial_stop_len(pending)
-        self._held = pending[len(pending) - keep:] if keep else ""
+        self._held = pending[len(pending) - keep :] if keep else ""
         return self._emit(pending[: len(pending) - keep])
 
     def flush(self) -> str:
@@ -59,10 +59,23 @@ def sse(data: dict | str) -> bytes:
     return f"data: {payload}\n\n".encode()
 
 
-def chat_chunk(request_id: str, model: str, created: int, delta: dict, finish_reason: str | None = None,
-               usage: dict | None = None, choices: bool = True) -> dict:
-    chunk = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
-             "system_fingerprint": "ignis", "choices": []}
+def chat_chunk(
+    request_id: str,
+    model: str,
+    created: int,
+    delta: dict,
+    finish_reason: str | None = None,
+    usage: dict | None = None,
+    choices: bool = True,
+) -> dict:
+    chunk = {
+        "id": request_id,
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": model,
+        "system_fingerprint": "ignis",
+        "choices": [],
+    }
     if choices:
         chunk["choices"] = [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]
     if usage is not None:

@@ -23,8 +23,14 @@ def live(tmp_path_factory, default_gguf_path):
     mdir = models_dir_with_two(root / "models", default_gguf_path, "tiny-b")
     proc, base = start_server(
         root / "var",
-        "--model-id", TINY, "--model-path", TINY, "--model-idle-unload", str(IDLE),
-        "--switch-known-models", f"{TINY},tiny-b",
+        "--model-id",
+        TINY,
+        "--model-path",
+        TINY,
+        "--model-idle-unload",
+        str(IDLE),
+        "--switch-known-models",
+        f"{TINY},tiny-b",
         env_extra={"IGNIS_SERVER_MODELS_DIR": str(mdir)},
     )
     yield base, mdir, proc
@@ -68,8 +74,7 @@ def test_long_stream_keeps_the_model_loaded(live):
     base, _, proc = live
     assert chat(base).status_code == 200
     before = proc.log_text().count("ignis.model.unloaded")
-    body = {"messages": [{"role": "user", "content": "Count."}], "max_tokens": 1900, "stream": True,
-            "temperature": 1.0}
+    body = {"messages": [{"role": "user", "content": "Count."}], "max_tokens": 1900, "stream": True, "temperature": 1.0}
     t0, seen = time.monotonic(), []
     with httpx.stream("POST", base + "/v1/chat/completions", json=body, timeout=120) as r:
         for _line in r.iter_lines():
