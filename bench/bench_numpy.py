@@ -276,18 +276,28 @@ NOTES = [
     "workers compete with the event loop and with other processes; a decode round measured up to 14x slower "
     "than with 1 thread under load. The backend now limits BLAS to 1 thread unless OPENBLAS_NUM_THREADS / "
     "OMP_NUM_THREADS is set.",
-    "* Top-p sampling sorted the whole vocabulary per row (an argsort of 49k, ~4-37 ms a row under load); it now "
-    "sorts only the best candidates (a prefix of the same stable order), 2 ms a row or less.",
-    "* The 8-lane/1-lane ratio is set by OpenBLAS, not by Python: a 1-row product runs as GEMV and reads the "
-    "weights once, while any product of 2 or more rows runs the packed GEMM path, which copies every weight "
-    "panel before using it. A round at width 2 already costs about 2.5x width 1; from 2 to 8 lanes the cost "
-    "grows only ~40%. Splitting each weight into column blocks small enough for OpenBLAS's unpacked "
-    "small-matrix kernel (M*N*K <= 1e6) measured 72 ms against 128 ms for the layers' products at 8 rows "
-    "(microbenchmark, not yet in the backend); that is the next fix for the 2x target.",
+    "* Top-p sampling sorted the whole vocabulary per row (an argsort of 49k, ~4-37 ms a row under load). It "
+    "then sorted only the best 256 candidates, widened 8x while their mass fell short (2,000-3,000-token nuclei "
+    "on these random prompts took two or three sorts, ~1.9 ms a row); now one histogram of the mass by distance "
+    "below the best logit picks the cut, the candidates above it (a prefix of the stable order) are sorted once, "
+    "and the draw runs over the nucleus only: ~0.6 ms a row, same tokens.",
+    "* Decode products were OpenBLAS's packed GEMM at 2+ rows: it copies every weight panel before use, so 2 "
+    "lanes cost 2.4x 1 lane. The weights now keep the checkpoint's [out, in] layout and a decode-width product "
+    "is one stacked matmul over column blocks (views, no copy) sized for OpenBLAS's unpacked small-matrix "
+    "kernel (M*N*K <= 1e6 and, for this operand order, M*N <= 1200: 64-144 columns at 8 rows). The layers' "
+    "products at 8 rows now cost ~1.45x the 1-row GEMV (was ~3x), and the tied lm_head (49152 x 576) ~1.5x "
+    "(12.7 against 31 ms at 8 rows). Only this orientation works: the same blocks of an [in, out] layout ran "
+    "~2x slower at 8 rows. One row keeps the plain GEMV; prefill chunks past ~40 rows keep the packed GEMM.",
+    "* What is left per lane is attention: each layer gathers every lane's K and V rows out of the paged pool "
+    "(8 lanes x 257 slots x 768 B, twice) and that copy is memory-bound (~0.35 ms a layer at 8 lanes), ~19 ms "
+    "of the 8-lane round at 256-token contexts and growing with context. Attending over contiguous runs of "
+    "blocks in place (no gather) measured ~30% less per layer in a microbenchmark, but decode blocks come off "
+    "the free list interleaved across lanes, so it would mostly help prompt blocks.",
     "* Memory: the peak is the steady state of 8 full contexts, not the load: the weights as float32 "
-    "(0.54 GB) and the process (0.99 GB after load), the touched KV pages (8 x ~2,010 tokens x 46,080 B = "
-    "0.74 GB), the rest prefill activations and heap. The margin under 2 GB is thin; the tied lm_head used to "
-    "be a second 113 MB copy of the embedding, which alone would have put it over.",
+    "(0.54 GB) and the process (0.96 GB after load), the touched KV pages (8 x ~2,010 tokens x 46,080 B = "
+    "0.74 GB), the rest prefill activations and heap. The margin under 2 GB is thin (1.95 GB); the tied "
+    "lm_head used to be a second 113 MB copy of the embedding, which alone would have put it over. The "
+    "column blocks are views of the one [out, in] array per weight, so blocking costs no memory.",
     "* Decode share: a prompt of two chunks used to wait only between its chunks, so at share 25 the lanes kept "
     "12% of their rate over its prefill; the scheduler now makes a prompt that takes the prefill lane while "
     "lanes decode wait its first chunk's share too.",

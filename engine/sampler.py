@@ -96,46 +96,66 @@ def process_logits(x: np.ndarray, p: SamplingParams) -> np.ndarray:
     return x
 
 
-def _top_p_mask(x: np.ndarray, top_p: float, first: int = 256) -> None:
+_TOP_P_BINS_PER_LOGIT = np.float32(16)  # histogram bins of the top-p cut per logit unit
+_TOP_P_BINS = 512  # 32 logit units; everything further below the best shares the last bin
+
+
+def _top_p_mask(x: np.ndarray, top_p: float) -> None:
     """Keep the smallest prefix of the (stable) descending order whose mass reaches
     ``top_p`` (always >= 1 token), over the survivors of top-k / min-p.
 
-    Only a prefix can survive, so only the best ``k`` candidates are sorted (every
-    entry tied with the k-th included, which makes them exactly a prefix of the full
-    stable order); ``k`` widens only if their mass falls short. A full argsort of a
-    50k-152k vocabulary costs milliseconds per row; this costs a partition.
+    Only a prefix can survive, so only the candidates above a cut are sorted. The
+    cut comes from one histogram of the survivors' mass by distance below the best
+    logit (bins of 1/16): the first bins whose mass reaches ``top_p``. A bin holds
+    every entry tied with any of its entries, so the candidates are exactly a prefix
+    of the full stable order, and their sorted cumulative sum is the full sort's; the
+    cut widens a bin if rounding leaves their mass short. A full argsort of a
+    50k-152k vocabulary costs milliseconds per row; this costs a few passes over it.
     """
-    live = np.flatnonzero(np.isfinite(x))
-    xl = x[live]
-    e = np.exp(xl.astype(np.float64) - float(xl.max()))
+    finite = np.isfinite(x)
+    live = None if finite.all() else np.flatnonzero(finite)  # None: every entry (no earlier mask)
+    xl = x if live is None else x[live]
+    best = xl.max()
+    e = np.exp(xl.astype(np.float64) - float(best))
     total = e.sum()
-    k = first
+    bins = np.minimum((best - xl) * _TOP_P_BINS_PER_LOGIT, np.float32(_TOP_P_BINS - 1)).astype(np.intp)
+    mass = np.cumsum(np.bincount(bins, weights=e, minlength=_TOP_P_BINS))
+    last = int(np.searchsorted(mass, top_p * total))  # first bin whose cumulative mass reaches top_p
     while True:
-        if k < len(live):
-            cand = np.flatnonzero(xl >= np.partition(xl, len(live) - k)[len(live) - k])
-        else:
-            cand = np.arange(len(live))
+        cand = np.flatnonzero(bins <= last) if last < _TOP_P_BINS - 1 else np.arange(len(xl))
         idx = cand[np.argsort(-xl[cand], kind="stable")]
         probs = e[idx] / total
         cum = np.cumsum(probs)
-        if len(cand) == len(live) or cum[-1] >= top_p:
+        if len(cand) == len(xl) or cum[-1] >= top_p:
             break
-        k *= 8
-    keep = np.zeros(len(live), dtype=bool)
-    keep[idx[cum - probs < top_p]] = True
-    x[live[~keep]] = -np.inf
+        last += 1
+    kept = idx[cum - probs < top_p]
+    if live is None:  # the nucleus is small: rewrite the row around it
+        vals = x[kept]
+        x.fill(-np.inf)
+        x[kept] = vals
+    else:
+        keep = np.zeros(len(live), dtype=bool)
+        keep[kept] = True
+        x[live[~keep]] = -np.inf
 
 
 def draw(x: np.ndarray, seed: int, position: int) -> int:
-    """Inverse-CDF draw from softmax(x) with one uniform keyed by (seed, position)."""
-    probs = _softmax64(x)
+    """Inverse-CDF draw from softmax(x) with one uniform keyed by (seed, position).
+
+    Only the finite entries take part: masked ones add exact zeros to the CDF, so
+    leaving them out changes no token, and a top-p row then costs its nucleus, not
+    the vocabulary.
+    """
+    live = np.flatnonzero(x > -np.inf)
+    probs = _softmax64(x[live])
     cdf = np.cumsum(probs)
     u = _uniform(seed, position) * cdf[-1]
-    token = int(np.searchsorted(cdf, u, side="right"))
-    if token >= cdf.shape[0] or probs[token] == 0.0:
+    j = int(np.searchsorted(cdf, u, side="right"))
+    if j >= cdf.shape[0] or probs[j] == 0.0:
         # u rounded up to the total mass: take the last token that has any.
-        token = int(np.flatnonzero(probs)[-1])
-    return token
+        j = int(np.flatnonzero(probs)[-1])
+    return int(live[j])
 
 
 def token_logprob(x: np.ndarray, token: int, num_top: int) -> TokenLogprob:

@@ -2,10 +2,12 @@
 
 Layout choices (all for speed on a couple of CPU cores):
 
-* Weights are pre-transposed to ``[in, out]`` and fused (q|k|v, gate|up) at
-  load, so each layer is three contiguous GEMMs plus ``o_proj``, each run once
-  over every row of a round -- a decode round of 8 lanes costs about what one
-  lane costs, since the weights are read once either way.
+* Weights keep the checkpoint's ``[out, in]`` layout, fused (q|k|v, gate|up)
+  at load, so each layer is three products plus ``o_proj``, each run once over
+  every row of a round. At decode widths a product runs as a stack of column
+  blocks (:class:`_Linear`): OpenBLAS then takes its unpacked small-matrix
+  kernel for each block instead of a GEMM that copies (packs) every weight
+  panel first, so 8 rows read the weights about as fast as 1 row does.
 * The KV cache is one array per K and V, ``[layers, num_blocks, block_size,
   kv_heads, head_dim]``; ``k_cache[layer]`` is the per-layer view the step
   interface describes. Token ``pos`` of a sequence lives in slot
@@ -34,16 +36,93 @@ from engine.model_config import ModelConfig
 
 _LANES_FOR_DEFAULT_BUDGET = 8
 
+# OpenBLAS (SMALL_MATRIX_OPT builds, e.g. numpy's SkylakeX kernels) runs an sgemm
+# with M*N*K <= 100**3 through an unpacked small-matrix kernel; for the operand
+# order numpy gives ``x @ w_block.T`` it also wants M*N <= 1200 (M = block
+# columns, N = rows). Anything larger goes through the packed GEMM, which copies
+# every weight panel before use: at 2-8 rows that costs 2-3x the 1-row GEMV.
+_SMALL_MNK = 1_000_000
+_SMALL_MN = 1200
+_MIN_BLOCK = 32  # narrower than this (prefill chunks past ~40 rows), the packed GEMM is as fast
+
+
+def _block_width(rows: int, n_out: int, k_in: int) -> int | None:
+    """Columns per block for ``rows`` x [k_in] @ [k_in, n_out], or None for one plain GEMM."""
+    if rows == 1:
+        return None  # GEMV already reads the weights once
+    cap = min(_SMALL_MN // rows, _SMALL_MNK // (rows * k_in))
+    cap -= cap % 16
+    if cap < _MIN_BLOCK:
+        return None
+    if n_out <= cap:
+        return n_out
+    # The widest block (a multiple of 16) that divides n_out; else the widest, plus a tail product.
+    return next((b for b in range(cap, _MIN_BLOCK - 1, -16) if n_out % b == 0), cap)
+
+
+class _Linear:
+    """``y = x @ w.T`` for ``w`` [out, in] (the checkpoint's layout, C-contiguous).
+
+    At decode widths the product is one stacked matmul over column blocks
+    ``w[j*b:(j+1)*b]`` -- views of ``w``, no copy -- written straight into the
+    columns of the output, so each block is one small BLAS call (see
+    :func:`_block_width`). Prefill chunks (many rows) run one plain GEMM.
+    """
+
+    __slots__ = ("w", "_plans")
+
+    def __init__(self, w: np.ndarray, *, share: bool = False):
+        # A view into the loader's buffers (or a mapped file) is copied once, as the old
+        # transposed layout was; ``share`` keeps the array itself (the tied embedding).
+        w = np.asarray(w, dtype=np.float32)
+        if not (share and w.flags.c_contiguous):
+            w = np.array(w, order="C", copy=True if w.base is not None else None)
+        self.w = w
+        self._plans: dict[int, tuple | None] = {}
+
+    @property
+    def nbytes(self) -> int:
+        return self.w.nbytes
+
+    def _plan(self, rows: int) -> tuple | None:
+        n_out, k_in = self.w.shape
+        b = _block_width(rows, n_out, k_in)
+        if b is None:
+            return None
+        nb = n_out // b
+        main = self.w[: nb * b].reshape(nb, b, k_in).transpose(0, 2, 1)  # [nb, in, b]
+        tail = self.w[nb * b :].T if nb * b < n_out else None
+        return b, nb, main, tail
+
+    def __call__(self, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        rows = x.shape[0]
+        try:
+            plan = self._plans[rows]
+        except KeyError:
+            plan = self._plans[rows] = self._plan(rows)
+        if plan is None:
+            return np.matmul(x, self.w.T, out=out)
+        b, nb, main, tail = plan
+        if out is None:
+            out = np.empty((rows, self.w.shape[0]), dtype=np.float32)
+        # out[:, j*b:(j+1)*b] as [nb, rows, b]; BLAS writes each block in place (ldc = out columns).
+        if tail is None:
+            np.matmul(x, main, out=out.reshape(rows, nb, b).transpose(1, 0, 2))
+        else:
+            np.matmul(x, main, out=np.lib.stride_tricks.as_strided(out, (nb, rows, b), (b * 4, out.strides[0], 4)))
+            np.matmul(x, tail, out=out[:, nb * b :])
+        return out
+
 
 @dataclass
 class _Layer:
     ln1: np.ndarray
     ln2: np.ndarray
-    w_qkv: np.ndarray  # [hidden, (heads + 2 * kv_heads) * head_dim]
+    w_qkv: _Linear  # [(heads + 2 * kv_heads) * head_dim, hidden]
     b_qkv: np.ndarray | None
-    w_o: np.ndarray  # [heads * head_dim, hidden]
-    w_gate_up: np.ndarray  # [hidden, 2 * intermediate]
-    w_down: np.ndarray  # [intermediate, hidden]
+    w_o: _Linear  # [hidden, heads * head_dim]
+    w_gate_up: _Linear  # [2 * intermediate, hidden]
+    w_down: _Linear  # [hidden, intermediate]
 
 
 def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
@@ -90,7 +169,8 @@ def limit_blas_threads() -> None:
 
 
 def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
-    var = np.mean(x * x, axis=-1, keepdims=True)
+    # np.mean's own arithmetic (a float32 sum, then / count) without its Python wrapper.
+    var = np.add.reduce(x * x, axis=-1, keepdims=True) / np.float32(x.shape[-1])
     return w * (x / np.sqrt(var + np.float32(eps)))
 
 
@@ -122,10 +202,9 @@ class NumpyBackend(Backend):
 
         self.embed = np.ascontiguousarray(w("model.embed_tokens.weight"))
         limit_blas_threads()
-        # [hidden, vocab] as a view of [vocab, hidden] rows: BLAS reads it transposed at the
-        # same speed, and tied embeddings then cost no second 113 MB (SmolLM2) copy.
-        head = self.embed if cfg.tie_word_embeddings else np.ascontiguousarray(w("lm_head.weight"))
-        self.lm_head = head.T
+        # [vocab, hidden] like the embedding: tied embeddings share the array, no second
+        # 113 MB (SmolLM2) copy; its column blocks are row ranges of it.
+        self.lm_head = _Linear(self.embed, share=True) if cfg.tie_word_embeddings else _Linear(w("lm_head.weight"))
         self.final_norm = w("model.norm.weight")
         self.layers: list[_Layer] = []
         for i in range(cfg.num_layers):
@@ -138,13 +217,13 @@ class NumpyBackend(Backend):
                 _Layer(
                     ln1=w(p + "input_layernorm.weight"),
                     ln2=w(p + "post_attention_layernorm.weight"),
-                    w_qkv=np.ascontiguousarray(np.concatenate(qkv, axis=0).T),
+                    w_qkv=_Linear(np.concatenate(qkv, axis=0)),
                     b_qkv=bias,
-                    w_o=np.ascontiguousarray(w(p + "self_attn.o_proj.weight").T),
-                    w_gate_up=np.ascontiguousarray(
-                        np.concatenate([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")], axis=0).T
+                    w_o=_Linear(w(p + "self_attn.o_proj.weight")),
+                    w_gate_up=_Linear(
+                        np.concatenate([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")], axis=0)
                     ),
-                    w_down=np.ascontiguousarray(w(p + "mlp.down_proj.weight").T),
+                    w_down=_Linear(w(p + "mlp.down_proj.weight")),
                 )
             )
         self.inv_freq = rope_inv_freq(cfg)
@@ -170,6 +249,8 @@ class NumpyBackend(Backend):
         self.v_cache = [self.v[i] for i in range(cfg.num_layers)]
         self._k_slots = self.k.reshape(cfg.num_layers, num_blocks * block_size, cfg.num_kv_heads, cfg.head_dim)
         self._v_slots = self.v.reshape(self._k_slots.shape)
+        self._k_rows = self.k.reshape(cfg.num_layers, num_blocks * block_size, cfg.num_kv_heads * cfg.head_dim)
+        self._v_rows = self.v.reshape(self._k_rows.shape)
         self.num_host_blocks = num_host_blocks
         self.host_k = self.host_v = None  # allocated on the first swap_out
         # Activations of one 8-lane round plus its logits; prefill chunks reuse the same order of memory.
@@ -208,26 +289,27 @@ class NumpyBackend(Backend):
         ang = positions.astype(np.float32)[:, None] * self.inv_freq[None, :]
         ang = np.concatenate([ang, ang], axis=-1)[:, None, :]
         cos, sin = np.cos(ang), np.sin(ang)
-        inter = cfg.intermediate_size
-        for i, lw in enumerate(self.layers):
-            h = rms_norm(x, lw.ln1, cfg.rms_norm_eps)
-            qkv = h @ lw.w_qkv
-            if lw.b_qkv is not None:
-                qkv += lw.b_qkv
-            q = apply_rope(qkv[:, :nq].reshape(n, cfg.num_heads, hd), cos, sin)
-            self._k_slots[i][write_slots] = apply_rope(qkv[:, nq : nq + nkv].reshape(n, cfg.num_kv_heads, hd), cos, sin)
-            self._v_slots[i][write_slots] = qkv[:, nq + nkv :].reshape(n, cfg.num_kv_heads, hd)
-            x = x + attend(i, q) @ lw.w_o
-            h = rms_norm(x, lw.ln2, cfg.rms_norm_eps)
-            gu = h @ lw.w_gate_up
-            g = gu[:, :inter]
-            with np.errstate(over="ignore"):
+        inter, nh = cfg.intermediate_size, cfg.num_heads
+        with np.errstate(over="ignore"):  # exp(-g) of a very negative gate: inf, and silu's 0 is right
+            for i, lw in enumerate(self.layers):
+                h = rms_norm(x, lw.ln1, cfg.rms_norm_eps)
+                qkv = lw.w_qkv(h)
+                if lw.b_qkv is not None:
+                    qkv += lw.b_qkv
+                # q and k heads rotate together: [n, heads + kv_heads, hd]
+                qk = apply_rope(qkv[:, : nq + nkv].reshape(n, nh + cfg.num_kv_heads, hd), cos, sin)
+                self._k_slots[i][write_slots] = qk[:, nh:]
+                self._v_slots[i][write_slots] = qkv[:, nq + nkv :].reshape(n, cfg.num_kv_heads, hd)
+                x = x + lw.w_o(attend(i, qk[:, :nh]))
+                h = rms_norm(x, lw.ln2, cfg.rms_norm_eps)
+                gu = lw.w_gate_up(h)
+                g = gu[:, :inter]
                 act = g / (1.0 + np.exp(-g))
-            x = x + (act * gu[:, inter:]) @ lw.w_down
+                x = x + lw.w_down(act * gu[:, inter:])
         return rms_norm(x, self.final_norm, cfg.rms_norm_eps)
 
-    def _attend(self, layer: int, q: np.ndarray, ctx_slots: np.ndarray, mask: np.ndarray) -> np.ndarray:
-        """Batched GQA: q [n, heads, hd]; ctx_slots [n, S] (padded); mask [n, T, S] additive.
+    def _attend(self, layer: int, q: np.ndarray, ctx_slots: np.ndarray, mask: np.ndarray | None) -> np.ndarray:
+        """Batched GQA: q [n, heads, hd]; ctx_slots [n, S] (padded); mask [n, T, S] additive, or None.
 
         Rows of q are grouped as n sequences of T query rows each (prefill: n=1,
         T=chunk; decode: n=lanes, T=1).
@@ -236,20 +318,23 @@ class NumpyBackend(Backend):
         n, s = ctx_slots.shape
         t = q.shape[0] // n
         kvh, g, hd = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim
-        k = self._k_slots[layer][ctx_slots]  # [n, S, kvh, hd]
-        v = self._v_slots[layer][ctx_slots]
-        # Query rows per kv head: [n, kvh, g*T, hd], head h reading kv head h // g (HF's repeat_kv).
-        qh = q.reshape(n, t, kvh, g, hd).transpose(0, 2, 3, 1, 4).reshape(n, kvh, g * t, hd)
-        scores = qh @ k.transpose(0, 2, 3, 1)  # [n, kvh, g*T, S]
-        scores *= np.float32(1.0 / math.sqrt(hd))
-        scores = scores.reshape(n, kvh, g, t, s)
-        scores += mask[:, None, None, :, :]
+        # One [kv_heads * head_dim] row per slot: np.take of whole rows copies faster than 4-D fancy indexing.
+        flat = ctx_slots.reshape(-1)
+        k = np.take(self._k_rows[layer], flat, axis=0).reshape(n, s, kvh, hd)
+        v = np.take(self._v_rows[layer], flat, axis=0).reshape(n, s, kvh, hd)
+        # Query rows per kv head: [n, kvh, g*T, hd], head h reading kv head h // g (HF's repeat_kv);
+        # the 1/sqrt(hd) scale on q (exact for hd a power of 4) rather than on the [.., S] scores.
+        qh = (q * np.float32(1.0 / math.sqrt(hd))).reshape(n, t, kvh, g, hd).transpose(0, 2, 3, 1, 4)
+        scores = qh.reshape(n, kvh, g * t, hd) @ k.transpose(0, 2, 3, 1)  # [n, kvh, g*T, S]
+        if mask is not None:
+            scores = scores.reshape(n, kvh, g, t, s)
+            scores += mask[:, None, None, :, :]
         p = _softmax_inplace(scores).reshape(n, kvh, g * t, s)
         o = p @ v.transpose(0, 2, 1, 3)  # [n, kvh, g*T, hd]
         return o.reshape(n, kvh, g, t, hd).transpose(0, 3, 1, 2, 4).reshape(n * t, cfg.num_heads * hd)
 
     def _logits(self, h: np.ndarray) -> np.ndarray:
-        return h @ self.lm_head
+        return self.lm_head(h)
 
     # --- the step interface -------------------------------------------------------------
 
@@ -292,7 +377,9 @@ class NumpyBackend(Backend):
         for r, ln in enumerate(lanes):
             # Padding past a lane's own position repeats its last slot; the mask removes it.
             ctx_slots[r] = self._slots(ln.block_table, np.minimum(span, ln.position))
-        mask = np.where(span[None, :] <= positions[:, None], 0.0, -np.inf).astype(np.float32)[:, None, :]
+        mask = None  # lanes of one length pad nothing
+        if positions.min() < positions.max():
+            mask = np.where(span[None, :] <= positions[:, None], 0.0, -np.inf).astype(np.float32)[:, None, :]
         write = ctx_slots[np.arange(len(lanes)), positions]
         tokens = [ln.token_id for ln in lanes]
         h = self._forward(tokens, positions, write, lambda i, q: self._attend(i, q, ctx_slots, mask))
@@ -337,6 +424,8 @@ class NumpyBackend(Backend):
             "v_cache",
             "_k_slots",
             "_v_slots",
+            "_k_rows",
+            "_v_rows",
         ):
             self.__dict__.pop(attr, None)
         self.host_k = self.host_v = None

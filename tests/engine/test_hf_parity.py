@@ -214,7 +214,8 @@ def test_prefill_in_two_chunks_equals_one():
     backend.prefill(PrefillSpan(1, ids[20:], 20, [5, 7, 3], sample=GREEDY, want_logits=True), two)
     assert rel_err(two.prefill_logits, one.prefill_logits) <= MAX_REL_ERR
     assert two.prefill_token == one.prefill_token
-    np.testing.assert_allclose(backend.k[:, [5, 7, 3]], backend.k[:, [0, 1, 2]], rtol=1e-5, atol=1e-6)
+    # float32 noise between chunk shapes (BLAS picks kernels by shape) is ~3e-6 here on values of order 1
+    np.testing.assert_allclose(backend.k[:, [5, 7, 3]], backend.k[:, [0, 1, 2]], rtol=1e-5, atol=1e-5)
 
 
 def test_swap_and_copy_blocks_move_kv_contents():
