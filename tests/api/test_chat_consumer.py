@@ -87,7 +87,7 @@ async def _run(body: dict, rounds_of: int, submitted: list, tokenizer) -> list[d
 
 
 @pytest.fixture(scope="module")
-def tokenizer():
+def tokenizer(default_gguf_path):
     from apps.models.services import served_model
 
     return served_model().tokenizer

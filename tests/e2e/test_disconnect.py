@@ -41,12 +41,14 @@ def test_dropped_sse_client_frees_its_lane(live_server_url):
         httpx.Client(timeout=60) as http,
         http.stream("POST", live_server_url + "/v1/chat/completions", json=BODY) as resp,
     ):
-        lines = 0
+        lines, busy = 0, None
         for line in resp.iter_lines():
             lines += line.startswith("data: ")
+            if lines == 3:
+                busy = stats(live_server_url)["lanes_busy"]  # read while still connected
             if lines >= 4:
-                break
-        assert stats(live_server_url)["lanes_busy"] == 1
+                break  # leaving the iterator closes the connection (httpcore closes on GeneratorExit)
+        assert busy == 1
     # The connection is closed here, mid-stream.
     assert wait_lanes_free(live_server_url) < 5.0
     assert stats(live_server_url)["aborted"] == aborted + 1
