@@ -15,7 +15,7 @@ import logging
 import time
 from pathlib import Path
 
-from engine.messages import AddRequest, RequestFailed
+from engine.messages import AddRequest
 from engine.switching import (
     FAILED,
     LIVE_FIELDS,
@@ -99,16 +99,7 @@ class ModelLifecycle:
             return await self._end_switch(sw, REFUSED, reason, t0)
         if self.scheduler is not None:  # the drain timed out: what still runs ends with engine_error
             for seq in list(self.scheduler.seqs.values()):
-                self.scheduler.abort_request(seq.request_id)
-                await self.layer.send(
-                    seq.reply_channel,
-                    RequestFailed(
-                        request_id=seq.request_id,
-                        message="The server switched models while this request ran.",
-                        code="engine_error",
-                        status=500,
-                    ).to_message(),
-                )
+                await self._fail_sequence(seq, "The server switched models while this request ran.")
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(self._thread, self._teardown)
         self.served_id, self.artifact_path = sw.served_id, Path(sw.path)

@@ -348,18 +348,16 @@ class EngineWorker(ModelLifecycle):
         seq_ids = [lane.seq_id for lane in plan.decode] + ([plan.prefill.seq_id] if plan.prefill else [])
         for seq_id in seq_ids:
             seq = self.scheduler.sequence(seq_id)
-            if seq is None:
-                continue
-            self.scheduler.abort_request(seq.request_id)
-            await self.layer.send(
-                seq.reply_channel,
-                RequestFailed(
-                    request_id=seq.request_id,
-                    message="The engine failed while running this request.",
-                    code="engine_error",
-                    status=500,
-                ).to_message(),
-            )
+            if seq is not None:
+                await self._fail_sequence(seq, "The engine failed while running this request.")
+
+    async def _fail_sequence(self, seq, message: str) -> None:
+        """End a live sequence with ``engine_error``: its lane and pages free, its client told why."""
+        self.scheduler.abort_request(seq.request_id)
+        await self.layer.send(
+            seq.reply_channel,
+            RequestFailed(request_id=seq.request_id, message=message, code="engine_error", status=500).to_message(),
+        )
 
     def _log_interval(self, every: float = 5.0) -> None:
         """DEBUG ``ignis.scheduler.interval``: the scheduler's counters, at most every ``every`` s of work."""
