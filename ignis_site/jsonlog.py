@@ -18,3 +18,11 @@ class JsonFormatter(logging.Formatter):
         if record.exc_info:
             entry["exc"] = self.formatException(record.exc_info)
         return json.dumps(entry, default=str)
+
+
+class DropDeliberate503(logging.Filter):
+    """Django logs every 5xx at ERROR; our 503s (loading, switching, engine_full) are
+    answers, not faults, and the request log already carries them."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return getattr(record, "status_code", None) != 503

@@ -141,6 +141,7 @@ LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
     "formatters": {"json": {"()": "ignis_site.jsonlog.JsonFormatter"}},
+    "filters": {"drop_deliberate_503": {"()": "ignis_site.jsonlog.DropDeliberate503"}},
     "handlers": {
         "stderr": {"class": "logging.StreamHandler", "formatter": "json", "level": _LOG_LEVEL},
         # The engine's request and model events feed the metrics' histograms (engine/telemetry.py).
@@ -154,6 +155,12 @@ LOGGING = {
             "propagate": False,
         },
         "django": {"handlers": ["stderr"], "level": "WARNING"},
+        "django.request": {
+            "handlers": ["stderr"],
+            "level": "WARNING",
+            "filters": ["drop_deliberate_503"],
+            "propagate": False,
+        },
         "daphne": {"handlers": ["stderr"], "level": "WARNING"},
     },
 }
