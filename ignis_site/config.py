@@ -1,9 +1,11 @@
 """The one configuration schema: ``server.*``, ``model.*``, ``switch.*``, ``spec.*``.
 
-Every key has one value, settable (weakest first) by its default, the
+Every key has one value, settable (weakest first) by its default, the saved
+configuration (``ConfigValue`` rows a PATCH /v1/config or the admin wrote), the
 environment (``IGNIS_MODEL_PREFILL_CHUNK``), and a CLI flag of the serve /
 runengine commands (``--model-prefill-chunk``). The environment is read here
-and nowhere else.
+and nowhere else; the saved rows are read by the commands at start
+(``apps.models.config_service.config_start``) and handed to ``resolve``.
 """
 
 from __future__ import annotations
@@ -117,19 +119,43 @@ FIELDS: dict[str, Field] = {
 }
 
 
-def load(overrides: dict[str, Any] | None = None, environ: dict[str, str] | None = None) -> dict[str, Any]:
-    """Defaults, then the environment, then ``overrides`` (CLI flags)."""
-    environ = os.environ if environ is None else environ
-    values = {}
-    for key, field in FIELDS.items():
-        value = field.default
-        if field.env_name in environ:
-            value = field.parse(environ[field.env_name])
-        if overrides and overrides.get(key) is not None:
-            value = field.parse(overrides[key])
-        values[key] = value
-    return values
+def resolve(
+    overrides: dict[str, Any] | None = None,
+    environ: dict[str, str] | None = None,
+    saved: dict[str, Any] | None = None,
+) -> tuple[dict[str, Any], dict[str, str]]:
+    """(values, sources): defaults < ``saved`` < the environment < ``overrides`` (CLI flags).
 
+    ``sources[key]`` names where each value came from: ``default``, ``saved``,
+    ``env`` or ``flag``. A saved value for a START_ONLY key, or one that no
+    longer parses, is ignored (the environment and flags always get an
+    operator out of a bad saved value).
+    """
+    environ = os.environ if environ is None else environ
+    values, sources = {}, {}
+    for key, field in FIELDS.items():
+        value, source = field.default, "default"
+        if saved and key in saved and key not in START_ONLY_KEYS:
+            try:
+                value, source = field.parse(saved[key]), "saved"
+            except ValueError:
+                pass
+        if field.env_name in environ:
+            value, source = field.parse(environ[field.env_name]), "env"
+        if overrides and overrides.get(key) is not None:
+            value, source = field.parse(overrides[key]), "flag"
+        values[key], sources[key] = value, source
+    return values, sources
+
+
+def load(overrides: dict[str, Any] | None = None, environ: dict[str, str] | None = None) -> dict[str, Any]:
+    """Defaults, then the environment, then ``overrides`` (CLI flags); no saved configuration."""
+    return resolve(overrides, environ)[0]
+
+
+# Keys the settings module is built from before the database opens: the
+# environment or a flag sets them, never the saved configuration (PATCH refuses them).
+START_ONLY_KEYS = frozenset({"server.data_dir", "server.redis_url", "server.models_dir", "server.log_level"})
 
 # Keys a load is built from: changing one reloads the model (the way a switch does).
 RELOAD_KEYS = frozenset(
@@ -157,6 +183,8 @@ LIVE_KEYS = frozenset(
         "switch.drain_timeout",
         "server.api_keys",
         "server.body_limit",
+        "server.deadline",
+        "server.deadline_max",
     }
 )
 
@@ -173,6 +201,8 @@ def validate(patch: dict[str, Any]) -> dict[str, Any]:
         field = FIELDS.get(key)
         if field is None:
             raise ValueError(key, f"unknown configuration key '{key}'")
+        if key in START_ONLY_KEYS:
+            raise ValueError(key, f"{key} is read before the database opens: set {field.env_name} or {field.flag}")
         try:
             parsed[key] = field.parse(raw)
         except ValueError as exc:

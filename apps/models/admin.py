@@ -69,8 +69,33 @@ class ArtifactAdmin(admin.ModelAdmin):
 
 @admin.register(ConfigValue)
 class ConfigValueAdmin(admin.ModelAdmin):
-    list_display = ("key", "value", "updated_at")
-    readonly_fields = ("key",)
+    """``value`` is the saved value (read back at start) or, unsaved, the one the server started with;
+    ``running`` and ``source`` are this process's (an environment variable or a flag beats a saved value)."""
+
+    list_display = ("key", "value", "saved", "running", "source", "updated_at")
+    list_filter = ("saved",)
+    readonly_fields = ("key", "saved")
+    actions = ("forget",)
+
+    @admin.display(description="running")
+    def running(self, obj: ConfigValue):
+        from django.conf import settings
+
+        from apps.models.config_service import SECRET_KEYS
+
+        value = settings.IGNIS.get(obj.key)
+        return "***" if obj.key in SECRET_KEYS and value else value
+
+    @admin.display(description="source")
+    def source(self, obj: ConfigValue) -> str:
+        from apps.models.config_service import config_sources
+
+        return config_sources().get(obj.key, "-")
+
+    @admin.action(description="Forget the saved value (the environment, a flag or the default decides at next start)")
+    def forget(self, request, queryset):
+        n = queryset.update(saved=False)
+        self.message_user(request, f"{n} saved value(s) forgotten; the running values stay until restart")
 
     def has_add_permission(self, request) -> bool:
         return False

@@ -4,6 +4,9 @@ A patch is validated whole before anything applies: one bad value is a 400
 naming its key and nothing changes. Keys a load is built from reload the model
 with the whole patch, the way a switch does; the reload must land for the patch
 to apply. Live keys apply at once (the engine's through ``engine.configure``).
+
+At start the commands read the saved configuration back (``config_start``):
+defaults < saved (PATCH / admin) < environment < CLI flags.
 """
 
 from __future__ import annotations
@@ -29,6 +32,40 @@ ENGINE_LIVE = {
     "switch.drain_timeout": "drain_timeout",
 }
 SECRET_KEYS = {"server.api_keys"}
+# Where each running value came from: default | saved | env | flag (set by config_start).
+_sources: dict[str, str] = {}
+_start_sources: dict[str, str] = {}
+
+
+def saved_config() -> dict[str, Any]:
+    """The saved rows (PATCH / admin) as {key: value}; {} before the first migrate. Sync ORM."""
+    from django.db import DatabaseError
+
+    from apps.models.models import ConfigValue
+
+    try:
+        return dict(ConfigValue.objects.filter(saved=True).values_list("key", "value"))
+    except DatabaseError:
+        return {}
+
+
+def config_start(overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The serve / runengine commands' configuration: defaults < saved < environment < flags.
+
+    Sync ORM: call it at command start, not on the event loop.
+    """
+    values, sources = config.resolve(overrides, saved=saved_config())
+    settings.IGNIS.update(values)
+    settings.DATA_UPLOAD_MAX_MEMORY_SIZE = values["server.body_limit"]
+    _sources.clear()
+    _sources.update(sources)
+    _start_sources.clear()
+    _start_sources.update(sources)
+    return settings.IGNIS
+
+
+def config_sources() -> dict[str, str]:
+    return {k: _sources.get(k, "default") for k in config.FIELDS}
 
 
 def config_describe() -> dict:
@@ -44,19 +81,25 @@ def config_describe() -> dict:
         }
         for f in config.FIELDS.values()
     }
-    return {"object": "config", "values": values, "fields": fields}
+    return {"object": "config", "values": values, "fields": fields, "sources": config_sources()}
 
 
 def _persist(values: dict[str, Any]) -> None:
+    """Save ``values`` (PATCH / admin): read back at the next start."""
     from apps.models.models import ConfigValue
 
     for key, value in values.items():
-        ConfigValue.objects.update_or_create(key=key, defaults={"value": value})
+        ConfigValue.objects.update_or_create(key=key, defaults={"value": value, "saved": True})
 
 
 def config_snapshot() -> None:
-    """Record the values the server started with (the admin shows them)."""
-    _persist(dict(settings.IGNIS))
+    """Record the values the server started with in the rows nothing saved (the admin lists every key)."""
+    from apps.models.models import ConfigValue
+
+    saved = set(ConfigValue.objects.filter(saved=True).values_list("key", flat=True))
+    for key, value in settings.IGNIS.items():
+        if key in config.FIELDS and key not in saved:
+            ConfigValue.objects.update_or_create(key=key, defaults={"value": value})
 
 
 def _reload_target(values: dict[str, Any]) -> SwitchTarget:
@@ -79,6 +122,7 @@ async def config_update(*, patch: dict[str, Any]) -> dict:
         key, message = exc.args
         raise InvalidRequest(message, param=key) from None
     changed = {k: v for k, v in parsed.items() if settings.IGNIS.get(k) != v}
+    start_sources = dict(_start_sources)
     new_values = {**settings.IGNIS, **changed}
     result: dict[str, Any] = {"object": "config", "changed": sorted(changed), "reload": None}
     if any(config.key_applies(k) == "reload" for k in changed):
@@ -92,10 +136,15 @@ async def config_update(*, patch: dict[str, Any]) -> dict:
                 f"{done.get('reason')}; nothing changed."
             )
     settings.IGNIS.update(changed)
+    if "server.body_limit" in changed:
+        settings.DATA_UPLOAD_MAX_MEMORY_SIZE = changed["server.body_limit"]
+    _sources.update(dict.fromkeys(changed, "saved"))
     live = {ENGINE_LIVE[k]: v for k, v in changed.items() if k in ENGINE_LIVE}
     if live:
         await get_channel_layer().send(ENGINE_CHANNEL, ConfigureEngine(values=live).to_message())
     await database_sync_to_async(_persist)(changed)
     result["restart_required"] = sorted(k for k in changed if config.key_applies(k) == "restart")
+    # Saved, but this server's environment or flags set them: they win again at the next start.
+    result["overridden_at_start"] = sorted(k for k in parsed if start_sources.get(k) in ("env", "flag"))
     result["values"] = config_describe()["values"]
     return result

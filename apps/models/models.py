@@ -42,10 +42,18 @@ class Artifact(models.Model):
 
 
 class ConfigValue(models.Model):
-    """The running configuration, one row per key (the value as JSON)."""
+    """The configuration, one row per key (the value as JSON).
+
+    ``saved`` rows were set through PATCH /v1/config or the admin: the commands
+    read them back at start (below the environment and flags). The other rows
+    record the value the last server started with.
+    """
 
     key = models.CharField(max_length=100, unique=True)
     value = models.JSONField(null=True)
+    saved = models.BooleanField(
+        default=False, help_text="set through PATCH /v1/config or the admin: read back at start"
+    )
     updated_at = models.DateTimeField(auto_now=True)
 
     class Meta:

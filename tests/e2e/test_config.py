@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import sqlite3
+
 import httpx
 import pytest
 
@@ -13,22 +16,24 @@ from tests.models.tiny import models_dir_with_two
 pytestmark = pytest.mark.e2e
 
 
+FLAGS = ("--model-id", TINY, "--model-path", TINY, "--model-idle-unload", "0")
+
+
 @pytest.fixture(scope="module")
-def base(tmp_path_factory, default_gguf_path):
+def srv(tmp_path_factory, default_gguf_path):
+    """The module's server; the restart test (last) replaces it with one on the same data dir."""
     root = tmp_path_factory.mktemp("config")
     mdir = models_dir_with_two(root / "models", default_gguf_path)
-    proc, url = start_server(
-        root / "var",
-        "--model-id",
-        TINY,
-        "--model-path",
-        TINY,
-        "--model-idle-unload",
-        "0",
-        env_extra={"IGNIS_SERVER_MODELS_DIR": str(mdir)},
-    )
-    yield url
-    proc.stop()
+    env = {"IGNIS_SERVER_MODELS_DIR": str(mdir)}
+    proc, url = start_server(root / "var", *FLAGS, env_extra=env)
+    state = {"proc": proc, "url": url, "var": root / "var", "env": env}
+    yield state
+    state["proc"].stop()
+
+
+@pytest.fixture(scope="module")
+def base(srv):
+    return srv["url"]
 
 
 def config(base: str) -> dict:
@@ -57,6 +62,7 @@ def test_get_lists_every_key_with_how_it_applies(base):
         ({"model.default_max_tokens": 4, "model.idle_unload": -1}, "model.idle_unload"),
         ({"no.such_key": 1}, "no.such_key"),
         ({"switch.allow_implicit": "maybe"}, "switch.allow_implicit"),
+        ({"server.data_dir": "/tmp"}, "server.data_dir"),  # read before the database opens
     ],
 )
 def test_invalid_value_is_400_naming_the_field_and_nothing_changes(base, body, param):
@@ -98,3 +104,28 @@ def test_a_plan_that_does_not_fit_is_refused_with_its_bytes_and_nothing_changes(
     assert config(base)["values"]["model.ram_budget"] == 0
     assert entry(base, TINY)["status"] == "serving"
     assert chat(base).status_code == 200
+
+
+def test_saved_values_are_read_back_at_start_below_env_and_flags(srv):
+    """defaults < saved (PATCH / admin) < environment < flags, on a restart over the same data dir."""
+    resp = patch(srv["url"], {"server.deadline": 123, "switch.drain_timeout": 7})
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["overridden_at_start"] == []
+    assert config(srv["url"])["sources"]["server.deadline"] == "saved"
+    srv["proc"].stop()
+    srv["proc"], srv["url"] = start_server(
+        srv["var"], *FLAGS, "--switch-drain-timeout", "9", env_extra={**srv["env"], "IGNIS_SERVER_DEADLINE_MAX": "99"}
+    )
+    body = config(srv["url"])
+    assert body["values"]["server.deadline"] == 123.0 and body["sources"]["server.deadline"] == "saved"
+    assert body["values"]["model.max_context"] == 1024  # saved by the reload test above
+    assert body["values"]["switch.drain_timeout"] == 9.0 and body["sources"]["switch.drain_timeout"] == "flag"
+    assert body["values"]["model.idle_unload"] == 0 and body["sources"]["model.idle_unload"] == "flag"
+    assert body["sources"]["server.deadline_max"] == "env"
+    with sqlite3.connect(srv["var"] / "ignis.sqlite3") as db:  # the flag won; the saved value stays saved
+        row = db.execute("SELECT value, saved FROM ignis_models_configvalue WHERE key = 'switch.drain_timeout'")
+        value, saved = row.fetchone()
+    assert json.loads(value) == 7 and saved == 1
+    resp = patch(srv["url"], {"switch.drain_timeout": 8})
+    assert resp.json()["overridden_at_start"] == ["switch.drain_timeout"]
+    assert chat(srv["url"]).status_code == 200

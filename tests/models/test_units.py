@@ -68,3 +68,14 @@ def test_path_confine_refuses_escapes(tmp_path, settings):
     for raw in ("../x", "/etc/passwd", "escape", "ok/../../x"):
         with pytest.raises(InvalidRequest):
             path_confine(raw)
+
+
+def test_resolve_orders_defaults_saved_env_flags():
+    saved = {"server.deadline": 5, "model.idle_unload": 7, "server.data_dir": "/elsewhere", "server.port": "bad"}
+    env = {"IGNIS_MODEL_IDLE_UNLOAD": "8", "IGNIS_SWITCH_DRAIN_TIMEOUT": "3"}
+    values, sources = config.resolve({"switch.drain_timeout": "4"}, environ=env, saved=saved)
+    assert (values["server.deadline"], sources["server.deadline"]) == (5.0, "saved")
+    assert (values["model.idle_unload"], sources["model.idle_unload"]) == (8, "env")
+    assert (values["switch.drain_timeout"], sources["switch.drain_timeout"]) == (4.0, "flag")
+    assert sources["server.data_dir"] == "default"  # start-only: never read from the database
+    assert (values["server.port"], sources["server.port"]) == (8080, "default")  # a bad saved value is skipped

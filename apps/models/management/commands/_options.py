@@ -1,7 +1,5 @@
 """CLI flags generated from the configuration schema (``--model-prefill-chunk`` ...)."""
 
-from django.conf import settings
-
 from ignis_site import config
 
 
@@ -13,7 +11,8 @@ def add_config_flags(parser, skip: tuple[str, ...] = ()) -> None:
 
 
 def apply_config_flags(options: dict) -> dict:
-    """Flags given on the command line override settings.IGNIS (env and defaults)."""
+    """settings.IGNIS from defaults < the saved configuration < the environment < these flags."""
+    from apps.models.config_service import config_start
+
     overrides = {k: options[k] for k in config.FIELDS if options.get(k) is not None}
-    settings.IGNIS.update(config.load(overrides))
-    return settings.IGNIS
+    return config_start(overrides)
