@@ -306,7 +306,7 @@ class ChatCompletionsConsumer(MultiRequestConsumer):
                 deltas.append({"content": ev.text})
             elif ev.kind == "reasoning":
                 deltas.append({"reasoning_content": ev.text})
-            else:
+            elif ev.kind == "tool_call_start":  # the name first, then the arguments as they arrive
                 call = ev.call
                 deltas.append(
                     {
@@ -320,7 +320,8 @@ class ChatCompletionsConsumer(MultiRequestConsumer):
                         ]
                     }
                 )
-                deltas.append({"tool_calls": [{"index": call.index, "function": {"arguments": call.arguments}}]})
+            elif ev.kind == "tool_call_args":
+                deltas.append({"tool_calls": [{"index": ev.call.index, "function": {"arguments": ev.text}}]})
         return deltas
 
     async def _open(self, choice: Choice) -> None:

@@ -51,6 +51,7 @@ class ResponseEvents:
         self.splitter = ChannelSplitter(in_reasoning=in_reasoning, parse_tools=tools)
         self.seq = 0
         self.open: dict | None = None  # the item receiving deltas (reasoning or message)
+        self.call: dict | None = None  # the function_call item receiving argument deltas
         self.reasoning_tokens = 0
 
     def _event(self, type_: str, **fields) -> dict:
@@ -84,8 +85,12 @@ class ResponseEvents:
 
     def _piece(self, ev) -> list[dict]:
         """One splitter event (channels_split.Event) as item events."""
+        if ev.kind == "tool_call_start":
+            return self._close() + self._function_call_start(ev.call.name, ev.call.id)
+        if ev.kind == "tool_call_args":
+            return self._function_call_args(ev.text)
         if ev.kind == "tool_call":
-            return self._close() + self._function_call(ev.call.name, ev.call.arguments, ev.call.id)
+            return self._function_call_done()
         kind, piece = ev.kind, ev.text
         if kind == "content" and (self.open is None or self.open["type"] != "message"):
             if self.response["output"] or (self.open is not None):
@@ -188,9 +193,8 @@ class ResponseEvents:
         self.response["output"].append(item)
         return events + [self._event("response.output_item.done", output_index=idx, item=json.loads(json.dumps(item)))]
 
-    def _function_call(self, name: str, arguments: str, call_id: str) -> list[dict]:
-        idx = self._index
-        item = {
+    def _function_call_start(self, name: str, call_id: str) -> list[dict]:
+        self.call = {
             "id": new_id("fc"),
             "type": "function_call",
             "call_id": call_id,
@@ -198,20 +202,32 @@ class ResponseEvents:
             "arguments": "",
             "status": "in_progress",
         }
-        events = [self._event("response.output_item.added", output_index=idx, item=dict(item))]
-        events.append(
-            self._event("response.function_call_arguments.delta", item_id=item["id"], output_index=idx, delta=arguments)
-        )
-        item.update(arguments=arguments, status="completed")
-        events.append(
+        return [self._event("response.output_item.added", output_index=self._index, item=dict(self.call))]
+
+    def _function_call_args(self, delta: str) -> list[dict]:
+        item = self.call
+        item["arguments"] += delta
+        return [
+            self._event(
+                "response.function_call_arguments.delta", item_id=item["id"], output_index=self._index, delta=delta
+            )
+        ]
+
+    def _function_call_done(self, status: str = "completed") -> list[dict]:
+        item, self.call = self.call, None
+        if item is None:
+            return []
+        idx = self._index
+        item["status"] = status
+        events = [
             self._event(
                 "response.function_call_arguments.done",
                 item_id=item["id"],
                 output_index=idx,
-                name=name,
-                arguments=arguments,
+                name=item["name"],
+                arguments=item["arguments"],
             )
-        )
+        ]
         self.response["output"].append(item)
         events.append(self._event("response.output_item.done", output_index=idx, item=dict(item)))
         return events
@@ -234,7 +250,7 @@ class ResponseEvents:
 
     def fail(self, code: str, message: str) -> list[dict]:
         """The engine failed mid-response: response.failed, with what was produced so far."""
-        events = self._close("incomplete")
+        events = self._close("incomplete") + self._function_call_done("incomplete")
         self.response.update(status="failed", error={"code": code, "message": message})
         return events + [self._event("response.failed", response=self._snapshot())]
 

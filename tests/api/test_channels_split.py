@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from apps.api.channels_split import ChannelSplitter, parse_tool_call
+from apps.api.channels_split import ChannelSplitter, JsonEcho, dump_chars, parse_tool_call
 
 QWEN = (
     "<think>\nThe user wants the weather. I'll call get_weather.\n</think>\n\n"
@@ -54,7 +54,8 @@ def test_order_of_events_is_reasoning_then_content_then_calls():
     kinds = [e.kind for e in events]
     first_content = kinds.index("content")
     assert all(k == "reasoning" for k in kinds[:first_content])
-    assert kinds[-2:] == ["tool_call", "tool_call"]
+    tail = kinds[kinds.index("tool_call_start") :]
+    assert set(tail) == {"tool_call_start", "tool_call_args", "tool_call"} and tail[-1] == "tool_call"
 
 
 def test_prompt_opened_think():
@@ -98,3 +99,68 @@ def test_parse_tool_call_shapes():
     assert parse_tool_call('{"name": "f", "parameters": {"a": 1}}', 0).arguments == '{"a": 1}'
     assert parse_tool_call('{"arguments": {}}', 0) is None
     assert parse_tool_call("[1, 2]", 0) is None
+
+
+def _args_streamed(events, index):
+    return "".join(e.text for e in events if e.kind == "tool_call_args" and e.call.index == index)
+
+
+@pytest.mark.parametrize("pieces", list(chunkings(QWEN)), ids=["whole", "chars", "3s", "7s"])
+def test_calls_stream_name_then_arguments_adding_up_to_the_whole_parse(pieces):
+    sp, events = run(QWEN, pieces)
+    for call in sp.tool_calls:
+        kinds = [e.kind for e in events if e.call is call]
+        assert kinds[0] == "tool_call_start" and kinds[-1] == "tool_call"
+        assert _args_streamed(events, call.index) == call.arguments
+        assert (
+            call.arguments
+            == parse_tool_call(json.dumps({"name": call.name, "arguments": json.loads(call.arguments)}), 0).arguments
+        )
+
+
+def test_arguments_stream_before_the_call_closes():
+    sp = ChannelSplitter()
+    events = sp.feed('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par')
+    assert [e.kind for e in events] == ["tool_call_start", "tool_call_args"]
+    assert events[0].call.name == "get_weather" and events[1].text == '{"city": "Par'
+    events = sp.feed('is", "days": [1,2]}}\n</tool_call>')
+    assert _args_streamed(events, 0) == 'is", "days": [1, 2]}' and events[-1].kind == "tool_call"
+    assert sp.tool_calls[0].arguments == '{"city": "Paris", "days": [1, 2]}'
+
+
+CANON = [
+    '{"a":1,"b":[1,2.50,{"c":null}],"d":"x\\"y\\u00e9\\ud83d\\ude00\\n\\/","e":true,"f":{}, "g":[]}',
+    '{ "city" : "Paris" , "n":-0, "big": 1E5, "ctl": "\\u0001 \u2028 \u00e9", "lone": "\\ud83d" }',
+]
+
+
+@pytest.mark.parametrize("text", CANON)
+def test_json_echo_writes_what_json_dumps_writes(text):
+    for pieces in chunkings(text + " "):
+        echo, out = JsonEcho(), ""
+        for p in pieces:
+            out += "".join(dump_chars(t) if k == "str_text" else t for k, t, _ in echo.feed(p))
+        assert not echo.bad and out == json.dumps(json.loads(text), ensure_ascii=False)
+
+
+def test_compact_arguments_come_out_as_the_whole_parse_writes_them():
+    text = '<tool_call>{"name":"f","arguments":{"q":"a\\u00e9","k":[1,2.0]}}</tool_call>'
+    sp, events = run(text, list(text))
+    assert _args_streamed(events, 0) == sp.tool_calls[0].arguments == '{"q": "a\u00e9", "k": [1, 2.0]}'
+
+
+def test_arguments_before_the_name_or_as_a_string_come_whole_at_the_close():
+    for body in ('{"arguments": {"a": 1}, "name": "f"}', '{"name": "f", "arguments": "{\\"a\\": 1}"}'):
+        text = f"<tool_call>{body}</tool_call>"
+        sp = ChannelSplitter()
+        assert sp.feed(text[:-13]) == []
+        events = sp.feed(text[-13:])
+        assert [e.kind for e in events] == ["tool_call_start", "tool_call_args", "tool_call"]
+        assert events[1].text == '{"a": 1}'
+
+
+def test_a_started_call_cut_short_keeps_what_streamed():
+    sp, events = run(
+        '<tool_call>{"name": "f", "arguments": {"a": "lo', ['<tool_call>{"name": "f", "arguments": {"a": "lo']
+    )
+    assert [c.arguments for c in sp.tool_calls] == ['{"a": "lo'] and events[-1].kind == "tool_call"

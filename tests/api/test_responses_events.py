@@ -113,6 +113,22 @@ def test_reasoning_then_text_then_tool_call():
     final = through_sdk(events)[-1].response
     assert [o.type for o in final.output] == kinds
     assert json.loads(final.output[2].arguments) == {"city": "Paris"}
+    # The arguments stream as they arrive (several deltas), adding up to the item's arguments.
+    deltas = [e["delta"] for e in events if e["type"] == "response.function_call_arguments.delta"]
+    assert len(deltas) > 1 and "".join(deltas) == fc["arguments"] == '{"city": "Paris"}'
+    added = next(
+        e for e in events if e["type"] == "response.output_item.added" and e["item"]["type"] == "function_call"
+    )
+    assert added["item"]["name"] == "get_weather" and added["item"]["arguments"] == ""
+
+
+def test_failure_mid_call_closes_the_function_call():
+    ev = ResponseEvents(base(), tools=True)
+    events = ev.start() + ev.feed('<tool_call>{"name": "get_weather", "arguments": {"ci', 1)
+    assert events[-1]["type"] == "response.function_call_arguments.delta"
+    events += ev.fail("server_error", "boom")
+    assert events[-1]["response"]["output"][0]["status"] == "incomplete"
+    through_sdk(events)
 
 
 def test_tool_text_without_tools_stays_text():

@@ -176,6 +176,7 @@ def test_required_tool_call_streams_as_tool_call_deltas(client):
     call_deltas = [tc for ch in chunks for c in ch.choices for tc in (c.delta.tool_calls or [])]
     assert call_deltas[0].id.startswith("call_") and call_deltas[0].function.name in ("get_weather", "get_time")
     assert all(tc.index == 0 for tc in call_deltas)
+    assert len(call_deltas) > 2  # name, then the arguments as their tokens arrive
     args = "".join(tc.function.arguments or "" for tc in call_deltas)
     assert isinstance(json.loads(args), dict)
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
