@@ -20,7 +20,7 @@ async def request_abort(request_id: str) -> None:
 async def engine_status(timeout: float = 2.0) -> dict | None:
     """Ask the engine for its status; None when it does not answer in time."""
     layer = get_channel_layer()
-    reply = await layer.new_channel("ignis.status")
+    reply = await layer.new_channel()  # the default prefix: see apps.models.switching.model_switch
     await layer.send(ENGINE_CHANNEL, {"type": "engine.status", "reply_channel": reply})
     try:
         return await asyncio.wait_for(layer.receive(reply), timeout)

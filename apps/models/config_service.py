@@ -7,10 +7,18 @@ to apply. Live keys apply at once (the engine's through ``engine.configure``).
 
 At start the commands read the saved configuration back (``config_start``):
 defaults < saved (PATCH / admin) < environment < CLI flags.
+
+Several front ends (scaled mode) agree through the Channels layer: a patch is
+sent to the group CONFIG_GROUP, which every ``serve`` process joins at start
+(``config_listen``), and each applies it to its own ``settings.IGNIS``.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import os
+import uuid
 from typing import Any
 
 from channels.db import database_sync_to_async
@@ -32,6 +40,10 @@ ENGINE_LIVE = {
     "switch.drain_timeout": "drain_timeout",
 }
 SECRET_KEYS = {"server.api_keys"}
+CONFIG_GROUP = "ignis.config"
+GROUP_REFRESH = 3600.0  # channels_redis forgets group members after a day
+_ORIGIN = f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
+log = logging.getLogger("ignis.config")
 # Where each running value came from: default | saved | env | flag (set by config_start).
 _sources: dict[str, str] = {}
 _start_sources: dict[str, str] = {}
@@ -135,16 +147,71 @@ async def config_update(*, patch: dict[str, Any]) -> dict:
                 f"The reload this patch needs did not land ({done.get('outcome')}): "
                 f"{done.get('reason')}; nothing changed."
             )
-    settings.IGNIS.update(changed)
-    if "server.body_limit" in changed:
-        settings.DATA_UPLOAD_MAX_MEMORY_SIZE = changed["server.body_limit"]
-    _sources.update(dict.fromkeys(changed, "saved"))
+    _apply_local(changed)
     live = {ENGINE_LIVE[k]: v for k, v in changed.items() if k in ENGINE_LIVE}
     if live:
         await get_channel_layer().send(ENGINE_CHANNEL, ConfigureEngine(values=live).to_message())
     await database_sync_to_async(_persist)(changed)
+    if changed:
+        await get_channel_layer().group_send(
+            CONFIG_GROUP, {"type": "config.changed", "values": changed, "origin": _ORIGIN}
+        )
     result["restart_required"] = sorted(k for k in changed if config.key_applies(k) == "restart")
     # Saved, but this server's environment or flags set them: they win again at the next start.
     result["overridden_at_start"] = sorted(k for k in parsed if start_sources.get(k) in ("env", "flag"))
     result["values"] = config_describe()["values"]
     return result
+
+
+def _apply_local(changed: dict[str, Any]) -> None:
+    settings.IGNIS.update(changed)
+    if "server.body_limit" in changed:
+        settings.DATA_UPLOAD_MAX_MEMORY_SIZE = changed["server.body_limit"]
+    _sources.update(dict.fromkeys(changed, "saved"))
+
+
+def config_received(msg: dict) -> bool:
+    """Apply another front end's patch (a ``config.changed`` message); False when it is ours or not one."""
+    if msg.get("type") != "config.changed" or msg.get("origin") == _ORIGIN:
+        return False
+    try:
+        parsed = config.validate(msg.get("values") or {})
+    except ValueError as exc:
+        log.warning("ignis.config.bad_broadcast", extra={"error": str(exc.args)})
+        return False
+    _apply_local(parsed)
+    log.info("ignis.config.applied", extra={"keys": sorted(parsed), "origin": msg.get("origin")})
+    return True
+
+
+async def config_listen() -> None:
+    """Every ``serve`` process runs this for its life: join CONFIG_GROUP, apply what other front ends patch."""
+    layer = get_channel_layer()
+    # A plain channel, not a process-specific ``new_channel()`` one: channels_redis serves those
+    # through one receive lock per process, which a receive that never ends would hold.
+    channel = f"ignis.config.{_ORIGIN}"
+
+    async def join_forever():
+        while True:
+            try:
+                await layer.group_add(CONFIG_GROUP, channel)
+            except Exception:
+                log.exception("ignis.config.group_add_failed")
+                await asyncio.sleep(5)
+                continue
+            await asyncio.sleep(GROUP_REFRESH)
+
+    joiner = asyncio.ensure_future(join_forever())
+    try:
+        while True:
+            try:
+                msg = await layer.receive(channel)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("ignis.config.receive_failed")
+                await asyncio.sleep(1)
+                continue
+            config_received(msg)
+    finally:
+        joiner.cancel()

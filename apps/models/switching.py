@@ -69,7 +69,9 @@ async def model_switch(
     engine's SwitchDone). A switch already running raises SwitchInProgress.
     """
     layer = get_channel_layer()
-    reply = await layer.new_channel("ignis.switch.")
+    # The default prefix: channels_redis pops every process-specific channel of one prefix under
+    # one receive lock, so a long wait here must share its prefix with the other replies.
+    reply = await layer.new_channel()
     sw = SwitchModel(
         switch_id=f"switch-{uuid.uuid4().hex[:16]}",
         served_id=target.served_id,

@@ -36,7 +36,7 @@ class Command(BaseCommand):
         from twisted.internet import reactor
 
         from apps.models.catalog import artifact_sync
-        from apps.models.config_service import config_snapshot
+        from apps.models.config_service import config_listen, config_snapshot
         from apps.models.download import DEFAULT_MODEL, ensure_default_model
         from apps.models.services import served_model
         from engine.config import EngineConfig
@@ -75,6 +75,8 @@ class Command(BaseCommand):
 
         if embedded:
             reactor.callWhenRunning(start_engine)
+        # Live config changes other front ends take (scaled mode) reach this one's settings.IGNIS.
+        reactor.callWhenRunning(lambda: tasks.append(twisted_loop.create_task(config_listen())))
         if values["server.celery_worker"]:
             celery = celery_worker_start()
             reactor.addSystemEventTrigger("before", "shutdown", celery_worker_stop, celery)

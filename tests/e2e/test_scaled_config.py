@@ -1,0 +1,95 @@
+"""Scaled mode: two `serve` front ends and one `runengine` on a redis-server this module starts.
+
+A live config change made on one front end reaches the other (the Channels
+group every serve joins), and the switch history is recorded whichever front
+end -- or none -- asked for the switch.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+import time
+
+import httpx
+import pytest
+
+from tests.e2e.server import LiveProcess, free_port, migrate, server_env, start_server
+from tests.e2e.switching_helpers import TINY, chat
+from tests.models.tiny import models_dir_with_two
+
+pytestmark = pytest.mark.e2e
+FLAGS = ("--model-id", TINY, "--model-path", TINY, "--model-idle-unload", "0")
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory, default_gguf_path):
+    """{"a": url, "b": url, "var": data dir, "redis": url}: both front ends share the data dir and Redis."""
+    exe = shutil.which("redis-server")
+    if exe is None:
+        pytest.fail("redis-server is not installed (.ci/run installs it)")
+    root = tmp_path_factory.mktemp("scaled")
+    var = root / "var"
+    var.mkdir()
+    mdir = models_dir_with_two(root / "models", default_gguf_path, "tiny-b")
+    port = free_port()
+    redis = LiveProcess(
+        [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+        server_env(var),
+        root / "redis.log",
+    )
+    redis_url = f"redis://127.0.0.1:{port}/0"
+    env_extra = {"IGNIS_SERVER_REDIS_URL": redis_url, "IGNIS_SERVER_MODELS_DIR": str(mdir)}
+    env = server_env(var, **env_extra)
+    migrate(env)
+    procs = [redis, LiveProcess([sys.executable, "manage.py", "runengine", *FLAGS], env, var / "engine.log")]
+    try:
+        a, url_a = start_server(var, *FLAGS, env_extra=env_extra)
+        procs.append(a)
+        b, url_b = start_server(var, *FLAGS, env_extra=env_extra)
+        procs.append(b)
+        yield {"a": url_a, "b": url_b, "var": var, "redis": redis_url, "mdir": mdir}
+    finally:
+        for proc in reversed(procs):
+            proc.stop()
+
+
+def config(base: str, key: str | None = None) -> dict:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    return httpx.get(base + "/v1/config", headers=headers, timeout=10)
+
+
+def eventually(check, timeout: float = 10.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            value = check()
+            if value:
+                return value
+        except (AssertionError, httpx.HTTPError):
+            if time.monotonic() > deadline:
+                raise
+        if time.monotonic() > deadline:
+            raise AssertionError("never became true")
+        time.sleep(0.2)
+
+
+def test_a_live_change_on_one_front_end_reaches_the_other(fleet):
+    a, b = fleet["a"], fleet["b"]
+    resp = httpx.patch(a + "/v1/config", json={"server.deadline": 321, "model.default_max_tokens": 5}, timeout=30)
+    assert resp.status_code == 200, resp.text
+    eventually(lambda: config(b).json()["values"]["server.deadline"] == 321.0)
+    assert config(b).json()["values"]["model.default_max_tokens"] == 5
+    assert config(b).json()["sources"]["server.deadline"] == "saved"
+    # API keys: set on A, enforced by B; cleared on B (with the key), open again on A.
+    assert httpx.patch(a + "/v1/config", json={"server.api_keys": "sk-one,sk-two"}, timeout=30).status_code == 200
+    eventually(lambda: config(b).status_code == 401)
+    assert config(b, "sk-two").status_code == 200
+    assert chat(b).status_code == 401
+    resp = httpx.patch(
+        b + "/v1/config", json={"server.api_keys": ""}, headers={"Authorization": "Bearer sk-one"}, timeout=30
+    )
+    assert resp.status_code == 200, resp.text
+    eventually(lambda: config(a).status_code == 200)
+    out = chat(a, max_tokens=None)
+    assert out.status_code == 200 and out.json()["usage"]["completion_tokens"] <= 5
