@@ -101,5 +101,6 @@ def admit(
         want_logprobs=msg.want_logprobs or msg.num_logprobs > 0,
         is_decide=msg.decide,
         shared_prefix_len=min(max(msg.shared_prefix_len, 0), num_prompt),
+        prompt_logprobs=msg.prompt_logprobs,
         arrival_time=now,
     )

@@ -70,6 +70,11 @@ class PrefillSpan:
     sample: SampleRequest | None = None
     # Return the raw logits of the last position (for /v1/decide).
     want_logits: bool = False
+    # Score the chunk's prompt tokens (AddRequest.prompt_logprobs): None, or the top-n to return.
+    # Row j's logits score token_ids[j + 1], the last row's ``next_prompt_token`` (the first
+    # token of the next chunk; None on the prompt's last chunk, whose last row samples instead).
+    want_prompt_logprobs: int | None = None
+    next_prompt_token: int | None = None
 
 
 @dataclass
@@ -112,6 +117,7 @@ class StepOutput:
     prefill_token: int | None = None  # set when the span carried a SampleRequest
     prefill_logprob: TokenLogprob | None = None
     prefill_logits: np.ndarray | None = None  # float32 [vocab] when want_logits
+    prompt_logprobs: list[TokenLogprob] | None = None  # want_prompt_logprobs: one per scored token, in order
     decode_tokens: list[int] = field(default_factory=list)  # one per lane, in plan order
     decode_logprobs: list[TokenLogprob | None] = field(default_factory=list)
     prefill_seconds: float = 0.0
@@ -122,6 +128,7 @@ class Backend(abc.ABC):
     """A model on some device. Subclasses: numpy (reference), cuda."""
 
     name: str = "abstract"
+    supports_prompt_logprobs: bool = False  # PrefillSpan.want_prompt_logprobs (else the scheduler refuses)
 
     def __init__(self) -> None:
         self.config: ModelConfig | None = None

@@ -95,7 +95,10 @@ class KVManager:
         return out
 
     def _claimable(self, seq: Sequence) -> list[tuple[int, int]]:
-        # Leave the last prompt token to compute: prefill must sample from it.
+        # Leave the last prompt token to compute: prefill must sample from it. A request scoring
+        # its prompt claims nothing: every position must run to give its logits.
+        if seq.prompt_logprobs is not None:
+            return []
         return self._match(seq.prompt_token_ids, (seq.num_prompt_tokens - 1) // self.block_size)
 
     def num_blocks_to_allocate(self, seq: Sequence) -> int:

@@ -47,6 +47,9 @@ class AddRequest(_Msg):
     # Leading prompt tokens that are its system block, kept as a shared prefix once
     # computed (a burst of subagents opening with the same block): KVManager.pin_prefix.
     shared_prefix_len: int = 0
+    # Score the prompt: per prompt position after the first, the logprob of its token and this many
+    # top alternatives (None: no prompt scoring). Such a request claims no retained prefix.
+    prompt_logprobs: int | None = None
 
 
 @dataclass
@@ -67,6 +70,9 @@ class TokenEvent(_Msg):
     logprobs: list[dict] | None = None  # per token: {token_id, logprob, top: [[id, lp], ...]}
     cached_tokens: int = 0
     ttft: float | None = None  # set on the first event
+    # AddRequest.prompt_logprobs: on the first event (or RequestFinished when none was sent),
+    # one item per prompt position after the first, shaped as ``logprobs``.
+    prompt_logprobs: list[dict] | None = None
 
 
 @dataclass
@@ -80,6 +86,7 @@ class RequestFinished(_Msg):
     completion_tokens: int
     cached_tokens: int = 0
     logits: list[float] | None = None  # decide requests only
+    prompt_logprobs: list[dict] | None = None  # see TokenEvent.prompt_logprobs
 
 
 @dataclass

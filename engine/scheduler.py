@@ -65,6 +65,7 @@ class Scheduler:
         self.prefill_seconds_per_token: float | None = None  # of the last chunk: estimates a first chunk
         self.round_seconds: float | None = None  # EWMA of decode rounds
         self.constraints = None  # engine.constraint.ConstraintFactory, set by the worker at load
+        self.supports_prompt_logprobs = True  # the backend's (Backend.supports_prompt_logprobs), set at load
         self.counters = dict.fromkeys(
             (
                 "admitted",
@@ -93,6 +94,16 @@ class Scheduler:
                 code="duplicate_request",
                 status=400,
                 error_type="invalid_request_error",
+            )
+        if msg.prompt_logprobs is not None and not self.supports_prompt_logprobs:
+            self.counters["refused"] += 1
+            return RequestFailed(
+                request_id=msg.request_id,
+                message="Prompt logprobs (echo with logprobs) are not available on this engine's backend.",
+                code="unsupported",
+                status=400,
+                error_type="invalid_request_error",
+                param="logprobs",
             )
         seq = admission.admit(
             msg,
@@ -231,6 +242,7 @@ class Scheduler:
         end = min(start + self.cfg.prefill_chunk, seq.num_tokens)
         tokens = (seq.prompt_token_ids + seq.output_token_ids)[start:end]
         last = end == seq.num_tokens
+        score = seq.prompt_logprobs is not None and not seq.prompt_lps_sent  # (a recompute has sent them)
         return PrefillSpan(
             seq_id=seq.seq_id,
             token_ids=tokens,
@@ -238,6 +250,8 @@ class Scheduler:
             block_table=list(seq.block_table),
             sample=seq.sample_request() if last and not seq.is_decide else None,
             want_logits=last and seq.is_decide,
+            want_prompt_logprobs=seq.prompt_logprobs if score else None,
+            next_prompt_token=seq.prompt_token_ids[end] if score and end < seq.num_prompt_tokens else None,
         )
 
     # -- results -------------------------------------------------------------
@@ -277,6 +291,11 @@ class Scheduler:
         if seq is None or seq.status != S.PREFILLING:
             return  # aborted while the chunk ran
         self.kv.mark_computed(seq, span.start_pos + len(span.token_ids))
+        if span.want_prompt_logprobs is not None and out.prompt_logprobs is not None:
+            seq.prompt_lps = (seq.prompt_lps or []) + [
+                {"token_id": lp.token_id, "logprob": lp.logprob, "top": [[t, v] for t, v in lp.top]}
+                for lp in out.prompt_logprobs
+            ]
         if seq.num_computed_tokens < seq.num_tokens:
             return
         self.prefilling = None
@@ -307,6 +326,7 @@ class Scheduler:
             if seq.want_logprobs and lp is not None:
                 lps = [{"token_id": lp.token_id, "logprob": lp.logprob, "top": [[t, v] for t, v in lp.top]}]
             event = TokenEvent(seq.request_id, [int(token)], lps, seq.num_cached_tokens, ttft)
+            event.prompt_logprobs = self._take_prompt_logprobs(seq)
             msgs.append((seq.reply_channel, event.to_message()))
         if stopped:
             msgs.append(self._finish(seq, S.FINISHED_STOPPED))
@@ -331,8 +351,18 @@ class Scheduler:
             len(seq.output_token_ids),
             seq.num_cached_tokens,
             logits,
+            self._take_prompt_logprobs(seq),
         )
         return (seq.reply_channel, done.to_message())
+
+    @staticmethod
+    def _take_prompt_logprobs(seq: Sequence) -> list[dict] | None:
+        """The prompt's scores, once: on the first message the request gets after its prefill."""
+        if seq.prompt_logprobs is None or seq.prompt_lps_sent or seq.first_token_time is None:
+            return None
+        seq.prompt_lps_sent = True
+        lps, seq.prompt_lps = seq.prompt_lps or [], None
+        return lps
 
     # -- state ---------------------------------------------------------------
 

@@ -52,6 +52,9 @@ class Sequence:
     arrival_time: float = 0.0
     constraint: object | None = None  # engine.constraint.GrammarConstraint
     shared_prefix_len: int = 0  # leading prompt tokens to pin as a shared prefix once computed
+    prompt_logprobs: int | None = None  # score the prompt (top-n), AddRequest.prompt_logprobs
+    prompt_lps: list[dict] | None = None  # scored so far; None again once sent
+    prompt_lps_sent: bool = False
     first_token_time: float | None = None
     status: SequenceStatus = SequenceStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)

@@ -128,6 +128,7 @@ class EngineWorker(ModelLifecycle):
         from engine.constraint import ConstraintFactory
 
         self.scheduler.constraints = ConstraintFactory(self.artifact_path)
+        self.scheduler.supports_prompt_logprobs = backend.supports_prompt_logprobs
         self.scheduler.constraints.warm_in_background()
         self.load_progress = None
         log.info(

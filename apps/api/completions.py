@@ -2,9 +2,10 @@
 
 The prompt is used as given (text, several texts, token ids), with no chat
 template. ``echo`` puts the prompt in front of each choice's text; with
-``logprobs`` the prompt's tokens are listed too, with ``null`` logprobs (the
-engine scores generated tokens only; see docs/API.md). ``max_tokens: 0``
-with ``echo`` answers with the prompt alone and never reaches the engine.
+``logprobs`` the prompt's tokens are listed too, scored by the engine
+(``AddRequest.prompt_logprobs``; the first token has ``null``, as in OpenAI's
+API). ``max_tokens: 0`` with ``echo`` answers with the prompt alone and never
+reaches the engine (its prompt logprobs stay ``null``).
 """
 
 from __future__ import annotations
@@ -53,6 +54,23 @@ class CompletionsConsumer(MultiRequestConsumer):
                 for t in self.prep.prompt_ids[choice.index]:
                     lp.add(t, None, None)
                 lp.offset = len(text)
+
+    async def engine_tokens(self, msg: dict) -> None:
+        self._prompt_scores(msg)
+        await super().engine_tokens(msg)
+
+    async def engine_finished(self, msg: dict) -> None:
+        self._prompt_scores(msg)
+        await super().engine_finished(msg)
+
+    def _prompt_scores(self, msg: dict) -> None:
+        """The engine's prompt logprobs (first event) into the echoed entries, before the echo is sent."""
+        choice, items = self._live(msg), msg.get("prompt_logprobs")
+        lp = self.legacy.get(choice.index) if choice is not None else None
+        if lp is None or not items or not self.prep.request.echo:
+            return
+        for i, item in enumerate(items[: len(self.prep.prompt_ids[choice.index]) - 1], start=1):
+            lp.score(i, item["logprob"], [tuple(t) for t in item.get("top", [])])
 
     def _chunk(
         self,

@@ -84,6 +84,14 @@ class LegacyLogprobs:
             "text_offset": [self.offset - len(text)],
         }
 
+    def score(self, i: int, logprob: float, top: list) -> None:
+        """Fill in entry ``i``, added with null logprobs (an echoed prompt token the engine scored later)."""
+        self.token_logprobs[i] = _lp(logprob)
+        tops: dict = {}
+        for t, v in top[: self.num_top]:
+            tops.setdefault(token_bytes(self.bundle, t).decode("utf-8", errors="replace"), _lp(v))
+        self.top_logprobs[i] = tops
+
     def as_dict(self) -> dict:
         return {
             "tokens": self.tokens,

@@ -241,6 +241,9 @@ def completion_prepare(body: dict) -> PreparedCompletion:
         logprobs=req.logprobs is not None,
         top=req.logprobs or 0,
     )
+    if req.echo and req.logprobs is not None:  # the echoed prompt is scored too (engine: numpy backend)
+        for add in adds:
+            add.prompt_logprobs = req.logprobs
     return PreparedCompletion(req, served, adds, per_choice_ids, per_choice_texts, base)
 
 

@@ -361,6 +361,8 @@ class CudaBackend(Backend):
         n, start = len(span.token_ids), span.start_pos
         if n == 0:
             raise ValueError("empty prefill span")
+        if span.want_prompt_logprobs is not None:  # supports_prompt_logprobs is False: the scheduler refuses first
+            raise ValueError("prompt logprobs are not available on the CUDA backend")
         st, s = self.pstage, self.stream
         positions = np.arange(start, start + n, dtype=np.int64)
         slots = self._slots(span.block_table, positions)

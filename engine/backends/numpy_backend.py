@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from engine import sampler
-from engine.backend import Backend, DecodeLane, MemoryPlan, PrefillSpan, StepOutput
+from engine.backend import Backend, DecodeLane, MemoryPlan, PrefillSpan, StepOutput, TokenLogprob
 from engine.model_config import ModelConfig
 
 _LANES_FOR_DEFAULT_BUDGET = 8
@@ -192,6 +192,7 @@ class NumpyBackend(Backend):
     """float32 CPU backend; the reference every other backend is checked against."""
 
     name = "numpy"
+    supports_prompt_logprobs = True
 
     def load(self, config, weights, *, block_size, kv_budget_bytes, host_kv_budget_bytes, max_context) -> MemoryPlan:
         cfg = self.config = config
@@ -349,6 +350,8 @@ class NumpyBackend(Backend):
         write = ctx_slots[span.start_pos :]
         mask = np.where(np.arange(end)[None, :] <= positions[:, None], 0.0, -np.inf).astype(np.float32)[None]
         h = self._forward(span.token_ids, positions, write, lambda i, q: self._attend(i, q, ctx_slots[None], mask))
+        if span.want_prompt_logprobs is not None:
+            out.prompt_logprobs = self._prompt_logprobs(h, span)
         if span.sample is None and not span.want_logits:
             return
         logits = self._logits(h[-1:])
@@ -357,6 +360,15 @@ class NumpyBackend(Backend):
         if span.sample is not None:
             tokens, lps = sampler.sample_rows(logits, [span.sample], [end])
             out.prefill_token, out.prefill_logprob = tokens[0], lps[0]
+
+    def _prompt_logprobs(self, h: np.ndarray, span: PrefillSpan, rows: int = 64) -> list[TokenLogprob]:
+        """Row j's log-softmax scores the token after it (see PrefillSpan.want_prompt_logprobs), top-n too."""
+        targets = list(span.token_ids[1:]) + ([span.next_prompt_token] if span.next_prompt_token is not None else [])
+        out: list[TokenLogprob] = []
+        for r0 in range(0, len(targets), rows):  # logits for a block of rows at a time: [rows, vocab]
+            logits = self._logits(h[r0 : min(r0 + rows, len(targets))])
+            out += [sampler.token_logprob(row, t, span.want_prompt_logprobs) for row, t in zip(logits, targets[r0:])]
+        return out
 
     def decode_round(self, lanes: Sequence[DecodeLane], out: StepOutput) -> None:
         """One forward over all lanes, then one sampling call over all rows."""

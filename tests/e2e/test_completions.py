@@ -24,9 +24,13 @@ def test_echo_with_logprobs(client):
     lp = choice0.logprobs
     n_prompt = resp.usage.prompt_tokens
     assert len(lp.tokens) == n_prompt + 3 and "".join(lp.tokens) == choice.text
-    assert lp.token_logprobs[:n_prompt] == [None] * n_prompt  # prompt tokens are not scored (docs/API.md)
-    assert all(v <= 0 for v in lp.token_logprobs[n_prompt:])
-    assert all(len(t) <= 2 and max(t.values()) <= 0 for t in lp.top_logprobs[n_prompt:])
+    # The prompt is scored too (AddRequest.prompt_logprobs), all but its first token, as in OpenAI's API.
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(v is not None and v <= 0 for v in lp.token_logprobs[1:])
+    assert all(len(t) == 2 and max(t.values()) <= 0 for t in lp.top_logprobs[1:])
+    assert min(lp.token_logprobs[1:n_prompt]) < -1  # real scores ("capital" after "The" is no sure thing)
+    for v, top in zip(lp.token_logprobs[1:], lp.top_logprobs[1:]):
+        assert v <= max(top.values()) + 1e-6
     assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
 
 

@@ -243,3 +243,62 @@ def test_memory_plan_sizes_the_pool_from_the_budget():
     plan = NumpyBackend().load(cfg, weights, block_size=16, kv_budget_bytes=None, host_kv_budget_bytes=0,
                                max_context=512)  # fmt: skip
     assert plan.num_blocks == 512 // 16 * 8
+
+
+def test_prompt_logprobs_score_every_position_across_chunks_and_claim_no_prefix():
+    """AddRequest.prompt_logprobs through the scheduler and the numpy backend: the prompt spans three
+    chunks; each position's score is the log-softmax of the logits a prefill of the prefix alone gives;
+    a repeat of the prompt claims no retained prefix (every position must run again)."""
+    import random
+
+    from engine.config import EngineConfig
+    from engine.kv_manager import KVManager
+    from engine.messages import AddRequest
+    from engine.sampler import log_softmax
+    from engine.scheduler import Scheduler
+
+    backend = load_backend(*random_model())
+    cfg = EngineConfig(decode_lanes=2, prefill_chunk=16, max_context=256, block_size=BLOCK, default_max_tokens=4)
+    sched = Scheduler(cfg, KVManager(48, BLOCK, 8), seed_rng=random.Random(0))
+    ids = np.random.default_rng(5).integers(0, 128, 40).tolist()
+
+    def run(request_id: str, prompt_logprobs: int | None) -> list[dict]:
+        add = AddRequest(request_id, "r", ids, 2, sampling={"temperature": 0}, prompt_logprobs=prompt_logprobs)
+        assert sched.add_request(add) is None
+        msgs = []
+        while sched.has_work:
+            plan = sched.schedule()
+            msgs += [m for _, m in sched.update_from_output(plan, backend.step(plan))]
+        return msgs
+
+    plain = run("plain", None)
+    assert all(m.get("prompt_logprobs") is None for m in plain)
+    msgs = run("scored", 3)
+    first = next(m for m in msgs if m["type"] == "engine.tokens")
+    assert first["cached_tokens"] == 0  # the plain run's retained blocks were not claimed
+    assert sum(1 for m in msgs if m.get("prompt_logprobs")) == 1
+    lps = first["prompt_logprobs"]
+    assert [lp["token_id"] for lp in lps] == ids[1:]
+    for p in (1, 15, 16, 17, 33, 39):  # inside a chunk and across both chunk boundaries
+        out = StepOutput()
+        backend.prefill(PrefillSpan(9, ids[:p], 0, [40, 41, 42], want_logits=True), out)
+        ref = log_softmax(out.prefill_logits)
+        assert abs(lps[p - 1]["logprob"] - ref[ids[p]]) < 1e-4
+        top = [t for t, _ in lps[p - 1]["top"]]
+        assert len(top) == 3 and top == list(np.argsort(-ref, kind="stable")[:3])
+    assert [m["token_ids"] for m in msgs if m["type"] == "engine.tokens"] == [
+        m["token_ids"] for m in plain if m["type"] == "engine.tokens"
+    ]  # scoring changes nothing about the generation
+
+
+def test_prompt_logprobs_refused_when_the_backend_cannot_score():
+    from engine.config import EngineConfig
+    from engine.kv_manager import KVManager
+    from engine.messages import AddRequest
+    from engine.scheduler import Scheduler
+
+    sched = Scheduler(EngineConfig(), KVManager(16, BLOCK, 0))
+    sched.supports_prompt_logprobs = False  # the CUDA backend's answer (Backend.supports_prompt_logprobs)
+    refused = sched.add_request(AddRequest("x", "r", [1, 2, 3], 2, prompt_logprobs=0))
+    assert refused.status == 400 and refused.code == "unsupported" and refused.param == "logprobs"
+    assert sched.add_request(AddRequest("y", "r", [1, 2, 3], 2)) is None
