@@ -102,5 +102,6 @@ def admit(
         is_decide=msg.decide,
         shared_prefix_len=min(max(msg.shared_prefix_len, 0), num_prompt),
         prompt_logprobs=msg.prompt_logprobs,
+        decide_token_ids=list(msg.decide_token_ids) if msg.decide_token_ids is not None else None,
         arrival_time=now,
     )

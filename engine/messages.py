@@ -50,6 +50,9 @@ class AddRequest(_Msg):
     # Score the prompt: per prompt position after the first, the logprob of its token and this many
     # top alternatives (None: no prompt scoring). Such a request claims no retained prefix.
     prompt_logprobs: int | None = None
+    # A decide request naming these ids gets back only their log-softmax values (over the whole
+    # last-position row, computed in the engine) instead of the full logits row.
+    decide_token_ids: list[int] | None = None
 
 
 @dataclass
@@ -87,6 +90,8 @@ class RequestFinished(_Msg):
     cached_tokens: int = 0
     logits: list[float] | None = None  # decide requests only
     prompt_logprobs: list[dict] | None = None  # see TokenEvent.prompt_logprobs
+    # Decide requests with decide_token_ids: log-softmax per id, in that order (None: id out of range).
+    decide_logprobs: list[float | None] | None = None
 
 
 @dataclass

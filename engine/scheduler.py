@@ -31,6 +31,7 @@ from engine.backend import DecodeLane, PrefillSpan, StepOutput, StepPlan, TokenL
 from engine.config import EngineConfig
 from engine.kv_manager import KVManager
 from engine.messages import AddRequest, RequestFailed, RequestFinished, TokenEvent
+from engine.sampler import log_softmax
 from engine.sequence import Sequence, SequenceStatus
 
 Outgoing = list[tuple[str, dict]]
@@ -302,9 +303,16 @@ class Scheduler:
         if seq.shared_prefix_len:  # its system block outlives plain retention (idempotent)
             self.kv.pin_prefix(seq.prompt_token_ids[: seq.shared_prefix_len])
         if seq.is_decide:
-            logits = None if out.prefill_logits is None else [float(x) for x in out.prefill_logits]
+            logits = decide_lps = None
+            if out.prefill_logits is not None and seq.decide_token_ids is not None:
+                lp, vocab = log_softmax(out.prefill_logits), len(out.prefill_logits)
+                decide_lps = [float(lp[t]) if 0 <= t < vocab else None for t in seq.decide_token_ids]
+            elif out.prefill_logits is not None:
+                logits = [float(x) for x in out.prefill_logits]
             seq.first_token_time = now
-            msgs.append(self._finish(seq, S.FINISHED_STOPPED, logits=logits))
+            reply, done = self._finish(seq, S.FINISHED_STOPPED, logits=logits)
+            done["decide_logprobs"] = decide_lps
+            msgs.append((reply, done))
             return
         seq.status = S.DECODING
         _insort(self.running, seq)

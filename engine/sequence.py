@@ -55,6 +55,7 @@ class Sequence:
     prompt_logprobs: int | None = None  # score the prompt (top-n), AddRequest.prompt_logprobs
     prompt_lps: list[dict] | None = None  # scored so far; None again once sent
     prompt_lps_sent: bool = False
+    decide_token_ids: list[int] | None = None  # AddRequest.decide_token_ids
     first_token_time: float | None = None
     status: SequenceStatus = SequenceStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)

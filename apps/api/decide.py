@@ -151,15 +151,28 @@ def decide_prepare(body: dict) -> PreparedDecision:
         request_class=request_class or suffix_class or "agent",
         model=served.served_id,
         decide=True,
+        # Only the labels' first tokens come back (their log-softmax over the whole row), not the
+        # whole vocabulary's logits.
+        decide_token_ids=sorted({t for toks in label_tokens for t in toks}),
     )
     return PreparedDecision(served=served, add=add, labels=labels, label_tokens=label_tokens)
 
 
-def decision_render(prep: PreparedDecision, logits: list[float], prompt_tokens: int, cached_tokens: int) -> dict:
-    """The label distribution from the last position's logits (softmax over the whole vocabulary first)."""
-    top = max(logits)
-    log_z = top + math.log(sum(math.exp(x - top) for x in logits))
-    mass = [sum(math.exp(logits[t] - log_z) for t in toks if t < len(logits)) for toks in prep.label_tokens]
+def decision_render(
+    prep: PreparedDecision,
+    logits: list[float] | None,
+    prompt_tokens: int,
+    cached_tokens: int,
+    logprobs: dict[int, float | None] | None = None,
+) -> dict:
+    """The label distribution from the last position: the engine's log-softmax of the labels' tokens
+    (``logprobs``, AddRequest.decide_token_ids), or the whole row's ``logits`` (softmax over the
+    whole vocabulary first)."""
+    if logprobs is None:
+        top = max(logits)
+        log_z = top + math.log(sum(math.exp(x - top) for x in logits))
+        logprobs = {t: logits[t] - log_z for toks in prep.label_tokens for t in toks if t < len(logits)}
+    mass = [sum(math.exp(logprobs[t]) for t in toks if logprobs.get(t) is not None) for toks in prep.label_tokens]
     total = sum(mass)
     probs = [m / total for m in mass] if total > 0 else [1.0 / len(mass)] * len(mass)
     best = max(range(len(probs)), key=probs.__getitem__)
@@ -199,8 +212,9 @@ class DecideConsumer(OpenAIHttpConsumer):
         if msg["request_id"] != self._request_id:
             return
         self._request_id = None
-        logits = msg.get("logits")
-        if not logits:
+        logits, ids, lps = msg.get("logits"), self.prep.add.decide_token_ids, msg.get("decide_logprobs")
+        logprobs = dict(zip(ids, lps)) if lps is not None and len(lps) == len(ids) else None
+        if not logits and logprobs is None:
             await self.finish_with_error(
                 IgnisError(
                     "The engine returned no logits for this decision.",
@@ -210,7 +224,7 @@ class DecideConsumer(OpenAIHttpConsumer):
                 )
             )
         decision = await asyncio.to_thread(
-            decision_render, self.prep, logits, msg["prompt_tokens"], msg.get("cached_tokens", 0)
+            decision_render, self.prep, logits, msg["prompt_tokens"], msg.get("cached_tokens", 0), logprobs
         )
         await self.send_json(200, decision)
         raise StopConsumer()

@@ -302,3 +302,38 @@ def test_prompt_logprobs_refused_when_the_backend_cannot_score():
     refused = sched.add_request(AddRequest("x", "r", [1, 2, 3], 2, prompt_logprobs=0))
     assert refused.status == 400 and refused.code == "unsupported" and refused.param == "logprobs"
     assert sched.add_request(AddRequest("y", "r", [1, 2, 3], 2)) is None
+
+
+def test_decide_token_ids_return_only_their_log_softmax():
+    """AddRequest.decide_token_ids: the RequestFinished carries those ids' log-softmax over the whole
+    last-position row (not the row itself); without them, the row as before."""
+    import random
+
+    from engine.config import EngineConfig
+    from engine.kv_manager import KVManager
+    from engine.messages import AddRequest
+    from engine.sampler import log_softmax
+    from engine.scheduler import Scheduler
+
+    backend = load_backend(*random_model())
+    sched = Scheduler(
+        EngineConfig(prefill_chunk=16, block_size=BLOCK), KVManager(48, BLOCK, 8), seed_rng=random.Random(0)
+    )
+    ids = np.random.default_rng(6).integers(0, 128, 21).tolist()
+
+    def finished(**kw) -> dict:
+        assert sched.add_request(AddRequest(kw.pop("rid"), "r", ids, 0, decide=True, **kw)) is None
+        msgs = []
+        while sched.has_work:
+            plan = sched.schedule()
+            msgs += [m for _, m in sched.update_from_output(plan, backend.step(plan))]
+        (done,) = msgs
+        return done
+
+    whole = finished(rid="whole")
+    assert len(whole["logits"]) == 128 and whole.get("decide_logprobs") is None
+    some = finished(rid="some", decide_token_ids=[5, 77, 3, 500])
+    assert some["logits"] is None
+    ref = log_softmax(np.asarray(whole["logits"], dtype=np.float32))
+    assert some["decide_logprobs"][:3] == pytest.approx([ref[5], ref[77], ref[3]], abs=1e-5)
+    assert some["decide_logprobs"][3] is None  # outside the vocabulary
