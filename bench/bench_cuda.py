@@ -148,8 +148,8 @@ def kernel_breakdown(be, bw: float) -> list[str]:
     hid, inter, hd = c.hidden_size, c.intermediate_size, c.num_heads * c.head_dim
     shapes = [("q,k,v", "qkv", be.n_qkv, hid, be.xn), ("o", "o", hid, hd, be.attn),
               ("gate,up", "gate_up", 2 * inter, hid, be.xn), ("down", "down", hid, inter, be.act)]  # fmt: skip
-    lines = ["| GEMV | N x K | width | FMA kernel | tensor-core kernel (4 steps in flight, default) "
-             "| tensor-core kernel (2 steps) |", "|---|---|---|---|---|---|"]  # fmt: skip
+    lines = ["| GEMV | N x K | width | FMA kernel | tensor-core kernel (4 steps in flight; default from 40M weights) "
+             "| tensor-core kernel (2 steps; default below 40M) |", "|---|---|---|---|---|---|"]  # fmt: skip
     saved = k.tc_from, k.fma_min_elems, k.u2_below
     k.fma_min_elems = 1 << 62
     with runtime.current():
@@ -177,16 +177,23 @@ def sweep(be, settings) -> list[str]:
     """Graph time at widths 1 and 8 under other kernel settings (graphs re-captured for each)."""
     from engine.cu import runtime
 
-    lines = ["| setting | graph w1 | graph w8 | w8 / w1 |", "|---|---|---|---|"]
-    saved = be.l2_prefetch, be.kern.u2_below, be.kern.fma_min_elems
-    for label, pf_mb, u2, fma in settings:
+    lines = ["| setting | graph w1 | graph w8 | w8 / w1 | nodes w1 |", "|---|---|---|---|---|"]
+    saved = be.l2_prefetch, be.kern.u2_below, be.kern.fma_min_elems, be.decode_fused
+    for label, pf_mb, u2, fma, fused in settings:
         be.l2_prefetch, be.kern.u2_below, be.kern.fma_min_elems = int(pf_mb * (1 << 20)), u2, fma
-        with runtime.current():
-            be._capture_graphs()
-        g1, g8 = graph_time(be, 1, 40), graph_time(be, 8, 40)
-        lines.append(f"| {label} | {g1 * 1e3:.3f} ms | {g8 * 1e3:.3f} ms | {g8 / g1:.2f}x |")
+        be.decode_fused = fused
+        try:
+            with runtime.current():
+                be._capture_graphs()
+            g1, g8 = graph_time(be, 1, 40), graph_time(be, 8, 40)
+        except Exception as e:  # one setting failing must not lose the run's other figures
+            lines.append(f"| {label} | failed: {type(e).__name__}: {e} | | | |")
+            print(lines[-1], flush=True)
+            continue
+        nodes = be.graphs[1].num_nodes
+        lines.append(f"| {label} | {g1 * 1e3:.3f} ms | {g8 * 1e3:.3f} ms | {g8 / g1:.2f}x | {nodes} |")
         print(lines[-1], flush=True)
-    be.l2_prefetch, be.kern.u2_below, be.kern.fma_min_elems = saved
+    be.l2_prefetch, be.kern.u2_below, be.kern.fma_min_elems, be.decode_fused = saved
     with runtime.current():
         be._capture_graphs()
     return lines
@@ -301,10 +308,11 @@ def main() -> None:
     breakdown = kernel_breakdown(be, bw)
     swept = []
     if args.sweep:
-        settings = [("default", be.l2_prefetch >> 20, be.kern.u2_below, be.kern.fma_min_elems),
-                    ("every width on gemv_tc (width-invariant lanes)", be.l2_prefetch >> 20, be.kern.u2_below, 1 << 62),
-                    ("L2 prefetch 16 MB", 16, be.kern.u2_below, be.kern.fma_min_elems),
-                    ("2-step gemv_tc below 40M weights", be.l2_prefetch >> 20, 40 << 20, be.kern.fma_min_elems)]  # fmt: skip
+        pf, u2, fma = be.l2_prefetch >> 20, be.kern.u2_below, be.kern.fma_min_elems
+        settings = [("default (fused: 5 kernels a layer)", pf, u2, fma, True),
+                    ("unfused (8 kernels a layer), every width on gemv_tc", pf, u2, fma, False),
+                    ("unfused, width 1 on the FMA GEMV for >= 32M weights (run 5's default)", pf, u2, 32 << 20, False),
+                    ("fused, 4-step gemv_tc for every matrix (run 6's default)", pf, 0, fma, True)]  # fmt: skip
         swept = ["", "Decode graph alone under other settings (re-captured):", "", *sweep(be, settings)]
     be.unload()
     hf = {} if args.skip_hf else bench_hf(torch, model, cfg, rng, args.prompts, args.rounds)

@@ -3,7 +3,9 @@ replayed from one CUDA graph per exact width 1..8.
 
 Layout of what lives on the device:
 
-* weights in bf16, q|k|v and gate|up fused into one matrix each ([out, in]);
+* weights in bf16, q|k|v and gate|up fused into one matrix each ([out, in]); each head's q, k, v
+  rows rope-interleaved and gate|up interleaved in 8-row groups, so the decode GEMV applies rope
+  and SwiGLU in its epilogue;
 * the paged KV pool, one allocation: ``[num_blocks][num_layers][2][block_size][kv_heads][head_dim]``
   bf16, so a block (all layers, K and V) is contiguous and a swap or copy is one memcpy;
 * activations for up to ``PREFILL_CHUNK`` rows (prefill spans are run in chunks of that);
@@ -92,6 +94,10 @@ class CudaBackend(Backend):
         # Bytes of the next GEMV's weights the small kernels before it ask L2 to prefetch. Off by
         # default: 8-16 MB measured no change on the H200, 32 MB slower (docs/PERFORMANCE.md).
         self.l2_prefetch = int(float(os.environ.get("IGNIS_CUDA_L2_PREFETCH_MB", "0")) * (1 << 20))
+        # Decode rounds of 5 kernels a layer (was 8): RMSNorm folded into the GEMVs (the residual's producer
+        # writes bf16(h * w) and per-block sums of h^2, the consumer scales its rows), rope and the
+        # KV write in the q|k|v GEMV's epilogue. 0: the 8-kernel path prefill uses (benchmarks).
+        self.decode_fused = os.environ.get("IGNIS_CUDA_DECODE_FUSED", "1") != "0"
 
         # Weights.
         self._weights_bytes = 0
@@ -106,8 +112,12 @@ class CudaBackend(Backend):
                 _Layer(
                     ln1=self._weights(weights, [p + "input_layernorm.weight"]),
                     ln2=self._weights(weights, [p + "post_attention_layernorm.weight"]),
-                    qkv=self._weights(weights, [x + "weight" for x in proj]),
-                    qkv_bias=self._weights(weights, [x + "bias" for x in proj], fp32=True) if cfg.attention_bias else 0,
+                    qkv=self._weights(weights, [x + "weight" for x in proj], rope_dim=D),
+                    qkv_bias=(
+                        self._weights(weights, [x + "bias" for x in proj], fp32=True, rope_dim=D)
+                        if cfg.attention_bias
+                        else 0
+                    ),  # fmt: skip
                     o=self._weights(weights, [p + "self_attn.o_proj.weight"]),
                     gate_up=self._weights(
                         weights, [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"], interleave=self.gu_interleaved
@@ -129,6 +139,7 @@ class CudaBackend(Backend):
         self.attn = self._alloc(T * H * D * 2)
         self.gu = self._alloc(T * 2 * inter * 4)
         self.act = self._alloc(T * inter * 2)
+        self.ss = self._alloc(MAX_LANES * -(-hid // 16) * 4)  # fused RMSNorm: per-block sums of h^2
         self.logits = self._alloc(MAX_LANES * cfg.vocab_size * 4)
         from engine.cu.kernels import DECODE_SPLITS
 
@@ -193,17 +204,21 @@ class CudaBackend(Backend):
     def _allocated(self) -> int:
         return sum(n for _, n in self._allocs)
 
-    def _weights(self, weights, names: list[str], fp32: bool = False, interleave: bool = False) -> int:
+    def _weights(self, weights, names: list[str], fp32: bool = False, interleave: bool = False,
+                 rope_dim: int = 0) -> int:  # fmt: skip
         """Upload tensors ``names`` concatenated along dim 0 as bf16 (fp32 for biases); with
-        ``interleave`` the two (gate, up) are interleaved in 8-row groups instead.
+        ``interleave`` the two (gate, up) are interleaved in 8-row groups instead; with ``rope_dim``
+        each part's heads are rope-interleaved (``interleave_rope``).
 
         Values are float32 numpy arrays (the interface); torch tensors are accepted too
         (already-on-GPU ones are copied device to device)."""
         import pycuda.driver as cuda
 
-        from engine.cu.kernels import interleave_gate_up
+        from engine.cu.kernels import interleave_gate_up, interleave_rope
 
         parts = [weights[n] for n in names]
+        if rope_dim:
+            parts = [interleave_rope(p, rope_dim) for p in parts]
         if interleave:
             parts = [interleave_gate_up(*parts)]
         nbytes = sum(int(np.prod(p.shape)) for p in parts) * (4 if fp32 else 2)
@@ -247,7 +262,8 @@ class CudaBackend(Backend):
             k.rmsnorm(s, self.x, L.ln1, self.xn, rows, hid, c.rms_norm_eps, prefetch=pf(L.qkv, self.n_qkv * hid * 2))
             k.linear(s, self.xn, L.qkv, L.qkv_bias, self.qkv, rows, self.n_qkv, hid)
             k.rope_kv_write(s, self.qkv, positions, slots, self.inv_freq, self.q, cache, rows, H, KVH,
-                            self.block_size, self.block_stride, prefetch=pf(L.o, hid * H * D * 2))  # fmt: skip
+                            self.block_size, self.block_stride, prefetch=pf(L.o, hid * H * D * 2),
+                            interleaved=True)  # fmt: skip
             attend(cache)
             k.linear(s, self.attn, L.o, 0, self.x, rows, hid, H * D, accumulate=True)
             k.rmsnorm(s, self.x, L.ln2, self.xn, rows, hid, c.rms_norm_eps, prefetch=pf(L.gate_up, 4 * inter * hid))
@@ -257,6 +273,33 @@ class CudaBackend(Backend):
                 k.linear(s, self.xn, L.gate_up, 0, self.gu, rows, 2 * inter, hid)
                 k.swiglu(s, self.gu, self.act, inter, rows)
             k.linear(s, self.act, L.down, 0, self.x, rows, hid, inter, accumulate=True)
+
+    def _decode_fused(self, rows: int, p: dict, attend) -> None:
+        """A decode round's layers and LM head in 5 kernels a layer (Kernels.qkv_rope, attention,
+        o, gate|up, down): each residual producer (embed, the o and down GEMVs) also writes the next
+        RMSNorm's inputs into ``xn`` / ``ss``, and its consumer scales its rows (gemv.cu)."""
+        c, k, s = self.config, self.kern, self.stream
+        hid, inter, H, KVH, D, eps = (c.hidden_size, c.intermediate_size, c.num_heads, c.num_kv_heads, c.head_dim,
+                                      c.rms_norm_eps)  # fmt: skip
+        norms = [L.ln1 for L in self.layers[1:]] + [self.final_norm]
+        first = self.layers[0].ln1 if self.layers else self.final_norm
+        nparts = k.embed(s, p["tokens"], self.embed, self.x, rows, hid, norm_out=(first, self.xn, self.ss))
+        for i, L in enumerate(self.layers):
+            cache = self.kv + i * self.layer_stride * 2
+            k.qkv_rope(s, self.xn, L.qkv, L.qkv_bias, self.q, rows, H, KVH, hid, p["positions"], p["slots"],
+                       self.inv_freq, cache, self.block_size, self.block_stride, ss_in=(self.ss, nparts), eps=eps)  # fmt: skip
+            attend(cache)
+            nparts = k.linear(s, self.attn, L.o, 0, self.x, rows, hid, H * D, accumulate=True,
+                              norm_out=(L.ln2, self.xn, self.ss))  # fmt: skip
+            if self.gu_interleaved:
+                k.gate_up_act(s, self.xn, L.gate_up, self.gu, self.act, rows, inter, hid, ss_in=(self.ss, nparts),
+                              eps=eps)  # fmt: skip
+            else:
+                k.linear(s, self.xn, L.gate_up, 0, self.gu, rows, 2 * inter, hid, ss_in=(self.ss, nparts), eps=eps)
+                k.swiglu(s, self.gu, self.act, inter, rows)
+            nparts = k.linear(s, self.act, L.down, 0, self.x, rows, hid, inter, accumulate=True,
+                              norm_out=(norms[i], self.xn, self.ss))  # fmt: skip
+        k.linear(s, self.xn, self.lm_head, 0, self.logits, rows, c.vocab_size, hid, ss_in=(self.ss, nparts), eps=eps)
 
     def _head(self, rows: int, x_row: int, decode: bool = False) -> None:
         """Final norm of ``rows`` residual rows from row ``x_row``, then the LM head into ``self.logits``."""
@@ -283,8 +326,11 @@ class CudaBackend(Backend):
                                        self.block_stride, self.block_size, c.num_kv_heads, self.o_part, self.ml,
                                        self.attn, rows)  # fmt: skip
 
-        self._layers(rows, p["tokens"], p["positions"], p["slots"], attend, decode=True)
-        self._head(rows, 0, decode=True)
+        if self.decode_fused:
+            self._decode_fused(rows, p, attend)
+        else:
+            self._layers(rows, p["tokens"], p["positions"], p["slots"], attend, decode=True)
+            self._head(rows, 0, decode=True)
         self._sample(st, rows)
 
     def _capture_graphs(self) -> None:

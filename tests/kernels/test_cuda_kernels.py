@@ -171,6 +171,127 @@ def test_gemv_tc_width_invariant(kern, stream):
     np.testing.assert_array_equal(outs[1], outs[2][:3])
 
 
+def _norm_ref(h, nw, eps=1e-5):
+    return h / np.sqrt((h.astype(np.float64) ** 2).mean(-1, keepdims=True) + eps) * nw
+
+
+def test_fused_rmsnorm_chain(kern, stream):
+    """Decode rounds fold RMSNorm into the GEMVs: embed and accumulate-mode GEMVs write bf16(h * w) and
+    per-block sums of h^2; the next GEMV (plain, SwiGLU) scales its rows. Against numpy, and a row's
+    results are bitwise the same at widths 1 and 8."""
+    from engine.cu.kernels import interleave_gate_up
+
+    k = kern[(128, 4)]
+    hid, n_in, inter, vocab, eps = 1024, 768, 1408, 500, 1e-5
+    tab = bf(rng.standard_normal((vocab, hid)).astype(np.float32))
+    w_o = bf((rng.standard_normal((hid, n_in)) / np.sqrt(n_in)).astype(np.float32))
+    nw = bf((1 + 0.3 * rng.standard_normal(hid)).astype(np.float32))
+    w_q = bf((rng.standard_normal((300, hid)) / np.sqrt(hid)).astype(np.float32))
+    gate = bf((rng.standard_normal((inter, hid)) / np.sqrt(hid)).astype(np.float32))
+    up = bf((rng.standard_normal((inter, hid)) / np.sqrt(hid)).astype(np.float32))
+    g_tab, g_wo, g_nw, g_wq = put(tab, True), put(w_o, True), put(nw, True), put(w_q, True)
+    g_gu = put(interleave_gate_up(gate, up), True)
+    toks = rng.integers(0, vocab, 8).astype(np.int32)
+    a_in = bf(rng.standard_normal((8, n_in)).astype(np.float32))
+    res = {}
+    for rows in (1, 8):
+        g_x, g_xw = put(np.full((rows, hid), np.nan, np.float32)), put(np.full((rows, hid), 0x7FC0, np.uint16))
+        g_ss = put(np.full(rows * (hid // 16), np.nan, np.float32))
+        # embed: x, xw, one partial per row
+        nparts = k.embed(stream, put(toks[:rows]).ptr, g_tab.ptr, g_x.ptr, rows, hid, norm_out=(g_nw.ptr, g_xw.ptr,
+                         g_ss.ptr))  # fmt: skip
+        stream.synchronize()
+        h = tab[toks[:rows]]
+        np.testing.assert_array_equal(get(g_x, shape=(rows, hid)), h)
+        assert nparts == 1
+        np.testing.assert_allclose(get(g_ss)[:rows], (h.astype(np.float64) ** 2).sum(-1), rtol=1e-5)
+        np.testing.assert_array_equal(get(g_xw, True, (rows, hid)), bf(h * nw))
+        g_out = put(np.full((rows, 300), np.nan, np.float32))
+        k.linear(stream, g_xw.ptr, g_wq.ptr, 0, g_out.ptr, rows, 300, hid, ss_in=(g_ss.ptr, 1), eps=eps)
+        stream.synchronize()
+        emb_out = get(g_out, shape=(rows, 300))
+        assert rel_err(emb_out, _norm_ref(h, nw, eps) @ w_q.T) < 8e-3
+        # accumulate-mode producer: x += a @ w_o.T, then xw and ceil(hid / 16) partials per row
+        nparts = k.linear(stream, put(a_in[:rows], True).ptr, g_wo.ptr, 0, g_x.ptr, rows, hid, n_in, accumulate=True,
+                          norm_out=(g_nw.ptr, g_xw.ptr, g_ss.ptr))  # fmt: skip
+        stream.synchronize()
+        assert nparts == hid // 16
+        h2 = get(g_x, shape=(rows, hid))
+        assert rel_err(h2, h + a_in[:rows].astype(np.float64) @ w_o.T) < 1e-4
+        np.testing.assert_array_equal(get(g_xw, True, (rows, hid)), bf(h2 * nw))
+        parts = get(g_ss).reshape(rows, nparts)
+        np.testing.assert_allclose(parts.sum(-1), (h2.astype(np.float64) ** 2).sum(-1), rtol=1e-5)
+        # consumers: plain and SwiGLU epilogue
+        g_out = put(np.full((rows, 300), np.nan, np.float32))
+        k.linear(stream, g_xw.ptr, g_wq.ptr, 0, g_out.ptr, rows, 300, hid, ss_in=(g_ss.ptr, nparts), eps=eps)
+        g_act = put(np.full((rows, inter), 0x7FC0, np.uint16))
+        k.gate_up_act(stream, g_xw.ptr, g_gu.ptr, 0, g_act.ptr, rows, inter, hid, ss_in=(g_ss.ptr, nparts), eps=eps)
+        stream.synchronize()
+        xn = _norm_ref(h2, nw, eps)
+        out = get(g_out, shape=(rows, 300))
+        assert rel_err(out, xn @ w_q.T) < 8e-3
+        gg, uu = xn @ gate.T, xn @ up.T
+        act = get(g_act, True, (rows, inter))
+        assert rel_err(act, gg / (1 + np.exp(-gg)) * uu) < 1.5e-2
+        res[rows] = (emb_out, h2, parts, out, act)
+    for a, b in zip(res[1], res[8]):
+        np.testing.assert_array_equal(a[0], b[0])
+
+
+@pytest.mark.parametrize("d,g,bias", [(64, 4, True), (128, 4, False), (128, 1, True)])
+def test_qkv_rope_epilogue(kern, stream, d, g, bias):
+    """The q|k|v GEMV with fused RMSNorm scale and rope + KV write in its epilogue (gemv_tc mode 3)
+    against numpy; row 0 is bitwise the same at widths 1 and 7."""
+    from engine.cu.kernels import interleave_rope
+
+    k = kern[(d, g)]
+    kvh, bs, L, nb, hid, eps = 2, 16, 3, 20, 512, 1e-6
+    h = kvh * g
+    n = (h + 2 * kvh) * d
+    hres = (rng.standard_normal((7, hid)) * 2).astype(np.float32)
+    nw = bf((1 + 0.3 * rng.standard_normal(hid)).astype(np.float32))
+    w = bf((rng.standard_normal((n, hid)) / np.sqrt(hid)).astype(np.float32))
+    b = rng.standard_normal(n).astype(np.float32) if bias else None
+    ss = (hres.astype(np.float64) ** 2).sum(-1)
+    parts = np.stack([ss * 0.25, ss * 0.5, ss * 0.25], -1).astype(np.float32)  # any split of the sum
+    pos = rng.integers(0, 5000, 7).astype(np.int32)
+    slots = rng.choice(nb * bs, 7, replace=False).astype(np.int32)
+    inv = _inv_freq(d)
+    g_w, g_x = put(interleave_rope(w, d), True), put(bf(hres * nw), True)
+    g_b = put(interleave_rope(b, d)) if bias else None
+    g_pos, g_slots, g_inv, g_parts = put(pos), put(slots), put(inv), put(parts)
+    layer, stride = 1, L * 2 * bs * kvh * d
+    qs, caches = {}, {}
+    for rows in (1, 7):
+        cache = _cache_setup(nb, L, bs, kvh, d)
+        g_cache, g_q = put(cache, True), put(np.full((rows, h, d), 0x7FC0, np.uint16))
+        k.qkv_rope(stream, g_x.ptr, g_w.ptr, g_b.ptr if bias else 0, g_q.ptr, rows, h, kvh, hid, g_pos.ptr,
+                   g_slots.ptr, g_inv.ptr, g_cache.ptr + layer * 2 * bs * kvh * d * 2, bs, stride,
+                   ss_in=(g_parts.ptr, 3), eps=eps)  # fmt: skip
+        stream.synchronize()
+        qkv = _norm_ref(hres[:rows], nw, eps) @ w.T + (b if bias else 0)
+        ang = pos[:rows, None].astype(np.float32) * inv[None, :]
+        cos, sin = np.cos(ang)[:, None, :], np.sin(ang)[:, None, :]
+
+        def rot(x, cos=cos, sin=sin):
+            a, bb = x[..., : d // 2], x[..., d // 2 :]
+            return np.concatenate([a * cos - bb * sin, bb * cos + a * sin], -1)
+
+        x = qkv.reshape(rows, h + 2 * kvh, d)
+        qs[rows] = get(g_q, True, (rows, h, d))
+        assert rel_err(qs[rows], rot(x[:, :h])) < 8e-3
+        got = get(g_cache, True, cache.shape)
+        blk, off = slots[:rows] // bs, slots[:rows] % bs
+        assert rel_err(got[blk, layer, 0, off], rot(x[:, h : h + kvh])) < 8e-3
+        assert rel_err(got[blk, layer, 1, off], x[:, h + kvh :]) < 8e-3
+        mask = np.ones(cache.shape[:4], bool)
+        mask[blk, layer, :, off] = False
+        np.testing.assert_array_equal(got[mask], cache[mask])
+        caches[rows] = got[blk[0], layer, :, off[0]]
+    np.testing.assert_array_equal(qs[1][0], qs[7][0])
+    np.testing.assert_array_equal(caches[1], caches[7])
+
+
 def _check_linear(k, stream, rows, n, k_):
     x = bf(rng.standard_normal((rows, k_)).astype(np.float32))
     w = bf((rng.standard_normal((n, k_)) / np.sqrt(k_)).astype(np.float32))
@@ -209,8 +330,11 @@ def _inv_freq(d, theta=10000.0):
     return (1.0 / theta ** (np.arange(0, d, 2) / d)).astype(np.float32)
 
 
+@pytest.mark.parametrize("interleaved", [False, True])
 @pytest.mark.parametrize("d,g", [(64, 4), (128, 1), (128, 7)])
-def test_rope_kv_write(kern, stream, d, g):
+def test_rope_kv_write(kern, stream, d, g, interleaved):
+    from engine.cu.kernels import interleave_rope
+
     k = kern[(d, g)]
     kvh, rows, bs, L, nb = 2, 6, 16, 3, 20
     h = kvh * g
@@ -222,9 +346,10 @@ def test_rope_kv_write(kern, stream, d, g):
     g_cache, g_q = put(cache, True), put(np.zeros((rows, h, d), np.uint16))
     layer = 1
     layer_off = layer * 2 * bs * kvh * d * 2
+    qkv_dev = np.ascontiguousarray(interleave_rope(qkv.T, d).T) if interleaved else qkv
     k.rope_kv_write(
         stream,
-        put(qkv).ptr,
+        put(qkv_dev).ptr,
         put(pos).ptr,
         put(slots).ptr,
         put(inv).ptr,
@@ -236,6 +361,7 @@ def test_rope_kv_write(kern, stream, d, g):
         bs,
         L * 2 * bs * kvh * d,
         prefetch=(g_cache.ptr, cache.size * 2),
+        interleaved=interleaved,
     )  # fmt: skip  (L2 prefetch blocks: no effect on results)
     stream.synchronize()
     ang = pos[:, None].astype(np.float32) * inv[None, :]

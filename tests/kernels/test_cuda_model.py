@@ -77,41 +77,49 @@ def _greedy(req_params=None):
     return SampleRequest(params=req_params or SamplingParams(temperature=0.0), seed=7, want_logprobs=True)
 
 
+def _run_lanes(backend, prompts, tables, steps, width):
+    """Greedy continuations of every prompt, decoded in rounds of ``width`` lanes: (tokens, logprobs) per lane."""
+    from engine.backend import DecodeLane, PrefillSpan, StepOutput
+
+    seqs, lps = [], [[] for _ in prompts]
+    for i, p in enumerate(prompts):
+        out = StepOutput()
+        backend.prefill(PrefillSpan(seq_id=i, token_ids=p, start_pos=0, block_table=tables[i], sample=_greedy()), out)
+        seqs.append([out.prefill_token])
+    for _ in range(steps):
+        for g in range(0, len(prompts), width):
+            group = range(g, min(len(prompts), g + width))
+            lanes = [DecodeLane(seq_id=i, token_id=seqs[i][-1], position=len(prompts[i]) + len(seqs[i]) - 1,
+                                block_table=tables[i], sample=_greedy()) for i in group]  # fmt: skip
+            out = StepOutput()
+            backend.decode_round(lanes, out)
+            for i, t, lp in zip(group, out.decode_tokens, out.decode_logprobs):
+                seqs[i].append(t)
+                lps[i].append(lp.logprob)
+    return seqs, lps
+
+
 def test_qwen2_greedy_matches_numpy_backend_and_widths(qwen):
     """Greedy continuations agree with the numpy backend until the first near-tie,
-    and a lane's tokens do not depend on the width of its round."""
-    from engine.backend import DecodeLane, PrefillSpan, StepOutput
+    and a lane's tokens (and logprobs, bitwise) do not depend on the width of its round."""
     from engine.backends.numpy_backend import NumpyBackend
 
     model, cfg, be, weights = qwen
     ref = NumpyBackend()
     ref.load(cfg, weights, block_size=16, kv_budget_bytes=64 << 20, host_kv_budget_bytes=0, max_context=4096)
     rng = np.random.default_rng(2)
-    lanes_n = 5
+    lanes_n = 8
     prompts = [rng.integers(0, cfg.vocab_size, int(rng.integers(5, 60))).tolist() for _ in range(lanes_n)]
     tables = [list(range(i * 8, i * 8 + 8)) for i in range(lanes_n)]
     steps = 12
     toks: dict[str, list[list[int]]] = {}
-    for label, backend, width in [("numpy", ref, lanes_n), ("cuda1", be, 1), ("cudaN", be, lanes_n)]:
-        seqs = []
-        for i, p in enumerate(prompts):
-            out = StepOutput()
-            backend.prefill(PrefillSpan(seq_id=i, token_ids=p, start_pos=0, block_table=tables[i],
-                                        sample=_greedy()), out)  # fmt: skip
-            seqs.append([out.prefill_token])
-        for _ in range(steps):
-            for g in range(0, lanes_n, width):
-                group = range(g, min(lanes_n, g + width))
-                lanes = [DecodeLane(seq_id=i, token_id=seqs[i][-1], position=len(prompts[i]) + len(seqs[i]) - 1,
-                                    block_table=tables[i], sample=_greedy()) for i in group]  # fmt: skip
-                out = StepOutput()
-                backend.decode_round(lanes, out)
-                for i, t in zip(group, out.decode_tokens):
-                    seqs[i].append(t)
-        toks[label] = seqs
-    # Below fma_min_elems (all of this small model) every width runs gemv_tc, the same per-lane arithmetic,
-    # so a lane's tokens do not depend on its round's width.
-    assert toks["cuda1"] == toks["cudaN"]
+    lps: dict[str, list[list[float]]] = {}
+    for label, backend, width in [("numpy", ref, lanes_n), ("cuda1", be, 1), ("cuda8", be, 8), ("cuda3", be, 3)]:
+        toks[label], lps[label] = _run_lanes(backend, prompts, tables, steps, width)
+    # Every decode width runs gemv_tc and the fused epilogues, the same per-lane arithmetic, so a lane's
+    # tokens and logits do not depend on its round's width.
+    assert toks["cuda1"] == toks["cuda8"] == toks["cuda3"]
+    assert lps["cuda1"] == lps["cuda8"] == lps["cuda3"]
     # numpy (float32) vs cuda (bf16): identical up to the first position where the top-2 margin is small.
     for i in range(lanes_n):
         a, b = toks["numpy"][i], toks["cuda1"][i]
@@ -161,6 +169,17 @@ def test_llama_8b_shape_prefill_logits_match_transformers():
             got = prefill_logits(be, ids, table, chunks=2)
             ref = hf_last_logits(model, ids)
             assert cosine(got, ref) >= 0.999, (n, cosine(got, ref))
+        # Decode rounds (fused RMSNorm / rope / SwiGLU GEMVs, llama3 rope, head_dim 128): a lane's tokens and
+        # logprobs are bitwise the same at widths 1 and 8, and a width-8 round's logits match transformers.
+        prompts = [rng.integers(0, cfg.vocab_size, int(rng.integers(10, 200))).tolist() for _ in range(8)]
+        tables = [list(range(200 + i * 16, 216 + i * 16)) for i in range(8)]
+        t1, l1 = _run_lanes(be, prompts, tables, 4, 1)
+        t8, l8 = _run_lanes(be, prompts, tables, 4, 8)
+        assert t1 == t8
+        assert l1 == l8
+        for i in (0, 5, 7):  # logits_host holds the last (width-8) round's rows
+            ref = hf_last_logits(model, prompts[i] + t8[i][:-1])
+            assert cosine(be.logits_host[i], ref) >= 0.999, (i, cosine(be.logits_host[i], ref))
     finally:
         be.unload()
         del model
