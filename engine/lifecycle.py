@@ -127,6 +127,8 @@ class ModelLifecycle:
             "seconds": seconds,
             "at": time.time(),
         }
+        # Every front end reads these from the status: whichever reads one first records it.
+        self.recent_switches.append({"switch_id": sw.switch_id, **self.last_switch})
         self._pending = self._precheck = self.switching = None
         self._last_active = time.monotonic()
         self.switch_outcomes[outcome] = self.switch_outcomes.get(outcome, 0) + 1

@@ -72,6 +72,7 @@ class EngineWorker(ModelLifecycle):
         self.load_progress: dict | None = None
         self.switching: dict | None = None  # {from, to} while a switch runs
         self.last_switch: dict | None = None
+        self.recent_switches: deque[dict] = deque(maxlen=32)  # finished switches, with their switch_id
         self.switch_outcomes: dict[str, int] = {}  # switched | refused | restored | failed -> count
         self._pending: SwitchModel | None = None
         self._precheck: asyncio.Task | None = None
@@ -202,6 +203,7 @@ class EngineWorker(ModelLifecycle):
             "path": str(self.artifact_path),
             "switching": self.switching,
             "last_switch": self.last_switch,
+            "recent_switches": list(self.recent_switches),
             "switch_outcomes": self.switch_outcomes,
             "load_progress": self.load_progress,
             "idle_unload": self.idle_unload,

@@ -4,7 +4,9 @@ naming another known model), and config reloads; plus the gate that answers 503
 
 The engine is the one authority on what is loaded: it accepts or refuses a
 switch at once (a second one is ``switch_in_progress``) and reports how it
-ended. This side records the history and points its tokenizer at the new model.
+ended, and lists its recent finished switches in its status: whichever front
+end reads one first records it in the history (idempotent by switch id). This
+side also points its tokenizer at the new model.
 """
 
 from __future__ import annotations
@@ -12,10 +14,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
+from datetime import UTC, datetime, timedelta
 
 from channels.db import database_sync_to_async
 from channels.layers import get_channel_layer
 from django.conf import settings
+from django.db import IntegrityError
 from django.utils import timezone
 
 from apps.api import engine_client
@@ -33,19 +37,77 @@ SWITCH_RETRY_AFTER = 5
 async def _record_start(sw: SwitchModel, from_id: str) -> None:
     from apps.models.models import SwitchRecord
 
-    await database_sync_to_async(SwitchRecord.objects.create)(
-        switch_id=sw.switch_id, trigger=sw.trigger, from_id=from_id, to_id=sw.served_id
-    )
+    def create():
+        try:  # a front end that read the engine's status first may have recorded it (finished) already
+            SwitchRecord.objects.get_or_create(
+                switch_id=sw.switch_id, defaults={"trigger": sw.trigger, "from_id": from_id, "to_id": sw.served_id}
+            )
+        except IntegrityError:
+            pass
+
+    await database_sync_to_async(create)()
 
 
 async def _record_end(done: dict) -> None:
     from apps.models.models import SwitchRecord
 
     await database_sync_to_async(
-        lambda: SwitchRecord.objects.filter(switch_id=done["switch_id"]).update(
+        lambda: SwitchRecord.objects.filter(switch_id=done["switch_id"], outcome="").update(
             outcome=done["outcome"], reason=done["reason"], seconds=done["seconds"], finished_at=timezone.now()
         )
     )()
+
+
+# Switch ids this process knows are recorded as finished (the engine's status lists its recent ones).
+_recorded: set[str] = set()
+
+
+def switch_history_record(finished: list[dict]) -> None:
+    """Insert (or finish) the history rows of switches the engine reports as ended; idempotent by switch_id.
+
+    Sync ORM: whichever front end reads the status first records a switch, so a
+    switch is in the history even when the front end that asked for it is gone.
+    """
+    from apps.models.models import SwitchRecord
+
+    for sw in finished:
+        at = float(sw.get("at") or 0) or None
+        finished_at = datetime.fromtimestamp(at, tz=UTC) if at else timezone.now()
+        ended = {
+            "outcome": sw.get("outcome") or "",
+            "reason": sw.get("reason") or "",
+            "seconds": sw.get("seconds"),
+            "finished_at": finished_at,
+        }
+        fields = {"trigger": sw.get("trigger") or "", "from_id": sw.get("from") or "", "to_id": sw.get("to") or ""}
+        try:
+            rec, created = SwitchRecord.objects.get_or_create(switch_id=sw["switch_id"], defaults={**fields, **ended})
+        except IntegrityError:  # another front end inserted it in between
+            created = False
+        qs = SwitchRecord.objects.filter(switch_id=sw["switch_id"])
+        if created and sw.get("seconds") is not None:
+            qs.update(started_at=finished_at - timedelta(seconds=float(sw["seconds"])))
+        elif not created:
+            qs.filter(outcome="").update(**ended)
+            if fields["from_id"]:  # the engine knows what it switched from; an asker may have been behind
+                qs.update(from_id=fields["from_id"])
+
+
+async def switch_history_note(status: dict | None) -> None:
+    """Record the finished switches in ``status`` this process has not recorded yet (cheap when none)."""
+    fresh = [
+        sw
+        for sw in (status or {}).get("recent_switches") or ()
+        if isinstance(sw, dict) and sw.get("switch_id") and sw["switch_id"] not in _recorded
+    ]
+    if not fresh:
+        return
+    try:
+        await database_sync_to_async(switch_history_record)(fresh)
+    except Exception:
+        log.exception("ignis.switch.history_failed")
+        return
+    _recorded.update(sw["switch_id"] for sw in fresh)
 
 
 async def _wait_done(layer, reply: str, sw: SwitchModel) -> dict | None:
@@ -111,6 +173,7 @@ async def model_switch(
 async def status_sync() -> dict | None:
     """The engine's status; the model it names becomes the one this side tokenizes for."""
     status = await engine_client.engine_status()
+    await switch_history_note(status)
     if status and status.get("model") and status.get("path"):
         served = served_model()
         if status["model"] != served.served_id or str(served.path) != status["path"]:
@@ -159,5 +222,6 @@ async def switch_gate(*, method: str, path: str) -> None:
     if not path.startswith("/v1/") or (method, path.rstrip("/")) in GATE_EXEMPT:
         return
     status = await engine_client.engine_status()
+    await switch_history_note(status)
     if status and status.get("status") == "switching":
         raise ModelSwitching("The server is switching models; retry shortly.", retry_after=SWITCH_RETRY_AFTER)

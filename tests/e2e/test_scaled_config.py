@@ -7,7 +7,9 @@ end -- or none -- asked for the switch.
 
 from __future__ import annotations
 
+import asyncio
 import shutil
+import sqlite3
 import sys
 import time
 
@@ -15,7 +17,7 @@ import httpx
 import pytest
 
 from tests.e2e.server import LiveProcess, free_port, migrate, server_env, start_server
-from tests.e2e.switching_helpers import TINY, chat
+from tests.e2e.switching_helpers import TINY, chat, models
 from tests.models.tiny import models_dir_with_two
 
 pytestmark = pytest.mark.e2e
@@ -93,3 +95,38 @@ def test_a_live_change_on_one_front_end_reaches_the_other(fleet):
     eventually(lambda: config(a).status_code == 200)
     out = chat(a, max_tokens=None)
     assert out.status_code == 200 and out.json()["usage"]["completion_tokens"] <= 5
+
+
+def switch_rows(var) -> dict[str, tuple]:
+    with sqlite3.connect(var / "ignis.sqlite3") as db:
+        rows = db.execute("SELECT switch_id, trigger, from_id, to_id, outcome FROM ignis_models_switchrecord")
+        return {r[0]: r[1:] for r in rows.fetchall()}
+
+
+def test_every_finished_switch_is_recorded_once_whoever_asked(fleet):
+    """A switch whose asker is gone (sent straight to the engine, no reply channel) is recorded by the
+    front end that reads the engine's status first; one a front end asked for is recorded once."""
+    from channels_redis.core import RedisChannelLayer
+
+    from engine.messages import ENGINE_CHANNEL
+    from engine.switching import SwitchModel
+
+    orphan = SwitchModel(switch_id="switch-orphan-0001", served_id="tiny-b", path=str(fleet["mdir"] / "tiny-b"))
+
+    async def send():
+        layer = RedisChannelLayer(hosts=[fleet["redis"]])
+        await layer.send(ENGINE_CHANNEL, orphan.to_message())
+        await layer.close_pools()
+
+    asyncio.run(send())
+    last = eventually(lambda: (m := models(fleet["b"])["last_switch"]) and m["to"] == "tiny-b" and m, timeout=60)
+    assert last["outcome"] == "switched"
+    assert switch_rows(fleet["var"])["switch-orphan-0001"] == ("explicit", TINY, "tiny-b", "switched")
+
+    resp = httpx.post(fleet["a"] + "/v1/models/switch", json={"model": TINY}, timeout=30)
+    assert resp.status_code == 202, resp.text
+    asked = resp.json()["id"]
+    eventually(lambda: (m := models(fleet["b"])["last_switch"]) and m["to"] == TINY, timeout=60)
+    eventually(lambda: switch_rows(fleet["var"]).get(asked) == ("explicit", "tiny-b", TINY, "switched"))
+    models(fleet["a"])
+    assert sorted(switch_rows(fleet["var"])) == sorted(["switch-orphan-0001", asked])
