@@ -113,7 +113,12 @@ FIELDS: dict[str, Field] = {
         Field("switch.allow_implicit", bool, True, "a request naming another known model switches to it"),
         Field("switch.known_models", str, "", "comma-separated ids (or id=path) an implicit switch may reach"),
         Field("switch.drain_timeout", float, 30.0, "seconds running requests get to finish before a switch", 0, 3600),
-        Field("server.celery_worker", bool, True, "serve starts an embedded Celery worker (--pool=solo)"),
+        Field(
+            "server.celery_worker",
+            bool,
+            True,
+            "serve starts an embedded Celery worker (--pool=solo); default off with server.redis_url",
+        ),
         Field("spec.decode_lanes", int, 8, "decode lanes (rows of one round)", 1, 64),
     ]
 }
@@ -145,6 +150,9 @@ def resolve(
         if overrides and overrides.get(key) is not None:
             value, source = field.parse(overrides[key]), "flag"
         values[key], sources[key] = value, source
+    if sources["server.celery_worker"] == "default" and values["server.redis_url"]:
+        # Scaled mode: one dedicated `celery -A ignis_site worker`, not one per front end.
+        values["server.celery_worker"] = False
     return values, sources
 
 

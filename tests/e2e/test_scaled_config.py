@@ -130,3 +130,10 @@ def test_every_finished_switch_is_recorded_once_whoever_asked(fleet):
     eventually(lambda: switch_rows(fleet["var"]).get(asked) == ("explicit", "tiny-b", TINY, "switched"))
     models(fleet["a"])
     assert sorted(switch_rows(fleet["var"])) == sorted(["switch-orphan-0001", asked])
+
+
+def test_front_ends_start_no_celery_worker_with_redis(fleet):
+    logs = [p.read_text(errors="replace") for p in fleet["var"].glob("server-*.log")]
+    assert len(logs) == 2 and all("ignis serving" in text for text in logs)
+    assert not any("ignis-embedded" in text for text in logs)  # a dedicated `celery -A ignis_site worker` runs them
+    assert config(fleet["a"]).json()["values"]["server.celery_worker"] is False

@@ -79,3 +79,11 @@ def test_resolve_orders_defaults_saved_env_flags():
     assert (values["switch.drain_timeout"], sources["switch.drain_timeout"]) == (4.0, "flag")
     assert sources["server.data_dir"] == "default"  # start-only: never read from the database
     assert (values["server.port"], sources["server.port"]) == (8080, "default")  # a bad saved value is skipped
+
+
+def test_celery_worker_defaults_off_in_scaled_mode():
+    assert config.resolve(environ={})[0]["server.celery_worker"] is True
+    scaled = {"IGNIS_SERVER_REDIS_URL": "redis://127.0.0.1:6379/0"}
+    assert config.resolve(environ=scaled)[0]["server.celery_worker"] is False
+    assert config.resolve(environ={**scaled, "IGNIS_SERVER_CELERY_WORKER": "1"})[0]["server.celery_worker"] is True
+    assert config.resolve(environ=scaled, saved={"server.celery_worker": True})[0]["server.celery_worker"] is True
