@@ -13,7 +13,10 @@ Errors are ``{"type": "error", "error": {...}}`` frames and never close the
 socket. When every decode lane is busy the engine answers ``engine_full``;
 here that is not refused but retried until a lane frees (the request is
 queued). A socket with nothing in flight for ``server.socket_idle_close``
-seconds is closed.
+seconds is closed. Each response has the HTTP route's deadline (the request's
+``deadline``, else ``server.deadline``), its clock started when it is handed
+to the engine: past it, the sequence is aborted and the response ends
+``incomplete`` with reason ``deadline`` and the output so far.
 """
 
 from __future__ import annotations
@@ -111,6 +114,9 @@ class ResponsesSocketConsumer(AsyncWebsocketConsumer):
                 continue
             prep.add.reply_channel = self.channel_name
             self.run, self.stream_id, self.started = ResponseRun(prep), stream_id, False
+            seconds = prep.request.deadline or settings.IGNIS.get("server.deadline", 0)
+            if seconds:
+                self._spawn(self._deadline_after(seconds, self.run.request_id))
             await engine_client.request_submit(prep.add)
 
     # -- engine events -------------------------------------------------------
@@ -161,6 +167,27 @@ class ResponsesSocketConsumer(AsyncWebsocketConsumer):
         else:
             await self._error(err)
         await self._next()
+
+    async def _deadline_after(self, seconds: float, request_id: str) -> None:
+        await asyncio.sleep(seconds)
+        # Through the consumer's own channel, so it is handled between engine messages, never inside one.
+        await self.channel_layer.send(self.channel_name, {"type": "deadline.expired", "request_id": request_id})
+
+    async def deadline_expired(self, msg: dict) -> None:
+        """Cut by the deadline, as over HTTP: the output so far, an incomplete response (reason ``deadline``)."""
+        if not self._mine(msg):
+            return  # that response already ended
+        run = self.run
+        await engine_client.request_abort(run.request_id)
+        await self.engine_finished(
+            {
+                "request_id": run.request_id,
+                "finish_reason": "deadline",
+                "prompt_tokens": len(run.prep.add.prompt_token_ids),
+                "completion_tokens": run.num_tokens,
+                "cached_tokens": run.cached_tokens,
+            }
+        )
 
     async def _resubmit(self, run: ResponseRun, wait: float) -> None:
         await asyncio.sleep(wait)

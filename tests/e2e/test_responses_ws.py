@@ -107,6 +107,31 @@ def test_two_creates_run_in_order(client):
     assert b[0].sequence_number == 0  # each response numbers its own events
 
 
+def test_deadline_cuts_a_socket_response_as_over_http(client):
+    """The request's deadline applies on the socket: an incomplete response (reason deadline) with the
+    output so far; the socket stays open and the next response runs."""
+    with client.responses.connect() as conn:
+        t0 = time.monotonic()
+        conn.send(
+            {
+                "type": "response.create",
+                "input": "Write a long story about a dragon.",
+                "max_output_tokens": 4000,
+                "temperature": 0,
+                "deadline": 2,
+            }
+        )
+        events = until_terminal(conn)
+        assert time.monotonic() - t0 < 30
+        cut = events[-1].response
+        assert events[-1].type == "response.incomplete" and cut.incomplete_details.reason == "deadline"
+        assert 0 < cut.usage.output_tokens < 4000
+        assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == cut.output_text
+        conn.send({"type": "response.create", "input": "Say hi.", "max_output_tokens": 3, "temperature": 0})
+        after = until_terminal(conn)
+    assert after[-1].response.id != cut.id and after[0].sequence_number == 0
+
+
 # -- one lane, short idle timeout ------------------------------------------------------------
 
 
