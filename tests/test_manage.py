@@ -1,0 +1,24 @@
+"""Flags for keys the settings module reads at import are honoured (manage.py hoists them)."""
+
+import subprocess
+import sys
+
+from tests.conftest import ROOT
+
+
+def test_data_dir_flag_moves_the_state_folder(tmp_path):
+    target = tmp_path / "state"
+    code = (
+        "import sys, manage; manage.hoist_early_flags(sys.argv); import os;"
+        "os.environ['DJANGO_SETTINGS_MODULE']='ignis_site.settings'; import django; django.setup();"
+        "from django.conf import settings; print(settings.VAR_DIR, settings.IGNIS['server.log_level'])"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, "--server-data-dir", str(target), "--server-log-level=warning"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
+    assert out == [str(target), "warning"]
+    assert (target / "secret_key").exists()
