@@ -336,16 +336,9 @@ def fmt_table(widths, ttft, share, mem, kv_nbytes, plan) -> list[str]:
 
 
 def write_section(lines: list[str]) -> None:
-    path = ROOT / "docs" / "PERFORMANCE.md"
-    text = path.read_text() if path.exists() else "# Performance\n"
-    body = SECTION + "\n\n" + "\n".join(lines) + "\n"
-    if SECTION in text:
-        head, rest = text.split(SECTION, 1)
-        nxt = rest.find("\n## ")
-        text = head + body + (rest[nxt:] if nxt >= 0 else "")
-    else:
-        text = text.rstrip("\n") + "\n\n" + body
-    path.write_text(text)
+    from bench.perfdoc import write_section as write
+
+    write(SECTION, lines)
 
 
 def main() -> None:
