@@ -6,9 +6,18 @@ environment, admin, PATCH /v1/config); the engine only sees this dataclass.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 MiB = 1 << 20
+
+
+@dataclass
+class CudaTuning:
+    """The CUDA backend's tuning knobs (``cuda.*`` keys); engine/ reads no environment."""
+
+    l2_prefetch_mb: float = 0.0  # cuda.l2_prefetch_mb: next GEMV's weights the small kernels prefetch
+    gemv_u2_below: int = 40 << 20  # cuda.gemv_u2_below: matrices under this many weights use gemv_tc's 2-step variant
+    kernel_cache_dir: str = ""  # compiled kernels (PyCUDA's cache); "" = <models dir>/.cache/pycuda
 
 
 @dataclass
@@ -23,10 +32,14 @@ class EngineConfig:
     kv_ram_budget: int = 768 * MiB  # numpy backend: RAM for the device-tier KV pool
     host_kv_budget: int = 2048 * MiB  # the host-RAM tier for swapped pages
     retry_after_floor: float = 1.0  # seconds; the least Retry-After an engine_full gets
+    cuda: CudaTuning = field(default_factory=CudaTuning)
 
     def to_dict(self) -> dict:
         return asdict(self)
 
     @classmethod
     def from_dict(cls, d: dict) -> EngineConfig:
-        return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
+        values = {k: d[k] for k in cls.__dataclass_fields__ if k in d}
+        if isinstance(values.get("cuda"), dict):
+            values["cuda"] = CudaTuning(**values["cuda"])
+        return cls(**values)
