@@ -20,22 +20,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from engine.memory import MemoryPlan
 from engine.model_config import ModelConfig
 from engine.sampling import SamplingParams
-
-
-@dataclass(frozen=True)
-class MemoryPlan:
-    """How a load carved its budget (bytes), logged as ignis.runtime.vram_plan."""
-
-    budget_bytes: int
-    weights_bytes: int
-    workspace_bytes: int
-    kv_bytes: int
-    block_size: int
-    num_blocks: int
-    host_kv_bytes: int
-    num_host_blocks: int
 
 
 @dataclass
@@ -91,18 +78,17 @@ class DecodeLane:
 @dataclass
 class StepPlan:
     """Everything the scheduler decided for one step, in execution order:
-    block copies and swaps first, then at most one prefill span, then one
-    decode round over all lanes."""
+    swaps first, then at most one prefill span, then one decode round over
+    all lanes."""
 
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block)
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
-    copy_blocks: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) device blocks
     prefill: PrefillSpan | None = None
     decode: list[DecodeLane] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
-        return not (self.swap_out or self.swap_in or self.copy_blocks or self.prefill or self.decode)
+        return not (self.swap_out or self.swap_in or self.prefill or self.decode)
 
 
 @dataclass
@@ -162,9 +148,6 @@ class Backend(abc.ABC):
     def swap_in(self, pairs: Sequence[tuple[int, int]]) -> None: ...
 
     @abc.abstractmethod
-    def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None: ...
-
-    @abc.abstractmethod
     def unload(self) -> None:
         """Free everything the load took."""
 
@@ -177,8 +160,6 @@ class Backend(abc.ABC):
             self.swap_out(plan.swap_out)
         if plan.swap_in:
             self.swap_in(plan.swap_in)
-        if plan.copy_blocks:
-            self.copy_blocks(plan.copy_blocks)
         if plan.prefill is not None:
             t0 = time.perf_counter()
             self.prefill(plan.prefill, out)

@@ -24,9 +24,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
 
-from engine.backend import MemoryPlan
 from engine.config import EngineConfig
 from engine.lifecycle import ModelLifecycle
+from engine.memory import MemoryPlan
 from engine.messages import ENGINE_CHANNEL, AbortRequest, AddRequest, RequestFailed
 from engine.switching import (
     ConfigureEngine,

@@ -26,7 +26,8 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from engine import sampler
-from engine.backend import Backend, DecodeLane, MemoryPlan, PrefillSpan, SampleRequest, StepOutput
+from engine.backend import Backend, DecodeLane, PrefillSpan, SampleRequest, StepOutput
+from engine.memory import MemoryPlan
 from engine.model_config import ModelConfig
 
 MAX_LANES = 8
@@ -75,9 +76,9 @@ class CudaBackend(Backend):
     def _load(self, cfg, weights, block_size, kv_budget_bytes, host_kv_budget_bytes, max_context) -> MemoryPlan:
         import pycuda.driver as cuda
 
-        from engine.backends.numpy_backend import rope_inv_freq
         from engine.cu.kernels import Kernels
         from engine.cu.runtime import Staging
+        from engine.models.rope import rope_inv_freq
 
         self.config = cfg
         self.block_size, self.max_context = block_size, max_context

@@ -14,9 +14,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from engine.backend import Backend, DecodeLane, MemoryPlan, PrefillSpan, StepOutput, StepPlan
+from engine.backend import Backend, DecodeLane, PrefillSpan, StepOutput, StepPlan
 from engine.config import EngineConfig
 from engine.kv_manager import KVManager
+from engine.memory import MemoryPlan
 from engine.messages import AddRequest
 from engine.scheduler import Scheduler
 
