@@ -15,19 +15,8 @@ import logging
 import time
 from pathlib import Path
 
-from engine.messages import AddRequest
-from engine.switching import (
-    FAILED,
-    LIVE_FIELDS,
-    REFUSED,
-    RESTORED,
-    SWITCHED,
-    SwitchAck,
-    SwitchDone,
-    SwitchModel,
-    SwitchRefused,
-    switch_precheck,
-)
+from engine.messages import FAILED, REFUSED, RESTORED, SWITCHED, AddRequest, SwitchAck, SwitchDone, SwitchModel
+from engine.switching import LIVE_FIELDS, SwitchRefused, switch_precheck
 
 log = logging.getLogger("ignis.engine")
 

@@ -1,4 +1,4 @@
-"""Messages that cross the Channels layer between the Django side and the engine.
+"""Every message that crosses the Channels layer between the Django side and the engine.
 
 The layer carries plain dicts (msgpack over Redis), so each message is a
 dataclass with ``to_message()`` / ``from_message()``. The ``type`` key routes
@@ -106,3 +106,61 @@ class RequestFailed(_Msg):
     error_type: str = "server_error"
     param: str | None = None
     retry_after: float | None = None
+
+
+# -- the model: switches, unloads, live configuration ------------------------------------
+
+# Outcomes of a switch, as GET /v1/models reports them in ``last_switch``.
+SWITCHED, REFUSED, RESTORED, FAILED = "switched", "refused", "restored", "failed"
+
+
+@dataclass
+class SwitchModel(_Msg):
+    """Django -> engine: replace the loaded model (or reload it with ``config``)."""
+
+    TYPE = "engine.switch"
+    switch_id: str
+    served_id: str
+    path: str
+    sha256: str | None = None
+    config: dict = field(default_factory=dict)  # EngineConfig fields to load with (a config reload)
+    trigger: str = "explicit"  # explicit | implicit | config
+    reply_channel: str | None = None  # gets SwitchAck, then SwitchDone
+    refuse: str | None = None  # the Django side already knows it cannot proceed
+
+
+@dataclass
+class SwitchAck(_Msg):
+    """Engine -> requester, at once: accepted, or refused because a switch runs."""
+
+    TYPE = "engine.switch_ack"
+    switch_id: str
+    accepted: bool
+    message: str = ""
+
+
+@dataclass
+class SwitchDone(_Msg):
+    """Engine -> requester: how the switch ended (switched | refused | restored | failed)."""
+
+    TYPE = "engine.switch_done"
+    switch_id: str
+    outcome: str
+    reason: str
+    served_id: str  # the model serving now (or the one that failed)
+    seconds: float = 0.0
+
+
+@dataclass
+class UnloadModel(_Msg):
+    """Django -> engine: unload now (as idle unload would), once nothing runs."""
+
+    TYPE = "engine.unload"
+
+
+@dataclass
+class ConfigureEngine(_Msg):
+    """Django -> engine: live settings (no reload): LIVE_FIELDS, idle_unload, drain_timeout."""
+
+    TYPE = "engine.configure"
+    values: dict = field(default_factory=dict)

@@ -12,69 +12,15 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
-from engine.messages import _Msg
+from engine.messages import SwitchModel
 from engine.model_config import ModelConfig
 
-# Outcomes of a switch, as GET /v1/models reports them in ``last_switch``.
-SWITCHED, REFUSED, RESTORED, FAILED = "switched", "refused", "restored", "failed"
 # Live engine fields (applied without a reload) and the worker's own timings.
 LIVE_FIELDS = ("prefill_chunk", "decode_share", "default_max_tokens")
 _WORKSPACE_LANES = 8
-
-
-@dataclass
-class SwitchModel(_Msg):
-    """Django -> engine: replace the loaded model (or reload it with ``config``)."""
-
-    TYPE = "engine.switch"
-    switch_id: str
-    served_id: str
-    path: str
-    sha256: str | None = None
-    config: dict = field(default_factory=dict)  # EngineConfig fields to load with (a config reload)
-    trigger: str = "explicit"  # explicit | implicit | config
-    reply_channel: str | None = None  # gets SwitchAck, then SwitchDone
-    refuse: str | None = None  # the Django side already knows it cannot proceed
-
-
-@dataclass
-class SwitchAck(_Msg):
-    """Engine -> requester, at once: accepted, or refused because a switch runs."""
-
-    TYPE = "engine.switch_ack"
-    switch_id: str
-    accepted: bool
-    message: str = ""
-
-
-@dataclass
-class SwitchDone(_Msg):
-    """Engine -> requester: how the switch ended (switched | refused | restored | failed)."""
-
-    TYPE = "engine.switch_done"
-    switch_id: str
-    outcome: str
-    reason: str
-    served_id: str  # the model serving now (or the one that failed)
-    seconds: float = 0.0
-
-
-@dataclass
-class UnloadModel(_Msg):
-    """Django -> engine: unload now (as idle unload would), once nothing runs."""
-
-    TYPE = "engine.unload"
-
-
-@dataclass
-class ConfigureEngine(_Msg):
-    """Django -> engine: live settings (no reload): LIVE_FIELDS, idle_unload, drain_timeout."""
-
-    TYPE = "engine.configure"
-    values: dict = field(default_factory=dict)
 
 
 class SwitchRefused(Exception):

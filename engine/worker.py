@@ -27,13 +27,16 @@ from pathlib import Path
 from engine.config import EngineConfig
 from engine.lifecycle import ModelLifecycle
 from engine.memory import MemoryPlan
-from engine.messages import ENGINE_CHANNEL, AbortRequest, AddRequest, RequestFailed
-from engine.switching import (
+from engine.messages import (
+    ENGINE_CHANNEL,
+    AbortRequest,
+    AddRequest,
     ConfigureEngine,
+    RequestFailed,
     SwitchModel,
     UnloadModel,
-    ram_plan,
 )
+from engine.switching import ram_plan
 from engine.telemetry import TELEMETRY, lanes_snapshot
 
 log = logging.getLogger("ignis.engine")

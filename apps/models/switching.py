@@ -26,7 +26,7 @@ from apps.api import engine_client
 from apps.api.errors import ModelSwitchFailed, ModelSwitching, SwitchInProgress
 from apps.models.services import SwitchTarget, model_name_split, servable_lookup, served_model, served_model_update
 from engine.messages import ENGINE_CHANNEL
-from engine.switching import SWITCHED, SwitchModel
+from engine.messages import SWITCHED, SwitchModel
 
 log = logging.getLogger("ignis.models")
 _background: set[asyncio.Task] = set()

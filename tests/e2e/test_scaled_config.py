@@ -108,8 +108,7 @@ def test_every_finished_switch_is_recorded_once_whoever_asked(fleet):
     front end that reads the engine's status first; one a front end asked for is recorded once."""
     from channels_redis.core import RedisChannelLayer
 
-    from engine.messages import ENGINE_CHANNEL
-    from engine.switching import SwitchModel
+    from engine.messages import ENGINE_CHANNEL, SwitchModel
 
     orphan = SwitchModel(switch_id="switch-orphan-0001", served_id="tiny-b", path=str(fleet["mdir"] / "tiny-b"))
 
