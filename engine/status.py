@@ -70,9 +70,12 @@ class EngineStatus:
     telemetry: dict = field(default_factory=dict)  # engine.telemetry.TELEMETRY.snapshot()
 
     def to_message(self) -> dict:
-        d = asdict(self)
-        d["type"] = self.TYPE
+        """The wire dict: ``type`` first; ``stats`` and ``lanes`` only while a model is loaded."""
+        d = {"type": self.TYPE, **asdict(self)}
         d["status"] = str(self.status)
+        for key in ("stats", "lanes"):
+            if d[key] is None:
+                del d[key]
         return d
 
     @classmethod
