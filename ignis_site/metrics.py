@@ -22,6 +22,7 @@ from collections.abc import Iterable
 from prometheus_client import REGISTRY, CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
+from engine.messages import FAILED, REFUSED, RESTORED, SWITCHED
 from engine.status import EngineState, EngineStatus, SchedulerStats
 
 log = logging.getLogger("ignis.metrics")
@@ -90,7 +91,7 @@ def engine_families(status: EngineStatus | None) -> list[Metric]:
     out.append(_gauge("ignis_model_max_context_tokens", "Largest prompt + generation.", status.max_context or 0))
     events = tele.get("model_events") or {}
     fam = CounterMetricFamily("ignis_model_switches", "Model switches by outcome.", labels=["outcome"])
-    for outcome in ("switched", "refused", "restored", "failed"):
+    for outcome in (SWITCHED, REFUSED, RESTORED, FAILED):
         fam.add_metric([outcome], (status.switch_outcomes or {}).get(outcome, 0))
     out.append(fam)
     fam = CounterMetricFamily("ignis_model_events", "ignis.model.* log events by name.", labels=["event"])

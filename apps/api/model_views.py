@@ -35,7 +35,7 @@ async def models_payload() -> dict:
             "created": 0,
             "owned_by": "ignis",
             "artifact": item["artifact"],
-            "status": state if item["id"] in involved else "unloaded",
+            "status": state if item["id"] in involved else EngineState.UNLOADED,
         }
         if item["id"] in involved:
             entry["switching"] = switching
