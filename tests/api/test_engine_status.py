@@ -275,3 +275,11 @@ def test_switch_gate_refuses_only_while_switching(monkeypatch, state, refused):
         assert err.value.retry_after == switching.SWITCH_RETRY_AFTER
     else:
         asyncio.run(gate)
+
+
+def test_monitor_without_an_engine_reads_unreachable(client, monkeypatch):
+    _fake_status(monkeypatch, None)
+    data = client.get("/ui/api/monitor").json()
+    assert (data["status"], data["model"], data["backend"], data["error"]) == ("unreachable", None, None, None)
+    assert data["lanes"] == [] and data["prefill"] is None
+    assert data["metrics"]["ignis_engine_up"] == 0 and data["metrics"]["ignis_lanes_busy"] == 0
