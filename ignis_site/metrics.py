@@ -22,13 +22,15 @@ from collections.abc import Iterable
 from prometheus_client import REGISTRY, CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
+from engine.messages import FAILED, REFUSED, RESTORED, SWITCHED
+from engine.status import EngineState, EngineStatus, SchedulerStats
+
 log = logging.getLogger("ignis.metrics")
 
-MODEL_STATES = ("loading", "serving", "switching", "unloaded", "failed")
 REQUEST_STATES = ("waiting", "prefilling", "decoding", "preempted")
 REQUEST_CLASSES = ("interactive", "agent")
 PLAN_PARTS = ("budget", "weights", "workspace", "kv", "host_kv")
-SCHEDULER_COUNTERS = {  # stats key -> (family, help)
+SCHEDULER_COUNTERS = {  # SchedulerStats field -> (family, help)
     "admitted": ("ignis_requests_admitted", "Requests the scheduler admitted."),
     "refused": ("ignis_requests_refused", "Requests refused at admission (engine_full, too long, ...)."),
     "finished": ("ignis_requests_finished", "Requests that ended (any reason, aborts included)."),
@@ -57,41 +59,40 @@ def _histogram(name: str, doc: str, snap: dict | None) -> HistogramMetricFamily:
     return HistogramMetricFamily(name, doc, buckets=buckets, sum_value=snap["sum"])
 
 
-def engine_families(status: dict | None) -> list[Metric]:
+def engine_families(status: EngineStatus | None) -> list[Metric]:
     """The ``ignis_*`` families of one ``engine.status`` reply (None: the engine did not answer).
 
     Every family is present whatever the state, reading zero when nothing is
     loaded, so a dashboard's series never vanish across an unload.
     """
-    status = status or {}
-    stats = status.get("stats") or {}
-    lanes = status.get("lanes") or {}
-    tele = status.get("telemetry") or {}
-    kv = stats.get("kv_pages") or {}
-    plan = status.get("plan") or {}
-    out: list[Metric] = [_gauge("ignis_engine_up", "1 when the engine answered the scrape.", 1.0 if status else 0.0)]
+    up = status is not None
+    state = status.status if up else "unreachable"
+    if not up:  # an empty status: every family below reads zero
+        status = EngineStatus(status=EngineState.FAILED, model="", backend="")
+    model = status.model or ""
+    stats = status.stats or SchedulerStats()
+    kv = stats.kv_pages or {}
+    lanes, tele, plan = status.lanes or {}, status.telemetry or {}, status.plan or {}
+    out: list[Metric] = [_gauge("ignis_engine_up", "1 when the engine answered the scrape.", 1.0 if up else 0.0)]
 
-    state = status.get("status", "unreachable")
-    model = status.get("model") or ""
     fam = GaugeMetricFamily("ignis_model_status", "1 for the model's current state.", labels=["model", "status"])
-    for s in dict.fromkeys((*MODEL_STATES, state)):
+    for s in dict.fromkeys((*EngineState, state)):
         if s != "unreachable":
-            fam.add_metric([model, s], 1.0 if s == state else 0.0)
+            fam.add_metric([model, str(s)], 1.0 if s == state else 0.0)
     out.append(fam)
     out.append(
         _gauge(
             "ignis_model_info",
             "The served model.",
-            1.0 if status else 0.0,
-            {"model": model, "backend": str(status.get("backend") or "")},
+            1.0 if up else 0.0,
+            {"model": model, "backend": str(status.backend or "")},
         )
     )
-    out.append(_gauge("ignis_model_max_context_tokens", "Largest prompt + generation.", status.get("max_context") or 0))
+    out.append(_gauge("ignis_model_max_context_tokens", "Largest prompt + generation.", status.max_context or 0))
     events = tele.get("model_events") or {}
     fam = CounterMetricFamily("ignis_model_switches", "Model switches by outcome.", labels=["outcome"])
-    outcomes = status.get("switch_outcomes") or {}
-    for outcome in ("switched", "refused", "restored", "failed"):
-        fam.add_metric([outcome], outcomes.get(outcome, 0))
+    for outcome in (SWITCHED, REFUSED, RESTORED, FAILED):
+        fam.add_metric([outcome], (status.switch_outcomes or {}).get(outcome, 0))
     out.append(fam)
     fam = CounterMetricFamily("ignis_model_events", "ignis.model.* log events by name.", labels=["event"])
     for event, n in sorted(events.items()):
@@ -106,7 +107,7 @@ def engine_families(status: dict | None) -> list[Metric]:
             fam.add_metric([s, c], (by_sc.get(s) or {}).get(c, 0))
     out.append(fam)
     for key, (name, doc) in SCHEDULER_COUNTERS.items():
-        out.append(CounterMetricFamily(name, doc, value=stats.get(key, 0)))
+        out.append(CounterMetricFamily(name, doc, value=getattr(stats, key)))
     fam = CounterMetricFamily("ignis_requests_completed", "Finished requests by finish reason.", labels=["reason"])
     for reason in dict.fromkeys(("stop", "length", "abort", *(tele.get("finish_reasons") or {}))):
         fam.add_metric([reason], (tele.get("finish_reasons") or {}).get(reason, 0))
@@ -120,10 +121,10 @@ def engine_families(status: dict | None) -> list[Metric]:
     )
     out.append(_histogram("ignis_request_e2e_seconds", "Admission to finish.", tele.get("e2e_seconds")))
 
-    lanes_total = stats.get("lanes_total", 0)
+    lanes_total = stats.lanes_total
     out.append(_gauge("ignis_lanes_total", "Decode lanes (rows of one round).", lanes_total))
-    out.append(_gauge("ignis_lanes_busy", "Lanes held by a live request.", stats.get("lanes_busy", 0)))
-    out.append(_gauge("ignis_lanes_decoding", "Lanes decoding this round.", stats.get("lanes_decoding", 0)))
+    out.append(_gauge("ignis_lanes_busy", "Lanes held by a live request.", stats.lanes_busy))
+    out.append(_gauge("ignis_lanes_decoding", "Lanes decoding this round.", stats.lanes_decoding))
     fam = GaugeMetricFamily("ignis_lane_tokens_per_second", "Each busy lane's decode rate.", labels=["lane"])
     held = lanes.get("lanes") or []
     for i in range(max(lanes_total, len(held))):
@@ -136,9 +137,7 @@ def engine_families(status: dict | None) -> list[Metric]:
     fam.add_metric(["done"], prefill.get("done", 0))
     fam.add_metric(["total"], prefill.get("total", 0))
     out.append(fam)
-    out.append(
-        _gauge("ignis_decode_round_seconds", "Moving average of a decode round.", stats.get("round_seconds") or 0.0)
-    )
+    out.append(_gauge("ignis_decode_round_seconds", "Moving average of a decode round.", stats.round_seconds or 0.0))
 
     out.append(_gauge("ignis_kv_pool_pages", "Pages in the device KV pool.", kv.get("total", 0)))
     fam = GaugeMetricFamily("ignis_kv_pages", "Device KV pages by state (they sum to the pool).", labels=["state"])
@@ -151,14 +150,14 @@ def engine_families(status: dict | None) -> list[Metric]:
     out.append(_gauge("ignis_kv_page_tokens", "Tokens per KV page.", plan.get("block_size", 0)))
     out.append(
         CounterMetricFamily(
-            "ignis_prefix_cache_hits", "Requests that reused retained prompt state.", value=stats.get("prefix_hits", 0)
+            "ignis_prefix_cache_hits", "Requests that reused retained prompt state.", value=stats.prefix_hits
         )
     )
     out.append(
         CounterMetricFamily(
             "ignis_prefix_cached_tokens",
             "Prompt tokens served from retained state.",
-            value=stats.get("cached_tokens", 0),
+            value=stats.cached_tokens,
         )
     )
 
@@ -169,7 +168,7 @@ def engine_families(status: dict | None) -> list[Metric]:
     return out
 
 
-def engine_samples(status: dict | None) -> dict[str, float]:
+def engine_samples(status: EngineStatus | None) -> dict[str, float]:
     """The same numbers flat, ``name{label="v",...}`` -> value (what the Monitor reads)."""
     flat = {}
     for fam in engine_families(status):

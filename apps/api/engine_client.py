@@ -7,6 +7,10 @@ import asyncio
 from channels.layers import get_channel_layer
 
 from engine.messages import ENGINE_CHANNEL, AbortRequest, AddRequest
+from engine.status import EngineStatus
+
+# Parts of the reply the engine sends only while a scheduler exists (a model is loaded).
+_LOADED_ONLY = ("stats", "lanes")
 
 
 async def request_submit(add: AddRequest) -> None:
@@ -17,12 +21,26 @@ async def request_abort(request_id: str) -> None:
     await get_channel_layer().send(ENGINE_CHANNEL, AbortRequest(request_id=request_id).to_message())
 
 
-async def engine_status(timeout: float = 2.0) -> dict | None:
+async def engine_status(timeout: float = 2.0) -> EngineStatus | None:
     """Ask the engine for its status; None when it does not answer in time."""
     layer = get_channel_layer()
     reply = await layer.new_channel()  # the default prefix: see apps.models.switching.model_switch
-    await layer.send(ENGINE_CHANNEL, {"type": "engine.status", "reply_channel": reply})
+    await layer.send(ENGINE_CHANNEL, {"type": EngineStatus.TYPE, "reply_channel": reply})
     try:
-        return await asyncio.wait_for(layer.receive(reply), timeout)
+        msg = await asyncio.wait_for(layer.receive(reply), timeout)
     except TimeoutError:
         return None
+    return EngineStatus.from_message(msg)
+
+
+def engine_status_payload(status: EngineStatus | None) -> dict | None:
+    """``status`` as the engine's reply reads on the wire (GET /health's ``engine``).
+
+    The same keys in the same order: ``type`` first, and ``stats`` and
+    ``lanes`` left out while nothing is loaded rather than sent as null.
+    """
+    if status is None:
+        return None
+    msg = status.to_message()
+    head = {"type": msg.pop("type")}
+    return head | {k: v for k, v in msg.items() if not (k in _LOADED_ONLY and v is None)}

@@ -79,12 +79,6 @@ class PreviousResponseNotFound(IgnisError):
     code = "previous_response_not_found"
 
 
-class EngineUnavailable(IgnisError):
-    status = 503
-    type = "server_error"
-    code = "engine_unavailable"
-
-
 class ModelSwitching(IgnisError):
     """503 while a switch runs; the client retries after Retry-After."""
 
@@ -104,12 +98,6 @@ class ModelSwitchFailed(IgnisError):
     status = 503
     type = "server_error"
     code = "model_switch_failed"
-
-
-class ModelLoadFailed(IgnisError):
-    status = 503
-    type = "server_error"
-    code = "model_load_failed"
 
 
 def error_from_engine(msg: dict) -> IgnisError:

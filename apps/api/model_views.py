@@ -13,15 +13,19 @@ from apps.api.errors import InvalidRequest
 from apps.models import catalog, config_service, selectors
 from apps.models.services import served_model, switch_target_resolve
 from apps.models.switching import model_switch, status_sync
+from engine.status import EngineState, EngineStatus
 
 
 async def models_payload() -> dict:
-    """Every servable model; the loaded one carries the engine's status, the rest are ``unloaded``."""
-    status = await status_sync() or {}
+    """Every servable model; the loaded one carries the engine's status, the rest are ``unloaded``.
+
+    An engine that does not answer reads as one still loading.
+    """
+    status = await status_sync() or EngineStatus(status=EngineState.LOADING, model="")
     served = served_model()
     entries = await database_sync_to_async(selectors.servable_list)()
-    state = status.get("status", "loading")
-    switching = status.get("switching")
+    state = status.status
+    switching = status.switching
     involved = {served.served_id} | set((switching or {}).values())
     data = []
     for item in entries:
@@ -31,19 +35,19 @@ async def models_payload() -> dict:
             "created": 0,
             "owned_by": "ignis",
             "artifact": item["artifact"],
-            "status": state if item["id"] in involved else "unloaded",
+            "status": state if item["id"] in involved else EngineState.UNLOADED,
         }
         if item["id"] in involved:
             entry["switching"] = switching
-            entry["last_switch"] = status.get("last_switch")
-            if state in ("loading", "switching") and status.get("load_progress"):
-                entry["load_progress"] = status["load_progress"]
-            if state == "failed":
-                entry["error"] = status.get("error")
-            if status.get("max_context"):
-                entry["max_model_len"] = status["max_context"]
+            entry["last_switch"] = status.last_switch
+            if state in (EngineState.LOADING, EngineState.SWITCHING) and status.load_progress:
+                entry["load_progress"] = status.load_progress
+            if state is EngineState.FAILED:
+                entry["error"] = status.error
+            if status.max_context:
+                entry["max_model_len"] = status.max_context
         data.append(entry)
-    return {"object": "list", "data": data, "switching": switching, "last_switch": status.get("last_switch")}
+    return {"object": "list", "data": data, "switching": switching, "last_switch": status.last_switch}
 
 
 @api_view(["POST"])

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from django.http import JsonResponse
+from django.http import HttpRequest, JsonResponse
 from rest_framework.decorators import api_view
 from rest_framework.request import Request
 from rest_framework.response import Response
@@ -10,6 +10,7 @@ from rest_framework.response import Response
 from apps.api import engine_client, services
 from apps.api.errors import IgnisError, InvalidRequest
 from apps.models.services import served_model
+from engine.status import EngineState
 
 
 def _error_response(err: IgnisError) -> JsonResponse:
@@ -28,14 +29,15 @@ async def models_list(request):
     return JsonResponse(await models_payload())
 
 
-async def health(request):
+async def health(request: HttpRequest) -> JsonResponse:
     """GET /health: 200 while the engine answers and can serve (serving, or unloaded and
     ready to load on the next request); 503 with its state while loading, switching,
     failed or unreachable, so a balancer sends traffic elsewhere only when it must."""
     status = await engine_client.engine_status()
-    state = (status or {}).get("status", "unreachable")
-    healthy = state in ("serving", "unloaded")
-    return JsonResponse({"status": "ok" if healthy else state, "engine": status}, status=200 if healthy else 503)
+    state = status.status if status is not None else "unreachable"
+    healthy = state in (EngineState.SERVING, EngineState.UNLOADED)
+    body = {"status": "ok" if healthy else state, "engine": engine_client.engine_status_payload(status)}
+    return JsonResponse(body, status=200 if healthy else 503)
 
 
 @api_view(["POST"])

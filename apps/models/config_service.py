@@ -27,8 +27,7 @@ from django.conf import settings
 
 from apps.api.errors import InvalidRequest, ModelSwitchFailed
 from apps.models.services import SwitchTarget, path_confine, servable_lookup, served_model
-from engine.messages import ENGINE_CHANNEL
-from engine.messages import SWITCHED, ConfigureEngine
+from engine.messages import ENGINE_CHANNEL, SWITCHED, ConfigureEngine
 from ignis_site import config
 
 # Config keys the engine applies live, and the name the engine knows each by.

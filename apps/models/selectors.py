@@ -1,8 +1,8 @@
-"""Reads of the catalog: what can be served, artifacts, switch history (sync ORM: off the event loop)."""
+"""Reads of the catalog: what can be served, and the artifacts (sync ORM: off the event loop)."""
 
 from __future__ import annotations
 
-from apps.models.models import Artifact, SwitchRecord
+from apps.models.models import Artifact
 from apps.models.services import known_models, served_model
 
 
@@ -19,11 +19,3 @@ def servable_list() -> list[dict]:
 
 def artifact_list() -> list[Artifact]:
     return list(Artifact.objects.all())
-
-
-def artifact_get(*, served_id: str) -> Artifact | None:
-    return Artifact.objects.filter(served_id=served_id).first()
-
-
-def switch_history_list(*, limit: int = 50) -> list[SwitchRecord]:
-    return list(SwitchRecord.objects.all()[:limit])

@@ -25,8 +25,8 @@ from django.utils import timezone
 from apps.api import engine_client
 from apps.api.errors import ModelSwitchFailed, ModelSwitching, SwitchInProgress
 from apps.models.services import SwitchTarget, model_name_split, servable_lookup, served_model, served_model_update
-from engine.messages import ENGINE_CHANNEL
-from engine.messages import SWITCHED, SwitchModel
+from engine.messages import ENGINE_CHANNEL, SWITCHED, SwitchModel
+from engine.status import EngineState, EngineStatus
 
 log = logging.getLogger("ignis.models")
 _background: set[asyncio.Task] = set()
@@ -93,11 +93,13 @@ def switch_history_record(finished: list[dict]) -> None:
                 qs.update(from_id=fields["from_id"])
 
 
-async def switch_history_note(status: dict | None) -> None:
+async def switch_history_note(status: EngineStatus | None) -> None:
     """Record the finished switches in ``status`` this process has not recorded yet (cheap when none)."""
+    if status is None:
+        return
     fresh = [
         sw
-        for sw in (status or {}).get("recent_switches") or ()
+        for sw in status.recent_switches or ()
         if isinstance(sw, dict) and sw.get("switch_id") and sw["switch_id"] not in _recorded
     ]
     if not fresh:
@@ -170,15 +172,24 @@ async def model_switch(
     return described
 
 
-async def status_sync() -> dict | None:
+async def status_sync() -> EngineStatus | None:
     """The engine's status; the model it names becomes the one this side tokenizes for."""
     status = await engine_client.engine_status()
     await switch_history_note(status)
-    if status and status.get("model") and status.get("path"):
+    if status is not None and status.model and status.path:
         served = served_model()
-        if status["model"] != served.served_id or str(served.path) != status["path"]:
-            served_model_update(served_id=status["model"], path=status["path"])
+        if status.model != served.served_id or str(served.path) != status.path:
+            served_model_update(served_id=status.model, path=status.path)
     return status
+
+
+def _switching() -> ModelSwitching:
+    return ModelSwitching("The server is switching models; retry shortly.", retry_after=SWITCH_RETRY_AFTER)
+
+
+def _refuse_while_switching(status: EngineStatus | None) -> None:
+    if status is not None and status.status is EngineState.SWITCHING:
+        raise _switching()
 
 
 async def model_hold(*, name: str | None) -> None:
@@ -199,13 +210,12 @@ async def model_hold(*, name: str | None) -> None:
         return
     if not settings.IGNIS["switch.allow_implicit"]:
         return
-    if status and status.get("status") == "switching":
-        raise ModelSwitching("The server is switching models; retry shortly.", retry_after=SWITCH_RETRY_AFTER)
+    _refuse_while_switching(status)
     target = await database_sync_to_async(servable_lookup)(served_id)
     try:
         done = await model_switch(target=target, trigger="implicit", wait=True)
     except SwitchInProgress:
-        raise ModelSwitching("The server is switching models; retry shortly.", retry_after=SWITCH_RETRY_AFTER) from None
+        raise _switching() from None
     if done.get("outcome") != SWITCHED or served_model().served_id != served_id:
         raise ModelSwitchFailed(
             f"The switch to '{served_id}' did not land ({done.get('outcome')}): "
@@ -223,5 +233,4 @@ async def switch_gate(*, method: str, path: str) -> None:
         return
     status = await engine_client.engine_status()
     await switch_history_note(status)
-    if status and status.get("status") == "switching":
-        raise ModelSwitching("The server is switching models; retry shortly.", retry_after=SWITCH_RETRY_AFTER)
+    _refuse_while_switching(status)

@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 from django.conf import settings
-from django.http import JsonResponse
+from django.http import HttpRequest, JsonResponse
 from django.shortcuts import render
 from django.views.decorators.http import require_GET
 
@@ -45,7 +45,7 @@ def index(request):
 
 
 @require_GET
-async def monitor(request):
+async def monitor(request: HttpRequest) -> JsonResponse:
     """GET /ui/api/monitor: engine state, lanes and the /metrics samples, from one status reply.
 
     Read-only: asking the engine for status never counts as using the model.
@@ -54,14 +54,15 @@ async def monitor(request):
     if refused is not None:
         return refused
     status = await engine_client.engine_status()
-    lanes = (status or {}).get("lanes") or {}
+    if status is None:
+        state = {"status": "unreachable", "model": None, "backend": None, "error": None}
+    else:
+        state = {"status": status.status, "model": status.model, "backend": status.backend, "error": status.error}
+    lanes = (status.lanes if status is not None else None) or {}
     return JsonResponse(
         {
             "ts": time.time(),
-            "status": (status or {}).get("status", "unreachable"),
-            "model": (status or {}).get("model"),
-            "backend": (status or {}).get("backend"),
-            "error": (status or {}).get("error"),
+            **state,
             "lanes": lanes.get("lanes") or [],
             "prefill": lanes.get("prefill"),
             "metrics": engine_samples(status),

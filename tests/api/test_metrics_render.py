@@ -6,6 +6,7 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from engine.status import EngineStatus
 from ignis_site.metrics import engine_families, engine_samples, is_loopback, parse_bind
 
 STATUS = {
@@ -87,7 +88,7 @@ def _parse(status) -> dict:
 
 
 def test_a_status_reply_renders_every_family():
-    v = _parse(STATUS)
+    v = _parse(EngineStatus.from_message(STATUS))
     assert v["ignis_engine_up[]"] == 1
     assert v["ignis_model_status[('model', 'm'), ('status', 'serving')]"] == 1
     assert v["ignis_model_status[('model', 'm'), ('status', 'loading')]"] == 0
@@ -118,7 +119,7 @@ def test_no_engine_reads_zero_not_missing():
 
 
 def test_samples_flatten_with_labels():
-    flat = engine_samples(STATUS)
+    flat = engine_samples(EngineStatus.from_message(STATUS))
     assert flat["ignis_lanes_busy"] == 1
     assert flat['ignis_kv_pages{state="used"}'] == 5
 
@@ -136,7 +137,7 @@ def test_monitor_route(client, monkeypatch, settings):
     from apps.api import engine_client
 
     async def fake_status(timeout: float = 2.0):
-        return dict(STATUS)
+        return EngineStatus.from_message(STATUS)
 
     monkeypatch.setattr(engine_client, "engine_status", fake_status)
     data = client.get("/ui/api/monitor").json()
