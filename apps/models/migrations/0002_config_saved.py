@@ -4,15 +4,16 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('ignis_models', '0001_catalog'),
+        ("ignis_models", "0001_catalog"),
     ]
 
     operations = [
         migrations.AddField(
-            model_name='configvalue',
-            name='saved',
-            field=models.BooleanField(default=False, help_text='set through PATCH /v1/config or the admin: read back at start'),
+            model_name="configvalue",
+            name="saved",
+            field=models.BooleanField(
+                default=False, help_text="set through PATCH /v1/config or the admin: read back at start"
+            ),
         ),
     ]
