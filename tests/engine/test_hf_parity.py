@@ -12,7 +12,8 @@ import pytest
 from engine.backend import DecodeLane, PrefillSpan, SampleRequest, StepOutput
 from engine.backends.numpy_backend import NumpyBackend
 from engine.loaders import artifact_format, load_artifact
-from engine.model_config import ModelConfig, weight_names
+from engine.model_config import ModelConfig
+from engine.models import definition
 from engine.sampling import SamplingParams
 
 MAX_REL_ERR = 1e-4
@@ -152,7 +153,7 @@ def test_tiny_checkpoints_match_hf(kind, tmp_path):
     _tiny_checkpoint(kind, tmp_path)
     assert artifact_format(tmp_path) == "hf"
     cfg, weights = load_artifact(tmp_path)
-    assert set(weights) >= set(weight_names(cfg))
+    assert set(weights) >= set(definition(cfg.arch).tensors(cfg))
     if kind == "qwen2":
         assert cfg.attention_bias and cfg.tie_word_embeddings
     else:
@@ -175,13 +176,8 @@ def random_model(seed: int = 0) -> tuple[ModelConfig, dict[str, np.ndarray]]:
     cfg = ModelConfig(arch="qwen2", vocab_size=128, hidden_size=64, intermediate_size=96, num_layers=2,
                       num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=10000.0, attention_bias=True)  # fmt: skip
     rng = np.random.default_rng(seed)
-    shapes = {"embed_tokens": (cfg.vocab_size, 64), "lm_head": (cfg.vocab_size, 64), "norm": (64,),
-              "layernorm": (64,), "q_proj.weight": (64, 64), "k_proj.weight": (32, 64), "v_proj.weight": (32, 64),
-              "o_proj": (64, 64), "gate_proj": (96, 64), "up_proj": (96, 64), "down_proj": (64, 96),
-              "q_proj.bias": (64,), "k_proj.bias": (32,), "v_proj.bias": (32,)}  # fmt: skip
     weights = {}
-    for name in weight_names(cfg):
-        shape = next(s for key, s in shapes.items() if key in name)
+    for name, shape in definition(cfg.arch).tensors(cfg).items():
         base = 1.0 if name.endswith("norm.weight") else 0.0
         weights[name] = (base + rng.normal(0, 0.3, shape)).astype(np.float32)
     return cfg, weights

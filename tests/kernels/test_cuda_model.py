@@ -32,7 +32,7 @@ def load_cuda(model, cfg, *, as_numpy: bool, max_context=4096, kv=1 << 30):
     from engine.backends.cuda_backend import CudaBackend
 
     sd = model.state_dict()
-    names = __import__("engine.model_config", fromlist=["weight_names"]).weight_names(cfg)
+    names = __import__("engine.models", fromlist=["definition"]).definition(cfg.arch).tensors(cfg)
     weights = {n: (sd[n].float().cpu().numpy() if as_numpy else sd[n]) for n in names}
     be = CudaBackend()
     be.load(cfg, weights, block_size=16, kv_budget_bytes=kv, host_kv_budget_bytes=64 << 20, max_context=max_context)
