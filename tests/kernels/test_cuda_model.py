@@ -102,7 +102,7 @@ def _run_lanes(backend, prompts, tables, steps, width):
 def test_qwen2_greedy_matches_numpy_backend_and_widths(qwen):
     """Greedy continuations agree with the numpy backend until the first near-tie,
     and a lane's tokens (and logprobs, bitwise) do not depend on the width of its round."""
-    from engine.backends.numpy_backend import NumpyBackend
+    from engine.backends.numpy import NumpyBackend
 
     model, cfg, be, weights = qwen
     ref = NumpyBackend()
@@ -202,7 +202,7 @@ def test_qwen2_constrained_rows_sample_on_the_host_like_numpy(qwen):
     """A row with a grammar is drawn from the device's logits under the grammar's mask,
     greedy and seeded, beside unconstrained rows, and agrees with the numpy backend."""
     from engine.backend import DecodeLane, PrefillSpan, SampleRequest, StepOutput
-    from engine.backends.numpy_backend import NumpyBackend
+    from engine.backends.numpy import NumpyBackend
     from engine.sampling import SamplingParams
 
     model, cfg, be, weights = qwen
