@@ -10,9 +10,10 @@ from __future__ import annotations
 
 from engine.models.base import ModelDefinition
 from engine.models.llama import LLAMA, MISTRAL
+from engine.models.phi3 import PHI3
 from engine.models.qwen2 import QWEN2
 
-DEFINITIONS: dict[str, ModelDefinition] = {d.name: d for d in (LLAMA, MISTRAL, QWEN2)}
+DEFINITIONS: dict[str, ModelDefinition] = {d.name: d for d in (LLAMA, MISTRAL, QWEN2, PHI3)}
 
 
 def definition(arch: str) -> ModelDefinition:

@@ -6,6 +6,9 @@ The backend is driven directly through the step interface: one prefill, then dec
 
 from __future__ import annotations
 
+import dataclasses
+import json
+
 import numpy as np
 import pytest
 
@@ -134,6 +137,9 @@ def _tiny_checkpoint(kind: str, path) -> None:
         cfg = transformers.LlamaConfig(num_hidden_layers=3, rope_theta=500000.0, rope_scaling=scaling, **common)
         model = transformers.LlamaForCausalLM(cfg)
         model.save_pretrained(path, max_shard_size="100KB")  # sharded: exercises the index
+    elif kind == "phi3":  # fused qkv_proj and gate_up_proj in the checkpoint; pad id inside the tiny vocab
+        cfg = transformers.Phi3Config(num_hidden_layers=2, pad_token_id=0, bos_token_id=1, eos_token_id=2, **common)
+        transformers.Phi3ForCausalLM(cfg).save_pretrained(path)
     else:
         cfg = transformers.Qwen2Config(num_hidden_layers=2, rope_theta=10000.0, tie_word_embeddings=True, **common)
         model = transformers.Qwen2ForCausalLM(cfg)
@@ -145,7 +151,7 @@ def _tiny_checkpoint(kind: str, path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["llama3", "qwen2"])
+@pytest.mark.parametrize("kind", ["llama3", "qwen2", "phi3"])
 def test_tiny_checkpoints_match_hf(kind, tmp_path):
     import torch
     import transformers
@@ -156,6 +162,8 @@ def test_tiny_checkpoints_match_hf(kind, tmp_path):
     assert set(weights) >= set(definition(cfg.arch).tensors(cfg))
     if kind == "qwen2":
         assert cfg.attention_bias and cfg.tie_word_embeddings
+    elif kind == "phi3":
+        assert cfg.arch == "phi3" and not any("qkv_proj" in n or "gate_up_proj" in n for n in weights)
     else:
         assert cfg.rope_scaling["rope_type"] == "llama3"
     backend = load_backend(cfg, weights)
@@ -167,6 +175,59 @@ def test_tiny_checkpoints_match_hf(kind, tmp_path):
         theirs, their_tokens = hf_greedy(hf, ids, 32)
         assert rel_err(ours, theirs) <= MAX_REL_ERR, n
         assert our_tokens == their_tokens, n
+
+
+def _write_phi3_gguf(hf_dir, path) -> None:
+    """The tiny phi3 checkpoint as llama.cpp's converter lays it out: F32, fused attn_qkv and ffn_up."""
+    import gguf
+
+    from engine.loaders.hf import read_safetensors
+
+    hf = json.loads((hf_dir / "config.json").read_text())
+    w = read_safetensors(hf_dir / "model.safetensors")
+    writer = gguf.GGUFWriter(str(path), "phi3")
+    writer.add_context_length(hf["max_position_embeddings"])
+    writer.add_embedding_length(hf["hidden_size"])
+    writer.add_feed_forward_length(hf["intermediate_size"])
+    writer.add_block_count(hf["num_hidden_layers"])
+    writer.add_head_count(hf["num_attention_heads"])
+    writer.add_head_count_kv(hf["num_key_value_heads"])
+    writer.add_layer_norm_rms_eps(hf["rms_norm_eps"])
+    writer.add_rope_freq_base(hf["rope_parameters"]["rope_theta"])
+    writer.add_rope_dimension_count(hf["hidden_size"] // hf["num_attention_heads"])
+    writer.add_bos_token_id(hf["bos_token_id"])
+    writer.add_eos_token_id(hf["eos_token_id"])
+    names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+             "lm_head.weight": "output.weight", "input_layernorm.weight": "attn_norm.weight",
+             "self_attn.qkv_proj.weight": "attn_qkv.weight", "self_attn.o_proj.weight": "attn_output.weight",
+             "post_attention_layernorm.weight": "ffn_norm.weight", "mlp.gate_up_proj.weight": "ffn_up.weight",
+             "mlp.down_proj.weight": "ffn_down.weight"}  # fmt: skip
+    for name, t in w.items():
+        if name.startswith("model.layers."):
+            _, _, i, suffix = name.split(".", 3)
+            writer.add_tensor(f"blk.{i}.{names[suffix]}", t)
+        else:
+            writer.add_tensor(names[name], t)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.mark.slow
+def test_phi3_gguf_loads_as_its_hf_checkpoint(tmp_path):
+    """llama.cpp's phi3 layout (fused attn_qkv, gate|up in ffn_up, q/k rows unpermuted) maps onto the
+    same canonical tensors, bit for bit, and the same config as the safetensors checkpoint."""
+    _tiny_checkpoint("phi3", tmp_path / "hf")
+    _write_phi3_gguf(tmp_path / "hf", tmp_path / "tiny.gguf")
+    assert artifact_format(tmp_path / "tiny.gguf") == "gguf"
+    hf_cfg, hf_weights = load_artifact(tmp_path / "hf")
+    cfg, weights = load_artifact(tmp_path / "tiny.gguf")
+    assert cfg.rms_norm_eps == np.float32(hf_cfg.rms_norm_eps)  # GGUF keeps eps as a float32
+    assert dataclasses.replace(cfg, rms_norm_eps=hf_cfg.rms_norm_eps) == hf_cfg
+    assert set(weights) == set(hf_weights) == set(definition("phi3").tensors(cfg))
+    for name, w in hf_weights.items():
+        np.testing.assert_array_equal(weights[name], w, err_msg=name)
 
 
 # --- batching and chunking, on a random numpy model (no transformers needed) -------------
