@@ -6,7 +6,7 @@ against: RMSNorm in float32, ``rotate_half`` RoPE with float32 angles, GQA by
 
 Shapes: activations are rows ``[n, hidden]``; q/k ``[n, heads, head_dim]``.
 The KV cache is read through ``[slots, kv_heads * head_dim]`` row views
-(``forward.KVCache``), one row per token slot.
+(``forward.KVViews``), one row per token slot.
 """
 
 from __future__ import annotations
