@@ -59,7 +59,7 @@ def median(xs) -> float:
 
 
 def load_backend(gguf: Path):
-    from engine.backends.numpy_backend import NumpyBackend
+    from engine.backends.numpy import NumpyBackend
     from engine.config import EngineConfig
     from engine.loaders import load_artifact
 

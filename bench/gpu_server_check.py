@@ -121,7 +121,7 @@ def backend_parity(gguf: Path, n_tokens: int = 32) -> list[dict]:
     """Greedy tokens of the numpy and CUDA backends on the real model, prompt by prompt."""
     from engine.backend import DecodeLane, PrefillSpan, SampleRequest, StepOutput
     from engine.backends.cuda_backend import CudaBackend
-    from engine.backends.numpy_backend import NumpyBackend
+    from engine.backends.numpy import NumpyBackend
     from engine.chat_template import render_chat
     from engine.loaders import load_artifact
     from engine.sampling import SamplingParams

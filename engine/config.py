@@ -32,6 +32,7 @@ class EngineConfig:
     kv_ram_budget: int = 768 * MiB  # numpy backend: RAM for the device-tier KV pool
     host_kv_budget: int = 2048 * MiB  # the host-RAM tier for swapped pages
     retry_after_floor: float = 1.0  # seconds; the least Retry-After an engine_full gets
+    blas_threads: int = 1  # model.blas_threads: numpy backend's BLAS threads (0 = leave BLAS as it is)
     cuda: CudaTuning = field(default_factory=CudaTuning)
 
     def to_dict(self) -> dict:

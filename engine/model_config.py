@@ -1,9 +1,10 @@
 """The shape of a decoder-only transformer, independent of where it came from.
 
 Both loaders (GGUF and Hugging Face directories) produce a ``ModelConfig`` and a
-dict of float32 weights named the Hugging Face way
+dict of float32 weights named the Hugging Face llama way
 (``model.layers.{i}.self_attn.q_proj.weight`` ...), laid out ``[out, in]`` as
-``torch.nn.Linear`` stores them. Backends consume nothing else.
+``torch.nn.Linear`` stores them. Backends consume nothing else; which tensors a
+model has is its definition's ``tensors(cfg)`` (``engine.models``).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from dataclasses import dataclass, field
 
 @dataclass(frozen=True)
 class ModelConfig:
-    arch: str  # "llama" | "mistral" | "qwen2"
+    arch: str  # a model definition's name (engine.models.DEFINITIONS): "llama", "qwen2", ...
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -36,26 +37,3 @@ class ModelConfig:
     def kv_bytes_per_token_fp32(self) -> int:
         """K and V for one token across all layers, in float32."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * 4
-
-
-def weight_names(cfg: ModelConfig) -> list[str]:
-    """Every tensor a backend expects, in Hugging Face naming."""
-    names = ["model.embed_tokens.weight", "model.norm.weight"]
-    if not cfg.tie_word_embeddings:
-        names.append("lm_head.weight")
-    for i in range(cfg.num_layers):
-        p = f"model.layers.{i}."
-        names += [
-            p + "input_layernorm.weight",
-            p + "post_attention_layernorm.weight",
-            p + "self_attn.q_proj.weight",
-            p + "self_attn.k_proj.weight",
-            p + "self_attn.v_proj.weight",
-            p + "self_attn.o_proj.weight",
-            p + "mlp.gate_proj.weight",
-            p + "mlp.up_proj.weight",
-            p + "mlp.down_proj.weight",
-        ]
-        if cfg.attention_bias:
-            names += [p + "self_attn.q_proj.bias", p + "self_attn.k_proj.bias", p + "self_attn.v_proj.bias"]
-    return names

@@ -10,7 +10,6 @@ serving. Plain Python: the Django side imports the messages and the digest.
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,19 +46,9 @@ def artifact_digest(path: str | Path, progress=None) -> str:
 
 def artifact_config(path: str | Path) -> ModelConfig:
     """The model's shape without reading its weights (GGUF metadata or config.json)."""
-    from engine.loaders import artifact_format
+    from engine.loaders import read_config
 
-    p = Path(path)
-    if artifact_format(p) == "gguf":
-        import gguf
-
-        from engine.loaders.gguf import config_from_metadata, read_metadata
-
-        reader = gguf.GGUFReader(str(p))
-        return config_from_metadata(read_metadata(reader), {t.name for t in reader.tensors})
-    from engine.loaders.hf import config_from_hf
-
-    return config_from_hf(json.loads((p / "config.json").read_text()))
+    return read_config(path)
 
 
 def weights_bytes(cfg: ModelConfig) -> int:

@@ -101,6 +101,7 @@ FIELDS: dict[str, Field] = {
         Field("model.kv_block_size", int, 16, "tokens per KV page", 1, 1024),
         Field("model.kv_ram_budget", int, 768 * MiB, "numpy backend: bytes for the KV pool", MiB, 1 << 40),
         Field("model.host_kv_budget", int, 2048 * MiB, "bytes of host RAM for swapped KV pages", 0, 1 << 42),
+        Field("model.blas_threads", int, 1, "numpy backend: BLAS threads (0 = BLAS's own default)", 0, 256),
         Field("model.idle_unload", int, 300, "seconds idle before unloading (0 = never)", 0, 1 << 31),
         Field(
             "model.ram_budget",
@@ -239,4 +240,5 @@ def engine_config_dict(values: dict[str, Any]) -> dict[str, Any]:
         "block_size": values["model.kv_block_size"],
         "kv_ram_budget": values["model.kv_ram_budget"],
         "host_kv_budget": values["model.host_kv_budget"],
+        "blas_threads": values["model.blas_threads"],
     }

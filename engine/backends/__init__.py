@@ -1,13 +1,18 @@
 """Backends behind the step interface, chosen by name."""
 
+from __future__ import annotations
+
 from engine.backend import Backend
+from engine.config import EngineConfig
 
 
-def create_backend(name: str) -> Backend:
+def create_backend(name: str, config: EngineConfig | None = None) -> Backend:
+    """The backend called ``name``, with its knobs from ``config`` (defaults when None)."""
+    config = config or EngineConfig()
     if name == "numpy":
-        from engine.backends.numpy_backend import NumpyBackend
+        from engine.backends.numpy import NumpyBackend
 
-        return NumpyBackend()
+        return NumpyBackend(blas_threads=config.blas_threads)
     if name == "cuda":
         from engine.backends.cuda_backend import CudaBackend
 

@@ -1,7 +1,9 @@
 """Model artifacts in, ``(ModelConfig, float32 weights in HF naming)`` out.
 
 Two formats: a ``.gguf`` file, or a Hugging Face directory (config.json and
-safetensors). Backends never see the difference.
+safetensors). Both loaders are generic: the model's definition
+(``engine.models``) parses its config and names its tensors, so backends never
+see the difference.
 """
 
 from __future__ import annotations
@@ -22,6 +24,17 @@ def artifact_format(path: str | Path) -> str:
     if p.is_dir() and (p / "config.json").exists():
         return "hf"
     raise ValueError(f"not a model artifact (a .gguf file or a directory with config.json): {p}")
+
+
+def read_config(path: str | Path) -> ModelConfig:
+    """The model's config without reading its weights (GGUF metadata, or config.json)."""
+    if artifact_format(path) == "gguf":
+        from engine.loaders.gguf import read_config as read_gguf_config
+
+        return read_gguf_config(path)
+    from engine.loaders.hf import read_config as read_hf_config
+
+    return read_hf_config(Path(path))
 
 
 def load_artifact(

@@ -1,8 +1,9 @@
 """Hugging Face model directories: config.json plus (sharded) safetensors.
 
-Covers llama, mistral and qwen2 (q/k/v biases, tied embeddings, rope_theta,
-llama3 ``rope_scaling``, an explicit ``head_dim``). Weights come back as float32
-in HF naming and ``[out, in]`` layout, unchanged.
+Generic: config.json's ``model_type`` picks the definition
+(``engine.models.for_hf``), which parses the config and maps the checkpoint's
+tensor names onto the canonical ones (splitting fused tensors into row views).
+Weights come back as float32 in canonical naming and ``[out, in]`` layout.
 
 ``safetensors.numpy`` cannot produce bfloat16 arrays, so bf16 tensors are read
 raw from the file (the header gives each tensor's byte range) and widened with
@@ -11,6 +12,7 @@ a uint16 -> float32 shift: bf16 is the top half of an IEEE float32.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import struct
 from collections.abc import Callable
@@ -18,44 +20,20 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.model_config import ModelConfig, weight_names
+from engine.model_config import ModelConfig
+from engine.models import definition, for_hf
 
-SUPPORTED_ARCHS = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2"}
+
+def config_from_hf(config: dict, generation: dict | None = None) -> ModelConfig:
+    """``ModelConfig`` from a parsed config.json (and generation_config.json), by its model_type's definition."""
+    return for_hf(config.get("model_type", "llama")).config_from_hf(config, generation)
 
 
-def config_from_hf(cfg: dict, generation: dict | None = None) -> ModelConfig:
-    """``ModelConfig`` from a parsed config.json (and generation_config.json if present)."""
-    arch = cfg.get("model_type", "llama")
-    if arch not in SUPPORTED_ARCHS:
-        raise ValueError(f"unsupported model_type {arch!r} (supported: {sorted(SUPPORTED_ARCHS)})")
-    num_heads = int(cfg["num_attention_heads"])
-    hidden = int(cfg["hidden_size"])
-    eos = (generation or {}).get("eos_token_id", cfg.get("eos_token_id"))
-    eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
-    # transformers 5 keeps rope_theta under rope_parameters; older configs have it at the top.
-    rope = cfg.get("rope_parameters") or {}
-    scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
-    if scaling is not None:
-        scaling = {k: v for k, v in scaling.items() if k != "rope_theta"}
-        scaling.setdefault("rope_type", scaling.get("type", "default"))
-    return ModelConfig(
-        arch=arch,
-        vocab_size=int(cfg["vocab_size"]),
-        hidden_size=hidden,
-        intermediate_size=int(cfg["intermediate_size"]),
-        num_layers=int(cfg["num_hidden_layers"]),
-        num_heads=num_heads,
-        num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
-        head_dim=int(cfg.get("head_dim") or hidden // num_heads),
-        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        rope_theta=float(cfg.get("rope_theta", rope.get("rope_theta", 10000.0))),
-        rope_scaling=scaling,
-        max_position=int(cfg.get("max_position_embeddings", 8192)),
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        attention_bias=bool(cfg.get("attention_bias", arch == "qwen2")),
-        bos_token_id=cfg.get("bos_token_id"),
-        eos_token_ids=tuple(int(e) for e in eos_ids),
-    )
+def read_config(root: Path) -> ModelConfig:
+    """The config of a Hugging Face directory, without reading its weights."""
+    gen_path = root / "generation_config.json"
+    generation = json.loads(gen_path.read_text()) if gen_path.exists() else None
+    return config_from_hf(json.loads((root / "config.json").read_text()), generation)
 
 
 def read_safetensors(path: Path) -> dict[str, np.ndarray]:
@@ -91,9 +69,7 @@ def load_hf(
 ) -> tuple[ModelConfig, dict[str, np.ndarray]]:
     """Read a Hugging Face directory; ``progress(done, total)`` counts safetensors files."""
     root = Path(path)
-    cfg_json = json.loads((root / "config.json").read_text())
-    gen_path = root / "generation_config.json"
-    generation = json.loads(gen_path.read_text()) if gen_path.exists() else None
+    cfg = read_config(root)  # first: an unsupported model_type is refused before any weights are read
     index = root / "model.safetensors.index.json"
     if index.exists():
         files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
@@ -101,18 +77,16 @@ def load_hf(
         files = sorted(p.name for p in root.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no .safetensors files in {root}")
+    model = definition(cfg.arch)
     weights: dict[str, np.ndarray] = {}
     for done, name in enumerate(files, 1):
-        weights.update(read_safetensors(root / name))
+        weights.update(model.from_hf(cfg, read_safetensors(root / name)))
         if progress:
             progress(done, len(files))
-    cfg = config_from_hf(cfg_json, generation)
     if "lm_head.weight" not in weights and not cfg.tie_word_embeddings:
         # Some checkpoints drop the head while config says untied; the head is the embedding then.
-        import dataclasses
-
         cfg = dataclasses.replace(cfg, tie_word_embeddings=True)
-    missing = [n for n in weight_names(cfg) if n not in weights]
+    missing = [n for n in model.tensors(cfg) if n not in weights]
     if missing:
         raise ValueError(f"{root}: missing tensors {missing[:4]}{'...' if len(missing) > 4 else ''}")
     return cfg, weights

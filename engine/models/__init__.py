@@ -10,12 +10,14 @@ from __future__ import annotations
 
 from engine.models.base import ModelDefinition
 from engine.models.llama import LLAMA, MISTRAL
+from engine.models.phi3 import PHI3
 from engine.models.qwen2 import QWEN2
 
-DEFINITIONS: dict[str, ModelDefinition] = {d.name: d for d in (LLAMA, MISTRAL, QWEN2)}
+DEFINITIONS: dict[str, ModelDefinition] = {d.name: d for d in (LLAMA, MISTRAL, QWEN2, PHI3)}
 
 
 def definition(arch: str) -> ModelDefinition:
+    """The definition of a loaded model (``ModelConfig.arch``)."""
     try:
         return DEFINITIONS[arch]
     except KeyError:
@@ -23,6 +25,7 @@ def definition(arch: str) -> ModelDefinition:
 
 
 def for_hf(model_type: str) -> ModelDefinition:
+    """The definition for a config.json's ``model_type``; ValueError naming the supported ones."""
     for d in DEFINITIONS.values():
         if model_type in d.hf_model_types:
             return d
@@ -31,6 +34,7 @@ def for_hf(model_type: str) -> ModelDefinition:
 
 
 def for_gguf(arch: str) -> ModelDefinition:
+    """The definition for a GGUF's ``general.architecture``; ValueError naming the supported ones."""
     for d in DEFINITIONS.values():
         if arch in d.gguf_archs:
             return d

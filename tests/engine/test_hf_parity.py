@@ -6,13 +6,17 @@ The backend is driven directly through the step interface: one prefill, then dec
 
 from __future__ import annotations
 
+import dataclasses
+import json
+
 import numpy as np
 import pytest
 
 from engine.backend import DecodeLane, PrefillSpan, SampleRequest, StepOutput
-from engine.backends.numpy_backend import NumpyBackend
+from engine.backends.numpy import NumpyBackend
 from engine.loaders import artifact_format, load_artifact
-from engine.model_config import ModelConfig, weight_names
+from engine.model_config import ModelConfig
+from engine.models import definition
 from engine.sampling import SamplingParams
 
 MAX_REL_ERR = 1e-4
@@ -133,6 +137,9 @@ def _tiny_checkpoint(kind: str, path) -> None:
         cfg = transformers.LlamaConfig(num_hidden_layers=3, rope_theta=500000.0, rope_scaling=scaling, **common)
         model = transformers.LlamaForCausalLM(cfg)
         model.save_pretrained(path, max_shard_size="100KB")  # sharded: exercises the index
+    elif kind == "phi3":  # fused qkv_proj and gate_up_proj in the checkpoint; pad id inside the tiny vocab
+        cfg = transformers.Phi3Config(num_hidden_layers=2, pad_token_id=0, bos_token_id=1, eos_token_id=2, **common)
+        transformers.Phi3ForCausalLM(cfg).save_pretrained(path)
     else:
         cfg = transformers.Qwen2Config(num_hidden_layers=2, rope_theta=10000.0, tie_word_embeddings=True, **common)
         model = transformers.Qwen2ForCausalLM(cfg)
@@ -144,7 +151,7 @@ def _tiny_checkpoint(kind: str, path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["llama3", "qwen2"])
+@pytest.mark.parametrize("kind", ["llama3", "qwen2", "phi3"])
 def test_tiny_checkpoints_match_hf(kind, tmp_path):
     import torch
     import transformers
@@ -152,9 +159,11 @@ def test_tiny_checkpoints_match_hf(kind, tmp_path):
     _tiny_checkpoint(kind, tmp_path)
     assert artifact_format(tmp_path) == "hf"
     cfg, weights = load_artifact(tmp_path)
-    assert set(weights) >= set(weight_names(cfg))
+    assert set(weights) >= set(definition(cfg.arch).tensors(cfg))
     if kind == "qwen2":
         assert cfg.attention_bias and cfg.tie_word_embeddings
+    elif kind == "phi3":
+        assert cfg.arch == "phi3" and not any("qkv_proj" in n or "gate_up_proj" in n for n in weights)
     else:
         assert cfg.rope_scaling["rope_type"] == "llama3"
     backend = load_backend(cfg, weights)
@@ -168,6 +177,59 @@ def test_tiny_checkpoints_match_hf(kind, tmp_path):
         assert our_tokens == their_tokens, n
 
 
+def _write_phi3_gguf(hf_dir, path) -> None:
+    """The tiny phi3 checkpoint as llama.cpp's converter lays it out: F32, fused attn_qkv and ffn_up."""
+    import gguf
+
+    from engine.loaders.hf import read_safetensors
+
+    hf = json.loads((hf_dir / "config.json").read_text())
+    w = read_safetensors(hf_dir / "model.safetensors")
+    writer = gguf.GGUFWriter(str(path), "phi3")
+    writer.add_context_length(hf["max_position_embeddings"])
+    writer.add_embedding_length(hf["hidden_size"])
+    writer.add_feed_forward_length(hf["intermediate_size"])
+    writer.add_block_count(hf["num_hidden_layers"])
+    writer.add_head_count(hf["num_attention_heads"])
+    writer.add_head_count_kv(hf["num_key_value_heads"])
+    writer.add_layer_norm_rms_eps(hf["rms_norm_eps"])
+    writer.add_rope_freq_base(hf["rope_parameters"]["rope_theta"])
+    writer.add_rope_dimension_count(hf["hidden_size"] // hf["num_attention_heads"])
+    writer.add_bos_token_id(hf["bos_token_id"])
+    writer.add_eos_token_id(hf["eos_token_id"])
+    names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+             "lm_head.weight": "output.weight", "input_layernorm.weight": "attn_norm.weight",
+             "self_attn.qkv_proj.weight": "attn_qkv.weight", "self_attn.o_proj.weight": "attn_output.weight",
+             "post_attention_layernorm.weight": "ffn_norm.weight", "mlp.gate_up_proj.weight": "ffn_up.weight",
+             "mlp.down_proj.weight": "ffn_down.weight"}  # fmt: skip
+    for name, t in w.items():
+        if name.startswith("model.layers."):
+            _, _, i, suffix = name.split(".", 3)
+            writer.add_tensor(f"blk.{i}.{names[suffix]}", t)
+        else:
+            writer.add_tensor(names[name], t)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.mark.slow
+def test_phi3_gguf_loads_as_its_hf_checkpoint(tmp_path):
+    """llama.cpp's phi3 layout (fused attn_qkv, gate|up in ffn_up, q/k rows unpermuted) maps onto the
+    same canonical tensors, bit for bit, and the same config as the safetensors checkpoint."""
+    _tiny_checkpoint("phi3", tmp_path / "hf")
+    _write_phi3_gguf(tmp_path / "hf", tmp_path / "tiny.gguf")
+    assert artifact_format(tmp_path / "tiny.gguf") == "gguf"
+    hf_cfg, hf_weights = load_artifact(tmp_path / "hf")
+    cfg, weights = load_artifact(tmp_path / "tiny.gguf")
+    assert cfg.rms_norm_eps == np.float32(hf_cfg.rms_norm_eps)  # GGUF keeps eps as a float32
+    assert dataclasses.replace(cfg, rms_norm_eps=hf_cfg.rms_norm_eps) == hf_cfg
+    assert set(weights) == set(hf_weights) == set(definition("phi3").tensors(cfg))
+    for name, w in hf_weights.items():
+        np.testing.assert_array_equal(weights[name], w, err_msg=name)
+
+
 # --- batching and chunking, on a random numpy model (no transformers needed) -------------
 
 
@@ -175,13 +237,8 @@ def random_model(seed: int = 0) -> tuple[ModelConfig, dict[str, np.ndarray]]:
     cfg = ModelConfig(arch="qwen2", vocab_size=128, hidden_size=64, intermediate_size=96, num_layers=2,
                       num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=10000.0, attention_bias=True)  # fmt: skip
     rng = np.random.default_rng(seed)
-    shapes = {"embed_tokens": (cfg.vocab_size, 64), "lm_head": (cfg.vocab_size, 64), "norm": (64,),
-              "layernorm": (64,), "q_proj.weight": (64, 64), "k_proj.weight": (32, 64), "v_proj.weight": (32, 64),
-              "o_proj": (64, 64), "gate_proj": (96, 64), "up_proj": (96, 64), "down_proj": (64, 96),
-              "q_proj.bias": (64,), "k_proj.bias": (32,), "v_proj.bias": (32,)}  # fmt: skip
     weights = {}
-    for name in weight_names(cfg):
-        shape = next(s for key, s in shapes.items() if key in name)
+    for name, shape in definition(cfg.arch).tensors(cfg).items():
         base = 1.0 if name.endswith("norm.weight") else 0.0
         weights[name] = (base + rng.normal(0, 0.3, shape)).astype(np.float32)
     return cfg, weights
@@ -218,17 +275,17 @@ def test_prefill_in_two_chunks_equals_one():
     np.testing.assert_allclose(backend.k[:, [5, 7, 3]], backend.k[:, [0, 1, 2]], rtol=1e-5, atol=1e-5)
 
 
-def test_swap_and_copy_blocks_move_kv_contents():
+def test_swap_moves_kv_contents():
     backend = load_backend(*random_model())
     ids = list(range(30))
     backend.prefill(PrefillSpan(0, ids, 0, [0, 1]), StepOutput())
     before_k, before_v = backend.k[:, [0, 1]].copy(), backend.v[:, [0, 1]].copy()
     backend.swap_out([(0, 3), (1, 4)])
     backend.k[:, [0, 1]] = 0
+    backend.v[:, [0, 1]] = 0
     backend.swap_in([(3, 6), (4, 2)])
     np.testing.assert_array_equal(backend.k[:, [6, 2]], before_k)
-    backend.copy_blocks([(6, 9), (2, 8)])
-    np.testing.assert_array_equal(backend.v[:, [9, 8]], before_v)
+    np.testing.assert_array_equal(backend.v[:, [6, 2]], before_v)
 
 
 def test_memory_plan_sizes_the_pool_from_the_budget():

@@ -32,7 +32,7 @@ def load_cuda(model, cfg, *, as_numpy: bool, max_context=4096, kv=1 << 30):
     from engine.backends.cuda_backend import CudaBackend
 
     sd = model.state_dict()
-    names = __import__("engine.model_config", fromlist=["weight_names"]).weight_names(cfg)
+    names = __import__("engine.models", fromlist=["definition"]).definition(cfg.arch).tensors(cfg)
     weights = {n: (sd[n].float().cpu().numpy() if as_numpy else sd[n]) for n in names}
     be = CudaBackend()
     be.load(cfg, weights, block_size=16, kv_budget_bytes=kv, host_kv_budget_bytes=64 << 20, max_context=max_context)
@@ -102,7 +102,7 @@ def _run_lanes(backend, prompts, tables, steps, width):
 def test_qwen2_greedy_matches_numpy_backend_and_widths(qwen):
     """Greedy continuations agree with the numpy backend until the first near-tie,
     and a lane's tokens (and logprobs, bitwise) do not depend on the width of its round."""
-    from engine.backends.numpy_backend import NumpyBackend
+    from engine.backends.numpy import NumpyBackend
 
     model, cfg, be, weights = qwen
     ref = NumpyBackend()
@@ -202,7 +202,7 @@ def test_qwen2_constrained_rows_sample_on_the_host_like_numpy(qwen):
     """A row with a grammar is drawn from the device's logits under the grammar's mask,
     greedy and seeded, beside unconstrained rows, and agrees with the numpy backend."""
     from engine.backend import DecodeLane, PrefillSpan, SampleRequest, StepOutput
-    from engine.backends.numpy_backend import NumpyBackend
+    from engine.backends.numpy import NumpyBackend
     from engine.sampling import SamplingParams
 
     model, cfg, be, weights = qwen
