@@ -12,13 +12,12 @@ table replaces the "CUDA backend (H200)" section of docs/PERFORMANCE.md.
 from __future__ import annotations
 
 import argparse
-import datetime
-import os
 import platform
 import statistics
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -128,74 +127,70 @@ def graph_time(be, w: int, reps: int = 20) -> float:
 
     with runtime.current():
         a, b = cuda.Event(), cuda.Event()
-        be.graphs[w].launch()
+        be.graphs.replay(w)
         a.record(be.stream)
         for _ in range(reps):
-            be.graphs[w].launch()
+            be.graphs.replay(w)
         b.record(be.stream)
         b.synchronize()
         return b.time_since(a) / 1e3 / reps
 
 
 def kernel_breakdown(be, bw: float) -> list[str]:
-    """Achieved read bandwidth of each decode GEMV shape, FMA vs tensor-core kernel, widths 1 and 8.
-    Each repetition reads another layer's matrix, so L2 never holds the weights."""
+    """Achieved read bandwidth of each decode GEMV shape on gemv_tc's 4-step and 2-step variants,
+    widths 1 and 8 (kernel objects of their own: the backend's keep their settings). Each
+    repetition reads another layer's matrix, so L2 never holds the weights."""
     import pycuda.driver as cuda
 
     from engine.cu import runtime
+    from engine.cu.kernels import Kernels
 
-    c, k, s = be.config, be.kern, be.stream
+    c, s, w, ws = be.config, be.stream, be.weights, be.ws
     hid, inter, hd = c.hidden_size, c.intermediate_size, c.num_heads * c.head_dim
-    shapes = [("q,k,v", "qkv", be.n_qkv, hid, be.xn), ("o", "o", hid, hd, be.attn),
-              ("gate,up", "gate_up", 2 * inter, hid, be.xn), ("down", "down", hid, inter, be.act)]  # fmt: skip
-    lines = ["| GEMV | N x K | width | FMA kernel | tensor-core kernel (4 steps in flight; default from 40M weights) "
-             "| tensor-core kernel (2 steps; default below 40M) |", "|---|---|---|---|---|---|"]  # fmt: skip
-    saved = k.tc_from, k.fma_min_elems, k.u2_below
-    k.fma_min_elems = 1 << 62
+    n_qkv = hd + 2 * c.num_kv_heads * c.head_dim
+    shapes = [("q,k,v", "qkv", n_qkv, hid, ws.xn), ("o", "o", hid, hd, ws.attn),
+              ("gate,up", "gate_up", 2 * inter, hid, ws.xn), ("down", "down", hid, inter, ws.act)]  # fmt: skip
+    lines = ["| GEMV | N x K | width | tensor-core kernel (4 steps in flight; default from 40M weights) "
+             "| tensor-core kernel (2 steps; default below 40M) |", "|---|---|---|---|---|"]  # fmt: skip
     with runtime.current():
-        for label, attr, n, kk, x in shapes + [("lm_head", None, c.vocab_size, hid, be.xn)]:
+        group = c.num_heads // c.num_kv_heads
+        variants = [
+            Kernels(c.head_dim, group, u2_below=u2, cache_dir=be.tuning.kernel_cache_dir) for u2 in (0, 1 << 62)
+        ]
+        for label, attr, n, kk, x in shapes + [("lm_head", None, c.vocab_size, hid, ws.xn)]:
             for m in (1, 8):
                 cells = []
-                for tc_from, u2 in ((9, 0), (1, 0), (1, 1 << 62)):
-                    k.tc_from, k.u2_below = tc_from, u2
+                for k in variants:
                     reps = 16
                     a, b = cuda.Event(), cuda.Event()
                     a.record(s)
                     for r in range(reps):
-                        w = be.lm_head if attr is None else getattr(be.layers[r % len(be.layers)], attr)
-                        k.linear(s, x, w, 0, be.gu, m, n, kk)
+                        mat = w.lm_head if attr is None else getattr(w.layers[r % len(w.layers)], attr)
+                        k.linear(s, x, mat, 0, ws.gu, m, n, kk)
                     b.record(s)
                     b.synchronize()
                     t = b.time_since(a) / 1e3 / reps
                     cells.append(f"{t * 1e6:.1f} us, {n * kk * 2 / t / 1e12:.2f} TB/s ({n * kk * 2 / t / bw:.0%})")
                 lines.append(f"| {label} | {n} x {kk} | {m} | " + " | ".join(cells) + " |")
-    k.tc_from, k.fma_min_elems, k.u2_below = saved
     return lines
 
 
 def sweep(be, settings) -> list[str]:
-    """Graph time at widths 1 and 8 under other kernel settings (graphs re-captured for each)."""
-    from engine.cu import runtime
-
+    """Graph time at widths 1 and 8 under other kernel settings (``CudaBackend.retune`` recaptures)."""
     lines = ["| setting | graph w1 | graph w8 | w8 / w1 | nodes w1 |", "|---|---|---|---|---|"]
-    saved = be.l2_prefetch, be.kern.u2_below, be.kern.fma_min_elems, be.decode_fused
-    for label, pf_mb, u2, fma, fused in settings:
-        be.l2_prefetch, be.kern.u2_below, be.kern.fma_min_elems = int(pf_mb * (1 << 20)), u2, fma
-        be.decode_fused = fused
+    saved = be.tuning
+    for label, tuning in settings:
         try:
-            with runtime.current():
-                be._capture_graphs()
+            be.retune(tuning)
             g1, g8 = graph_time(be, 1, 40), graph_time(be, 8, 40)
         except Exception as e:  # one setting failing must not lose the run's other figures
             lines.append(f"| {label} | failed: {type(e).__name__}: {e} | | | |")
             print(lines[-1], flush=True)
             continue
-        nodes = be.graphs[1].num_nodes
+        nodes = be.graphs.num_nodes(1)
         lines.append(f"| {label} | {g1 * 1e3:.3f} ms | {g8 * 1e3:.3f} ms | {g8 / g1:.2f}x | {nodes} |")
         print(lines[-1], flush=True)
-    be.l2_prefetch, be.kern.u2_below, be.kern.fma_min_elems, be.decode_fused = saved
-    with runtime.current():
-        be._capture_graphs()
+    be.retune(saved)
     return lines
 
 
@@ -260,12 +255,6 @@ def fmt_table(bw, bound, ig, hf, prompt_lens) -> list[str]:
     return rows
 
 
-def write_section(lines: list[str]) -> None:
-    from bench.perfdoc import write_section as write
-
-    write(SECTION, lines)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=32)
@@ -273,14 +262,17 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, nargs="*", default=[2048, 32768])
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--write", action="store_true", help="update docs/PERFORMANCE.md")
-    ap.add_argument("--sweep", action="store_true", help="also time the graphs under other L2-prefetch / GEMV settings")
+    ap.add_argument("--sweep", action="store_true", help="also time the graphs under other GEMV settings")
+    ap.add_argument("--kernel-cache-dir", default="", help="compiled kernels (default: models/.cache/pycuda)")
     args = ap.parse_args()
 
     import pycuda.driver as cuda
     import torch
     import transformers
 
-    from engine.backends.cuda_backend import CudaBackend
+    from bench.perfdoc import command_line, report
+    from engine.backends.cuda import CudaBackend
+    from engine.config import CudaTuning
     from engine.cu import runtime
 
     torch.cuda.init()
@@ -290,7 +282,8 @@ def main() -> None:
         bw = read_bandwidth(cuda, cuda.Stream())
     model, cfg = build_model(args.layers)
     bound = streamed_bytes(cfg) / bw
-    be = CudaBackend()
+    tuning = CudaTuning(kernel_cache_dir=args.kernel_cache_dir)
+    be = CudaBackend(tuning)
     t0 = time.perf_counter()
     max_ctx = max(args.prompts + [DECODE_CONTEXT]) + 256
     be.load(cfg, {n: p for n, p in model.state_dict().items()}, block_size=16, kv_budget_bytes=24 << 30,
@@ -300,26 +293,20 @@ def main() -> None:
     breakdown = kernel_breakdown(be, bw)
     swept = []
     if args.sweep:
-        pf, u2, fma = be.l2_prefetch >> 20, be.kern.u2_below, be.kern.fma_min_elems
-        settings = [("default (fused: 5 kernels a layer)", pf, u2, fma, True),
-                    ("unfused (8 kernels a layer), every width on gemv_tc", pf, u2, fma, False),
-                    ("unfused, width 1 on the FMA GEMV for >= 32M weights (run 5's default)", pf, u2, 32 << 20, False),
-                    ("fused, 4-step gemv_tc for every matrix (run 6's default)", pf, 0, fma, True)]  # fmt: skip
+        settings = [("default (5 kernels a layer)", tuning),
+                    ("4-step gemv_tc for every matrix (run 6's default)", replace(tuning, gemv_u2_below=0))]  # fmt: skip
         swept = ["", "Decode graph alone under other settings (re-captured):", "", *sweep(be, settings)]
     be.unload()
     hf = {} if args.skip_hf else bench_hf(torch, model, cfg, rng, args.prompts, args.rounds)
 
-    cmd = "python3 " + " ".join([os.path.relpath(sys.argv[0], ROOT)] + sys.argv[1:])
     try:
         drv = subprocess.run(["nvidia-smi", "--query-gpu=driver_version,memory.total", "--format=csv,noheader"],
                              capture_output=True, text=True).stdout.strip()  # fmt: skip
     except OSError:
         drv = "?"
-    lines = [
-        f"Machine: {gpu} ({drv}), {platform.node()}, Python {platform.python_version()}, torch {torch.__version__}, "
-        f"transformers {transformers.__version__}",
-        f"Date: {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M UTC}",
-        f"Command: `{cmd}`",
+    machine = (f"{gpu} ({drv}), {platform.node()}, Python {platform.python_version()}, torch {torch.__version__}, "
+               f"transformers {transformers.__version__}")  # fmt: skip
+    body = [
         f"Model: Llama-3.1-8B shape, {cfg.num_layers} layers, random bf16 weights "
         f"({streamed_bytes(cfg) / 1e9:.2f} GB streamed per round); decode at {DECODE_CONTEXT}-token contexts, "
         f"median of {args.rounds} rounds, wall time of decode_round (staging, graph replay, token read-back); "
@@ -332,9 +319,7 @@ def main() -> None:
         *breakdown,
         *swept,
     ]
-    print("\n".join(lines))
-    if args.write:
-        write_section(lines)
+    report(SECTION, machine=machine, command=command_line("python3"), body=body, write=args.write)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,6 @@ With ``--write`` the table replaces the "numpy backend" section of docs/PERFORMA
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import platform
@@ -335,12 +334,6 @@ def fmt_table(widths, ttft, share, mem, kv_nbytes, plan) -> list[str]:
     return rows
 
 
-def write_section(lines: list[str]) -> None:
-    from bench.perfdoc import write_section as write
-
-    write(SECTION, lines)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=15, help="decode rounds per width")
@@ -380,14 +373,15 @@ def main() -> None:
 
     import numpy as np
 
-    cmd = ".venv/bin/python " + " ".join([os.path.relpath(sys.argv[0], ROOT)] + sys.argv[1:])
+    from bench.perfdoc import command_line, report
+
     load = os.getloadavg()
-    lines = [
-        f"Machine: {cpu_model()}, {os.cpu_count()} cores, {platform.node()}, Python {platform.python_version()}, "
+    machine = (
+        f"{cpu_model()}, {os.cpu_count()} cores, {platform.node()}, Python {platform.python_version()}, "
         f"numpy {np.__version__} ({blas}); load average at the end {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} "
-        "(the machine is shared: figures are medians and ratios from this one run)",
-        f"Date: {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M UTC}",
-        f"Command: `{cmd}`",
+        "(the machine is shared: figures are medians and ratios from this one run)"
+    )
+    body = [
         f"Model: {gguf.name} (dequantized to float32, {plan.weights_bytes / 1e6:.0f} MB of weights); "
         f"sampling {SAMPLING}. Decode rounds: NumpyBackend.decode_round at {DECODE_CONTEXT}-token contexts, "
         f"median of {args.reps} per width, widths interleaved. TTFT and decode share: Scheduler + NumpyBackend "
@@ -399,9 +393,7 @@ def main() -> None:
         *fmt_table(widths, ttft, share, mem, kv_nbytes, plan),
         *NOTES,
     ]
-    print("\n".join(lines))
-    if args.write:
-        write_section(lines)
+    report(SECTION, machine=machine, command=command_line(".venv/bin/python"), body=body, write=args.write)
 
 
 if __name__ == "__main__":

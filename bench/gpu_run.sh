@@ -3,7 +3,8 @@
 # Usage (from the repo root on the GPU machine): bash bench/gpu_run.sh [tests|bench|all]
 set -o pipefail
 what=${1:-all}
-export PYTHONUNBUFFERED=1 PYCUDA_CACHE_DIR=/tmp/pycuda-cache
+# Kernels compile into models/.cache/pycuda (the default; tests and bench alike).
+export PYTHONUNBUFFERED=1
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used --format=csv > "$OUT/machine.txt" 2>&1
 python3 -c "import pycuda, cuda.bindings, torch, transformers; print(pycuda.VERSION, torch.__version__, transformers.__version__)" >> "$OUT/machine.txt" 2>&1

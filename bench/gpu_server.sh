@@ -6,7 +6,7 @@
 # and only /tmp outlives a call): `bash bench/gpu_server.sh stash` keeps the
 # pieces a call carried in /tmp/parts until the last call assembles them.
 set -o pipefail
-export PYTHONUNBUFFERED=1 PYCUDA_CACHE_DIR=/tmp/pycuda-cache
+export PYTHONUNBUFFERED=1 IGNIS_CUDA_KERNEL_CACHE_DIR=/tmp/pycuda-cache  # the cuda.kernel_cache_dir key
 mkdir -p "$OUT"
 mkdir -p /tmp/parts && cp .gpu/*/* /tmp/parts/ 2>/dev/null
 [ "$1" = stash ] && { ls -l /tmp/parts; exit 0; }

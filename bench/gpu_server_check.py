@@ -120,8 +120,7 @@ def server_check(base: str, max_tokens: int) -> dict:
 def backend_parity(gguf: Path, n_tokens: int = 32) -> list[dict]:
     """Greedy tokens of the numpy and CUDA backends on the real model, prompt by prompt."""
     from engine.backend import DecodeLane, PrefillSpan, SampleRequest, StepOutput
-    from engine.backends.cuda_backend import CudaBackend
-    from engine.backends.numpy import NumpyBackend
+    from engine.backends import create_backend
     from engine.chat_template import render_chat
     from engine.loaders import load_artifact
     from engine.sampling import SamplingParams
@@ -131,7 +130,8 @@ def backend_parity(gguf: Path, n_tokens: int = 32) -> list[dict]:
     tok = load_tokenizer(gguf)
     greedy = SampleRequest(params=SamplingParams(temperature=0), seed=0)
     runs = {}
-    for name, backend in (("numpy", NumpyBackend()), ("cuda", CudaBackend())):
+    for name in ("numpy", "cuda"):
+        backend = create_backend(name)
         backend.load(cfg, weights, block_size=16, kv_budget_bytes=64 << 20, host_kv_budget_bytes=0, max_context=2048)
         runs[name] = []
         for prompt in PROMPTS[:4]:

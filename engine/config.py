@@ -15,7 +15,6 @@ MiB = 1 << 20
 class CudaTuning:
     """The CUDA backend's tuning knobs (``cuda.*`` keys); engine/ reads no environment."""
 
-    l2_prefetch_mb: float = 0.0  # cuda.l2_prefetch_mb: next GEMV's weights the small kernels prefetch
     gemv_u2_below: int = 40 << 20  # cuda.gemv_u2_below: matrices under this many weights use gemv_tc's 2-step variant
     kernel_cache_dir: str = ""  # compiled kernels (PyCUDA's cache); "" = <models dir>/.cache/pycuda
 

@@ -1,4 +1,4 @@
-"""The one configuration schema: ``server.*``, ``model.*``, ``switch.*``, ``spec.*``.
+"""The one configuration schema: ``server.*``, ``model.*``, ``switch.*``, ``spec.*``, ``cuda.*``.
 
 Every key has one value, settable (weakest first) by its default, the saved
 configuration (``ConfigValue`` rows a PATCH /v1/config or the admin wrote), the
@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 MiB = 1 << 20
@@ -121,6 +122,15 @@ FIELDS: dict[str, Field] = {
             "serve starts an embedded Celery worker (--pool=solo); default off with server.redis_url",
         ),
         Field("spec.decode_lanes", int, 8, "decode lanes (rows of one round)", 1, 64),
+        Field(
+            "cuda.gemv_u2_below",
+            int,
+            40 * MiB,
+            "CUDA backend: matrices of fewer weights run the 2-step tensor-core GEMV (0 = none)",
+            0,
+            1 << 62,
+        ),
+        Field("cuda.kernel_cache_dir", str, "", "CUDA backend: compiled kernels (default: <models dir>/.cache/pycuda)"),
     ]
 }
 
@@ -241,4 +251,14 @@ def engine_config_dict(values: dict[str, Any]) -> dict[str, Any]:
         "kv_ram_budget": values["model.kv_ram_budget"],
         "host_kv_budget": values["model.host_kv_budget"],
         "blas_threads": values["model.blas_threads"],
+        "cuda": cuda_tuning_dict(values),
+    }
+
+
+def cuda_tuning_dict(values: dict[str, Any]) -> dict[str, Any]:
+    """EngineConfig.cuda (CudaTuning); the kernel cache defaults into the models dir."""
+    models = values["server.models_dir"] or str(Path(__file__).resolve().parent.parent / "models")
+    return {
+        "gemv_u2_below": values["cuda.gemv_u2_below"],
+        "kernel_cache_dir": values["cuda.kernel_cache_dir"] or os.path.join(models, ".cache", "pycuda"),
     }

@@ -14,7 +14,7 @@ def create_backend(name: str, config: EngineConfig | None = None) -> Backend:
 
         return NumpyBackend(blas_threads=config.blas_threads)
     if name == "cuda":
-        from engine.backends.cuda_backend import CudaBackend
+        from engine.backends.cuda import CudaBackend
 
-        return CudaBackend()
+        return CudaBackend(config.cuda)
     raise ValueError(f"unknown backend {name!r} (numpy | cuda)")

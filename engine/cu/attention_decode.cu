@@ -1,7 +1,7 @@
 // attention_decode.cu: grouped-query decode attention over the paged KV cache,
-// split along the sequence (flash-decoding), then a combine pass.
+// split along the sequence (flash-decoding), the splits merged in the same kernel.
 //
-// decode_attn: grid (KVH, M, NUM_SPLITS), block 128 (4 warps).
+// decode_attn: grid (KVH, M, NUM_SPLITS), block DECODE_THREADS = 128 (4 warps).
 //   q bf16 [M, H, D] (rotated); positions int32 [M] (context = position + 1: the
 //   round's own token is already in the cache); block_tables int32 [M, bt_stride];
 //   cache bf16 [num_blocks][L][2][block_size][KVH][D], passed offset to the layer.
@@ -19,9 +19,7 @@
 //   lane's splits to arrive merges all of them (in split order, so the result does not depend
 //   on which block is last) and resets the counter to 0 for the next call. counters int32
 //   [M * KVH] must start zeroed.
-// decode_combine: grid (H, M), block D: the same merge as a separate pass (kept for reference
-//   and tests); writes out bf16 [M, H * D].
-// Compile-time: HEAD_DIM (64 or 128), GROUP (G <= 8), NUM_SPLITS, SUB.
+// Compile-time: HEAD_DIM (64 or 128), GROUP (G <= 8), NUM_SPLITS, DECODE_THREADS (from the wrapper); SUB.
 
 #ifndef HEAD_DIM
 #define HEAD_DIM 128
@@ -32,6 +30,10 @@
 #ifndef NUM_SPLITS
 #define NUM_SPLITS 32
 #endif
+#ifndef DECODE_THREADS
+#error "DECODE_THREADS is defined by engine/cu/kernels.py"
+#endif
+static_assert(DECODE_THREADS == 128, "decode_attn: 4 warps walk the keys and reduce in shared memory");
 #define SUB 64
 #define UNROLL 16  // keys in flight per warp: 4 warps x 16 = a whole SUB of 64 keys in one pass
 #define E (HEAD_DIM / 32)
@@ -51,7 +53,7 @@ __device__ __forceinline__ void load_row(const bf16* p, float* f) {
 #endif
 }
 
-extern "C" __global__ void __launch_bounds__(128)
+extern "C" __global__ void __launch_bounds__(DECODE_THREADS)
     decode_attn(const bf16* __restrict__ q, const int* __restrict__ positions, const int* __restrict__ block_tables,
                 int bt_stride, const bf16* __restrict__ cache, long long block_stride, int block_size, int KVH,
                 float scale_log2, float* __restrict__ o_part, float* __restrict__ ml, int* __restrict__ counters,
@@ -161,14 +163,14 @@ extern "C" __global__ void __launch_bounds__(128)
     __syncthreads();
     const int ns = (ctx + chunk - 1) / chunk;
     if (ns == 1) {  // one split: normalise and write the output here
-        for (int i = threadIdx.x; i < GROUP * HEAD_DIM; i += 128) {
+        for (int i = threadIdx.x; i < GROUP * HEAD_DIM; i += DECODE_THREADS) {
             const int g = i / HEAD_DIM, d = i % HEAD_DIM;
             const float v = sacc[0][g][d] + sacc[1][g][d] + sacc[2][g][d] + sacc[3][g][d];
             out[((size_t)m * H + kh * GROUP + g) * HEAD_DIM + d] = __float2bfloat16(v / ssum[g]);
         }
         return;
     }
-    for (int i = threadIdx.x; i < GROUP * HEAD_DIM; i += 128) {
+    for (int i = threadIdx.x; i < GROUP * HEAD_DIM; i += DECODE_THREADS) {
         const int g = i / HEAD_DIM, d = i % HEAD_DIM;
         const float v = sacc[0][g][d] + sacc[1][g][d] + sacc[2][g][d] + sacc[3][g][d];
         const size_t row = ((size_t)m * H + kh * GROUP + g) * NUM_SPLITS + sp;
@@ -186,7 +188,7 @@ extern "C" __global__ void __launch_bounds__(128)
     __syncthreads();
     if (!is_last) return;
     __threadfence();
-    for (int i = threadIdx.x; i < GROUP * HEAD_DIM; i += 128) {
+    for (int i = threadIdx.x; i < GROUP * HEAD_DIM; i += DECODE_THREADS) {
         const int g = i / HEAD_DIM, d = i % HEAD_DIM;
         const size_t base = ((size_t)m * H + kh * GROUP + g) * NUM_SPLITS;
         float mx = -INFINITY;
@@ -199,21 +201,4 @@ extern "C" __global__ void __launch_bounds__(128)
         }
         out[((size_t)m * H + kh * GROUP + g) * HEAD_DIM + d] = __float2bfloat16(o / l);
     }
-}
-
-extern "C" __global__ void decode_combine(const float* __restrict__ o_part, const float* __restrict__ ml,
-                                          const int* __restrict__ positions, bf16* __restrict__ out) {
-    const int h = blockIdx.x, m = blockIdx.y, H = gridDim.x, d = threadIdx.x;
-    const int ctx = positions[m] + 1, chunk = split_chunk(ctx);
-    const int ns = (ctx + chunk - 1) / chunk;
-    const size_t base = ((size_t)m * H + h) * NUM_SPLITS;
-    float mx = -INFINITY;
-    for (int s = 0; s < ns; s++) mx = fmaxf(mx, ml[(base + s) * 2]);
-    float l = 0.f, o = 0.f;
-    for (int s = 0; s < ns; s++) {
-        const float w = exp2f(ml[(base + s) * 2] - mx);
-        l += w * ml[(base + s) * 2 + 1];
-        o += w * o_part[(base + s) * HEAD_DIM + d];
-    }
-    out[((size_t)m * H + h) * HEAD_DIM + d] = __float2bfloat16(o / l);
 }

@@ -5,7 +5,7 @@
 // are already in the cache (rope_kv_write ran first). block_table int32 [*] of the
 // sequence; cache bf16 [num_blocks][L][2][block_size][KVH][D] offset to the layer.
 // out bf16 [n, H * D].
-// Grid (ceil(n / 64), H), block 128 = 4 warps; warp w owns 16 query rows of the
+// Grid (ceil(n / 64), H), block PREFILL_THREADS = 128 = 4 warps; warp w owns 16 query rows of the
 // block's 64. Per 64-key tile: K and V gathered through the block table with
 // cp.async (two commit groups, so V lands while S = Q K^T runs), S on mma.sync
 // m16n8k16 bf16 with fp32 accumulate, causal mask, online softmax in base 2 in
@@ -13,7 +13,7 @@
 // the accumulator layout straight into A fragments, O += P V with V read through
 // ldmatrix.trans. The score matrix never leaves registers. Heaviest (last) query
 // tiles are launched first. Shared rows are padded by 8 bf16 (conflict-free ldmatrix).
-// Compile-time: HEAD_DIM (64 or 128), GROUP (H / KVH).
+// Compile-time: HEAD_DIM (64 or 128), GROUP (H / KVH), PREFILL_THREADS (from the wrapper).
 
 #ifndef HEAD_DIM
 #define HEAD_DIM 128
@@ -21,10 +21,14 @@
 #ifndef GROUP
 #define GROUP 4
 #endif
+#ifndef PREFILL_THREADS
+#error "PREFILL_THREADS is defined by engine/cu/kernels.py"
+#endif
+static_assert(PREFILL_THREADS == 128, "prefill_attn: 4 warps of 16 query rows each");
 #define LDK (HEAD_DIM + 8)
 #define KT 64
 
-extern "C" __global__ void __launch_bounds__(128)
+extern "C" __global__ void __launch_bounds__(PREFILL_THREADS)
     prefill_attn(const bf16* __restrict__ q, const int* __restrict__ block_table, const bf16* __restrict__ cache,
                  long long block_stride, int block_size, int KVH, int n, int start, float scale_log2,
                  bf16* __restrict__ out) {
@@ -36,7 +40,7 @@ extern "C" __global__ void __launch_bounds__(128)
     const int q0 = qtile * 64;
     constexpr int CH = HEAD_DIM / 8;  // 16-byte chunks per row
 
-    for (int idx = tid; idx < 64 * CH; idx += 128) {
+    for (int idx = tid; idx < 64 * CH; idx += PREFILL_THREADS) {
         const int r = idx / CH, c = idx % CH, qi = q0 + r;
         const bool ok = qi < n;
         cp_async16(&sK[r * LDK + c * 8], q + ((size_t)(ok ? qi : 0) * H + h) * HEAD_DIM + c * 8, ok ? 16 : 0);
@@ -61,7 +65,7 @@ extern "C" __global__ void __launch_bounds__(128)
     const size_t kv_half = (size_t)block_size * KVH * HEAD_DIM;
 
     for (int k0 = 0; k0 < nkeys; k0 += KT) {
-        for (int idx = tid; idx < KT * CH; idx += 128) {
+        for (int idx = tid; idx < KT * CH; idx += PREFILL_THREADS) {
             const int r = idx / CH, c = idx % CH, t = k0 + r;
             const bool ok = t < nkeys;
             const bf16* src = cache + (size_t)block_table[ok ? t / block_size : 0] * block_stride +
@@ -69,7 +73,7 @@ extern "C" __global__ void __launch_bounds__(128)
             cp_async16(&sK[r * LDK + c * 8], src, ok ? 16 : 0);
         }
         cp_async_commit();
-        for (int idx = tid; idx < KT * CH; idx += 128) {
+        for (int idx = tid; idx < KT * CH; idx += PREFILL_THREADS) {
             const int r = idx / CH, c = idx % CH, t = k0 + r;
             const bool ok = t < nkeys;
             const bf16* src = cache + (size_t)block_table[ok ? t / block_size : 0] * block_stride + kv_half +

@@ -4,7 +4,7 @@
 //   A bf16 [M, K] row-major (activations), W bf16 [N, K] (torch Linear layout, i.e. the
 //   "col" operand of mma.row.col), bias fp32 [N] or null, C fp32 [M, ldc];
 //   accumulate != 0 adds into C (the fused residual add).
-// Tiles: 128 x 128 x 32 per block of 256 threads (8 warps as 2 x 4, 64 x 32 each:
+// Tiles: 128 x 128 x 32 per block of GEMM_THREADS = 256 threads (8 warps as 2 x 4, 64 x 32 each:
 //   4 x 4 mma tiles). A 3-stage cp.async pipeline fills shared memory whose rows are
 //   padded to 40 bf16 (80 bytes) so ldmatrix's 8 row addresses hit distinct banks.
 //   Out-of-range rows / k are zero-filled (cp.async src-size 0), so any M, N work.
@@ -18,8 +18,12 @@
 #define BK 32
 #define LDS 40
 #define STAGES 3
+#ifndef GEMM_THREADS
+#error "GEMM_THREADS is defined by engine/cu/kernels.py"
+#endif
+static_assert(GEMM_THREADS == 256, "gemm_bf16: 8 warps as 2 x 4");
 
-extern "C" __global__ void __launch_bounds__(256)
+extern "C" __global__ void __launch_bounds__(GEMM_THREADS)
     gemm_bf16(const bf16* __restrict__ A, const bf16* __restrict__ W, const float* __restrict__ bias,
               float* __restrict__ C, int M, int N, int K, int ldc, int accumulate) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -41,7 +45,7 @@ extern "C" __global__ void __launch_bounds__(256)
     auto load_stage = [&](int stage, int k0) {
 #pragma unroll
         for (int i = 0; i < 2; i++) {
-            const int idx = tid + i * 256, row = idx >> 2, ch = idx & 3;
+            const int idx = tid + i * GEMM_THREADS, row = idx >> 2, ch = idx & 3;
             const int gk = k0 + ch * 8;
             const int gm = m0 + row, gn = n0 + row;
             const bool oka = gm < M && gk < K, okb = gn < N && gk < K;

@@ -1,114 +1,19 @@
-// gemv.cu: bf16 weight GEMV / skinny GEMM for decode rounds of width M = 1..8.
+// gemv.cu: bf16 weight GEMV / skinny GEMM on the tensor cores, for decode rounds of width M = 1..8.
 //
-// out[m, n] (+)= sum_k x[m, k] * W[n, k] (+ bias[n])
-//   x bf16 [M, K] (contiguous), W bf16 [N, K] (torch Linear layout), bias fp32 [N] or null,
-//   out fp32 [M, ldo]. accumulate != 0 adds into out (the fused residual add).
-// Each weight byte is read exactly once per call, whatever M is: a block of 256
-// threads owns R = 4 consecutive output rows; its threads stride over K in
-// 16-byte chunks (8 bf16), each chunk of the R rows loaded with a streaming,
-// L1-bypassing load (two chunks in flight per row per thread), and every one of
-// the M activation rows (small, L1/L2-resident) is multiplied against it in
-// registers. acc[R][M] fp32 is reduced by warp shuffles then across the 8 warps
-// in shared memory; one thread writes each output element, so accumulate mode
-// needs no atomics.
+// out[m, n] (+)= sum_k x[m, k] * W[n, k] (+ bias[n]), then one of four epilogues.
+//   x bf16 [M, K] (contiguous), W bf16 [N, K] (torch Linear layout), bias fp32 [N] or null.
+// Each weight byte is read exactly once per call, whatever M is, and a row's arithmetic does
+// not depend on the other rows: the backend runs every decode width here, so a lane's tokens
+// do not depend on the width of its round.
 // Preconditions (wrapper): K % 8 == 0, pointers 16-byte aligned, 1 <= M <= 8.
+// Compile-time: TC_THREADS (256: 8 warps, the layout below assumes it).
 
-#define GEMV_THREADS 256
-#define GEMV_R 4
-#define GEMV_U 2
+#ifndef TC_THREADS
+#error "TC_THREADS is defined by engine/cu/kernels.py"
+#endif
+static_assert(TC_THREADS == 256, "gemv_tc: 8 warps split K and reduce in shared memory");
 
-template <int M>
-__device__ __forceinline__ void gemv_body(const bf16* __restrict__ x, const bf16* __restrict__ W,
-                                          const float* __restrict__ bias, float* __restrict__ out, int N, int K,
-                                          int ldo, int accumulate) {
-    constexpr int R = GEMV_R, U = GEMV_U;
-    const int n0 = blockIdx.x * R;
-    const int K8 = K >> 3;
-    const uint4* W4 = reinterpret_cast<const uint4*>(W);
-    const uint4* x4 = reinterpret_cast<const uint4*>(x);
-    float acc[R][M];
-#pragma unroll
-    for (int r = 0; r < R; r++)
-#pragma unroll
-        for (int m = 0; m < M; m++) acc[r][m] = 0.f;
-
-    for (int c0 = threadIdx.x; c0 < K8; c0 += GEMV_THREADS * U) {
-        uint4 w[U][R];
-#pragma unroll
-        for (int u = 0; u < U; u++) {
-            const int c = c0 + u * GEMV_THREADS;
-#pragma unroll
-            for (int r = 0; r < R; r++)
-                w[u][r] = (c < K8 && n0 + r < N) ? ld_stream(W4 + (size_t)(n0 + r) * K8 + c) : make_uint4(0, 0, 0, 0);
-        }
-#pragma unroll
-        for (int u = 0; u < U; u++) {
-            const int c = c0 + u * GEMV_THREADS;
-            if (c >= K8) break;
-#pragma unroll
-            for (int m = 0; m < M; m++) {
-                const uint4 xv = __ldg(x4 + (size_t)m * K8 + c);
-                const float xf[8] = {bf_lo(xv.x), bf_hi(xv.x), bf_lo(xv.y), bf_hi(xv.y),
-                                     bf_lo(xv.z), bf_hi(xv.z), bf_lo(xv.w), bf_hi(xv.w)};
-#pragma unroll
-                for (int r = 0; r < R; r++) {
-                    const uint4 wv = w[u][r];
-                    float a = acc[r][m];
-                    a = fmaf(xf[0], bf_lo(wv.x), a);
-                    a = fmaf(xf[1], bf_hi(wv.x), a);
-                    a = fmaf(xf[2], bf_lo(wv.y), a);
-                    a = fmaf(xf[3], bf_hi(wv.y), a);
-                    a = fmaf(xf[4], bf_lo(wv.z), a);
-                    a = fmaf(xf[5], bf_hi(wv.z), a);
-                    a = fmaf(xf[6], bf_lo(wv.w), a);
-                    a = fmaf(xf[7], bf_hi(wv.w), a);
-                    acc[r][m] = a;
-                }
-            }
-        }
-    }
-
-    __shared__ float red[GEMV_THREADS / 32][R * M];
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-#pragma unroll
-    for (int r = 0; r < R; r++)
-#pragma unroll
-        for (int m = 0; m < M; m++) {
-            const float v = warp_sum(acc[r][m]);
-            if (lane == 0) red[warp][r * M + m] = v;
-        }
-    __syncthreads();
-    if (threadIdx.x < R * M) {
-        const int r = threadIdx.x / M, m = threadIdx.x % M, n = n0 + r;
-        if (n < N) {
-            float v = 0.f;
-#pragma unroll
-            for (int w = 0; w < GEMV_THREADS / 32; w++) v += red[w][threadIdx.x];
-            if (bias) v += bias[n];
-            float* o = out + (size_t)m * ldo + n;
-            *o = accumulate ? *o + v : v;
-        }
-    }
-}
-
-#define GEMV_ENTRY(M)                                                                                        \
-    extern "C" __global__ void __launch_bounds__(GEMV_THREADS)                                              \
-        gemv_m##M(const bf16* x, const bf16* W, const float* bias, float* out, int N, int K, int ldo, int acc) { \
-        gemv_body<M>(x, W, bias, out, N, K, ldo, acc);                                                      \
-    }
-GEMV_ENTRY(1)
-GEMV_ENTRY(2)
-GEMV_ENTRY(3)
-GEMV_ENTRY(4)
-GEMV_ENTRY(5)
-GEMV_ENTRY(6)
-GEMV_ENTRY(7)
-GEMV_ENTRY(8)
-
-// gemv_tc: the same product on the tensor cores, for decode widths 1..8 (the FMA
-// version above becomes issue-bound near M = 8: M FMAs per weight element). The
-// backend runs every decode width on it, so a lane's arithmetic (and its tokens) do
-// not depend on the width of its round.
+// gemv_tc_<epilogue>[_u2]:
 // A block of 256 threads owns 16 output rows; its 8 warps split K in steps of 64.
 // In a step, thread (g = lane / 4, t = lane % 4) loads chunks t and t + 4 (16 bytes =
 // 8 k each) of W rows g and g + 8 and of activation row g (zero for g >= M): each load
@@ -118,11 +23,12 @@ GEMV_ENTRY(8)
 // step is permuted, identically for W and x, so the fragments need no shuffles. The
 // 16 x 8 accumulators are summed across warps in shared memory in a fixed order; one
 // thread writes each output.
-// mode 0: out fp32 = acc (+ bias); 1: out += acc (the fused residual add);
-// 2 (SwiGLU epilogue): W is the gate|up matrix interleaved in 8-row groups (rows
+// The epilogue is a compile-time template parameter, one entry point per variant:
+// store (EPI_STORE): out fp32 = acc (+ bias); acc (EPI_ACC): out += acc (the fused residual add);
+// swiglu (EPI_SWIGLU): W is the gate|up matrix interleaved in 8-row groups (rows
 //   16j..16j+7 = gate rows 8j..8j+7, rows 16j+8..16j+15 = up rows 8j..8j+7), out is
 //   bf16 act [M, ldo] and act[m, 8j + r] = bf16(silu(gate) * up); no bias.
-// 3 (rope + KV-write epilogue): W is the fused q|k|v matrix with each head's rows
+// rope (EPI_ROPE_KV, rope + KV write): W is the fused q|k|v matrix with each head's rows
 //   interleaved in 8-row groups (rows 16j..16j+7 of a head = dims 8j..8j+7, rows
 //   16j+8..16j+15 = dims D/2 + 8j..), so a block holds both members of 8 rotation pairs
 //   of one head. q heads are rotated into out = q bf16 [M, H, D]; k heads rotated and v
@@ -130,7 +36,7 @@ GEMV_ENTRY(8)
 // Fused RMSNorm (decode rounds). The norm of the activation rows is a per-row scalar, so
 //   it is applied to the accumulators: with ss_in, x holds bf16(h * w_norm) and the row
 //   sum is scaled by rsqrt(sum(ss_in[m, 0:ss_nparts]) / K + eps) before bias and
-//   epilogue (warp m sums row m's partials in a fixed order). With nw (modes 0 and 1), the
+//   epilogue (warp m sums row m's partials in a fixed order). With nw (store and acc), the
 //   block also writes the next layer's input from the new h = out: xw[m, n] = bf16(h *
 //   nw[n]) ([M, N]) and ss_out[m, blockIdx.x] = sum of h^2 over its 16 outputs, which the
 //   next GEMV reads as ss_in with ss_nparts = gridDim.x. Every per-row quantity is summed
@@ -144,7 +50,18 @@ __device__ __forceinline__ void tc_step(float* c, const uint4& wa, const uint4& 
     mma_bf16(c, a1, xv.z, xv.w);
 }
 
-struct TcRope {  // mode 3 only
+enum { EPI_STORE = 0, EPI_ACC = 1, EPI_SWIGLU = 2, EPI_ROPE_KV = 3 };
+
+struct TcNorm {  // fused RMSNorm: ss_in for the input rows; nw, xw, ss_out (store / acc) for the next norm
+    const float* ss_in;
+    int ss_nparts;
+    float eps;
+    const bf16* nw;
+    bf16* xw;
+    float* ss_out;
+};
+
+struct TcRope {  // EPI_ROPE_KV only
     const int* positions;
     const int* slots;
     const float* inv_freq;
@@ -153,12 +70,16 @@ struct TcRope {  // mode 3 only
     long long block_stride;
 };
 
-template <int U>
+template <int U, int EPI>
 __device__ __forceinline__ void gemv_tc_body(const bf16* __restrict__ x, const bf16* __restrict__ W,
                                              const float* __restrict__ bias, void* __restrict__ out, int M,
-                                             int N, int K, int ldo, int mode, const float* __restrict__ ss_in,
-                                             int ss_nparts, float eps, const bf16* __restrict__ nw,
-                                             bf16* __restrict__ xw, float* __restrict__ ss_out, const TcRope& rp) {
+                                             int N, int K, int ldo, const TcNorm& nm, const TcRope& rp) {
+    const float* __restrict__ ss_in = nm.ss_in;
+    const int ss_nparts = nm.ss_nparts;
+    const float eps = nm.eps;
+    const bf16* __restrict__ nw = nm.nw;
+    bf16* __restrict__ xw = nm.xw;
+    float* __restrict__ ss_out = nm.ss_out;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int n0 = blockIdx.x * TC_ROWS;
     const int K8 = K >> 3;
@@ -203,7 +124,7 @@ __device__ __forceinline__ void gemv_tc_body(const bf16* __restrict__ x, const b
         if (lane == 0) rs[warp] = rsqrtf(ss / K + eps);
     }
     __syncthreads();
-    if (mode == 2) {
+    if constexpr (EPI == EPI_SWIGLU) {
         if (threadIdx.x < 8 * 8) {
             const int r = threadIdx.x >> 3, m = threadIdx.x & 7;
             if (m < M && n0 + r + 8 < N) {
@@ -221,7 +142,7 @@ __device__ __forceinline__ void gemv_tc_body(const bf16* __restrict__ x, const b
         }
         return;
     }
-    if (mode == 3) {
+    if constexpr (EPI == EPI_ROPE_KV) {
         if (threadIdx.x < 8 * 8) {
             const int r = threadIdx.x >> 3, m = threadIdx.x & 7;
             if (m < M) {
@@ -274,7 +195,7 @@ __device__ __forceinline__ void gemv_tc_body(const bf16* __restrict__ x, const b
             if (ss_in != nullptr) v *= rs[m];
             if (bias) v += bias[n];
             float* o = static_cast<float*>(out) + (size_t)m * ldo + n;
-            const float h = mode == 1 ? *o + v : v;
+            const float h = EPI == EPI_ACC ? *o + v : v;
             *o = h;
             if (nw != nullptr) {
                 xw[(size_t)m * N + n] = __float2bfloat16(h * __bfloat162float(nw[n]));
@@ -298,14 +219,39 @@ __device__ __forceinline__ void gemv_tc_body(const bf16* __restrict__ x, const b
 
 // MINB: blocks per SM the register allocation must allow. Without it ptxas sinks each load down
 // to its mma (3 loads in flight per warp); with it every load of a batch issues first.
-#define GEMV_TC_ENTRY(NAME, U, MINB)                                                                          \
-    extern "C" __global__ void __launch_bounds__(256, MINB)                                                 \
-        NAME(const bf16* x, const bf16* W, const float* bias, void* out, int M, int N, int K, int ldo, int mode, \
-             const float* ss_in, int ss_nparts, float eps, const bf16* nw, bf16* xw, float* ss_out,            \
-             const int* positions, const int* slots, const float* inv_freq, bf16* cache, int H, int KVH, int D, \
-             int block_size, long long block_stride) {                                                        \
-        const TcRope rp{positions, slots, inv_freq, cache, H, KVH, D, block_size, block_stride};             \
-        gemv_tc_body<U>(x, W, bias, out, M, N, K, ldo, mode, ss_in, ss_nparts, eps, nw, xw, ss_out, rp);      \
+// store / acc: out fp32 [M, ldo]; with nw, also the next norm's xw / ss_out.
+#define GEMV_TC_LINEAR(NAME, U, MINB, EPI)                                                                    \
+    extern "C" __global__ void __launch_bounds__(TC_THREADS, MINB)                                          \
+        NAME(const bf16* x, const bf16* W, const float* bias, float* out, int M, int N, int K, int ldo,       \
+             const float* ss_in, int ss_nparts, float eps, const bf16* nw, bf16* xw, float* ss_out) {         \
+        const TcNorm nm{ss_in, ss_nparts, eps, nw, xw, ss_out};                                              \
+        const TcRope rp{};                                                                                   \
+        gemv_tc_body<U, EPI>(x, W, bias, out, M, N, K, ldo, nm, rp);                                          \
     }
-GEMV_TC_ENTRY(gemv_tc, 4, 2)
-GEMV_TC_ENTRY(gemv_tc_u2, 2, 4)
+// swiglu: out bf16 act [M, ldo]; no bias, no next norm.
+#define GEMV_TC_SWIGLU(NAME, U, MINB)                                                                         \
+    extern "C" __global__ void __launch_bounds__(TC_THREADS, MINB)                                          \
+        NAME(const bf16* x, const bf16* W, bf16* out, int M, int N, int K, int ldo, const float* ss_in,       \
+             int ss_nparts, float eps) {                                                                     \
+        const TcNorm nm{ss_in, ss_nparts, eps, nullptr, nullptr, nullptr};                                   \
+        const TcRope rp{};                                                                                   \
+        gemv_tc_body<U, EPI_SWIGLU>(x, W, nullptr, out, M, N, K, ldo, nm, rp);                               \
+    }
+// rope: out bf16 q [M, H, D]; K and V into the cache.
+#define GEMV_TC_ROPE(NAME, U, MINB)                                                                           \
+    extern "C" __global__ void __launch_bounds__(TC_THREADS, MINB)                                          \
+        NAME(const bf16* x, const bf16* W, const float* bias, bf16* out, int M, int N, int K, int ldo,        \
+             const float* ss_in, int ss_nparts, float eps, const int* positions, const int* slots,            \
+             const float* inv_freq, bf16* cache, int H, int KVH, int D, int block_size, long long block_stride) { \
+        const TcNorm nm{ss_in, ss_nparts, eps, nullptr, nullptr, nullptr};                                   \
+        const TcRope rp{positions, slots, inv_freq, cache, H, KVH, D, block_size, block_stride};             \
+        gemv_tc_body<U, EPI_ROPE_KV>(x, W, bias, out, M, N, K, ldo, nm, rp);                                  \
+    }
+GEMV_TC_LINEAR(gemv_tc_store, 4, 2, EPI_STORE)
+GEMV_TC_LINEAR(gemv_tc_store_u2, 2, 4, EPI_STORE)
+GEMV_TC_LINEAR(gemv_tc_acc, 4, 2, EPI_ACC)
+GEMV_TC_LINEAR(gemv_tc_acc_u2, 2, 4, EPI_ACC)
+GEMV_TC_SWIGLU(gemv_tc_swiglu, 4, 2)
+GEMV_TC_SWIGLU(gemv_tc_swiglu_u2, 2, 4)
+GEMV_TC_ROPE(gemv_tc_rope, 4, 2)
+GEMV_TC_ROPE(gemv_tc_rope_u2, 2, 4)

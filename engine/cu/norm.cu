@@ -11,7 +11,7 @@
 //   gate_up projection, out bf16 [rows, I]. interleaved = 0: gate_j = gu[r, j], up_j =
 //   gu[r, I + j]; interleaved = 1 (the backend's layout, I % 8 == 0): 8-row groups,
 //   gate_j = gu[r, 16(j/8) + j%8], up_j = gu[r, 16(j/8) + 8 + j%8]. Decode rounds fuse
-//   this into the gate_up GEMV (gemv.cu, mode 2); prefill chunks run it. Grid-stride.
+//   this into the gate_up GEMV (gemv.cu, gemv_tc_swiglu); prefill chunks run it. Grid-stride.
 
 extern "C" __global__ void rmsnorm(const float* __restrict__ x, const bf16* __restrict__ w,
                                    bf16* __restrict__ out, int H, int x_stride, float eps, int rows,

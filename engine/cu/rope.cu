@@ -10,7 +10,7 @@
 // Rotation is Hugging Face's rotate_half: pairs (i, i + D/2), angle pos * inv_freq[i].
 // interleaved = 1: each head's D values of qkv are in the backend's rope-interleaved order
 //   (8-value groups: position 16j + r holds dim 8j + r, position 16j + 8 + r dim D/2 + 8j + r;
-//   gemv.cu mode 3), q and the cache are written in natural order.
+//   gemv.cu's gemv_tc_rope), q and the cache are written in natural order.
 // Grid (rows + 1, H + KVH), block D/2 threads; blocks with head >= H do one KV head.
 // The extra row of blocks (row == rows) only asks L2 to prefetch pf_bytes of pf (in a
 // decode round: the o-projection weights, streamed while attention runs).

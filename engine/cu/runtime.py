@@ -116,3 +116,30 @@ class Graph:
     def destroy(self) -> None:
         _check(self._drv.cuGraphExecDestroy(self.exec))
         _check(self._drv.cuGraphDestroy(self.graph))
+
+
+class Allocations:
+    """Device allocations made during a load, freed together at unload."""
+
+    def __init__(self) -> None:
+        self._allocs: list = []
+
+    def alloc(self, nbytes: int) -> int:
+        """``nbytes`` of device memory (at least 256, so an empty tensor still has an address)."""
+        import pycuda.driver as cuda
+
+        a = cuda.mem_alloc(max(int(nbytes), 256))
+        self._allocs.append((a, int(nbytes)))
+        return int(a)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(n for _, n in self._allocs)
+
+    def __bool__(self) -> bool:
+        return bool(self._allocs)
+
+    def free(self) -> None:
+        for a, _ in self._allocs:
+            a.free()
+        self._allocs = []

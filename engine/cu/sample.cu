@@ -7,9 +7,9 @@
 //   repetition, unused), adjusts logits fp32 [M, V] in place, OpenAI / HF style:
 //   l = l > 0 ? l / rep : l * rep (every listed token), then
 //   l -= presence * (count > 0) + frequency * count.
-// sample: grid M, block 1024. seeds uint64 [M], positions int32 [M] (the position of the
-//   token being drawn: the row's own position + 1, as engine/sampler.py keys it),
-//   out_tokens int32 [M].
+// sample: grid M, block SAMPLE_THREADS (defined by the wrapper). seeds uint64 [M],
+//   positions int32 [M] (the position of the token being drawn: the row's own
+//   position + 1, as engine/sampler.py keys it), out_tokens int32 [M].
 //   Greedy (temperature <= 0 or top_k == 1): argmax, lowest index on ties.
 //   Otherwise, with l' = l / T and mx = max l': a token is kept when
 //     l' >= mx - 30 (mass below is < V * e^-30, negligible),
@@ -22,7 +22,9 @@
 //   scan of the per-thread sums finds the range). The draw depends only on the row's
 //   logits, seed and position, never on the other rows of the round.
 
-#define SAMPLE_THREADS 1024
+#ifndef SAMPLE_THREADS
+#error "SAMPLE_THREADS is defined by engine/cu/kernels.py"
+#endif
 #define BISECT_STEPS 24
 
 // Philox4x64-10 (Salmon et al. 2011), first output word for counter (1, 0, 0, 0): the

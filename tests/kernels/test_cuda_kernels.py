@@ -38,7 +38,7 @@ rng = np.random.default_rng()
 
 def bf(a):
     """Round to bf16 and back (what the device sees)."""
-    from engine.cu.kernels import from_bf16, to_bf16
+    from engine.backends.cuda.weights import from_bf16, to_bf16
 
     return from_bf16(to_bf16(a)).reshape(np.shape(a))
 
@@ -55,7 +55,7 @@ def _release():
 def put(a, bf16=False):
     import pycuda.gpuarray as ga
 
-    from engine.cu.kernels import to_bf16
+    from engine.backends.cuda.weights import to_bf16
 
     arr = to_bf16(a) if bf16 else np.ascontiguousarray(a)
     g = ga.to_gpu(arr)
@@ -64,7 +64,7 @@ def put(a, bf16=False):
 
 
 def get(g, bf16=False, shape=None):
-    from engine.cu.kernels import from_bf16
+    from engine.backends.cuda.weights import from_bf16
 
     h = g.get()
     h = from_bf16(h) if bf16 else h
@@ -122,7 +122,7 @@ def test_rmsnorm_and_swiglu(kern, stream):
 def test_gate_up_act(kern, stream, rows, inter, k_):
     """The gate_up GEMV with SwiGLU in its epilogue (rows <= 8) / GEMM + swiglu (wider), on the
     interleaved gate|up matrix, against numpy."""
-    from engine.cu.kernels import interleave_gate_up
+    from engine.backends.cuda.weights import interleave_gate_up
 
     k = kern[(128, 4)]
     x = bf(rng.standard_normal((rows, k_)).astype(np.float32))
@@ -138,21 +138,23 @@ def test_gate_up_act(kern, stream, rows, inter, k_):
     assert rel_err(get(g_act, True, (rows, inter)), ref) < 8e-3
 
 
-@pytest.mark.parametrize("tc_from,u2", [(1, False), (1, True), (9, False)])
+@pytest.fixture(scope="module")
+def kern_by_u2(dev):
+    """Kernel objects of their own (the shared ``kern`` keeps its defaults): every matrix on
+    gemv_tc's 4-step variant (False) or on its 2-step variant (True)."""
+    from engine.cu.kernels import Kernels
+
+    return {False: Kernels(128, 4, u2_below=0), True: Kernels(128, 4, u2_below=1 << 62)}
+
+
+@pytest.mark.parametrize("u2", [False, True])
 @pytest.mark.parametrize(
     "rows,n,k_",
     [(1, 4096, 4096), (2, 300, 1408), (3, 1001, 576), (8, 256, 14336), (5, 77, 8), (7, 33, 200), (16, 8, 64),
      (1, 24, 1032)],
 )  # fmt: skip
-def test_linear_gemv_and_gemm(kern, stream, rows, n, k_, tc_from, u2):
-    k = kern[(128, 4)]
-    saved = k.tc_from, k.fma_min_elems, k.u2_below
-    # tc_from 1: every width on gemv_tc (u2: its 2-step variant); 9: every width on the FMA gemv
-    k.tc_from, k.fma_min_elems, k.u2_below = tc_from, 1 << 62, (1 << 62 if u2 else 0)
-    try:
-        _check_linear(k, stream, rows, n, k_)
-    finally:
-        k.tc_from, k.fma_min_elems, k.u2_below = saved
+def test_linear_gemv_and_gemm(kern_by_u2, stream, rows, n, k_, u2):
+    _check_linear(kern_by_u2[u2], stream, rows, n, k_)
 
 
 def test_gemv_tc_width_invariant(kern, stream):
@@ -179,7 +181,7 @@ def test_fused_rmsnorm_chain(kern, stream):
     """Decode rounds fold RMSNorm into the GEMVs: embed and accumulate-mode GEMVs write bf16(h * w) and
     per-block sums of h^2; the next GEMV (plain, SwiGLU) scales its rows. Against numpy, and a row's
     results are bitwise the same at widths 1 and 8."""
-    from engine.cu.kernels import interleave_gate_up
+    from engine.backends.cuda.weights import interleave_gate_up
 
     k = kern[(128, 4)]
     hid, n_in, inter, vocab, eps = 1024, 768, 1408, 500, 1e-5
@@ -242,7 +244,7 @@ def test_fused_rmsnorm_chain(kern, stream):
 def test_qkv_rope_epilogue(kern, stream, d, g, bias):
     """The q|k|v GEMV with fused RMSNorm scale and rope + KV write in its epilogue (gemv_tc mode 3)
     against numpy; row 0 is bitwise the same at widths 1 and 7."""
-    from engine.cu.kernels import interleave_rope
+    from engine.backends.cuda.weights import interleave_rope
 
     k = kern[(d, g)]
     kvh, bs, L, nb, hid, eps = 2, 16, 3, 20, 512, 1e-6
@@ -333,7 +335,7 @@ def _inv_freq(d, theta=10000.0):
 @pytest.mark.parametrize("interleaved", [False, True])
 @pytest.mark.parametrize("d,g", [(64, 4), (128, 1), (128, 7)])
 def test_rope_kv_write(kern, stream, d, g, interleaved):
-    from engine.cu.kernels import interleave_rope
+    from engine.backends.cuda.weights import interleave_rope
 
     k = kern[(d, g)]
     kvh, rows, bs, L, nb = 2, 6, 16, 3, 20
@@ -471,7 +473,7 @@ def test_prefill_attention(kern, stream, d, g, n, start):
 def test_penalties_and_sampling(kern, stream):
     from engine import sampler
     from engine.backend import SampleRequest
-    from engine.backends.cuda_backend import _penalty_list
+    from engine.backends.cuda.sampling import penalty_list
     from engine.sampling import SamplingParams
 
     k = kern[(128, 4)]
@@ -503,7 +505,7 @@ def test_penalties_and_sampling(kern, stream):
                                 output_token_ids=rng.integers(0, vocab, 15).tolist())  # fmt: skip
             reqs.append(req)
             positions.append(int(rng.integers(1, 100000)))
-            ids, cnt = _penalty_list(req, vocab)
+            ids, cnt = penalty_list(req, vocab)
             pen_num[i] = len(ids)
             pen_tok[i, : len(ids)], pen_cnt[i, : len(ids)] = ids, cnt
             params[i] = (p.temperature, p.top_p, p.top_k, p.min_p, p.presence_penalty, p.frequency_penalty,

@@ -1,0 +1,259 @@
+"""CudaBackend: the step interface over the pieces of this package.
+
+A load uploads the weights (``weights``), allocates the activations for up to
+``PREFILL_CHUNK`` rows (``forward.Workspace``) and two staging areas (decode round,
+prefill span), sizes the KV pool from what is left (``kv``), and captures one decode
+graph per width (``graphs``). A prefill span runs in chunks through ``Forward``; a
+decode round stages its lanes and replays its width's graph; both sample on the
+device (``sampling``). Every call pushes the device's primary context, so the engine
+may call from its step thread. Nothing here imports PyCUDA at module import time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from engine.backend import Backend, DecodeLane, PrefillSpan, StepOutput
+from engine.backends.cuda import sampling
+from engine.backends.cuda.forward import MAX_LANES, PREFILL_CHUNK, Forward, Workspace, check_supported
+from engine.config import CudaTuning
+from engine.memory import MemoryPlan, workspace_bytes
+from engine.model_config import ModelConfig
+
+
+class CudaBackend(Backend):
+    name = "cuda"
+
+    def __init__(self, tuning: CudaTuning | None = None) -> None:
+        super().__init__()
+        self.tuning = tuning or CudaTuning()
+        self.mem = None
+        self.graphs = None
+        self.dstage = self.pstage = None
+
+    # --- load ------------------------------------------------------------------------------
+
+    def load(self, config: ModelConfig, weights, *, block_size: int, kv_budget_bytes: int | None,
+             host_kv_budget_bytes: int, max_context: int) -> MemoryPlan:  # fmt: skip
+        from engine.cu import runtime
+
+        with runtime.current():
+            try:
+                return self._load(config, weights, block_size, kv_budget_bytes, host_kv_budget_bytes, max_context)
+            except BaseException:
+                self.unload()  # free what the failed load took
+                raise
+
+    def _load(self, cfg, weights, block_size, kv_budget_bytes, host_kv_budget_bytes, max_context) -> MemoryPlan:
+        import pycuda.driver as cuda
+
+        from engine.backends.cuda.graphs import GraphRunner, decode_fields
+        from engine.backends.cuda.kv import KVPool
+        from engine.backends.cuda.weights import upload
+        from engine.cu.runtime import Allocations, Staging
+        from engine.models import definition
+
+        defn = definition(cfg.arch)
+        block, head = defn.block(cfg), defn.head(cfg)
+        check_supported(block, head)
+        if cfg.num_heads % cfg.num_kv_heads:
+            raise ValueError("num_heads must be a multiple of num_kv_heads")
+        self.config = cfg
+        self.block_size, self.max_context = block_size, max_context
+        self.mem = Allocations()
+        self.kern = self._kernels()  # compiles everything now
+        self.stream = cuda.Stream()
+        self.weights = upload(cfg, block, head, weights, self.mem)
+        self.ws = Workspace.allocate(cfg, self.mem)
+        self.logits_host = cuda.pagelocked_empty((MAX_LANES, cfg.vocab_size), np.float32)
+        self.bt_stride = -(-max_context // block_size)
+        self.pen_stride = pen = min(cfg.vocab_size, max_context)
+        self.dstage = Staging(decode_fields(MAX_LANES, self.bt_stride, pen))
+        self.pstage = Staging({
+            "sample_pos": (np.int32, 1), "seeds": (np.uint64, 1), "params": (np.float32, 8), "pen_num": (np.int32, 1),
+            "out": (np.int32, 1), "block_table": (np.int32, self.bt_stride), "tokens": (np.int32, max_context),
+            "positions": (np.int32, max_context), "slots": (np.int32, max_context),
+            "pen_tokens": (np.int32, pen), "pen_counts": (np.int32, pen),
+        })  # fmt: skip
+        self.kv = KVPool(cfg, block_size, self.mem, kv_budget_bytes, host_kv_budget_bytes)
+        self.forward = Forward(cfg, self.kern, self.stream, self.weights, self.ws, self.kv.layout)
+        self.graphs = GraphRunner(self.stream, self.dstage, self._decode_body, MAX_LANES)
+        self.graphs.capture()
+        # The workspace figure is engine.memory's formula (the same one the switch precheck uses):
+        # activations of PREFILL_CHUNK rows plus MAX_LANES rows of logits.
+        work = workspace_bytes(cfg, rows=PREFILL_CHUNK, logit_rows=MAX_LANES)
+        kv_bytes = self.kv.num_blocks * self.kv.block_bytes
+        self.plan = MemoryPlan(
+            budget_bytes=self.weights.nbytes + work + kv_bytes,
+            weights_bytes=self.weights.nbytes,
+            workspace_bytes=work,
+            kv_bytes=kv_bytes,
+            block_size=block_size,
+            num_blocks=self.kv.num_blocks,
+            host_kv_bytes=self.kv.num_host_blocks * self.kv.block_bytes,
+            num_host_blocks=self.kv.num_host_blocks,
+        )
+        return self.plan
+
+    def _kernels(self):
+        from engine.cu.kernels import Kernels
+
+        c, t = self.config, self.tuning
+        return Kernels(c.head_dim, c.num_heads // c.num_kv_heads, u2_below=t.gemv_u2_below,
+                       cache_dir=t.kernel_cache_dir)  # fmt: skip
+
+    def retune(self, tuning: CudaTuning) -> None:
+        """Switch kernel settings on a loaded model and recapture the decode graphs (benchmarks)."""
+        from engine.cu import runtime
+
+        with runtime.current():
+            self.tuning = tuning
+            self.kern = self.forward.kern = self._kernels()
+            self.graphs.recapture()
+
+    def _decode_body(self, rows: int) -> None:
+        """Every launch of a decode round of ``rows`` lanes (what a graph holds)."""
+        self.forward.decode(rows, self.dstage.ptr, self.bt_stride)
+        sampling.sample_on_device(self.kern, self.stream, self.ws.logits, self.config.vocab_size, self.dstage,
+                                  self.pen_stride, rows)  # fmt: skip
+
+    # --- the step interface ----------------------------------------------------------------
+
+    def prefill(self, span: PrefillSpan, out: StepOutput) -> None:
+        from engine.cu import runtime
+
+        with runtime.current():
+            self._prefill(span, out)
+
+    def _prefill(self, span: PrefillSpan, out: StepOutput) -> None:
+        import pycuda.driver as cuda
+
+        n, start = len(span.token_ids), span.start_pos
+        if n == 0:
+            raise ValueError("empty prefill span")
+        if span.want_prompt_logprobs is not None:  # supports_prompt_logprobs is False: the scheduler refuses first
+            raise ValueError("prompt logprobs are not available on the CUDA backend")
+        st, s = self.pstage, self.stream
+        positions = np.arange(start, start + n, dtype=np.int64)
+        slots = self._slots(span.block_table, positions)
+        if len(span.block_table) > self.bt_stride:
+            raise ValueError(f"block table longer than max_context ({self.bt_stride} blocks)")
+        v, p = st.view, st.ptr
+        v["tokens"][:n] = np.asarray(span.token_ids, dtype=np.int32)
+        v["positions"][:n] = positions
+        v["slots"][:n] = slots
+        v["block_table"][: len(span.block_table)] = np.asarray(span.block_table, dtype=np.int32)
+        st.upload(s, "block_table", nbytes=4 * len(span.block_table))
+        for name in ("tokens", "positions", "slots"):
+            st.upload(s, name, nbytes=4 * n)
+        for c0 in range(0, n, PREFILL_CHUNK):
+            rows = min(PREFILL_CHUNK, n - c0)
+            self.forward.prefill_chunk(rows, p["tokens"] + 4 * c0, p["positions"] + 4 * c0, p["slots"] + 4 * c0,
+                                       p["block_table"], start + c0)  # fmt: skip
+        req = span.sample
+        if req is None and not span.want_logits:
+            s.synchronize()
+            return
+        self.forward.head(1, rows - 1)
+        logits = self.ws.logits
+        if span.want_logits:  # raw logits, queued before the penalties touch them
+            cuda.memcpy_dtoh_async(self.logits_host[0], logits, s)
+        if req is not None:
+            if sampling.stage_row(st, 0, req, start + n, self.config.vocab_size, self.pen_stride):
+                st.upload(s, "pen_tokens", "pen_counts")
+            st.upload(s, "sample_pos", "out")
+            sampling.sample_on_device(self.kern, s, logits, self.config.vocab_size, st, self.pen_stride, 1)
+            cuda.memcpy_dtoh_async(v["out"], p["out"], s)
+            if sampling.needs_logits(req):
+                cuda.memcpy_dtoh_async(self.logits_host[1], logits, s)
+        s.synchronize()
+        if span.want_logits:
+            out.prefill_logits = self.logits_host[0].copy()
+        if req is not None:
+            out.prefill_token, out.prefill_logprob = sampling.finish_row(self.logits_host[1], req, int(v["out"][0]),
+                                                                         start + n)  # fmt: skip
+
+    def _slots(self, block_table: Sequence[int], positions: np.ndarray) -> np.ndarray:
+        bt = np.asarray(block_table, dtype=np.int64)
+        idx = positions // self.block_size
+        if len(positions) and (idx.max() >= len(bt) or positions.max() >= self.max_context):
+            raise ValueError(f"block table of {len(bt)} blocks does not reach position {int(positions.max())}")
+        return bt[idx] * self.block_size + positions % self.block_size
+
+    def decode_round(self, lanes: Sequence[DecodeLane], out: StepOutput) -> None:
+        from engine.cu import runtime
+
+        with runtime.current():
+            for g in range(0, len(lanes), MAX_LANES):
+                self._decode_group(lanes[g : g + MAX_LANES], out)
+
+    def _decode_group(self, lanes: Sequence[DecodeLane], out: StepOutput) -> None:
+        import pycuda.driver as cuda
+
+        st, s, M = self.dstage, self.stream, len(lanes)
+        v, stride, bs, vocab = st.view, self.bt_stride, self.block_size, self.config.vocab_size
+        any_pen = False
+        tokens, positions, slots = v["tokens"], v["positions"], v["slots"]
+        for i, ln in enumerate(lanes):  # plain Python per lane: this is on every round's critical path
+            bt, pos = ln.block_table, int(ln.position)
+            nb = len(bt)
+            if nb > stride:
+                raise ValueError(f"block table longer than max_context ({stride} blocks)")
+            if not 0 <= pos < self.max_context or pos // bs >= nb:
+                raise ValueError(f"block table of {nb} blocks does not reach position {pos}")
+            tokens[i] = ln.token_id
+            positions[i] = pos
+            slots[i] = int(bt[pos // bs]) * bs + pos % bs
+            v["block_tables"][i * stride : i * stride + nb] = bt
+            any_pen |= sampling.stage_row(st, i, ln.sample, pos + 1, vocab, self.pen_stride)
+        st.upload(s, "tokens", "pen_num")
+        st.upload(s, "block_tables", nbytes=4 * M * stride)
+        if any_pen:
+            st.upload(s, "pen_tokens", nbytes=4 * M * self.pen_stride)
+            st.upload(s, "pen_counts", nbytes=4 * M * self.pen_stride)
+        self.graphs.replay(M)
+        cuda.memcpy_dtoh_async(v["out"], st.ptr["out"], s)
+        want = any(sampling.needs_logits(ln.sample) for ln in lanes)
+        if want:
+            cuda.memcpy_dtoh_async(self.logits_host[:M], self.ws.logits, s)
+        s.synchronize()
+        for i, ln in enumerate(lanes):
+            token, lp = sampling.finish_row(self.logits_host[i], ln.sample, int(v["out"][i]), int(ln.position) + 1)
+            out.decode_tokens.append(token)
+            out.decode_logprobs.append(lp)
+
+    # --- KV pages --------------------------------------------------------------------------
+
+    def swap_out(self, pairs: Sequence[tuple[int, int]]) -> None:
+        from engine.cu import runtime
+
+        with runtime.current():
+            self.kv.swap_out(pairs, self.stream)
+
+    def swap_in(self, pairs: Sequence[tuple[int, int]]) -> None:
+        from engine.cu import runtime
+
+        with runtime.current():
+            self.kv.swap_in(pairs, self.stream)
+
+    def unload(self) -> None:
+        if not self.mem and self.graphs is None:
+            return
+        from engine.cu import runtime
+
+        with runtime.current():
+            self.stream.synchronize()
+            if self.graphs is not None:
+                self.graphs.destroy()
+            self.graphs = None
+            for st in (self.dstage, self.pstage):
+                if st is not None:
+                    st.free()
+            self.dstage = self.pstage = None
+            if self.mem:
+                self.mem.free()
+            self.mem = None
+            self.kv = self.logits_host = None
+            self.plan = None

@@ -1,0 +1,102 @@
+"""What the CUDA backend checks before anything reaches a device: each kernel's declared
+parameters at launch, and the model definition's operations at load. Runs without a GPU."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from engine.backends.cuda.forward import check_supported
+from engine.cu.launch import Kernel
+from engine.models import definition
+from engine.models.ops import GatedMLP, RMSNorm, Rope
+
+
+class _Fn:
+    def __init__(self) -> None:
+        self.prepared, self.calls = None, []
+
+    def prepare(self, arg_types: str) -> None:
+        self.prepared = arg_types
+
+    def prepared_async_call(self, grid, block, stream, *args, shared_size=0) -> None:
+        self.calls.append((grid, block, args, shared_size))
+
+
+class _Module:
+    def __init__(self) -> None:
+        self.fn = _Fn()
+
+    def get_function(self, name: str) -> _Fn:
+        return self.fn
+
+
+def _kernel(params="x:ptr n:i32 eps:f32 stride:i64", threads=256):
+    mod = _Module()
+    return Kernel(mod, "k", params, threads), mod.fn
+
+
+def test_kernel_prepares_from_its_declaration_and_converts_by_name():
+    k, fn = _kernel()
+    assert fn.prepared == "Pifq"
+    k("stream", (3,), eps=1e-5, stride=1 << 40, n=7, x=4096)
+    grid, block, args, _ = fn.calls[0]
+    assert grid == (3, 1, 1) and block == (256, 1, 1)
+    assert args == (4096, np.int32(7), np.float32(1e-5), np.int64(1 << 40))
+    assert [type(a) for a in args[1:]] == [np.int32, np.float32, np.int64]
+
+
+@pytest.mark.parametrize(
+    "values,message",
+    [
+        (dict(x=1, n=2, eps=0.1), "missing parameter 'stride'"),
+        (dict(x=1, n=2, eps=0.1, stride=3, extra=4), "unknown parameters ['extra']"),
+        (dict(x=1, n=2.5, eps=0.1, stride=3), "parameter 'n'"),
+        (dict(x=1, n=1 << 40, eps=0.1, stride=3), "parameter 'n'"),
+        (dict(x=1, n=2, eps="a", stride=3), "parameter 'eps'"),
+    ],
+)
+def test_kernel_refuses_a_wrong_launch(values, message):
+    k, fn = _kernel()
+    with pytest.raises(TypeError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        k("stream", (1,), **values)
+    assert not fn.calls
+
+
+def test_kernel_refuses_an_unknown_type():
+    with pytest.raises(ValueError, match="unknown parameter types"):
+        _kernel("x:ptr n:u8")
+
+
+def _cfg():
+    from engine.model_config import ModelConfig
+
+    return ModelConfig(arch="llama", vocab_size=100, hidden_size=64, intermediate_size=128, num_layers=1,
+                       num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5, rope_theta=10000.0,
+                       rope_scaling=None, max_position=256, tie_word_embeddings=True, attention_bias=False)  # fmt: skip
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2"])
+def test_the_registered_definitions_are_supported(arch):
+    d = definition(arch)
+    check_supported(d.block(_cfg()), d.head(_cfg()))
+
+
+@pytest.mark.parametrize(
+    "change,named",
+    [
+        (lambda b, h: (replace(b, mlp_norm=RMSNorm("post_attention_layernorm", plus_one=True)), h), "block.mlp_norm"),
+        (lambda b, h: (b, replace(h, final_norm=RMSNorm("model.norm", plus_one=True))), "head.final_norm"),
+        (lambda b, h: (replace(b, attention=replace(b.attention, rope=Rope("gptj"))), h), "rope"),
+        (lambda b, h: (replace(b, attention=replace(b.attention, rope=None)), h), "rope"),
+        (lambda b, h: (replace(b, mlp=GatedMLP("gelu")), h), "block.mlp"),
+        (lambda b, h: (replace(b, residual="sandwich"), h), "residual"),
+    ],
+)
+def test_an_operation_without_kernels_is_refused_by_name(change, named):
+    d = definition("llama")
+    block, head = change(d.block(_cfg()), d.head(_cfg()))
+    with pytest.raises(ValueError, match=named):
+        check_supported(block, head)
