@@ -245,7 +245,10 @@ def test_deadline_answers_with_what_it_has(client, live_server_url):
     """Cut at the deadline: the output so far, finish_reason "deadline", the sequence aborted in the
     engine (docs/API.md, Deadlines). Stories of up to 4000 tokens outlast a 4 s deadline by far, so
     the cut is what ends them; a finish_reason other than "deadline" fails here rather than passing."""
-    aborted = engine_stats(live_server_url)["aborted"]
+    idle = wait_for(
+        lambda: engine_stats(live_server_url), 30, 0.05, "no lane busy before", until=lambda s: s["lanes_busy"] == 0
+    )
+    aborted = idle["aborted"]
     resp = client.chat.completions.create(
         model=MODEL,
         messages=user("Write a long story about a dragon."),

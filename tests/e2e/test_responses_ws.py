@@ -120,7 +120,10 @@ def test_deadline_cuts_a_socket_response_as_over_http(client, live_server_url):
     """The request's deadline applies on the socket: an incomplete response (reason deadline) with the
     output so far, its sequence aborted in the engine; the socket stays open and the next response runs.
     The story outlasts the 2 s deadline by far (thousands of tokens asked), so the cut is what ends it."""
-    aborted = engine_stats(live_server_url)["aborted"]
+    idle = wait_for(
+        lambda: engine_stats(live_server_url), 30, 0.05, "no lane busy before", until=lambda s: s["lanes_busy"] == 0
+    )
+    aborted = idle["aborted"]
     with client.responses.connect() as conn:
         conn.send(
             {
