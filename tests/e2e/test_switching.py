@@ -172,20 +172,22 @@ def test_implicit_switching_off_makes_another_name_a_404(live):
 
 def test_running_request_gets_the_drain_timeout_then_engine_error(live):
     """A stream running when a switch is accepted keeps decoding for the drain timeout; one still
-    running then ends with ``engine_error``. Which of the two it was is read from the stream itself:
-    cut by the switch (an error after the whole drain timeout, no finish), or finished on its own
-    within the drain (a finish_reason, its usage, no error)."""
+    running then ends with ``engine_error``. The stream is the default model counting greedily to a
+    thousand, which outlasts the 2 s drain by far (the tiny model's stream, sampled at temperature 1,
+    sometimes finished within it). Which side it landed on is still read from the stream and
+    asserted: cut by the switch (one error, last, after the whole drain timeout, with tokens decoded
+    during the drain) or finished on its own within the drain (one finish_reason, usage to match)."""
     base, _, _ = live
-    assert chat(base, TINY).status_code == 200
+    assert chat(base, DEFAULT).status_code == 200
     events: list[tuple[float, dict]] = []  # (time.monotonic() received, the data line's JSON)
     streaming = threading.Event()
     body = {
-        "model": TINY,
-        "messages": [{"role": "user", "content": "Count."}],
+        "model": DEFAULT,
+        "messages": [{"role": "user", "content": "Count from 1 to 1000, one number per line."}],
         "max_tokens": 1900,
         "stream": True,
         "stream_options": {"include_usage": True},
-        "temperature": 1.0,
+        "temperature": 0,
     }
 
     def stream():
@@ -199,11 +201,11 @@ def test_running_request_gets_the_drain_timeout_then_engine_error(live):
     t.start()
     assert streaming.wait(60), "the stream sent nothing"
     t0 = time.monotonic()  # before the engine can accept the switch, so its drain deadline is >= t0 + DRAIN
-    assert switch(base, model=TINY).status_code == 202  # a reload: the stream must end
+    assert switch(base, model=TINY).status_code == 202
     t.join(60)
     assert not t.is_alive(), "the stream outlived the switch"
     last = wait_last_switch(base, "switched")
-    assert last["from"] == TINY and last["to"] == TINY and last["trigger"] == "explicit"
+    assert last["from"] == DEFAULT and last["to"] == TINY and last["trigger"] == "explicit"
     errors = [d["error"] for _, d in events if "error" in d]
     finishes = [c["finish_reason"] for _, d in events for c in d.get("choices", []) if c.get("finish_reason")]
     decoded_in_drain = [
@@ -218,7 +220,8 @@ def test_running_request_gets_the_drain_timeout_then_engine_error(live):
         assert len(finishes) == 1 and finishes[0] in ("stop", "length"), events[-3:]
         usage = events[-1][1]["usage"]
         assert usage["completion_tokens"] == 1900 if finishes[0] == "length" else usage["completion_tokens"] < 1900
-    print(f"the stream {'was cut by' if errors else 'finished before'} the switch")
+    side = "cut by the switch" if errors else f"finished ({finishes}) before the switch"
+    print(f"the stream: {side}, {len(decoded_in_drain)} chunks during the drain")
 
 
 def _wait_catalog(base: str, served_id: str, state: str, timeout: float = 60.0) -> dict:
