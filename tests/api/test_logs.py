@@ -73,9 +73,18 @@ def test_model_events_are_counted_and_others_ignored(fed):
 
 
 def test_a_broken_record_never_raises(fed, monkeypatch):
-    logger, _, _ = fed
-    monkeypatch.setattr(logging, "raiseExceptions", False)
-    logger.info("ignis.request.ttft", extra={"request_id": "a"})  # no ttft field
+    """A record the telemetry cannot read is reported through ``handleError``, never raised into the
+    code that logged it; it changes nothing, and the records after it still count."""
+    logger, telemetry, _ = fed
+    handler = next(h for h in logger.handlers if isinstance(h, TelemetryHandler) and h.telemetry is telemetry)
+    reported: list[logging.LogRecord] = []
+    monkeypatch.setattr(handler, "handleError", reported.append)
+    logger.info("ignis.request.admitted", extra={"request_id": "a"})
+    logger.info("ignis.request.ttft", extra={"request_id": "a"})  # no ttft field: emit() would raise
+    assert [r.getMessage() for r in reported] == ["ignis.request.ttft"]
+    assert telemetry.snapshot()["ttft_seconds"]["count"] == 0 and "ttft" not in telemetry.timings("a")
+    logger.info("ignis.request.ttft", extra={"request_id": "a", "ttft": 0.2})
+    assert telemetry.snapshot()["ttft_seconds"]["count"] == 1 and reported[1:] == []
 
 
 def test_histogram_buckets_are_cumulative():

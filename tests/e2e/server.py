@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
+
+from tests.helpers import wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -29,8 +31,20 @@ class LiveProcess:
         self.proc = subprocess.Popen(args, cwd=ROOT, env=env, stdout=self._log, stderr=subprocess.STDOUT)
 
     def log_text(self) -> str:
-        self._log.flush()
+        if not self._log.closed:
+            self._log.flush()
         return self.log_path.read_text(errors="replace")
+
+    def events(self) -> list[dict]:
+        """The structured log so far: one dict per JSON line (``event``, ``level``, ``ts``, fields)."""
+        out = []
+        for line in self.log_text().splitlines():
+            if line.startswith("{"):
+                try:
+                    out.append(json.loads(line))
+                except json.JSONDecodeError:
+                    pass
+        return out
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -68,15 +82,22 @@ def start_server(data_dir: Path, *flags: str, env_extra: dict | None = None, por
 
 
 def wait_healthy(base: str, proc: LiveProcess, timeout: float = 180.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    """Return once GET /health answers 200; fail with the server's log if it exits or never does."""
+
+    def healthy() -> int:
         if proc.proc.poll() is not None:
             raise RuntimeError(f"server exited ({proc.proc.returncode}):\n{proc.log_text()[-4000:]}")
-        try:
-            if httpx.get(base + "/health", timeout=5).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    proc.stop()
-    raise RuntimeError(f"server not healthy after {timeout}s:\n{proc.log_text()[-4000:]}")
+        return httpx.get(base + "/health", timeout=5).status_code
+
+    try:
+        wait_for(
+            healthy,
+            timeout,
+            0.5,
+            f"GET {base}/health to answer 200",
+            until=lambda code: code == 200,
+            ignoring=(httpx.HTTPError,),
+        )
+    except AssertionError as exc:
+        proc.stop()
+        raise RuntimeError(f"{exc}\n{proc.log_text()[-4000:]}") from None

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import time
-
 import httpx
+
+from tests.helpers import wait_for
 
 DEFAULT = "smollm2-135m-instruct"
 TINY = "tiny-llama"
@@ -19,13 +19,27 @@ def entry(base: str, served_id: str) -> dict:
 
 
 def wait_status(base: str, served_id: str, status: str, timeout: float = 120.0) -> dict:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        e = next((m for m in models(base)["data"] if m["id"] == served_id), None)
-        if e is not None and e["status"] == status:
-            return e
-        time.sleep(0.2)
-    raise AssertionError(f"{served_id} never reached {status}: {models(base)}")
+    """``served_id``'s entry in GET /v1/models once its status is ``status``."""
+    body = wait_for(
+        lambda: models(base),
+        timeout,
+        0.2,
+        f"{served_id} to be {status} in GET /v1/models",
+        until=lambda b: any(m["id"] == served_id and m["status"] == status for m in b["data"]),
+    )
+    return next(m for m in body["data"] if m["id"] == served_id)
+
+
+def wait_last_switch(base: str, outcome: str, timeout: float = 120.0) -> dict:
+    """GET /v1/models' ``last_switch`` once no switch runs and the last one ended ``outcome``."""
+    body = wait_for(
+        lambda: models(base),
+        timeout,
+        0.2,
+        f"the last switch to end {outcome!r}",
+        until=lambda b: b["switching"] is None and (b["last_switch"] or {}).get("outcome") == outcome,
+    )
+    return body["last_switch"]
 
 
 def chat(base: str, model: str | None = None, timeout: float = 180.0, **kw) -> httpx.Response:

@@ -6,10 +6,11 @@ import json
 import signal
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest
+
+from tests.helpers import wait_for
 
 pytestmark = pytest.mark.e2e
 BODY = {
@@ -25,13 +26,9 @@ def stats(base: str) -> dict:
     return httpx.get(base + "/health", timeout=10).json()["engine"]["stats"]
 
 
-def wait_lanes_free(base: str, timeout: float = 10.0) -> float:
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout:
-        if stats(base)["lanes_busy"] == 0:
-            return time.monotonic() - t0
-        time.sleep(0.05)
-    raise AssertionError(f"lanes still busy after {timeout}s: {stats(base)}")
+def wait_lanes_free(base: str, timeout: float = 10.0) -> dict:
+    """The engine's stats once no lane is busy (``timeout`` bounds "within a round" generously)."""
+    return wait_for(lambda: stats(base), timeout, 0.05, "every lane to be free", until=lambda s: s["lanes_busy"] == 0)
 
 
 def test_dropped_sse_client_frees_its_lane(live_server_url):
@@ -50,7 +47,7 @@ def test_dropped_sse_client_frees_its_lane(live_server_url):
                 break  # leaving the iterator closes the connection (httpcore closes on GeneratorExit)
         assert busy == 1
     # The connection is closed here, mid-stream.
-    assert wait_lanes_free(live_server_url) < 5.0
+    wait_lanes_free(live_server_url, timeout=5.0)
     assert stats(live_server_url)["aborted"] == aborted + 1
 
 
@@ -76,11 +73,11 @@ def test_killed_client_process_frees_its_lanes(live_server_url):
         child.send_signal(signal.SIGKILL)
     finally:
         child.wait(10)
-    assert wait_lanes_free(live_server_url) < 5.0
+    wait_lanes_free(live_server_url, timeout=5.0)
 
 
 def test_non_streaming_client_that_times_out_frees_its_lane(live_server_url):
     wait_lanes_free(live_server_url)
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(live_server_url + "/v1/chat/completions", json={**BODY, "stream": False}, timeout=2.0)
-    assert wait_lanes_free(live_server_url) < 5.0
+    wait_lanes_free(live_server_url, timeout=5.0)

@@ -9,8 +9,8 @@ import httpx
 import pytest
 
 from tests.e2e.server import start_server
-from tests.e2e.switching_helpers import TINY, chat, entry, models, switch, wait_status
-from tests.helpers import assert_openai_error
+from tests.e2e.switching_helpers import TINY, chat, entry, models, switch, wait_last_switch, wait_status
+from tests.helpers import assert_openai_error, wait_for
 from tests.models.tiny import models_dir_with_two
 
 pytestmark = pytest.mark.e2e
@@ -45,11 +45,12 @@ def _plan_zero(base: str) -> bool:
 def test_unloads_when_idle_and_polling_does_not_keep_it(live):
     base, _, proc = live
     assert chat(base).status_code == 200
-    deadline = time.monotonic() + IDLE + 10
-    while entry(base, TINY)["status"] != "unloaded":  # GET /v1/models polls count for nothing
-        assert time.monotonic() < deadline, models(base)
+
+    def status_while_polling() -> str:  # reads of /v1/config and /v1/models count for nothing
         httpx.get(base + "/v1/config", timeout=5)
-        time.sleep(0.2)
+        return entry(base, TINY)["status"]
+
+    wait_for(status_while_polling, IDLE + 10, 0.2, f"{TINY} to unload while polled", until=lambda s: s == "unloaded")
     assert _plan_zero(base)
     assert models(base)["last_switch"] is None
     assert "ignis.model.unloaded" in proc.log_text()
@@ -102,13 +103,32 @@ def test_load_failure_then_a_successful_retry(live):
 
 
 def test_switch_racing_an_idle_unload(live):
-    base, _, _ = live
-    for delay in (IDLE - 0.15, IDLE + 0.05):
+    """A switch lands on one side of the idle unload or the other: before it (the model still
+    serving: the switch tears it down) or after it (unloaded: the switch only loads). Both sides are
+    driven on purpose, switching at once and after waiting for the unload, and the log says which
+    side each switch landed on: an ``ignis.model.unloaded`` between the last request and the switch."""
+    base, _, proc = live
+    for side in ("serving", "unloaded"):
         assert chat(base, TINY).status_code == 200
-        time.sleep(delay)
+        mark = len(proc.events())
+        if side == "unloaded":
+            wait_status(base, TINY, "unloaded", timeout=IDLE + 10)
+        else:
+            assert entry(base, TINY)["status"] == "serving"
         resp = switch(base, model="tiny-b")
         assert resp.status_code == 202, resp.text
-        wait_status(base, "tiny-b", "serving", timeout=60)
-        assert models(base)["last_switch"]["outcome"] == "switched"
+        last = wait_last_switch(base, "switched", timeout=60)
+        assert last["from"] == TINY and last["to"] == "tiny-b", last
+        since = [
+            e for e in proc.events()[mark:] if e.get("event") in ("ignis.model.unloaded", "ignis.model.switch_started")
+        ]
+        started = next(i for i, e in enumerate(since) if e["event"] == "ignis.model.switch_started")
+        assert since[started]["to"] == "tiny-b", since
+        unloads = since[:started]
+        landed = "unloaded" if unloads else "serving"
+        assert landed == side, f"meant to switch while {side}, landed while {landed}: {since}"
+        if landed == "unloaded":
+            assert [e["model"] for e in unloads] == [TINY] and unloads[0]["idle_seconds"] >= IDLE
+        assert entry(base, "tiny-b")["status"] == "serving"
         assert chat(base, "tiny-b").status_code == 200
         assert chat(base, TINY).status_code == 200  # and back, implicitly

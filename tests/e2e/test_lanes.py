@@ -17,6 +17,7 @@ import pytest
 from openai import OpenAI
 
 from tests.e2e.server import start_server
+from tests.helpers import wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -49,16 +50,6 @@ def lane_client(lanes_server) -> OpenAI:
 
 def engine_stats(base: str) -> dict:
     return httpx.get(base + "/health", timeout=10).json()["engine"]["stats"]
-
-
-def wait_for(predicate, timeout: float = 60.0, every: float = 0.05):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(every)
-    raise AssertionError(f"condition not met within {timeout}s")
 
 
 def stream_text(client: OpenAI, messages: list[dict], **kw) -> tuple[str, object]:
@@ -118,11 +109,23 @@ def test_eight_streams_at_once_a_ninth_refused_seed_ignores_the_batch(lanes_serv
     ]
     for t in threads:
         t.start()
-    wait_for(lambda: engine_stats(lanes_server)["lanes_busy"] >= LANES - 1)
+    wait_for(
+        lambda: engine_stats(lanes_server),
+        60,
+        0.05,
+        f"the {LANES - 1} counters to hold lanes",
+        until=lambda s: s["lanes_busy"] >= LANES - 1,
+    )
     seeded = threading.Thread(target=run, args=(0, user), kwargs=SEEDED)
     seeded.start()
     threads.append(seeded)
-    wait_for(lambda: engine_stats(lanes_server)["lanes_busy"] == LANES)
+    wait_for(
+        lambda: engine_stats(lanes_server),
+        60,
+        0.05,
+        f"all {LANES} lanes busy",
+        until=lambda s: s["lanes_busy"] == LANES,
+    )
 
     with pytest.raises(openai.APIStatusError) as refused:
         lane_client.chat.completions.create(

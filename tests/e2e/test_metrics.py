@@ -3,7 +3,6 @@ load, the JSON log of a request's life, and the same numbers in Redis mode."""
 
 from __future__ import annotations
 
-import json
 import sys
 import threading
 import time
@@ -14,6 +13,7 @@ from openai import OpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.e2e.server import LiveProcess, free_port, migrate, server_env, start_server, wait_healthy
+from tests.helpers import wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -185,23 +185,17 @@ def test_monitor_route_reads_the_same_numbers(served):
     assert m['ignis_kv_pages{state="retained"}'] == scrape.value("ignis_kv_pages", state="retained")
 
 
-def _events(log_text: str) -> list[dict]:
-    out = []
-    for line in log_text.splitlines():
-        if line.startswith("{"):
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:
-                pass
-    return out
-
-
 def test_the_log_tells_a_requests_life(served):
     proc, base, _ = served
     client = OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=120)
     resp = client.chat.completions.create(model=MODEL, max_tokens=4, messages=[{"role": "user", "content": "Hi"}])
-    time.sleep(0.3)
-    events = _events(proc.log_text())
+    events = wait_for(
+        proc.events,
+        10,
+        0.1,
+        f"{resp.id}'s ignis.request.done in the log",
+        until=lambda evs: any(e.get("request_id") == resp.id and e["event"] == "ignis.request.done" for e in evs),
+    )
     mine = {e["event"]: e for e in events if e.get("request_id") == resp.id}
     assert set(mine) >= {"ignis.request.admitted", "ignis.request.ttft", "ignis.request.done"}
     admitted, ttft, done = mine["ignis.request.admitted"], mine["ignis.request.ttft"], mine["ignis.request.done"]

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import os
 import shutil
-import time
 from pathlib import Path
 
 import pytest
 
 from tests.e2e.browser import browser_available, start_chromium
+from tests.helpers import wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -35,7 +35,7 @@ def browser():
 @pytest.fixture
 def page(browser, live_server_url):
     browser.get(live_server_url + "/ui/")
-    wait_for(lambda: "serving" in css(browser, "#model-status").text, 30, "the model pill says serving")
+    wait_for(lambda: "serving" in css(browser, "#model-status").text, 30, 0.1, "the model pill says serving")
     return browser
 
 
@@ -45,16 +45,6 @@ def css(driver, selector, root=None):
 
 def css_all(driver, selector, root=None):
     return (root or driver).find_elements("css selector", selector)
-
-
-def wait_for(predicate, timeout: float, what: str, every: float = 0.1):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(every)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
 def shot(driver, name: str) -> None:
@@ -101,7 +91,7 @@ def test_a_chat_streams_in_with_timings(page):
             seen.append(text)
         return css_all(page, ".msg.assistant.done", conv)
 
-    wait_for(finished, 120, "the reply to finish", every=0.05)
+    wait_for(finished, 120, 0.05, "the reply to finish")
     final = css(page, ".msg.assistant .content", conv).text
     assert final.strip(), "a reply was rendered"
     partial = [s for s in seen if s != final]
@@ -121,22 +111,24 @@ def test_three_chats_at_once_fill_three_lanes(page):
     for conv, topic in zip(convs, topics):
         prepare(page, conv, f"Write a long story about {topic}.", 40)
     css(page, "#send-all").click()
-    wait_for(lambda: len(css_all(page, ".conv.busy")) == 3, 10, "three conversations busy")
+    wait_for(lambda: len(css_all(page, ".conv.busy")) == 3, 10, 0.1, "three conversations busy")
     shot(page, "03-three-chats-streaming")
     css(page, "#tab-btn-monitor").click()
     assert css(page, "#tab-chat").get_attribute("hidden") and not css(page, "#tab-monitor").get_attribute("hidden")
-    wait_for(lambda: css(page, "#monitor-lanes-busy").text.startswith("3 /"), 60, "the Monitor to show 3 busy lanes")
-    wait_for(lambda: len(css_all(page, ".lane.busy")) == 3, 10, "three lane rows busy")
-    wait_for(lambda: len(css_all(page, '.lane.busy[data-state="decoding"]')) >= 2, 90, "lanes decoding")
+    wait_for(
+        lambda: css(page, "#monitor-lanes-busy").text.startswith("3 /"), 60, 0.1, "the Monitor to show 3 busy lanes"
+    )
+    wait_for(lambda: len(css_all(page, ".lane.busy")) == 3, 10, 0.1, "three lane rows busy")
+    wait_for(lambda: len(css_all(page, '.lane.busy[data-state="decoding"]')) >= 2, 90, 0.1, "lanes decoding")
     shot(page, "04-monitor-three-lanes")
     css(page, "#tab-btn-chat").click()
-    wait_for(lambda: len(css_all(page, ".msg.assistant.done")) == 3, 240, "all three replies to finish")
+    wait_for(lambda: len(css_all(page, ".msg.assistant.done")) == 3, 240, 0.1, "all three replies to finish")
     for conv in convs:
         assert css(page, ".msg.assistant .content", conv).text.strip()
         assert "tok/s" in css(page, ".msg.assistant .timings", conv).text
     shot(page, "05-three-chats-done")
     css(page, "#tab-btn-monitor").click()
-    wait_for(lambda: css(page, "#monitor-lanes-busy").text.startswith("0 /"), 30, "the lanes to free")
+    wait_for(lambda: css(page, "#monitor-lanes-busy").text.startswith("0 /"), 30, 0.1, "the lanes to free")
     assert int(css(page, "#monitor-decoded").text) > 0
     shot(page, "06-monitor-idle")
 
@@ -152,6 +144,7 @@ def test_tabs_decide_and_switcher(page):
     wait_for(
         lambda: css_all(page, "#decide-chart .bar-row") or css(page, "#decide-error").is_displayed(),
         120,
+        0.1,
         "a distribution or an error",
     )
     if css_all(page, "#decide-chart .bar-row"):
@@ -162,7 +155,7 @@ def test_tabs_decide_and_switcher(page):
     # The switcher reports what the switch route said; an unknown model is refused.
     css(page, "#model-target").send_keys("no-such-model")
     css(page, "#model-switch").click()
-    wait_for(lambda: css(page, "#model-switch-result").text.startswith("HTTP 4"), 30, "the switch refusal")
+    wait_for(lambda: css(page, "#model-switch-result").text.startswith("HTTP 4"), 30, 0.1, "the switch refusal")
     assert "serving" in css(page, "#model-status").text
     css(page, "#tab-btn-chat").click()
     assert not css(page, "#tab-chat").get_attribute("hidden")

@@ -11,13 +11,13 @@ import asyncio
 import shutil
 import sqlite3
 import sys
-import time
 
 import httpx
 import pytest
 
 from tests.e2e.server import LiveProcess, free_port, migrate, server_env, start_server
 from tests.e2e.switching_helpers import TINY, chat, models
+from tests.helpers import wait_for
 from tests.models.tiny import models_dir_with_two
 
 pytestmark = pytest.mark.e2e
@@ -61,38 +61,39 @@ def config(base: str, key: str | None = None) -> dict:
     return httpx.get(base + "/v1/config", headers=headers, timeout=10)
 
 
-def eventually(check, timeout: float = 10.0):
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            value = check()
-            if value:
-                return value
-        except (AssertionError, httpx.HTTPError):
-            if time.monotonic() > deadline:
-                raise
-        if time.monotonic() > deadline:
-            raise AssertionError("never became true")
-        time.sleep(0.2)
-
-
 def test_a_live_change_on_one_front_end_reaches_the_other(fleet):
     a, b = fleet["a"], fleet["b"]
     resp = httpx.patch(a + "/v1/config", json={"server.deadline": 321, "model.default_max_tokens": 5}, timeout=30)
     assert resp.status_code == 200, resp.text
-    eventually(lambda: config(b).json()["values"]["server.deadline"] == 321.0)
+    wait_for(
+        lambda: config(b).json()["values"]["server.deadline"],
+        10,
+        0.2,
+        "B to read server.deadline 321",
+        until=lambda v: v == 321.0,
+        ignoring=(httpx.HTTPError,),
+    )
     assert config(b).json()["values"]["model.default_max_tokens"] == 5
     assert config(b).json()["sources"]["server.deadline"] == "saved"
     # API keys: set on A, enforced by B; cleared on B (with the key), open again on A.
     assert httpx.patch(a + "/v1/config", json={"server.api_keys": "sk-one,sk-two"}, timeout=30).status_code == 200
-    eventually(lambda: config(b).status_code == 401)
+    wait_for(
+        lambda: config(b).status_code,
+        10,
+        0.2,
+        "B to ask for a key",
+        until=lambda c: c == 401,
+        ignoring=(httpx.HTTPError,),
+    )
     assert config(b, "sk-two").status_code == 200
     assert chat(b).status_code == 401
     resp = httpx.patch(
         b + "/v1/config", json={"server.api_keys": ""}, headers={"Authorization": "Bearer sk-one"}, timeout=30
     )
     assert resp.status_code == 200, resp.text
-    eventually(lambda: config(a).status_code == 200)
+    wait_for(
+        lambda: config(a).status_code, 10, 0.2, "A to open again", until=lambda c: c == 200, ignoring=(httpx.HTTPError,)
+    )
     out = chat(a, max_tokens=None)
     assert out.status_code == 200 and out.json()["usage"]["completion_tokens"] <= 5
 
@@ -118,15 +119,36 @@ def test_every_finished_switch_is_recorded_once_whoever_asked(fleet):
         await layer.close_pools()
 
     asyncio.run(send())
-    last = eventually(lambda: (m := models(fleet["b"])["last_switch"]) and m["to"] == "tiny-b" and m, timeout=60)
+    last = wait_for(
+        lambda: models(fleet["b"])["last_switch"],
+        60,
+        0.2,
+        "B to report the orphan switch to tiny-b",
+        until=lambda m: m and m["to"] == "tiny-b",
+        ignoring=(httpx.HTTPError,),
+    )
     assert last["outcome"] == "switched"
     assert switch_rows(fleet["var"])["switch-orphan-0001"] == ("explicit", TINY, "tiny-b", "switched")
 
     resp = httpx.post(fleet["a"] + "/v1/models/switch", json={"model": TINY}, timeout=30)
     assert resp.status_code == 202, resp.text
     asked = resp.json()["id"]
-    eventually(lambda: (m := models(fleet["b"])["last_switch"]) and m["to"] == TINY, timeout=60)
-    eventually(lambda: switch_rows(fleet["var"]).get(asked) == ("explicit", "tiny-b", TINY, "switched"))
+    wait_for(
+        lambda: models(fleet["b"])["last_switch"],
+        60,
+        0.2,
+        f"B to report the switch back to {TINY}",
+        until=lambda m: m and m["to"] == TINY,
+        ignoring=(httpx.HTTPError,),
+    )
+    wait_for(
+        lambda: switch_rows(fleet["var"]).get(asked),
+        10,
+        0.2,
+        f"the switch {asked} to be recorded",
+        until=lambda row: row == ("explicit", "tiny-b", TINY, "switched"),
+        ignoring=(sqlite3.OperationalError,),
+    )
     models(fleet["a"])
     assert sorted(switch_rows(fleet["var"])) == sorted(["switch-orphan-0001", asked])
 

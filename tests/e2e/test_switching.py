@@ -12,11 +12,12 @@ import httpx
 import pytest
 
 from tests.e2e.server import start_server
-from tests.e2e.switching_helpers import DEFAULT, TINY, chat, entry, models, switch, wait_status
-from tests.helpers import assert_openai_error
+from tests.e2e.switching_helpers import DEFAULT, TINY, chat, entry, models, switch, wait_last_switch, wait_status
+from tests.helpers import assert_openai_error, wait_for
 from tests.models.tiny import models_dir_with_two
 
 pytestmark = pytest.mark.e2e
+DRAIN = 2  # --switch-drain-timeout
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +33,7 @@ def live(tmp_path_factory, default_gguf_path):
         "--model-idle-unload",
         "0",
         "--switch-drain-timeout",
-        "2",
+        str(DRAIN),
         "--switch-known-models",
         f"{TINY},broken-llama",
         env_extra={"IGNIS_SERVER_MODELS_DIR": str(mdir)},
@@ -115,10 +116,10 @@ def test_no_file_and_wrong_id_are_refused_and_the_old_model_keeps_serving(live):
     base, _, _ = live
     serving = next(m["id"] for m in models(base)["data"] if m["status"] == "serving")
     assert switch(base, path="nothing-here").status_code == 202
-    last = _wait_last(base, "refused")
+    last = wait_last_switch(base, "refused")
     assert "no file" in last["reason"]
     assert switch(base, path=TINY, model="broken-llama").status_code == 202
-    last = _wait_last(base, "refused")
+    last = wait_last_switch(base, "refused")
     assert "belongs to" in last["reason"]
     assert entry(base, serving)["status"] == "serving"
 
@@ -135,7 +136,7 @@ def test_catalog_import_by_celery_then_bad_checksum_is_refused(live):
     (mdir / "tiny-copy" / "config.json").write_text(json.dumps({**cfg, "note": "tampered"}))
     serving = next(m["id"] for m in models(base)["data"] if m["status"] == "serving")
     assert switch(base, model="tiny-copy").status_code == 202
-    last = _wait_last(base, "refused")
+    last = wait_last_switch(base, "refused")
     assert "checksum" in last["reason"]
     assert entry(base, serving)["status"] == "serving"
 
@@ -144,7 +145,7 @@ def test_failure_after_teardown_restores_and_implicit_failure_is_503_without_ret
     base, _, _ = live
     assert chat(base, TINY).status_code == 200  # serving the quick one, so the restore is quick
     assert switch(base, model="broken-llama").status_code == 202
-    last = _wait_last(base, "restored")
+    last = wait_last_switch(base, "restored")
     assert last["to"] == "broken-llama" and last["reason"]
     assert entry(base, TINY)["status"] == "serving"
     resp = chat(base, "broken-llama")
@@ -170,55 +171,68 @@ def test_implicit_switching_off_makes_another_name_a_404(live):
 
 
 def test_running_request_gets_the_drain_timeout_then_engine_error(live):
+    """A stream running when a switch is accepted keeps decoding for the drain timeout; one still
+    running then ends with ``engine_error``. The stream is the default model counting greedily to a
+    thousand, which outlasts the 2 s drain by far (the tiny model's stream, sampled at temperature 1,
+    sometimes finished within it). Which side it landed on is still read from the stream and
+    asserted: cut by the switch (one error, last, after the whole drain timeout, with tokens decoded
+    during the drain) or finished on its own within the drain (one finish_reason, usage to match)."""
     base, _, _ = live
-    assert chat(base, TINY).status_code == 200
-    events: list[str] = []
+    assert chat(base, DEFAULT).status_code == 200
+    events: list[tuple[float, dict]] = []  # (time.monotonic() received, the data line's JSON)
+    streaming = threading.Event()
+    body = {
+        "model": DEFAULT,
+        "messages": [{"role": "user", "content": "Count from 1 to 1000, one number per line."}],
+        "max_tokens": 1900,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "temperature": 0,
+    }
 
     def stream():
-        body = {
-            "model": TINY,
-            "messages": [{"role": "user", "content": "Count."}],
-            "max_tokens": 1900,
-            "stream": True,
-            "temperature": 1.0,
-            "ignore_eos": True,
-        }
         with httpx.stream("POST", base + "/v1/chat/completions", json=body, timeout=120) as r:
             for line in r.iter_lines():
-                if line.startswith("data: "):
-                    events.append(line[6:])
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    events.append((time.monotonic(), json.loads(line[6:])))
+                    streaming.set()
 
-    t = threading.Thread(target=stream)
+    t = threading.Thread(target=stream, daemon=True)
     t.start()
-    time.sleep(1.0)
-    t0 = time.monotonic()
-    assert switch(base, model="tiny-llama").status_code == 202  # a reload: the stream must end
+    assert streaming.wait(60), "the stream sent nothing"
+    t0 = time.monotonic()  # before the engine can accept the switch, so its drain deadline is >= t0 + DRAIN
+    assert switch(base, model=TINY).status_code == 202
     t.join(60)
-    assert not t.is_alive()
-    errors = [json.loads(e)["error"] for e in events if e.startswith('{"error"')]
-    finished = any('"finish_reason": "stop"' in e or '"finish_reason":"stop"' in e for e in events)
-    assert errors and errors[0]["code"] == "engine_error" or finished, events[-3:]
-    _wait_last(base, "switched")
-    assert time.monotonic() - t0 >= 1.5 or finished  # it was given the drain timeout (2 s)
-
-
-def _wait_last(base: str, outcome: str, timeout: float = 120.0) -> dict:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        body = models(base)
-        last = body["last_switch"]
-        if body["switching"] is None and last and last["outcome"] == outcome:
-            return last
-        time.sleep(0.2)
-    raise AssertionError(f"last_switch never became {outcome}: {models(base)}")
+    assert not t.is_alive(), "the stream outlived the switch"
+    last = wait_last_switch(base, "switched")
+    assert last["from"] == DEFAULT and last["to"] == TINY and last["trigger"] == "explicit"
+    errors = [d["error"] for _, d in events if "error" in d]
+    finishes = [c["finish_reason"] for _, d in events for c in d.get("choices", []) if c.get("finish_reason")]
+    decoded_in_drain = [
+        d for ts, d in events if ts > t0 and any(c["delta"].get("content") for c in d.get("choices", []))
+    ]
+    if errors:  # cut by the switch once the drain timed out
+        assert [e["code"] for e in errors] == ["engine_error"] and finishes == [], events[-3:]
+        assert "error" in events[-1][1], "the error is the stream's last event"
+        assert events[-1][0] - t0 >= DRAIN, "it was given the whole drain timeout"
+        assert decoded_in_drain, "it kept decoding while the switch waited"
+    else:  # finished on its own before the drain timed out
+        assert len(finishes) == 1 and finishes[0] in ("stop", "length"), events[-3:]
+        usage = events[-1][1]["usage"]
+        assert usage["completion_tokens"] == 1900 if finishes[0] == "length" else usage["completion_tokens"] < 1900
+    side = "cut by the switch" if errors else f"finished ({finishes}) before the switch"
+    print(f"the stream: {side}, {len(decoded_in_drain)} chunks during the drain")
 
 
 def _wait_catalog(base: str, served_id: str, state: str, timeout: float = 60.0) -> dict:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    def artifact():
         data = httpx.get(base + "/v1/catalog", timeout=10).json()["data"]
-        art = next((a for a in data if a["id"] == served_id), None)
-        if art and art["state"] == state:
-            return art
-        time.sleep(0.3)
-    raise AssertionError(f"{served_id} never reached {state}: {data}")
+        return next((a for a in data if a["id"] == served_id), None)
+
+    return wait_for(
+        artifact,
+        timeout,
+        0.3,
+        f"{served_id} to be {state} in GET /v1/catalog",
+        until=lambda a: a and a["state"] == state,
+    )
