@@ -18,7 +18,8 @@ from engine.backend import Backend, DecodeLane, PrefillSpan, StepOutput, StepPla
 from engine.config import EngineConfig
 from engine.kv_manager import KVManager
 from engine.memory import MemoryPlan
-from engine.messages import AddRequest
+from engine.messages import AddRequest, RequestFinished, TokenEvent
+from engine.outputs import EngineOutput
 from engine.scheduler import Scheduler
 
 VOCAB = 997
@@ -167,7 +168,7 @@ def create_requests(
     return out
 
 
-def step(sched: Scheduler, backend: FakeBackend, clock: FakeClock) -> list[tuple[str, dict]]:
+def step(sched: Scheduler, backend: FakeBackend, clock: FakeClock) -> list[EngineOutput]:
     """One loop turn; the fake clock advances by the step's simulated time."""
     plan = sched.schedule()
     out = backend.step(plan)
@@ -177,24 +178,24 @@ def step(sched: Scheduler, backend: FakeBackend, clock: FakeClock) -> list[tuple
 
 def run_until_done(
     sched: Scheduler, backend: FakeBackend, clock: FakeClock, max_steps: int = 2000, idle: float = 0.01
-) -> dict[str, list[dict]]:
-    """Step until no work is left; returns messages grouped by request id."""
-    by_request: dict[str, list[dict]] = {}
+) -> dict[str, list[EngineOutput]]:
+    """Step until no work is left; returns the outputs grouped by request id."""
+    by_request: dict[str, list[EngineOutput]] = {}
     for _ in range(max_steps):
         if not sched.has_work:
             return by_request
         plan_count = len(backend.plans)
-        for _, msg in step(sched, backend, clock):
-            by_request.setdefault(msg["request_id"], []).append(msg)
+        for output in step(sched, backend, clock):
+            by_request.setdefault(output.request_id, []).append(output)
         if backend.plans[plan_count:] and backend.plans[-1].is_empty:
             clock.advance(idle)  # the worker would sleep; time moves on
     raise AssertionError("scheduler did not drain")
 
 
-def tokens_of(msgs: list[dict]) -> list[int]:
-    return [t for m in msgs if m["type"] == "engine.tokens" for t in m["token_ids"]]
+def tokens_of(outputs: list[EngineOutput]) -> list[int]:
+    return [t for m in outputs if isinstance(m, TokenEvent) for t in m.token_ids]
 
 
-def finished_of(msgs: list[dict]) -> dict:
-    (done,) = [m for m in msgs if m["type"] == "engine.finished"]
+def finished_of(outputs: list[EngineOutput]) -> RequestFinished:
+    (done,) = [m for m in outputs if isinstance(m, RequestFinished)]
     return done
