@@ -73,6 +73,9 @@ class EngineStatus:
         d = asdict(self)
         d["type"] = self.TYPE
         d["status"] = str(self.status)
+        for key in ("stats", "lanes"):  # absent while nothing is loaded, as GET /health shows it
+            if d[key] is None:
+                del d[key]
         return d
 
     @classmethod
