@@ -114,10 +114,6 @@ class FakeBackend(Backend):
             self.device[d] = list(self.host[h])
             self.host[h] = [None] * self.block_size
 
-    def copy_blocks(self, pairs) -> None:
-        for s, d in pairs:
-            self.device[d] = list(self.device[s])
-
     def unload(self) -> None:
         self.plan = None
         self.unloaded.set()
