@@ -48,6 +48,10 @@ log = logging.getLogger("ignis.engine")
 
 
 class EngineWorker:
+    """The loop for one model host. ``layer`` is a Channels layer; the rest is the
+    ModelHost's (engine/host.py): ``loader`` and ``backend_factory`` default to
+    engine.loaders.load_artifact and engine.backends.create_backend."""
+
     def __init__(
         self,
         layer,
@@ -87,6 +91,7 @@ class EngineWorker:
     # -- the loop --------------------------------------------------------------
 
     async def run(self) -> None:
+        """Load, then serve until cancelled."""
         loop = asyncio.get_running_loop()
         receiver = asyncio.create_task(self._receive_loop())
         host = self.host
