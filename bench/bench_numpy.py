@@ -36,6 +36,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from engine.messages import TokenEvent  # noqa: E402
+from engine.sequence import SequenceStatus  # noqa: E402
+
 SECTION = "## numpy backend"
 WIDTHS = (1, 2, 4, 8)
 DECODE_CONTEXT = 256  # prompt tokens per lane before the timed rounds
@@ -126,20 +129,19 @@ class Loop:
             time.sleep(0.001)
             return
         out = self.backend.step(plan)
-        for _, msg in self.sched.update_from_output(plan, out):
-            if msg["type"] == "engine.tokens":
-                self.decoded[msg["request_id"]] += len(msg["token_ids"])
-                if msg.get("ttft") is not None:
-                    self.ttft[msg["request_id"]] = msg["ttft"]
-                    self.cached[msg["request_id"]] = msg["cached_tokens"]
+        for event in self.sched.update_from_output(plan, out):
+            if isinstance(event, TokenEvent):
+                self.decoded[event.request_id] += len(event.token_ids)
+                if event.ttft is not None:
+                    self.ttft[event.request_id] = event.ttft
+                    self.cached[event.request_id] = event.cached_tokens
 
     def run_until(self, done) -> None:
         while not done():
             self.step()
 
     def abort_all(self) -> None:
-        for rid in list(self.sched.seqs):
-            self.sched.abort_request(rid)
+        self.sched.finish_requests(list(self.sched.seqs), SequenceStatus.FINISHED_ABORTED)
 
 
 def bench_ttft(loop: Loop, rng: random.Random, reps: int) -> dict:

@@ -11,19 +11,9 @@ from collections.abc import Iterable
 
 from engine.config import EngineConfig
 from engine.messages import AddRequest, RequestFailed
+from engine.refusals import refusal
 from engine.sampling import SamplingParams
 from engine.sequence import Sequence
-
-
-def context_error(msg: AddRequest, text: str) -> RequestFailed:
-    return RequestFailed(
-        request_id=msg.request_id,
-        message=text,
-        code="context_length_exceeded",
-        status=400,
-        error_type="invalid_request_error",
-        param="messages",
-    )
 
 
 def retry_after(holders: Iterable[Sequence], round_seconds: float | None, floor: float) -> float:
@@ -41,29 +31,28 @@ def admit(
     *,
     num_blocks: int,
     block_size: int,
-    lanes_busy: int,
+    lane_holders: list[Sequence],
     round_seconds: float | None,
-    lane_holders: Iterable[Sequence],
     seq_id: int,
     now: float,
     seed_rng: random.Random,
+    supports_prompt_logprobs: bool = True,
+    constraints=None,
 ) -> Sequence | RequestFailed:
-    """Build the request's Sequence, or the RequestFailed that refuses it."""
-    num_prompt = len(msg.prompt_token_ids)
+    """Build the request's Sequence (with its grammar, if it names one), or the
+    RequestFailed that refuses it. ``constraints`` is the load's
+    engine.constraint.ConstraintFactory (None: grammars are refused)."""
+    rid, num_prompt = msg.request_id, len(msg.prompt_token_ids)
+    if msg.prompt_logprobs is not None and not supports_prompt_logprobs:
+        return refusal("unsupported", rid)
     if num_prompt == 0:
-        return RequestFailed(
-            request_id=msg.request_id,
-            message="The prompt is empty.",
-            code="invalid_prompt",
-            status=400,
-            error_type="invalid_request_error",
-            param="messages",
-        )
+        return refusal("invalid_prompt", rid)
     limit = cfg.max_context
     # A decide request needs only its prompt; anything else room for one token.
     if num_prompt > limit or (num_prompt == limit and not msg.decide):
-        return context_error(
-            msg,
+        return refusal(
+            "context_length_exceeded",
+            rid,
             f"This model's maximum context length is {limit} tokens, "
             f"but the prompt has {num_prompt} tokens (with no room left to generate).",
         )
@@ -71,26 +60,24 @@ def admit(
     max_tokens = 0 if msg.decide else min(requested, limit - num_prompt)
     bound = num_prompt + max_tokens  # KV bound, never above max_context
     if -(-bound // block_size) > num_blocks:
-        return context_error(
-            msg,
+        return refusal(
+            "context_length_exceeded",
+            rid,
             f"The request needs {bound} tokens of KV cache ({num_prompt} prompt + {max_tokens} to generate), "
             f"more than the pool holds ({num_blocks * block_size} tokens); lower max_tokens or the prompt.",
         )
-    if not msg.decide and lanes_busy >= cfg.decode_lanes:
-        return RequestFailed(
-            request_id=msg.request_id,
-            message=f"All {cfg.decode_lanes} decode lanes are busy; retry shortly.",
-            code="engine_full",
-            status=503,
-            error_type="server_error",
+    if not msg.decide and len(lane_holders) >= cfg.decode_lanes:
+        return refusal(
+            "engine_full",
+            rid,
+            f"All {cfg.decode_lanes} decode lanes are busy; retry shortly.",
             retry_after=retry_after(lane_holders, round_seconds, cfg.retry_after_floor),
         )
     sampling = SamplingParams.from_dict(msg.sampling or {})
     seed = sampling.seed if sampling.seed is not None else seed_rng.getrandbits(63)
-    return Sequence(
+    seq = Sequence(
         seq_id=seq_id,
-        request_id=msg.request_id,
-        reply_channel=msg.reply_channel,
+        request_id=rid,
         prompt_token_ids=list(msg.prompt_token_ids),
         max_tokens=max_tokens,
         sampling=sampling,
@@ -105,3 +92,21 @@ def admit(
         decide_token_ids=list(msg.decide_token_ids) if msg.decide_token_ids is not None else None,
         arrival_time=now,
     )
+    if msg.grammar:
+        problem = _attach_constraint(seq, msg.grammar, constraints)
+        if problem is not None:
+            return refusal("invalid_grammar", rid, problem)
+    return seq
+
+
+def _attach_constraint(seq: Sequence, grammar: str, constraints) -> str | None:
+    """Give ``seq`` its grammar (engine.constraint), or say why it cannot have one."""
+    from engine.constraint import ConstraintError
+
+    if constraints is None:
+        return "Constrained decoding is not available on this engine."
+    try:
+        seq.constraint = constraints.build(grammar, sorted(seq.stop_token_ids))
+    except (ConstraintError, ImportError, ValueError) as exc:
+        return f"The output grammar does not compile: {exc}"
+    return None

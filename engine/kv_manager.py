@@ -182,9 +182,6 @@ class KVManager:
                 self.hashes[b], self.tokens[b] = h, chunk
                 self.hash_to_block[h] = b
 
-    def can_append(self, seq: Sequence, num_tokens: int) -> bool:
-        return self.blocks_for(num_tokens) - len(seq.block_table) <= self.num_available_blocks
-
     def append_slots(self, seq: Sequence, num_tokens: int) -> bool:
         """Grow ``seq``'s table to hold ``num_tokens`` positions; False if the pool is dry."""
         need = self.blocks_for(num_tokens) - len(seq.block_table)

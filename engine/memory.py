@@ -3,12 +3,15 @@
 One module for both backends and the switch precheck, so the figure a switch
 is refused on is the one a load then carves: weights first, then the working
 memory of one round (``workspace_bytes``, the one formula), then the KV pool
-takes what the budget leaves, and the host tier holds swapped pages.
+takes what the budget leaves, and the host tier holds swapped pages. The numpy
+backend's budget is host RAM, planned before a load (``ram_plan``).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from pathlib import Path
 
 from engine.model_config import ModelConfig
 
@@ -62,3 +65,59 @@ def _numel(shape: tuple[int, ...]) -> int:
     for d in shape:
         n *= d
     return n
+
+
+# -- the numpy backend's host RAM plan, made before a load (and before a switch tears down) --
+
+
+def mem_available() -> int:
+    """Host RAM the kernel says is available (MemAvailable), in bytes."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 1 << 62
+
+
+@dataclass(frozen=True)
+class RamPlan:
+    """The numpy backend's plan: weights first, then working memory, then the KV pool
+    takes the rest of the budget. ``problem`` says why it does not fit (None: it does)."""
+
+    budget_bytes: int
+    weights_bytes: int
+    workspace_bytes: int
+    kv_bytes: int
+    min_kv_bytes: int
+    available_bytes: int
+    context_tokens: int  # the one sequence the pool must hold at least
+
+    @property
+    def problem(self) -> str | None:
+        if self.kv_bytes < self.min_kv_bytes:
+            return (
+                f"host RAM plan: budget_bytes={self.budget_bytes} weights_bytes={self.weights_bytes} "
+                f"workspace_bytes={self.workspace_bytes} leave kv_bytes={self.kv_bytes}, below the "
+                f"min_kv_bytes={self.min_kv_bytes} one {self.context_tokens}-token sequence needs"
+            )
+        if self.weights_bytes + self.workspace_bytes > self.available_bytes:
+            return (
+                f"host RAM plan: weights_bytes={self.weights_bytes} + workspace_bytes={self.workspace_bytes} "
+                f"exceed available_bytes={self.available_bytes} (MemAvailable plus the loaded model's plan)"
+            )
+        return None
+
+
+def ram_plan(
+    cfg: ModelConfig, *, ram_budget: int, kv_ram_budget: int, max_context: int, block_size: int, freed_bytes: int
+) -> RamPlan:
+    """The plan for loading ``cfg`` into ``ram_budget`` bytes (0: weights + workspace +
+    ``kv_ram_budget``), against the host's available RAM plus ``freed_bytes`` (what the
+    loaded model gives back at teardown)."""
+    weights, work = weights_bytes(cfg), workspace_bytes(cfg)
+    budget = ram_budget or weights + work + kv_ram_budget
+    ctx = min(max_context, cfg.max_position)
+    min_kv = math.ceil(ctx / block_size) * block_size * cfg.kv_bytes_per_token_fp32
+    return RamPlan(budget, weights, work, budget - weights - work, min_kv, mem_available() + freed_bytes, ctx)

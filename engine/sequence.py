@@ -38,8 +38,7 @@ CLASS_RANK = {"interactive": 0, "agent": 1}
 @dataclass(eq=False)
 class Sequence:
     seq_id: int  # also the arrival index
-    request_id: str
-    reply_channel: str
+    request_id: str  # the scheduler never sees where replies go: the worker keeps that
     prompt_token_ids: list[int]
     max_tokens: int  # effective cap: already clamped to the context
     sampling: SamplingParams

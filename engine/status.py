@@ -73,7 +73,7 @@ class EngineStatus:
         """The wire dict: ``type`` first; ``stats`` and ``lanes`` only while a model is loaded."""
         d = {"type": self.TYPE, **asdict(self)}
         d["status"] = str(self.status)
-        for key in ("stats", "lanes"):
+        for key in ("stats", "lanes"):  # absent while nothing is loaded, as GET /health shows it
             if d[key] is None:
                 del d[key]
         return d

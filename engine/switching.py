@@ -1,25 +1,24 @@
-"""Switching, unloading and reloading the one model: messages, checks and the memory plan.
+"""What can refuse a switch, checked before anything is torn down.
 
-A switch is a full reload: the old model is torn down before the new one loads,
-so the two are never resident together. Everything that can refuse a switch
-runs *before* the teardown (``switch_precheck``): the file is there, the digest
-is clean, and the load's memory plan fits. A refusal leaves the old model
-serving. Plain Python: the Django side imports the messages and the digest.
+A switch is a full reload (engine/host.py): the old model is torn down before
+the new one loads, so the two are never resident together. Everything that can
+refuse a switch runs *before* the teardown (``switch_precheck``): the file is
+there, the digest is clean, and the load's memory plan (engine/memory.py)
+fits. A refusal leaves the old model serving. Plain Python: the Django side
+imports the digest.
 """
 
 from __future__ import annotations
 
 import hashlib
-import math
-from dataclasses import dataclass
 from pathlib import Path
 
+from engine.memory import RamPlan, ram_plan
 from engine.messages import SwitchModel
 from engine.model_config import ModelConfig
 
 # Live engine fields (applied without a reload) and the worker's own timings.
 LIVE_FIELDS = ("prefill_chunk", "decode_share", "default_max_tokens")
-_WORKSPACE_LANES = 8
 
 
 class SwitchRefused(Exception):
@@ -51,70 +50,14 @@ def artifact_config(path: str | Path) -> ModelConfig:
     return read_config(path)
 
 
-def weights_bytes(cfg: ModelConfig) -> int:
-    """float32 bytes of the weights a backend holds (the numpy reference's layout)."""
-    h, i = cfg.hidden_size, cfg.intermediate_size
-    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    per_layer = 2 * h + h * (q + 2 * kv) + q * h + 3 * h * i + ((q + 2 * kv) if cfg.attention_bias else 0)
-    params = 2 * cfg.vocab_size * h + h + cfg.num_layers * per_layer  # a tied head is still its own [h, vocab] copy
-    return 4 * params
-
-
-def workspace_bytes(cfg: ModelConfig) -> int:
-    return _WORKSPACE_LANES * 4 * (cfg.vocab_size + 4 * cfg.intermediate_size + 4 * cfg.hidden_size)
-
-
-def mem_available() -> int:
-    """Host RAM the kernel says is available (MemAvailable), in bytes."""
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 1 << 62
-
-
-@dataclass(frozen=True)
-class RamPlan:
-    """The numpy backend's plan, made before anything is torn down."""
-
-    budget_bytes: int
-    weights_bytes: int
-    workspace_bytes: int
-    kv_bytes: int
-    min_kv_bytes: int
-    available_bytes: int
-
-
-def ram_plan(
-    cfg: ModelConfig, *, ram_budget: int, kv_ram_budget: int, max_context: int, block_size: int, freed_bytes: int
-) -> RamPlan:
-    """Weights first, then working memory, then the KV pool takes the rest of ``ram_budget``.
-
-    ``ram_budget`` 0 means "weights + workspace + ``kv_ram_budget``". Raises
-    SwitchRefused (with the numbers in bytes) when one max-context sequence
-    does not fit the pool, or the plan does not fit the host's available RAM
-    plus what the old model frees at teardown.
-    """
-    weights, work = weights_bytes(cfg), workspace_bytes(cfg)
-    budget = ram_budget or weights + work + kv_ram_budget
-    kv = budget - weights - work
-    ctx = min(max_context, cfg.max_position)
-    min_kv = math.ceil(ctx / block_size) * block_size * cfg.kv_bytes_per_token_fp32
-    available = mem_available() + freed_bytes
-    plan = RamPlan(budget, weights, work, kv, min_kv, available)
-    if kv < min_kv:
-        raise SwitchRefused(
-            f"host RAM plan: budget_bytes={budget} weights_bytes={weights} workspace_bytes={work} leave "
-            f"kv_bytes={kv}, below the min_kv_bytes={min_kv} one {ctx}-token sequence needs"
-        )
-    if weights + work > available:
-        raise SwitchRefused(
-            f"host RAM plan: weights_bytes={weights} + workspace_bytes={work} exceed "
-            f"available_bytes={available} (MemAvailable plus the loaded model's plan)"
-        )
-    return plan
+def planned_ram(cfg: ModelConfig, **plan) -> RamPlan:
+    """``engine.memory.ram_plan(cfg, **plan)``, or SwitchRefused with its numbers in bytes
+    when one max-context sequence does not fit the pool, or the plan does not fit the
+    host's available RAM plus what the old model frees at teardown."""
+    planned = ram_plan(cfg, **plan)
+    if planned.problem is not None:
+        raise SwitchRefused(planned.problem)
+    return planned
 
 
 def switch_precheck(
@@ -143,7 +86,7 @@ def switch_precheck(
             raise SwitchRefused(f"checksum mismatch: sha256 {got} is not the recorded {sw.sha256}")
     if backend != "numpy":
         return None  # the CUDA backend plans against the card at load
-    return ram_plan(
+    return planned_ram(
         cfg,
         ram_budget=ram_budget,
         kv_ram_budget=kv_ram_budget,

@@ -124,12 +124,12 @@ def test_lanes_snapshot_reads_state_class_and_rates():
 
 def test_worker_logs_the_scheduler_interval_at_debug(caplog):
     from engine.config import EngineConfig
+    from engine.status import SchedulerStats
     from engine.worker import EngineWorker
 
     worker = EngineWorker(layer=None, cfg=EngineConfig(), artifact_path="/nonexistent", served_id="m")
-    worker.scheduler = SimpleNamespace(
-        stats=lambda: {"admitted": 3, "decoded_tokens": 40, "lanes_busy": 1, "kv_pages": {"used": 2, "total": 8}}
-    )
+    stats = SchedulerStats(admitted=3, decoded_tokens=40, lanes_busy=1, kv_pages={"used": 2, "total": 8})
+    worker.host.scheduler = SimpleNamespace(make_stats=lambda: stats)
     with caplog.at_level(logging.DEBUG, logger="ignis.engine"):
         worker._log_interval()
         worker._log_interval()  # within the interval: once only

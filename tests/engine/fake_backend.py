@@ -1,4 +1,5 @@
-"""A backend without a model, and vLLM-style factories for scheduler tests.
+"""A backend without a model, vLLM-style factories for scheduler tests, and
+FakeModels: the loader and backend factory a ModelHost takes, for worker tests.
 
 The fake keeps real KV books: every written position's token lands in the
 slot its block table names, and the next token is a hash of the context it
@@ -9,16 +10,22 @@ schedule reproduces an undisturbed run token for token.
 
 from __future__ import annotations
 
+import json
 import random
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import numpy as np
 
 from engine.backend import Backend, DecodeLane, PrefillSpan, StepOutput, StepPlan
 from engine.config import EngineConfig
 from engine.kv_manager import KVManager
+from engine.loaders.hf import config_from_hf
 from engine.memory import MemoryPlan
-from engine.messages import AddRequest
+from engine.messages import AddRequest, RequestFinished, TokenEvent
+from engine.model_config import ModelConfig
+from engine.outputs import EngineOutput
 from engine.scheduler import Scheduler
 
 VOCAB = 997
@@ -54,6 +61,8 @@ class FakeBackend(Backend):
         self.prefill_seconds = prefill_seconds  # per prefilled token
         self.decode_seconds = decode_seconds  # per round
         self.plans: list[StepPlan] = []
+        self.before_step: Callable[[StepPlan], None] | None = None  # FakeModels: hold or raise
+        self.unloaded = threading.Event()
 
     @staticmethod
     def next_token(context: Sequence[int]) -> int:
@@ -71,7 +80,15 @@ class FakeBackend(Backend):
         return ctx
 
     def load(self, config, weights, *, block_size, kv_budget_bytes, host_kv_budget_bytes, max_context) -> MemoryPlan:
-        raise NotImplementedError
+        self.config, self.block_size = config, block_size
+        self.device = [[None] * block_size for _ in self.device]
+        self.host = [[None] * block_size for _ in self.host]
+        n, n_host = len(self.device), len(self.host)
+        self.plan = MemoryPlan(  # one "byte" a block
+            budget_bytes=n + n_host, weights_bytes=0, workspace_bytes=0, kv_bytes=n, block_size=block_size,
+            num_blocks=n, host_kv_bytes=n_host, num_host_blocks=n_host,
+        )  # fmt: skip
+        return self.plan
 
     def prefill(self, span: PrefillSpan, out: StepOutput) -> None:
         for i, t in enumerate(span.token_ids):
@@ -97,19 +114,99 @@ class FakeBackend(Backend):
             self.device[d] = list(self.host[h])
             self.host[h] = [None] * self.block_size
 
-    def copy_blocks(self, pairs) -> None:
-        for s, d in pairs:
-            self.device[d] = list(self.device[s])
-
     def unload(self) -> None:
-        pass
+        self.plan = None
+        self.unloaded.set()
 
     def step(self, plan: StepPlan) -> StepOutput:
+        if self.before_step is not None:
+            self.before_step(plan)
         self.plans.append(plan)
         out = super().step(plan)
         out.prefill_seconds = self.prefill_seconds * len(plan.prefill.token_ids) if plan.prefill else 0.0
         out.decode_seconds = self.decode_seconds if plan.decode else 0.0
         return out
+
+
+class Gate:
+    """Open: everyone passes. Closed: whoever arrives waits there until it opens, and
+    ``held`` says one does (loads and steps run on the worker's step thread; a test
+    waits on ``held`` with asyncio.to_thread)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._open = True
+        self.held = threading.Event()
+
+    def close(self) -> None:
+        with self._cond:
+            self._open = False
+            self.held.clear()
+
+    def open(self) -> None:
+        with self._cond:
+            self._open = True
+            self._cond.notify_all()
+
+    def enter(self) -> None:
+        with self._cond:
+            if not self._open:
+                self.held.set()
+                self._cond.wait_for(lambda: self._open)
+
+
+class FakeModels:
+    """Model directories the fake loader reads (config.json only) and the backends it
+    makes, with what a worker test controls: a load that waits or fails, a step
+    that waits or raises."""
+
+    def __init__(self, root: Path, *, num_blocks: int = 64, block_size: int = 4, num_host_blocks: int = 16) -> None:
+        self.root = root
+        self.sizes = (num_blocks, block_size, num_host_blocks)
+        self.failing: set[Path] = set()  # loads of these paths raise
+        self.loads: list[Path] = []  # every load started, in order
+        self.backends: list[FakeBackend] = []  # every backend made, in order
+        self.load_gate, self.step_gate = Gate(), Gate()
+        self.fail_step: Callable[[StepPlan], bool] | None = None  # True: this step raises (once)
+
+    def model(self, name: str, max_position: int = 256) -> Path:
+        """A directory the precheck accepts (artifact_config reads its config.json)."""
+        path = self.root / name
+        path.mkdir(parents=True, exist_ok=True)
+        config = {
+            "model_type": "llama",
+            "vocab_size": VOCAB,
+            "hidden_size": 8,
+            "intermediate_size": 16,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 2,
+            "max_position_embeddings": max_position,
+        }
+        (path / "config.json").write_text(json.dumps(config))
+        return path
+
+    def load(self, path: Path, progress: Callable[[int, int], None]) -> tuple[ModelConfig, dict]:
+        """The loader (engine.loaders.load_artifact's signature)."""
+        self.loads.append(Path(path))
+        progress(0, 1)
+        self.load_gate.enter()
+        if Path(path) in self.failing:
+            raise RuntimeError(f"cannot load {Path(path).name}")
+        progress(1, 1)
+        return config_from_hf(json.loads((Path(path) / "config.json").read_text())), {}
+
+    def create_backend(self, name: str) -> FakeBackend:
+        """The backend factory (engine.backends.create_backend's signature)."""
+        backend = FakeBackend(*self.sizes)
+        backend.before_step = self._before_step
+        self.backends.append(backend)
+        return backend
+
+    def _before_step(self, plan: StepPlan) -> None:
+        self.step_gate.enter()
+        if self.fail_step is not None and self.fail_step(plan):
+            self.fail_step = None
+            raise RuntimeError("the fake step failed")
 
 
 def create_scheduler(
@@ -167,7 +264,7 @@ def create_requests(
     return out
 
 
-def step(sched: Scheduler, backend: FakeBackend, clock: FakeClock) -> list[tuple[str, dict]]:
+def step(sched: Scheduler, backend: FakeBackend, clock: FakeClock) -> list[EngineOutput]:
     """One loop turn; the fake clock advances by the step's simulated time."""
     plan = sched.schedule()
     out = backend.step(plan)
@@ -177,24 +274,24 @@ def step(sched: Scheduler, backend: FakeBackend, clock: FakeClock) -> list[tuple
 
 def run_until_done(
     sched: Scheduler, backend: FakeBackend, clock: FakeClock, max_steps: int = 2000, idle: float = 0.01
-) -> dict[str, list[dict]]:
-    """Step until no work is left; returns messages grouped by request id."""
-    by_request: dict[str, list[dict]] = {}
+) -> dict[str, list[EngineOutput]]:
+    """Step until no work is left; returns the outputs grouped by request id."""
+    by_request: dict[str, list[EngineOutput]] = {}
     for _ in range(max_steps):
         if not sched.has_work:
             return by_request
         plan_count = len(backend.plans)
-        for _, msg in step(sched, backend, clock):
-            by_request.setdefault(msg["request_id"], []).append(msg)
+        for output in step(sched, backend, clock):
+            by_request.setdefault(output.request_id, []).append(output)
         if backend.plans[plan_count:] and backend.plans[-1].is_empty:
             clock.advance(idle)  # the worker would sleep; time moves on
     raise AssertionError("scheduler did not drain")
 
 
-def tokens_of(msgs: list[dict]) -> list[int]:
-    return [t for m in msgs if m["type"] == "engine.tokens" for t in m["token_ids"]]
+def tokens_of(outputs: list[EngineOutput]) -> list[int]:
+    return [t for m in outputs if isinstance(m, TokenEvent) for t in m.token_ids]
 
 
-def finished_of(msgs: list[dict]) -> dict:
-    (done,) = [m for m in msgs if m["type"] == "engine.finished"]
+def finished_of(outputs: list[EngineOutput]) -> RequestFinished:
+    (done,) = [m for m in outputs if isinstance(m, RequestFinished)]
     return done

@@ -75,4 +75,4 @@ def test_scheduler_refuses_a_grammar_without_a_factory():
     sched = Scheduler(EngineConfig(), KVManager(64, 16, 0))
     refused = sched.add_request(AddRequest("r1", "reply", [1, 2, 3], 4, grammar="{}"))
     assert refused is not None and refused.code == "invalid_grammar" and refused.status == 400
-    assert sched.stats()["lanes_busy"] == 0
+    assert sched.make_stats().lanes_busy == 0

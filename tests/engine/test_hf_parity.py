@@ -325,7 +325,7 @@ def test_prompt_logprobs_score_every_position_across_chunks_and_claim_no_prefix(
         msgs = []
         while sched.has_work:
             plan = sched.schedule()
-            msgs += [m for _, m in sched.update_from_output(plan, backend.step(plan))]
+            msgs += [m.to_message() for m in sched.update_from_output(plan, backend.step(plan))]
         return msgs
 
     plain = run("plain", None)
@@ -354,8 +354,8 @@ def test_prompt_logprobs_refused_when_the_backend_cannot_score():
     from engine.messages import AddRequest
     from engine.scheduler import Scheduler
 
-    sched = Scheduler(EngineConfig(), KVManager(16, BLOCK, 0))
-    sched.supports_prompt_logprobs = False  # the CUDA backend's answer (Backend.supports_prompt_logprobs)
+    # The CUDA backend's answer (Backend.supports_prompt_logprobs).
+    sched = Scheduler(EngineConfig(), KVManager(16, BLOCK, 0), supports_prompt_logprobs=False)
     refused = sched.add_request(AddRequest("x", "r", [1, 2, 3], 2, prompt_logprobs=0))
     assert refused.status == 400 and refused.code == "unsupported" and refused.param == "logprobs"
     assert sched.add_request(AddRequest("y", "r", [1, 2, 3], 2)) is None
@@ -383,7 +383,7 @@ def test_decide_token_ids_return_only_their_log_softmax():
         msgs = []
         while sched.has_work:
             plan = sched.schedule()
-            msgs += [m for _, m in sched.update_from_output(plan, backend.step(plan))]
+            msgs += [m.to_message() for m in sched.update_from_output(plan, backend.step(plan))]
         (done,) = msgs
         return done
 

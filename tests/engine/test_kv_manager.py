@@ -13,7 +13,6 @@ def make_seq(tokens, seq_id=0, output=()) -> Sequence:
     return Sequence(
         seq_id=seq_id,
         request_id=f"r{seq_id}",
-        reply_channel="c",
         prompt_token_ids=list(tokens),
         max_tokens=8,
         sampling=SamplingParams(),

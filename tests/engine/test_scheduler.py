@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.messages import AddRequest, RequestFailed
+from engine.messages import AddRequest, RequestFailed, TokenEvent
 from engine.sequence import SequenceStatus
 from tests.engine.fake_backend import (
     FakeBackend,
@@ -30,7 +30,7 @@ def assert_pool_drained(sched) -> None:
     u = sched.kv.usage()
     assert u["used"] == 0 and u["host_used"] == 0
     assert sched.kv.num_available_blocks == u["total"]  # pinned prefixes included: they only go last
-    assert not sched.has_work and sched.stats()["lanes_busy"] == 0
+    assert not sched.has_work and sched.make_stats().lanes_busy == 0
 
 
 def test_requests_complete_with_expected_tokens_and_free_blocks():
@@ -42,8 +42,8 @@ def test_requests_complete_with_expected_tokens_and_free_blocks():
     for r in reqs:
         assert tokens_of(msgs[r.request_id]) == expected_tokens(r, 6)
         done = finished_of(msgs[r.request_id])
-        assert done["finish_reason"] == "length"
-        assert (done["prompt_tokens"], done["completion_tokens"]) == (10, 6)
+        assert done.finish_reason == "length"
+        assert (done.prompt_tokens, done.completion_tokens) == (10, 6)
     assert_pool_drained(sched)
 
 
@@ -51,9 +51,9 @@ def test_first_event_carries_ttft_only():
     sched, backend, clock = create_scheduler(prefill_seconds=0.01)
     (r,) = create_requests(1, max_tokens=3)
     sched.add_request(r)
-    events = [m for m in run_until_done(sched, backend, clock)[r.request_id] if m["type"] == "engine.tokens"]
-    assert events[0]["ttft"] == pytest.approx(0.1)  # 10 prompt tokens at 0.01 s
-    assert all(e["ttft"] is None for e in events[1:])
+    events = [m for m in run_until_done(sched, backend, clock)[r.request_id] if isinstance(m, TokenEvent)]
+    assert events[0].ttft == pytest.approx(0.1)  # 10 prompt tokens at 0.01 s
+    assert all(e.ttft is None for e in events[1:])
 
 
 @pytest.mark.parametrize("abort_after_steps", [0, 1, 2, 4])
@@ -64,10 +64,11 @@ def test_blocks_freed_after_abort(abort_after_steps):
         sched.add_request(r)
     for _ in range(abort_after_steps):
         step(sched, backend, clock)
-    out = sched.abort_request(reqs[0].request_id)
-    assert [(ch, m["finish_reason"]) for ch, m in out] == [(reqs[0].reply_channel, "abort")]
-    assert sched.abort_request(reqs[0].request_id) == []
-    assert sched.abort_request("nobody") == []
+    out = sched.finish_requests([reqs[0].request_id], SequenceStatus.FINISHED_ABORTED)
+    assert [(m.request_id, m.finish_reason) for m in out] == [(reqs[0].request_id, "abort")]
+    assert sched.finish_requests(reqs[0].request_id, SequenceStatus.FINISHED_ABORTED) == []
+    assert sched.finish_requests(["nobody"], SequenceStatus.FINISHED_ABORTED) == []
+    assert sched.make_stats().aborted == 1
     msgs = run_until_done(sched, backend, clock)
     assert reqs[0].request_id not in msgs
     assert tokens_of(msgs[reqs[1].request_id]) == expected_tokens(reqs[1], 20)
@@ -80,7 +81,7 @@ def test_abort_while_plan_in_flight_is_ignored_by_update():
     sched.add_request(r)
     plan = sched.schedule()
     out = backend.step(plan)
-    sched.abort_request(r.request_id)
+    sched.finish_requests([r.request_id], SequenceStatus.FINISHED_ABORTED)
     assert sched.update_from_output(plan, out) == []
     assert_pool_drained(sched)
 
@@ -110,15 +111,17 @@ def test_decode_share_wait_between_chunks():
     out = backend.step(plan)
     out.prefill_seconds = 0.3  # the chunk took 0.3 s: the next waits 0.3 * 0.25 / 0.75 = 0.1 s
     sched.update_from_output(plan, out)
+    assert sched.prefill_wait() == pytest.approx(0.1)  # what the worker's loop would wait, were the plan empty
     for dt in (0.0, 0.05, 0.049):
         clock.advance(dt)
         plan = sched.schedule()
         assert plan.prefill is None and len(plan.decode) == 1
         sched.update_from_output(plan, backend.step(plan))
+    assert sched.prefill_wait() == pytest.approx(0.001)
     clock.advance(0.002)
     plan = sched.schedule()
     assert plan.prefill is not None and plan.prefill.start_pos == 10
-    assert sched.seconds_until_ready() == 0.0
+    assert sched.prefill_wait() == 0.0
 
 
 def test_prompt_with_no_lane_decoding_waits_for_nothing():
@@ -131,6 +134,7 @@ def test_prompt_with_no_lane_decoding_waits_for_nothing():
         out = backend.step(plan)
         out.prefill_seconds = 1.0
         sched.update_from_output(plan, out)  # the clock does not move
+        assert sched.prefill_wait() is None  # no lane decodes: the gate never holds a chunk
 
 
 def test_share_holds_over_a_long_prefill():
@@ -197,10 +201,10 @@ def test_prefix_hit_skips_shared_full_blocks():
     spans = [p.prefill for p in backend.plans if p.prefill is not None]
     assert spans[-1].start_pos == 12 and len(spans[-1].token_ids) == 8
     assert tokens_of(msgs) == expected_tokens(b, 5)  # the claimed blocks hold the right K/V
-    assert finished_of(msgs)["cached_tokens"] == 12
-    assert all(m["cached_tokens"] == 12 for m in msgs if m["type"] == "engine.tokens")
-    stats = sched.stats()
-    assert stats["prefix_hits"] == 1 and stats["cached_tokens"] == 12
+    assert finished_of(msgs).cached_tokens == 12
+    assert all(m.cached_tokens == 12 for m in msgs if isinstance(m, TokenEvent))
+    stats = sched.make_stats()
+    assert stats.prefix_hits == 1 and stats.cached_tokens == 12
 
 
 @pytest.mark.parametrize("shared_prefix", [True, False])
@@ -215,7 +219,7 @@ def test_a_burst_shares_its_system_block_and_a_pin_outlives_a_flood(shared_prefi
     for r in burst:
         assert sched.add_request(r) is None
     done = run_until_done(sched, backend, clock)
-    cached = [finished_of(done[r.request_id])["cached_tokens"] for r in burst]
+    cached = [finished_of(done[r.request_id]).cached_tokens for r in burst]
     assert cached == [0, 12, 12, 12]  # live sharing: no pin needed within a burst
     assert sched.kv.usage()["pinned"] == (3 if shared_prefix else 0)
     for flood in create_requests(6, prompt_len=20, max_tokens=5, start=100):  # 30 retained blocks > the pool
@@ -224,7 +228,7 @@ def test_a_burst_shares_its_system_block_and_a_pin_outlives_a_flood(shared_prefi
     (late,) = create_requests(1, prompt_len=20, max_tokens=5, prefix=system, start=50, **kw)
     sched.add_request(late)
     msgs = run_until_done(sched, backend, clock)[late.request_id]
-    assert finished_of(msgs)["cached_tokens"] == (12 if shared_prefix else 0)
+    assert finished_of(msgs).cached_tokens == (12 if shared_prefix else 0)
     assert tokens_of(msgs) == expected_tokens(late, 5)
     assert_pool_drained(sched)
 
@@ -237,7 +241,7 @@ def test_identical_prompt_recomputes_its_last_token():
     again = AddRequest("again", "chan-again", list(a.prompt_token_ids), 3)
     sched.add_request(again)
     msgs = run_until_done(sched, backend, clock)["again"]
-    assert finished_of(msgs)["cached_tokens"] == 8
+    assert finished_of(msgs).cached_tokens == 8
     assert tokens_of(msgs) == expected_tokens(a, 3)
 
 
@@ -250,8 +254,8 @@ def test_interactive_ranks_above_agent():
     plan = sched.schedule()
     assert plan.prefill.seq_id == sched.seqs[interactive.request_id].seq_id
     msgs = run_until_done(sched, backend, clock)
-    assert finished_of(msgs[agent.request_id])["finish_reason"] == "length"
-    assert sched.stats()["admitted"] == 2
+    assert finished_of(msgs[agent.request_id]).finish_reason == "length"
+    assert sched.make_stats().admitted == 2
 
 
 def test_preempted_request_resumes_identically():
@@ -265,13 +269,13 @@ def test_preempted_request_resumes_identically():
     sched.add_request(agent)
     msgs: dict[str, list[dict]] = {}
     for _ in range(12):
-        for _, m in step(sched, backend, clock):
-            msgs.setdefault(m["request_id"], []).append(m)
+        for m in step(sched, backend, clock):
+            msgs.setdefault(m.request_id, []).append(m)
     sched.add_request(inter)
     for rid, ms in run_until_done(sched, backend, clock).items():
         msgs.setdefault(rid, []).extend(ms)
     assert any(p.swap_out for p in backend.plans) and any(p.swap_in for p in backend.plans)
-    assert sched.stats()["preempted"] >= 1 and sched.stats()["recomputed"] == 0
+    assert sched.make_stats().preempted >= 1 and sched.make_stats().recomputed == 0
     assert tokens_of(msgs[agent.request_id]) == expected_tokens(agent, 24)
     assert tokens_of(msgs[inter.request_id]) == expected_tokens(inter, 12)
     assert_pool_drained(sched)
@@ -286,12 +290,12 @@ def test_preempted_when_host_full_recomputes_identically():
     sched.add_request(agent)
     msgs: dict[str, list[dict]] = {}
     for _ in range(12):
-        for _, m in step(sched, backend, clock):
-            msgs.setdefault(m["request_id"], []).append(m)
+        for m in step(sched, backend, clock):
+            msgs.setdefault(m.request_id, []).append(m)
     sched.add_request(inter)
     for rid, ms in run_until_done(sched, backend, clock).items():
         msgs.setdefault(rid, []).extend(ms)
-    assert sched.stats()["recomputed"] >= 1
+    assert sched.make_stats().recomputed >= 1
     assert tokens_of(msgs[agent.request_id]) == expected_tokens(agent, 24)
     assert tokens_of(msgs[inter.request_id]) == expected_tokens(inter, 12)
     assert_pool_drained(sched)
@@ -309,7 +313,7 @@ def test_many_requests_under_memory_pressure_all_match():
     msgs = run_until_done(sched, backend, clock)
     for r in reqs:
         assert tokens_of(msgs[r.request_id]) == expected_tokens(r, r.max_tokens)
-    assert sched.stats()["preempted"] >= 1
+    assert sched.make_stats().preempted >= 1
     assert_pool_drained(sched)
 
 
@@ -330,7 +334,7 @@ def test_engine_full_with_retry_after():
     assert sched.add_request(decide) is None  # decide takes only the prefill lane
     msgs = run_until_done(sched, backend, clock)
     done = finished_of(msgs["d"])
-    assert done["logits"] == [3.0, 4.0, 5.0, 6.0] and done["completion_tokens"] == 0
+    assert done.logits == [3.0, 4.0, 5.0, 6.0] and done.completion_tokens == 0
     assert sched.add_request(reqs[2]) is None
 
 
@@ -356,7 +360,7 @@ def test_max_tokens_clamped_to_context():
     (r,) = create_requests(1, prompt_len=12, max_tokens=100)
     sched.add_request(r)
     done = finished_of(run_until_done(sched, backend, clock)[r.request_id])
-    assert (done["finish_reason"], done["completion_tokens"]) == ("length", 4)
+    assert (done.finish_reason, done.completion_tokens) == ("length", 4)
 
 
 def test_stop_token_finishes_without_streaming_it():
@@ -368,7 +372,7 @@ def test_stop_token_finishes_without_streaming_it():
     msgs = run_until_done(sched, backend, clock)[r.request_id]
     assert tokens_of(msgs) == expected_tokens(r, 2)
     done = finished_of(msgs)
-    assert (done["finish_reason"], done["completion_tokens"]) == ("stop", 3)
+    assert (done.finish_reason, done.completion_tokens) == ("stop", 3)
     assert_pool_drained(sched)
 
 
@@ -390,12 +394,12 @@ def test_stats_shape():
         sched.add_request(r)
     for _ in range(4):
         step(sched, backend, clock)
-    st = sched.stats()
-    assert st["lanes_busy"] == 3 and st["lanes_total"] == 4
-    assert st["requests_by_class"] == {"interactive": 2, "agent": 1}
-    assert sum(st["requests_by_state"].values()) == 3
-    assert st["kv_pages"]["used"] > 0 and st["round_seconds"] == pytest.approx(0.02)
-    assert st["decoded_tokens"] > 0 and st["prefilled_tokens"] == 30
+    st = sched.make_stats()
+    assert st.lanes_busy == 3 and st.lanes_total == 4
+    assert st.requests_by_class == {"interactive": 2, "agent": 1}
+    assert sum(st.requests_by_state.values()) == 3
+    assert st.kv_pages["used"] > 0 and st.round_seconds == pytest.approx(0.02)
+    assert st.decoded_tokens > 0 and st.prefilled_tokens == 30
     assert sched.sequence(0).status == SequenceStatus.DECODING
 
 
@@ -453,9 +457,9 @@ def test_random_traffic_keeps_books_and_outputs(seed):
         if sched.seqs and rng.random() < 0.03:
             rid = rng.choice(sorted(sched.seqs))
             aborted.add(rid)
-            sched.abort_request(rid)
-        for _, m in step(sched, backend, clock):
-            msgs.setdefault(m["request_id"], []).append(m)
+            sched.finish_requests([rid], SequenceStatus.FINISHED_ABORTED)
+        for m in step(sched, backend, clock):
+            msgs.setdefault(m.request_id, []).append(m)
         assert_books_consistent(sched)
         if not pending and not sched.has_work:
             break
@@ -464,6 +468,6 @@ def test_random_traffic_keeps_books_and_outputs(seed):
         if rid in aborted:
             continue
         done = finished_of(msgs[rid])
-        assert tokens_of(msgs[rid]) == expected_tokens(r, done["completion_tokens"])
-        assert done["completion_tokens"] == min(r.max_tokens, 64 - len(r.prompt_token_ids))
+        assert tokens_of(msgs[rid]) == expected_tokens(r, done.completion_tokens)
+        assert done.completion_tokens == min(r.max_tokens, 64 - len(r.prompt_token_ids))
     assert_pool_drained(sched)

@@ -6,8 +6,9 @@ import os
 
 import pytest
 
+from engine.memory import ram_plan, weights_bytes
 from engine.model_config import ModelConfig
-from engine.switching import SwitchRefused, ram_plan, weights_bytes
+from engine.switching import SwitchRefused, planned_ram
 from ignis_site import config
 
 SMOL = ModelConfig(
@@ -51,9 +52,23 @@ def test_weights_estimate_matches_the_numpy_backend():
 
 def test_ram_plan_refuses_with_bytes():
     plan = ram_plan(SMOL, ram_budget=0, kv_ram_budget=1 << 29, max_context=8192, block_size=16, freed_bytes=0)
-    assert plan.kv_bytes == 1 << 29
+    assert plan.kv_bytes == 1 << 29 and plan.problem is None
+    assert plan.workspace_bytes == 8 * 4 * (49152 + 4 * 1536 + 4 * 576)  # the one workspace formula
+    tight = dict(ram_budget=700_000_000, kv_ram_budget=0, max_context=8192, block_size=16, freed_bytes=0)
+    assert "budget_bytes=700000000" in ram_plan(SMOL, **tight).problem
     with pytest.raises(SwitchRefused, match="budget_bytes=700000000"):
-        ram_plan(SMOL, ram_budget=700_000_000, kv_ram_budget=0, max_context=8192, block_size=16, freed_bytes=0)
+        planned_ram(SMOL, **tight)  # what a switch's precheck and a numpy load raise
+    assert planned_ram(SMOL, ram_budget=0, kv_ram_budget=1 << 29, max_context=8192, block_size=16, freed_bytes=0)
+
+
+def test_ram_plan_refuses_what_the_host_cannot_hold(monkeypatch):
+    from engine import memory
+
+    monkeypatch.setattr(memory, "mem_available", lambda: 100_000_000)
+    plan = ram_plan(SMOL, ram_budget=0, kv_ram_budget=1 << 29, max_context=8192, block_size=16, freed_bytes=0)
+    assert "exceed available_bytes=100000000" in plan.problem
+    freed = ram_plan(SMOL, ram_budget=0, kv_ram_budget=1 << 29, max_context=8192, block_size=16, freed_bytes=1 << 30)
+    assert freed.problem is None  # what the old model frees at teardown counts
 
 
 @pytest.mark.django_db

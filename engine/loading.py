@@ -1,0 +1,108 @@
+"""One model load, on the step thread: weights in, memory planned, backend and scheduler built.
+
+The model host (engine/host.py) decides when to load and what a failure
+means; this module only does the work. The loader and the backend factory
+are parameters so tests load the fake backend.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+
+from engine.backend import Backend
+from engine.config import EngineConfig
+from engine.model_config import ModelConfig
+from engine.scheduler import Scheduler
+from engine.switching import planned_ram
+
+log = logging.getLogger("ignis.engine")
+
+# (path, progress(done, total)) -> the model's shape and float32 weights in HF naming.
+Loader = Callable[[Path, Callable[[int, int], None]], tuple[ModelConfig, dict[str, np.ndarray]]]
+BackendFactory = Callable[[str], Backend]
+
+
+def load_artifact(path: Path, progress: Callable[[int, int], None]) -> tuple[ModelConfig, dict[str, np.ndarray]]:
+    """The default loader: engine.loaders.load_artifact (imported when first needed)."""
+    from engine.loaders import load_artifact as load
+
+    return load(path, progress)
+
+
+def create_backend(name: str) -> Backend:
+    """The default backend factory: engine.backends.create_backend."""
+    from engine.backends import create_backend as create
+
+    return create(name)
+
+
+def load_model(
+    cfg: EngineConfig,
+    path: Path,
+    *,
+    served_id: str,
+    max_context: int,
+    ram_budget: int,
+    progress: Callable[[int, int], None],
+    on_context: Callable[[int], None],
+    loader: Loader = load_artifact,
+    backend_factory: BackendFactory = create_backend,
+) -> tuple[Backend, Scheduler]:
+    """Load ``path`` under ``cfg``; returns the loaded backend and a scheduler over its pool.
+
+    ``max_context`` is the one asked for: clamped to the model's own, it is set on
+    ``cfg`` and reported through ``on_context`` as soon as the model's shape is known
+    (before the weights are planned, so a status read after a failed load shows it).
+    On the numpy backend the RAM plan (engine/memory.py) sizes the KV pool and
+    refuses, with SwitchRefused, a plan that does not fit.
+    """
+    from engine.constraint import ConstraintFactory
+    from engine.kv_manager import KVManager
+
+    t0 = time.perf_counter()
+    model_cfg, weights = loader(path, progress)
+    cfg.max_context = min(max_context, model_cfg.max_position)
+    on_context(cfg.max_context)
+    kv_budget = None
+    if cfg.backend == "numpy":
+        # Weights, then working memory; the KV pool takes the rest of the RAM budget.
+        kv_budget = planned_ram(
+            model_cfg,
+            ram_budget=ram_budget,
+            kv_ram_budget=cfg.kv_ram_budget,
+            max_context=cfg.max_context,
+            block_size=cfg.block_size,
+            freed_bytes=0,
+        ).kv_bytes
+    backend = backend_factory(cfg.backend)
+    plan = backend.load(
+        model_cfg,
+        weights,
+        block_size=cfg.block_size,
+        kv_budget_bytes=kv_budget,
+        host_kv_budget_bytes=cfg.host_kv_budget,
+        max_context=cfg.max_context,
+    )
+    del weights
+    try:
+        constraints = ConstraintFactory(path)
+        scheduler = Scheduler(
+            cfg,
+            KVManager(plan.num_blocks, plan.block_size, plan.num_host_blocks),
+            constraints=constraints,
+            supports_prompt_logprobs=backend.supports_prompt_logprobs,
+        )
+    except BaseException:
+        backend.unload()
+        raise
+    constraints.warm_in_background()
+    log.info("ignis.runtime.vram_plan", extra={"model": served_id, "backend": cfg.backend, **asdict(plan)})
+    seconds = round(time.perf_counter() - t0, 2)
+    log.info("ignis.model.loaded", extra={"model": served_id, "seconds": seconds, "path": str(path)})
+    return backend, scheduler

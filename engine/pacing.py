@@ -1,0 +1,60 @@
+"""The decode-share gate: when the held prompt's next prefill chunk may start.
+
+While lanes decode, prefill chunks and decode rounds take turns so the lanes
+keep ``cfg.decode_share`` (s) of the time: after a chunk that took t seconds
+the next waits ``t * s / (1 - s)``, during which only the lanes run. A prompt
+that takes the prefill lane while lanes decode first waits the same for its
+first chunk's estimated time (the last chunk's rate), so the share holds over
+a two-chunk prompt too. With no lane decoding nothing waits.
+
+Rounds are discrete, so a chunk usually starts a little after the gate opens;
+that overshoot (at most one round) is owed back on the next wait, so the share
+holds over a long prompt instead of rounding up at every chunk.
+"""
+
+from __future__ import annotations
+
+from engine.config import EngineConfig
+
+
+class PrefillPacer:
+    def __init__(self, cfg: EngineConfig) -> None:
+        self.cfg = cfg  # read at every chunk: decode_share is a live setting
+        self.ready_at = 0.0  # while lanes decode, the next chunk not before this
+        self.late = 0.0  # how far past ready_at the last chunk started
+        self.seconds_per_token: float | None = None  # of the last chunk: estimates a first chunk
+        self.round_seconds: float | None = None  # EWMA of decode rounds
+
+    def share_wait(self, chunk_seconds: float) -> float:
+        """How long the lanes run alone after a chunk of ``chunk_seconds``."""
+        s = min(max(self.cfg.decode_share, 0.0), 0.95)
+        return chunk_seconds * s / (1.0 - s)
+
+    def may_run_chunk(self, now: float, lanes_decoding: bool) -> bool:
+        """Whether the held prompt's next chunk runs in the step being planned at ``now``."""
+        if lanes_decoding and now < self.ready_at:
+            return False
+        late = max(0.0, now - self.ready_at) if lanes_decoding else 0.0
+        self.late = min(late, self.round_seconds or 0.0)  # only a round's overshoot
+        return True
+
+    def prompt_started(self, now: float, first_chunk_tokens: int, lanes_decoding: bool) -> None:
+        """A prompt took the prefill lane: while lanes decode, their turn comes first, as it
+        does before every later chunk (a debt the last prompt left counts toward it)."""
+        if lanes_decoding and self.seconds_per_token:
+            first = now + self.share_wait(first_chunk_tokens * self.seconds_per_token)
+            self.ready_at = max(self.ready_at, first)
+            self.late = 0.0
+
+    def chunk_ran(self, now: float, num_tokens: int, prefill_seconds: float, decode_seconds: float) -> None:
+        """A step ran a chunk of ``num_tokens`` (then a round of ``decode_seconds``), ending at ``now``."""
+        wait = self.share_wait(prefill_seconds)
+        if prefill_seconds > 0:
+            self.seconds_per_token = prefill_seconds / num_tokens
+        # The step ran the chunk, then a decode round: that round already counts as waiting.
+        self.ready_at = now - decode_seconds + max(0.0, wait - self.late)
+
+    def round_ran(self, decode_seconds: float) -> None:
+        if decode_seconds > 0:
+            r = self.round_seconds
+            self.round_seconds = decode_seconds if r is None else 0.8 * r + 0.2 * decode_seconds
