@@ -25,7 +25,8 @@ log = logging.getLogger("ignis.engine")
 
 # (path, progress(done, total)) -> the model's shape and float32 weights in HF naming.
 Loader = Callable[[Path, Callable[[int, int], None]], tuple[ModelConfig, dict[str, np.ndarray]]]
-BackendFactory = Callable[[str], Backend]
+# (backend name, the engine config whose knobs it takes) -> an unloaded backend.
+BackendFactory = Callable[[str, EngineConfig], Backend]
 
 
 def load_artifact(path: Path, progress: Callable[[int, int], None]) -> tuple[ModelConfig, dict[str, np.ndarray]]:
@@ -35,11 +36,11 @@ def load_artifact(path: Path, progress: Callable[[int, int], None]) -> tuple[Mod
     return load(path, progress)
 
 
-def create_backend(name: str) -> Backend:
+def create_backend(name: str, cfg: EngineConfig) -> Backend:
     """The default backend factory: engine.backends.create_backend."""
     from engine.backends import create_backend as create
 
-    return create(name)
+    return create(name, cfg)
 
 
 def load_model(
@@ -80,7 +81,7 @@ def load_model(
             block_size=cfg.block_size,
             freed_bytes=0,
         ).kv_bytes
-    backend = backend_factory(cfg.backend)
+    backend = backend_factory(cfg.backend, cfg)
     plan = backend.load(
         model_cfg,
         weights,

@@ -195,7 +195,7 @@ class FakeModels:
         progress(1, 1)
         return config_from_hf(json.loads((Path(path) / "config.json").read_text())), {}
 
-    def create_backend(self, name: str) -> FakeBackend:
+    def create_backend(self, name: str, config: EngineConfig | None = None) -> FakeBackend:
         """The backend factory (engine.backends.create_backend's signature)."""
         backend = FakeBackend(*self.sizes)
         backend.before_step = self._before_step
