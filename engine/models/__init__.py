@@ -26,17 +26,17 @@ def definition(arch: str) -> ModelDefinition:
 
 def for_hf(model_type: str) -> ModelDefinition:
     """The definition for a config.json's ``model_type``; ValueError naming the supported ones."""
-    for d in DEFINITIONS.values():
-        if model_type in d.hf_model_types:
-            return d
-    supported = sorted(t for d in DEFINITIONS.values() for t in d.hf_model_types)
-    raise ValueError(f"unsupported model_type {model_type!r} (supported: {supported})")
+    return _find(model_type, "hf_model_types", "model_type")
 
 
 def for_gguf(arch: str) -> ModelDefinition:
     """The definition for a GGUF's ``general.architecture``; ValueError naming the supported ones."""
+    return _find(arch, "gguf_archs", "GGUF architecture")
+
+
+def _find(name: str, field: str, what: str) -> ModelDefinition:
     for d in DEFINITIONS.values():
-        if arch in d.gguf_archs:
+        if name in getattr(d, field):
             return d
-    supported = sorted(a for d in DEFINITIONS.values() for a in d.gguf_archs)
-    raise ValueError(f"unsupported GGUF architecture {arch!r} (supported: {supported})")
+    supported = sorted(n for d in DEFINITIONS.values() for n in getattr(d, field))
+    raise ValueError(f"unsupported {what} {name!r} (supported: {supported})")
