@@ -59,6 +59,8 @@ BAD = [
     ({"input": "\ud800"}, "input", "invalid_value"),
     ({"questions": None}, "questions", "invalid_type"),
     ({"questions": []}, "questions", "empty_array"),
+    ({"questions": [{"instructions": "x"}]}, "questions[0].type", "missing_required_parameter"),
+    ({"input": [{"content": "x"}]}, "input[0].role", "missing_required_parameter"),
     ({"questions": [{"type": "guess", "instructions": "x"}]}, "questions[0].type", "invalid_value"),
     ({"questions": [CAPITAL, {"type": "predicate"}]}, "questions[1].instructions", "missing_required_parameter"),
     ({"questions": [{"type": "predicate", "instructions": " "}]}, "questions[0].instructions", "invalid_value"),

@@ -84,15 +84,14 @@ class ChoiceValue(serializers.Field):
 class OneOf(serializers.Field):
     """An object whose serializer ``pick(data)`` chooses by its discriminator (``type``, ``role``)."""
 
-    def __init__(self, pick: Callable[[dict], tuple[str, type[serializers.Serializer]]], **kwargs):
+    def __init__(self, pick: Callable[[dict], type[serializers.Serializer]], **kwargs):
         self.pick = pick
         super().__init__(**kwargs)
 
     def to_internal_value(self, data: Any) -> dict:
         if not isinstance(data, dict):
             fail("Expected an object.", "invalid_type")
-        key, cls = self.pick(data)  # raises ValidationError({key: ...}) for an unknown kind
-        ser = cls(data=data)
+        ser = self.pick(data)(data=data)  # pick raises ValidationError({key: ...}) for an unknown kind
         if not ser.is_valid():
             raise ValidationError(ser.errors)
         return dict(ser.validated_data)
@@ -131,14 +130,18 @@ class Either(serializers.Field):
         return value
 
 
-def tagged(field: str, table: dict[str, type[serializers.Serializer]], default: str | None = None):
-    def pick(data: dict) -> tuple[str, type[serializers.Serializer]]:
-        kind = data.get(field, default)
+def tagged(field: str, table: dict[str, type[serializers.Serializer]]):
+    """A ``OneOf`` pick: the serializer that ``table`` names for the object's ``field``."""
+
+    def pick(data: dict) -> type[serializers.Serializer]:
+        if field not in data:
+            raise ValidationError({field: [ErrorDetail("This field is required.", code="missing_required_parameter")]})
+        kind = data[field]
         if not isinstance(kind, str) or kind not in table:
             raise ValidationError(
                 {field: [ErrorDetail(f"Expected one of: {', '.join(map(repr, table))}.", code="invalid_value")]}
             )
-        return kind, table[kind]
+        return table[kind]
 
     return pick
 

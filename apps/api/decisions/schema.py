@@ -156,7 +156,7 @@ ITEMS = {
 }
 
 
-def _pick_item(data: dict) -> tuple[str, type[serializers.Serializer]]:
+def _pick_item(data: dict) -> type[serializers.Serializer]:
     if data.get("type", "message") == "message":
         return tagged("role", MESSAGES)(data)
     return tagged("type", ITEMS)(data)
