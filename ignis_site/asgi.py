@@ -14,6 +14,7 @@ from apps.api.auth import ApiGate  # noqa: E402
 from apps.api.completions import CompletionsConsumer  # noqa: E402
 from apps.api.consumers import ChatCompletionsConsumer  # noqa: E402
 from apps.api.decide import DecideConsumer  # noqa: E402
+from apps.api.decisions.consumer import DecisionsConsumer  # noqa: E402
 from apps.api.responses_http import ResponsesConsumer  # noqa: E402
 from apps.api.responses_ws import ResponsesSocketConsumer  # noqa: E402
 
@@ -27,6 +28,7 @@ application = ApiGate(
                     path("v1/completions", CompletionsConsumer.as_asgi()),
                     path("v1/responses", ResponsesConsumer.as_asgi()),
                     path("v1/decide", DecideConsumer.as_asgi()),
+                    path("v1/decisions", DecisionsConsumer.as_asgi()),
                     re_path(r"", django_asgi_app),
                 ]
             ),
