@@ -317,7 +317,7 @@
       if (tFirst !== null && tLast > tFirst && tokens > 1) {
         parts.push(((tokens - 1) / ((tLast - tFirst) / 1000)).toFixed(1) + " tok/s");
       }
-      parts.push(tokens + " tokens");
+      parts.push(tokens + (tokens === 1 ? " token" : " tokens"));
       const cached = usage && usage.prompt_tokens_details ? usage.prompt_tokens_details.cached_tokens : 0;
       if (usage) parts.push("cached " + (cached || 0) + " of " + usage.prompt_tokens);
       if (finish) parts.push(finish);
