@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.browser import browser_available, start_chromium
+from tests.e2e.browser import browser_available, start_chromium, viewport
 from tests.helpers import wait_for
 
 pytestmark = pytest.mark.e2e
@@ -192,7 +192,9 @@ def test_api_key_is_kept_in_local_storage(page, live_server_url):
 
 # Wraps window.fetch. Chat requests are recorded (window.__bodies) and answered
 # per window.__chat: "pass" (the real server), "fail" (one 503, then "pass"),
-# "hold" (wait for window.__release(), then a fixed reply) or any other string
+# "hold" (wait for window.__release(), then a fixed reply; Stop aborts it),
+# "error:TEXT" (TEXT streamed, then an error event), "slow:TEXT" (TEXT
+# streamed slowly; Stop aborts it) or any other string
 # (streamed back as the reply, a few characters per SSE event). GET /v1/models
 # answers window.__models when that is set.
 FETCH_STUB = """
@@ -203,12 +205,14 @@ if (!window.__realFetch) {
   window.__models = null;
   const enc = new TextEncoder();
   const event = (obj) => enc.encode("data: " + JSON.stringify(obj) + "\\n\\n");
-  window.__sse = (text) => new Response(new ReadableStream({
+  window.__sse = (text, error, signal, delay) => new Response(new ReadableStream({
     async start(c) {
       for (const piece of text.match(/[\\s\\S]{1,9}/g) || []) {
+        if (signal && signal.aborted) { c.error(new DOMException("aborted", "AbortError")); return; }
         c.enqueue(event({ choices: [{ index: 0, delta: { content: piece }, finish_reason: null }] }));
-        await new Promise((r) => setTimeout(r, 2));
+        await new Promise((r) => setTimeout(r, delay || 2));
       }
+      if (error) { c.enqueue(event({ error })); c.close(); return; }
       c.enqueue(event({ choices: [{ index: 0, delta: {}, finish_reason: "stop" }] }));
       c.enqueue(enc.encode("data: [DONE]\\n\\n"));
       c.close();
@@ -225,9 +229,14 @@ if (!window.__realFetch) {
           param: null, code: "engine_unavailable" } }), { status: 503, headers: { "Content-Type": "application/json" } });
       }
       if (mode === "hold") {
-        await new Promise((r) => { window.__release = r; });
+        await new Promise((resolve, reject) => {
+          window.__release = resolve;
+          if (opts.signal) opts.signal.addEventListener("abort", () => reject(new DOMException("aborted", "AbortError")));
+        });
         return window.__sse("Ready.");
       }
+      if (mode.startsWith("slow:")) return window.__sse(mode.slice(5), null, opts.signal, 40);
+      if (mode.startsWith("error:")) return window.__sse(mode.slice(6), { message: "the engine stopped", type: "server_error" });
       if (mode !== "pass") return window.__sse(mode);
     }
     if (path.endsWith("/v1/models") && window.__models) {
@@ -334,10 +343,7 @@ def assert_fits(driver, where: str) -> dict:
 
 
 def test_a_375px_window_fits(page, live_server_url):
-    page.execute_cdp_cmd(
-        "Emulation.setDeviceMetricsOverride", {"width": 375, "height": 812, "deviceScaleFactor": 1, "mobile": True}
-    )
-    try:
+    with viewport(page, 375, 812):
         page.get(live_server_url + "/ui/")
         wait_for(lambda: "serving" in css(page, "#model-status").text, 30, 0.1, "the model pill says serving")
         got = assert_fits(page, "chat")
@@ -372,8 +378,6 @@ def test_a_375px_window_fits(page, live_server_url):
         css(page, "#tab-btn-decide").click()
         assert_fits(page, "decide")
         shot(page, "14-375-decide")
-    finally:
-        page.execute_cdp_cmd("Emulation.clearDeviceMetricsOverride", {})
 
 
 # -- markdown -------------------------------------------------------------------
@@ -459,6 +463,38 @@ def test_a_failed_turn_is_not_resent(page):
     shot(page, "17-after-failed-turn")
 
 
+def test_a_stream_error_or_an_early_stop_is_not_resent(page):
+    stub(page, "error:Half a rep")
+    conv = css(page, ".conv")
+    wait_replied(page, conv, say(page, conv, "one"))
+    broken = css_all(page, ".msg.assistant", conv)[-1]
+    assert css(page, ".content", broken).text == "Half a rep"
+    assert css(page, ".error", broken).text == "the engine stopped"
+    assert "failed" in broken.get_attribute("class")
+    # Stop before any token: nothing to keep, the turn is left out too.
+    page.execute_script("window.__chat = 'hold'")
+    done = say(page, conv, "two")
+    wait_for(lambda: css(page, ".stop", conv).is_displayed(), 5, 0.05, "the Stop button")
+    css(page, ".stop", conv).click()
+    wait_replied(page, conv, done)
+    stopped = css_all(page, ".msg.assistant", conv)[-1]
+    assert "failed" in stopped.get_attribute("class") and "stopped" in css(page, ".timings", stopped).text
+    # Stop after some tokens keeps the partial reply.
+    page.execute_script("window.__chat = arguments[0]", "slow:" + "word " * 100)
+    done = say(page, conv, "three")
+    wait_for(lambda: css(page, ".msg.assistant.streaming .content", conv).text.strip(), 10, 0.02, "tokens")
+    css(page, ".stop", conv).click()
+    wait_replied(page, conv, done)
+    kept = css_all(page, ".msg.assistant", conv)[-1]
+    assert "failed" not in kept.get_attribute("class") and "stopped" in css(page, ".timings", kept).text
+    page.execute_script("window.__chat = 'Fine.'")
+    wait_replied(page, conv, say(page, conv, "four"))
+    sent = bodies(page)[-1]["messages"]
+    assert [m["content"] for m in sent if m["role"] == "user"] == ["three", "four"]
+    assert sent[1]["role"] == "assistant" and sent[1]["content"].startswith("word ")
+    shot(page, "22-stream-error-and-stops")
+
+
 def test_conversations_survive_a_reload(page, live_server_url):
     conv = css(page, ".conv")
     sampling(page, conv, 8)
@@ -483,7 +519,7 @@ def test_conversations_survive_a_reload(page, live_server_url):
     assert [[m.text for m in css_all(page, ".msg", c)] for c in convs] == before
     first, second = convs
     assert css(page, ".max_tokens", first).get_attribute("value") == "8"
-    assert " tokens" in css(page, ".msg.assistant .timings", first).text
+    assert " token" in css(page, ".msg.assistant .timings", first).text
     assert css(page, ".system", second).get_attribute("value") == "You answer in tables."
     assert css(page, ".input", second).get_attribute("value") == "an unsent draft"
     assert css_all(page, ".msg.assistant table", second) and css_all(page, ".msg.assistant .hljs-keyword", second)
