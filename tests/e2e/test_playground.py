@@ -277,6 +277,9 @@ MARKDOWN_REPLY = """Here is a table:
 | tiny  | 0.5B   | fast  |
 | big   | 70B    | slow  |
 
+- [x] a table
+- [ ] code
+
 And code:
 
 ```python
@@ -394,6 +397,7 @@ def test_markdown_tables_and_highlighted_code_with_copy(page, live_server_url):
         ["tiny", "0.5B", "fast"],
         ["big", "70B", "slow"],
     ]
+    assert [li.text for li in css_all(page, "ul li", content)] == ["\u2611 a table", "\u2610 code"]
     code = css(page, "pre code.hljs.language-python", content)
     assert "def" in [k.text for k in css_all(page, ".hljs-keyword", code)]
     assert css_all(page, ".hljs-string", code) and css_all(page, ".hljs-comment", code)

@@ -38,6 +38,10 @@
         '<pre><code class="hljs' + (lang ? " language-" + escapeHtml(lang) : "") + '">' +
         highlight(token.text, lang) + "</code></pre></div>";
     },
+    // Task lists: a mark, not a form control.
+    checkbox(token) {
+      return token.checked ? "\u2611 " : "\u2610 ";
+    },
     // Wide tables scroll inside the reply instead of widening the page.
     table(token) {
       return '<div class="table-wrap">' + marked.Renderer.prototype.table.call(this, token) + "</div>";
