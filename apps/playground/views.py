@@ -39,9 +39,14 @@ def _key_refused(request) -> JsonResponse | None:
     )
 
 
+def assets_version() -> int:
+    """The newest asset's mtime: a query string that changes whenever any asset does (cache busting)."""
+    return int(max((p.stat().st_mtime for p in STATIC_DIR.rglob("*") if p.is_file()), default=0))
+
+
 @require_GET
 def index(request):
-    return render(request, "playground/index.html", {"version": int(STATIC_DIR.stat().st_mtime)})
+    return render(request, "playground/index.html", {"version": assets_version()})
 
 
 @require_GET

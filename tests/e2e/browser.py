@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import shutil
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
@@ -48,3 +49,20 @@ def start_chromium():
     driver = webdriver.Chrome(service=Service(executable_path=CHROMEDRIVER), options=opts)
     driver.set_page_load_timeout(60)
     return driver, profile
+
+
+@contextmanager
+def viewport(driver, width: int, height: int, mobile: bool = True):
+    """The page laid out as on a device of this size (CSS pixels), for the block's duration.
+
+    Device emulation rather than a window size: Chromium keeps windows above a
+    minimum width, and emulation also applies the page's viewport meta tag.
+    """
+    driver.execute_cdp_cmd(
+        "Emulation.setDeviceMetricsOverride",
+        {"width": width, "height": height, "deviceScaleFactor": 1, "mobile": mobile},
+    )
+    try:
+        yield driver
+    finally:
+        driver.execute_cdp_cmd("Emulation.clearDeviceMetricsOverride", {})

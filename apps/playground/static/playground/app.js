@@ -9,6 +9,7 @@
   const $ = (sel, root) => (root || document).querySelector(sel);
   const md = window.IgnisMarkdown;
   const KEY_STORE = "ignis.apiKey";
+  const CONV_STORE = "ignis.conversations";
 
   // -- API ------------------------------------------------------------------
 
@@ -62,16 +63,43 @@
   }
 
   // -- chat -----------------------------------------------------------------
+  //
+  // A conversation is a list of turns: {role: "user", content} and
+  // {role: "assistant", content, reasoning, tools, timings, error}. A turn that
+  // failed (an HTTP error, a stream error, a Stop before any token) is marked
+  // failed, shown as such and left out of what the next request sends. Finished
+  // turns, the system prompt, the sampling fields and the draft are kept in
+  // localStorage, so a reload brings every conversation back.
 
   let convCount = 0;
   const convs = [];
+  const SAMPLING = ["temperature", "top_p", "max_tokens", "seed"];
 
   function num(el) { const v = el.value.trim(); return v === "" ? undefined : Number(v); }
 
+  const store = {
+    timer: null,
+    load() {
+      try {
+        const data = JSON.parse(localStorage.getItem(CONV_STORE) || "null");
+        return data && Array.isArray(data.convs) ? data.convs : [];
+      } catch (e) { return []; }
+    },
+    save() {
+      clearTimeout(this.timer);
+      this.timer = null;
+      try {
+        localStorage.setItem(CONV_STORE, JSON.stringify({ version: 1, convs: convs.map((c) => c.state()) }));
+      } catch (e) { /* storage full or refused: the page still works, it just forgets */ }
+    },
+    soon() { if (this.timer === null) this.timer = setTimeout(() => this.save(), 300); },
+  };
+  window.addEventListener("pagehide", () => store.save());
+
   class Conversation {
-    constructor() {
+    constructor(saved) {
       this.n = ++convCount;
-      this.messages = [];
+      this.turns = [];
       this.busy = false;
       this.el = $("#conv-template").content.firstElementChild.cloneNode(true);
       this.el.dataset.conv = String(this.n);
@@ -81,22 +109,66 @@
         if (e.key === "Enter" && !e.shiftKey) { e.preventDefault(); this.send(); }
       });
       $(".stop", this.el).addEventListener("click", () => this.controller && this.controller.abort());
-      $(".conv-clear", this.el).addEventListener("click", () => { if (!this.busy) { this.messages = []; $(".messages", this.el).innerHTML = ""; } });
+      $(".conv-clear", this.el).addEventListener("click", () => this.clear());
       $(".conv-close", this.el).addEventListener("click", () => this.close());
+      this.el.addEventListener("input", () => store.soon());
+      this.el.addEventListener("change", () => store.soon());
       $("#convs").appendChild(this.el);
+      if (saved) this.restore(saved);
+      this.showModelNotice();
+    }
+
+    // What localStorage keeps: finished turns only (one still streaming is not kept).
+    state() {
+      const s = { system: $(".system", this.el).value, draft: $(".input", this.el).value, turns: this.turns.filter((t) => !t.pending) };
+      for (const k of SAMPLING) s[k] = $("." + k, this.el).value;
+      return s;
+    }
+
+    restore(saved) {
+      $(".system", this.el).value = saved.system || "";
+      $(".input", this.el).value = saved.draft || "";
+      for (const k of SAMPLING) if (typeof saved[k] === "string") $("." + k, this.el).value = saved[k];
+      for (const t of saved.turns || []) {
+        if (!t || (t.role !== "user" && t.role !== "assistant")) continue;
+        this.append(t);
+      }
+    }
+
+    // Add a turn and its bubble (restoring, or a reply given by the page's own JS).
+    append(turn) {
+      const t = Object.assign({ content: "" }, turn);
+      this.turns.push(t);
+      t.el = this.addMessage(t.role, t.content);
+      if (t.role === "assistant") { this.paint(t); t.el.classList.add("done"); }
+      if (t.failed) this.markFailed(t);
+      this.scroll();
+      return t;
+    }
+
+    clear() {
+      if (this.busy) return;
+      this.turns = [];
+      $(".messages", this.el).innerHTML = "";
+      store.save();
     }
 
     close() {
       if (this.controller) this.controller.abort();
       this.el.remove();
       convs.splice(convs.indexOf(this), 1);
+      store.save();
     }
 
-    body() {
+    // The messages a request sends: every turn that did not fail, in order.
+    history() {
+      return this.turns.filter((t) => !t.failed && !t.pending).map((t) => ({ role: t.role, content: t.content || "" }));
+    }
+
+    body(messages) {
       const system = $(".system", this.el).value.trim();
-      const messages = (system ? [{ role: "system", content: system }] : []).concat(this.messages);
-      const body = { messages, stream: true, stream_options: { include_usage: true } };
-      for (const k of ["temperature", "top_p", "max_tokens", "seed"]) {
+      const body = { messages: (system ? [{ role: "system", content: system }] : []).concat(messages), stream: true, stream_options: { include_usage: true } };
+      for (const k of SAMPLING) {
         const v = num($("." + k, this.el));
         if (v !== undefined && !Number.isNaN(v)) body[k] = v;
       }
@@ -109,11 +181,62 @@
       if (role === "user") {
         el.textContent = text;
       } else {
-        el.innerHTML = '<details class="reasoning" hidden><summary>Reasoning</summary><div class="reasoning-body"></div></details>' +
+        el.innerHTML = '<div class="waiting note" hidden></div>' +
+          '<details class="reasoning" hidden><summary>Reasoning</summary><div class="reasoning-body"></div></details>' +
           '<div class="content md"></div><div class="tool-calls"></div><div class="timings"></div>';
       }
       $(".messages", this.el).appendChild(el);
       return el;
+    }
+
+    paint(t) {
+      const out = t.el;
+      $(".content", out).innerHTML = md.render(t.content);
+      const r = $(".reasoning", out);
+      if (t.reasoning) { r.hidden = false; $(".reasoning-body", r).innerHTML = md.render(t.reasoning); }
+      $(".tool-calls", out).innerHTML = (t.tools || []).map((tc) =>
+        '<div class="tool-call"><span class="tool-name">' + md.escapeHtml(tc.name || "?") + "</span>(<code>" +
+        md.escapeHtml(tc.args || "") + "</code>)</div>").join("");
+      $(".timings", out).textContent = t.timings || "";
+      let e = $(".error", out);
+      if (t.error && !e) { e = document.createElement("div"); e.className = "error"; out.appendChild(e); }
+      if (e) e.textContent = t.error || "";
+      this.showWaiting(t);
+    }
+
+    // Failed turns stay on screen, dimmed, with a way to send the text again.
+    markFailed(t) {
+      t.el.classList.add("failed");
+      if (t.role !== "assistant" || $(".failed-note", t.el)) return;
+      const note = document.createElement("div");
+      note.className = "failed-note note";
+      note.textContent = "Left out of the conversation: the next message does not resend it. ";
+      const user = this.turns[this.turns.indexOf(t) - 1];
+      if (user && user.role === "user") {
+        const retry = document.createElement("button");
+        retry.type = "button";
+        retry.className = "retry";
+        retry.textContent = "Retry";
+        retry.addEventListener("click", () => { if (!this.busy) { $(".input", this.el).value = user.content; this.send(); } });
+        note.appendChild(retry);
+      }
+      t.el.appendChild(note);
+    }
+
+    // While a turn waits for its first token: a notice, and what the engine is doing.
+    showWaiting(t) {
+      const w = $(".waiting", t.el);
+      if (!w) return;
+      const waiting = t.pending && !t.content && !t.reasoning && !(t.tools && t.tools.length);
+      w.hidden = !waiting;
+      if (waiting) w.textContent = modelState.loading ? loadingText() + " The reply starts once it serves." : "Waiting for the first token…";
+    }
+
+    showModelNotice() {
+      const n = $(".model-notice", this.el);
+      n.hidden = !modelState.loading;
+      n.textContent = modelState.loading ? loadingText() : "";
+      for (const t of this.turns) if (t.pending) this.showWaiting(t);
     }
 
     async send() {
@@ -121,28 +244,22 @@
       const text = input.value.trim();
       if (!text || this.busy) return;
       input.value = "";
-      this.messages.push({ role: "user", content: text });
-      this.addMessage("user", text);
-      const out = this.addMessage("assistant");
-      const reply = { content: "", reasoning: "", tools: [] };
+      const messages = this.history().concat([{ role: "user", content: text }]);
+      const user = this.append({ role: "user", content: text, pending: true });
+      const reply = this.append({ role: "assistant", content: "", reasoning: "", tools: [], pending: true });
+      const out = reply.el;
+      out.classList.remove("done");
       const t0 = performance.now();
-      let tFirst = null, tLast = null, usage = null, chunks = 0, finish = null, scheduled = false;
-      const paint = () => {
-        scheduled = false;
-        $(".content", out).innerHTML = md.render(reply.content);
-        const r = $(".reasoning", out);
-        if (reply.reasoning) { r.hidden = false; $(".reasoning-body", r).innerHTML = md.render(reply.reasoning); }
-        $(".tool-calls", out).innerHTML = reply.tools.map((t) =>
-          '<div class="tool-call"><span class="tool-name">' + md.escapeHtml(t.name || "?") + "</span>(<code>" +
-          md.escapeHtml(t.args || "") + "</code>)</div>").join("");
-        this.scroll();
-      };
+      let tFirst = null, tLast = null, usage = null, chunks = 0, finish = null, scheduled = false, failed = false;
+      const paint = () => { scheduled = false; this.paint(reply); this.scroll(); };
       const schedule = () => { if (!scheduled) { scheduled = true; requestAnimationFrame(paint); } };
       this.setBusy(true);
       this.controller = new AbortController();
       out.classList.add("streaming");
+      this.showWaiting(reply);
+      pollModelsSoon();
       try {
-        const resp = await fetch("/v1/chat/completions", { method: "POST", headers: headers(true), body: JSON.stringify(this.body()), signal: this.controller.signal });
+        const resp = await fetch("/v1/chat/completions", { method: "POST", headers: headers(true), body: JSON.stringify(this.body(messages)), signal: this.controller.signal });
         if (!resp.ok) {
           let msg = resp.statusText;
           try { const d = await resp.json(); msg = (d.error && d.error.message) || msg; } catch (e) { /* not JSON */ }
@@ -170,24 +287,26 @@
             schedule();
           }
         });
-        const msg = { role: "assistant", content: reply.content };
-        this.messages.push(msg);
       } catch (err) {
-        if (err.name !== "AbortError") {
-          const e = document.createElement("div");
-          e.className = "error";
-          e.textContent = err.message;
-          out.appendChild(e);
-        } else {
+        if (err.name === "AbortError") {
           finish = "stopped";
+          failed = !reply.content && !reply.reasoning && !reply.tools.length; // a partial reply is kept
+        } else {
+          failed = true;
+          reply.error = err.message;
         }
       } finally {
-        paint();
+        user.pending = false;
+        reply.pending = false;
+        reply.timings = failed && tFirst === null ? (finish || "") : this.timings(t0, tFirst, tLast, usage, chunks, finish);
+        this.paint(reply);
+        if (failed) { user.failed = true; reply.failed = true; this.markFailed(user); this.markFailed(reply); }
         out.classList.remove("streaming");
         out.classList.add("done");
-        $(".timings", out).textContent = this.timings(t0, tFirst, tLast, usage, chunks, finish);
         this.controller = null;
         this.setBusy(false);
+        this.scroll();
+        store.save();
       }
     }
 
@@ -198,7 +317,7 @@
       if (tFirst !== null && tLast > tFirst && tokens > 1) {
         parts.push(((tokens - 1) / ((tLast - tFirst) / 1000)).toFixed(1) + " tok/s");
       }
-      parts.push(tokens + " tokens");
+      parts.push(tokens + (tokens === 1 ? " token" : " tokens"));
       const cached = usage && usage.prompt_tokens_details ? usage.prompt_tokens_details.cached_tokens : 0;
       if (usage) parts.push("cached " + (cached || 0) + " of " + usage.prompt_tokens);
       if (finish) parts.push(finish);
@@ -215,7 +334,12 @@
     scroll() { const m = $(".messages", this.el); m.scrollTop = m.scrollHeight; }
   }
 
-  function addConversation() { const c = new Conversation(); convs.push(c); return c; }
+  function addConversation(saved) {
+    const c = new Conversation(saved && saved.turns ? saved : undefined);
+    convs.push(c);
+    store.soon();
+    return c;
+  }
 
   // -- monitor --------------------------------------------------------------
 
@@ -308,20 +432,45 @@
 
   // -- models ---------------------------------------------------------------
 
+  // What GET /v1/models last said about the model that serves (or loads).
+  const modelState = { id: null, status: null, loading: false, progress: null };
+
+  function loadingText() {
+    const p = modelState.progress;
+    const pct = p && p.total ? " " + Math.floor((100 * p.done) / p.total) + "%" : "";
+    const verb = modelState.status === "switching" ? "Switching model" : "Loading model";
+    return verb + " " + (modelState.id || "") + pct + "…";
+  }
+
+  let modelsTimer = null;
+
   async function pollModels() {
+    clearTimeout(modelsTimer);
     try {
       const data = await apiJson("GET", "/v1/models");
       const entries = data.data || [];
       const live = entries.find((e) => e.status && e.status !== "unloaded") || entries[0];
       const pill = $("#model-status");
       pill.textContent = live ? live.id + " · " + (live.status || "?") : "no model";
+      pill.title = "GET /v1/models: " + pill.textContent;
       pill.dataset.status = live ? live.status || "" : "";
       if (live && live.switching) pill.textContent += " (" + live.switching.from + " → " + live.switching.to + ")";
       $("#model-options").innerHTML = entries.map((e) => '<option value="' + md.escapeHtml(e.id) + '">').join("");
+      const to = data.switching && data.switching.to;
+      modelState.status = live ? live.status : null;
+      modelState.loading = modelState.status === "loading" || modelState.status === "switching";
+      modelState.id = (modelState.status === "switching" && to) || (live && live.id) || null;
+      modelState.progress = (live && live.load_progress) || null;
     } catch (e) {
       $("#model-status").textContent = e.message;
     }
+    convs.forEach((c) => c.showModelNotice());
+    // Every 5 s; every second while the model loads or a turn waits for its first token.
+    const waiting = convs.some((c) => c.turns.some((t) => t.pending && !t.content));
+    modelsTimer = setTimeout(pollModels, modelState.loading || waiting ? 1000 : 5000);
   }
+
+  function pollModelsSoon() { clearTimeout(modelsTimer); modelsTimer = setTimeout(pollModels, 300); }
 
   async function switchModel() {
     const target = $("#model-target").value.trim();
@@ -370,17 +519,17 @@
       if (key.value.trim()) localStorage.setItem(KEY_STORE, key.value.trim()); else localStorage.removeItem(KEY_STORE);
       pollModels();
     });
-    $("#add-conv").addEventListener("click", addConversation);
+    $("#add-conv").addEventListener("click", () => addConversation());
     $("#send-all").addEventListener("click", () => convs.forEach((c) => c.send()));
     $("#model-switch").addEventListener("click", switchModel);
     $("#decide-run").addEventListener("click", decide);
-    addConversation();
+    const saved = store.load();
+    if (saved.length) saved.forEach((s) => addConversation(s)); else addConversation();
     pollModels();
-    setInterval(pollModels, 5000);
     monitor.poll();
     setInterval(() => { if (!document.hidden) monitor.poll(); }, 500);
   }
 
-  window.IgnisPlayground = { addConversation, showTab, monitor, convs };
+  window.IgnisPlayground = { addConversation, showTab, monitor, convs, pollModels, modelState, store };
   start();
 })();

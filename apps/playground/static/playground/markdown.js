@@ -1,72 +1,97 @@
-// A small markdown renderer for streamed replies: fenced code (an unclosed
-// fence renders as code while it streams), headings, lists, quotes, rules,
-// paragraphs; inline code, bold, italic and http(s) links. Everything is
-// HTML-escaped first, so model output can never inject markup.
+// Markdown for replies: marked (GitHub flavour: tables, fenced code, lists,
+// single newlines kept as line breaks) with code highlighted by highlight.js
+// and a Copy button on each block. Model output is never trusted as markup:
+// raw HTML in a reply is shown as text, and the result goes through DOMPurify
+// (which also drops javascript: links) before it reaches the page. All three
+// libraries are vendored under vendor/ with their licenses; nothing is fetched.
 "use strict";
 
 (function (global) {
+  const { marked } = global;
+  const hljs = global.hljs;
+  const DOMPurify = global.DOMPurify;
+
   function escapeHtml(s) {
-    return s.replace(/&/g, "&amp;").replace(/</g, "&lt;").replace(/>/g, "&gt;").replace(/"/g, "&quot;");
+    return String(s).replace(/&/g, "&amp;").replace(/</g, "&lt;").replace(/>/g, "&gt;").replace(/"/g, "&quot;");
   }
 
-  function inline(s) {
-    // s is already escaped. Code spans first, kept away from the other rules.
-    const codes = [];
-    s = s.replace(/`([^`]+)`/g, (_, c) => { codes.push(c); return "\u0000" + (codes.length - 1) + "\u0000"; });
-    s = s.replace(/\*\*([^*]+)\*\*/g, "<strong>$1</strong>");
-    s = s.replace(/__([^_]+)__/g, "<strong>$1</strong>");
-    s = s.replace(/(^|[^*])\*([^*\s][^*]*)\*/g, "$1<em>$2</em>");
-    s = s.replace(/(^|[^\w])_([^_\s][^_]*)_(?!\w)/g, "$1<em>$2</em>");
-    s = s.replace(/\[([^\]]+)\]\((https?:\/\/[^\s)]+)\)/g,
-      '<a href="$2" target="_blank" rel="noopener noreferrer">$1</a>');
-    return s.replace(/\u0000(\d+)\u0000/g, (_, i) => "<code>" + codes[+i] + "</code>");
-  }
-
-  function blocks(text) {
-    const out = [];
-    let para = [], list = null;
-    const flushPara = () => { if (para.length) { out.push("<p>" + inline(para.join("<br>")) + "</p>"); para = []; } };
-    const flushList = () => {
-      if (list) { out.push("<" + list.tag + ">" + list.items.map((i) => "<li>" + inline(i) + "</li>").join("") + "</" + list.tag + ">"); list = null; }
-    };
-    for (const line of text.split("\n")) {
-      let m;
-      if (!line.trim()) { flushPara(); flushList(); continue; }
-      if ((m = line.match(/^(#{1,6})\s+(.*)$/))) {
-        flushPara(); flushList();
-        out.push("<h" + m[1].length + ">" + inline(m[2]) + "</h" + m[1].length + ">");
-      } else if (/^\s*([-*_])(\s*\1){2,}\s*$/.test(line)) {
-        flushPara(); flushList(); out.push("<hr>");
-      } else if ((m = line.match(/^\s*[-*+]\s+(.*)$/)) || (m = line.match(/^\s*\d+[.)]\s+(.*)$/))) {
-        flushPara();
-        const tag = /^\s*\d/.test(line) ? "ol" : "ul";
-        if (!list || list.tag !== tag) { flushList(); list = { tag, items: [] }; }
-        list.items.push(m[1]);
-      } else if ((m = line.match(/^&gt;\s?(.*)$/))) {
-        flushPara(); flushList(); out.push("<blockquote>" + inline(m[1]) + "</blockquote>");
-      } else if (list && /^\s{2,}\S/.test(line)) {
-        list.items[list.items.length - 1] += " " + line.trim();
-      } else {
-        flushList(); para.push(line);
-      }
+  // Highlight when the fence names a language highlight.js knows; otherwise
+  // plain (guessing a language would run over the whole block on every frame
+  // of a stream).
+  function highlight(code, lang) {
+    if (lang && hljs && hljs.getLanguage(lang)) {
+      try { return hljs.highlight(code, { language: lang, ignoreIllegals: true }).value; } catch (e) { /* plain */ }
     }
-    flushPara(); flushList();
-    return out.join("");
+    return escapeHtml(code);
   }
+
+  const renderer = {
+    // Raw HTML from the model is text, never markup.
+    html(token) {
+      const text = escapeHtml(token.text);
+      return token.block ? "<p>" + text + "</p>" : text;
+    },
+    code(token) {
+      const lang = ((token.lang || "").match(/^[\w+#.-]+/) || [""])[0].toLowerCase();
+      return '<div class="code-block"><div class="code-head"><span class="code-lang">' + escapeHtml(lang || "text") +
+        '</span><button type="button" class="copy-code" title="Copy the code">Copy</button></div>' +
+        '<pre><code class="hljs' + (lang ? " language-" + escapeHtml(lang) : "") + '">' +
+        highlight(token.text, lang) + "</code></pre></div>";
+    },
+    // Task lists: a mark, not a form control.
+    checkbox(token) {
+      return token.checked ? "\u2611 " : "\u2610 ";
+    },
+    // Wide tables scroll inside the reply instead of widening the page.
+    table(token) {
+      return '<div class="table-wrap">' + marked.Renderer.prototype.table.call(this, token) + "</div>";
+    },
+  };
+
+  marked.use({ gfm: true, breaks: true, renderer });
+
+  DOMPurify.addHook("afterSanitizeAttributes", (node) => {
+    if (node.tagName === "A" && node.getAttribute("href")) {
+      node.setAttribute("target", "_blank");
+      node.setAttribute("rel", "noopener noreferrer");
+    }
+  });
+
+  const PURIFY = { FORBID_TAGS: ["style", "form", "input", "textarea", "select"], FORBID_ATTR: ["style"] };
 
   function render(src) {
-    const text = escapeHtml(src || "");
-    const parts = text.split(/^```/m);
-    let html = "";
-    parts.forEach((part, i) => {
-      if (i % 2 === 0) { html += blocks(part); return; }
-      const nl = part.indexOf("\n");
-      const lang = nl < 0 ? part.trim() : part.slice(0, nl).trim();
-      const code = nl < 0 ? "" : part.slice(nl + 1).replace(/\n$/, "");
-      html += '<pre><code' + (lang ? ' data-lang="' + lang.replace(/[^\w+-]/g, "") + '"' : "") + ">" + code + "</code></pre>";
-    });
-    return html;
+    if (!src) return "";
+    return DOMPurify.sanitize(marked.parse(String(src)), PURIFY);
   }
 
-  global.IgnisMarkdown = { render, escapeHtml };
+  // Clipboard: the async API where the page may use it, else a hidden textarea.
+  async function copyText(text) {
+    if (navigator.clipboard && global.isSecureContext) {
+      try { await navigator.clipboard.writeText(text); return true; } catch (e) { /* fall back */ }
+    }
+    const ta = document.createElement("textarea");
+    ta.value = text;
+    ta.setAttribute("readonly", "");
+    ta.style.position = "fixed";
+    ta.style.opacity = "0";
+    document.body.appendChild(ta);
+    ta.select();
+    let ok = false;
+    try { ok = document.execCommand("copy"); } catch (e) { ok = false; }
+    ta.remove();
+    return ok;
+  }
+
+  // One listener for every Copy button, present and future (replies re-render while they stream).
+  document.addEventListener("click", async (e) => {
+    const btn = e.target.closest && e.target.closest(".copy-code");
+    if (!btn) return;
+    const code = btn.closest(".code-block").querySelector("pre code");
+    const ok = await copyText(code ? code.textContent : "");
+    btn.textContent = ok ? "Copied" : "Copy failed";
+    btn.classList.toggle("copied", ok);
+    setTimeout(() => { btn.textContent = "Copy"; btn.classList.remove("copied"); }, 2000);
+  });
+
+  global.IgnisMarkdown = { render, escapeHtml, copyText };
 })(window);
