@@ -229,8 +229,13 @@ GATE_EXEMPT = {("GET", "/v1/models"), ("POST", "/v1/models/switch"), ("GET", "/v
 
 async def switch_gate(*, method: str, path: str) -> None:
     """Raise ModelSwitching (503, Retry-After: 5) for a /v1 route while a switch runs."""
-    if not path.startswith("/v1/") or (method, path.rstrip("/")) in GATE_EXEMPT:
+    if not path.startswith("/v1/") or (method, path.rstrip("/")) in GATE_EXEMPT or _is_model_read(method, path):
         return
     status = await engine_client.engine_status()
     await switch_history_note(status)
     _refuse_while_switching(status)
+
+
+def _is_model_read(method: str, path: str) -> bool:
+    """GET /v1/models/{id} reads state, like GET /v1/models."""
+    return method == "GET" and path.startswith("/v1/models/")
