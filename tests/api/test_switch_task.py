@@ -1,0 +1,67 @@
+"""An explicit switch's background task outlives the request that started it.
+
+POST /v1/models/switch is a sync DRF view: Django runs it in the request's
+thread and it calls ``async_to_sync(model_switch)``; the task that waits for the
+engine's SwitchDone and records it runs after the view returned, so it must not
+inherit the request's thread executor (it did: "Task exception was never
+retrieved ... CurrentThreadExecutor already quit" on every explicit switch).
+The engine here is the test, on the in-memory channel layer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+from asgiref.sync import ThreadSensitiveContext, async_to_sync, sync_to_async
+from channels.layers import get_channel_layer
+
+from apps.api import engine_client
+from apps.models import switching
+from apps.models.models import SwitchRecord
+from apps.models.services import SwitchTarget
+from engine.messages import ENGINE_CHANNEL
+
+
+@pytest.mark.django_db(transaction=True)
+def test_explicit_switch_records_its_end_after_the_view_returned(monkeypatch):
+    async def no_engine_status(timeout: float = 2.0):
+        return None
+
+    monkeypatch.setattr(engine_client, "engine_status", no_engine_status)
+    target = SwitchTarget("other-model", Path("/nowhere/other.gguf"))
+
+    def view() -> dict:  # what models_switch does in its request thread
+        return async_to_sync(switching.model_switch)(target=target, trigger="explicit")
+
+    async def main() -> None:
+        layer = get_channel_layer()
+
+        async def engine_accepts() -> dict:
+            msg = await layer.receive(ENGINE_CHANNEL)
+            await layer.send(msg["reply_channel"], {"type": "engine.switch_ack", "accepted": True})
+            return msg
+
+        engine = asyncio.ensure_future(engine_accepts())
+        async with ThreadSensitiveContext():  # as Django's ASGI handler serves a request
+            described = await sync_to_async(view)()
+        sw = await engine
+        assert described["status"] == "switching" and described["id"] == sw["switch_id"]
+        tasks = list(switching._background)
+        assert tasks, "the switch runs on in the background"
+        await layer.send(
+            sw["reply_channel"],
+            {
+                "type": "engine.switch_done",
+                "switch_id": sw["switch_id"],
+                "outcome": "switched",
+                "reason": "",
+                "seconds": 1.5,
+            },
+        )
+        await asyncio.wait_for(asyncio.gather(*tasks), 10)  # raises what the task raised
+
+    asyncio.run(main())
+    rec = SwitchRecord.objects.get(to_id="other-model")
+    assert (rec.outcome, rec.seconds, rec.trigger) == ("switched", 1.5, "explicit")
