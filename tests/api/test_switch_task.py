@@ -5,7 +5,8 @@ thread and it calls ``async_to_sync(model_switch)``; the task that waits for the
 engine's SwitchDone and records it runs after the view returned, so it must not
 inherit the request's thread executor (it did: "Task exception was never
 retrieved ... CurrentThreadExecutor already quit" on every explicit switch).
-The engine here is the test, on the in-memory channel layer.
+The engine here is the test, on the in-memory channel layer; the history rows
+are written through ``database_sync_to_async`` as the real ones are, into a list.
 """
 
 from __future__ import annotations
@@ -13,23 +14,31 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-import pytest
 from asgiref.sync import ThreadSensitiveContext, async_to_sync, sync_to_async
+from channels.db import database_sync_to_async
 from channels.layers import get_channel_layer
 
 from apps.api import engine_client
 from apps.models import switching
-from apps.models.models import SwitchRecord
 from apps.models.services import SwitchTarget
 from engine.messages import ENGINE_CHANNEL
 
 
-@pytest.mark.django_db(transaction=True)
 def test_explicit_switch_records_its_end_after_the_view_returned(monkeypatch):
+    rows: dict[str, dict] = {}
+
     async def no_engine_status(timeout: float = 2.0):
         return None
 
+    async def record_start(sw, from_id):
+        await database_sync_to_async(rows.__setitem__)(sw.switch_id, {"to": sw.served_id, "trigger": sw.trigger})
+
+    async def record_end(done):
+        await database_sync_to_async(rows[done["switch_id"]].update)(outcome=done["outcome"], seconds=done["seconds"])
+
     monkeypatch.setattr(engine_client, "engine_status", no_engine_status)
+    monkeypatch.setattr(switching, "_record_start", record_start)
+    monkeypatch.setattr(switching, "_record_end", record_end)
     target = SwitchTarget("other-model", Path("/nowhere/other.gguf"))
 
     def view() -> dict:  # what models_switch does in its request thread
@@ -63,5 +72,5 @@ def test_explicit_switch_records_its_end_after_the_view_returned(monkeypatch):
         await asyncio.wait_for(asyncio.gather(*tasks), 10)  # raises what the task raised
 
     asyncio.run(main())
-    rec = SwitchRecord.objects.get(to_id="other-model")
-    assert (rec.outcome, rec.seconds, rec.trigger) == ("switched", 1.5, "explicit")
+    [row] = rows.values()
+    assert row == {"to": "other-model", "trigger": "explicit", "outcome": "switched", "seconds": 1.5}
