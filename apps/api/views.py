@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from django.http import HttpRequest, JsonResponse
+from django.views import defaults
 from django.views.decorators.csrf import csrf_exempt
 from rest_framework.decorators import api_view
 from rest_framework.request import Request
@@ -99,12 +100,16 @@ def not_found(request, path: str = ""):
 
 
 def handler404(request, exception=None):
-    """Unknown routes outside /v1 (and any Http404) answer in the envelope too."""
+    """Unknown routes outside /v1 (and any Http404) answer in the envelope too; the admin keeps its page."""
+    if request.path.startswith("/admin/"):
+        return defaults.page_not_found(request, exception)
     return _unknown_route(request)
 
 
 def handler500(request):
-    """An error no view caught: the envelope, never Django's HTML page."""
+    """An error no view caught: the envelope, never Django's HTML page (but in the admin)."""
+    if request.path.startswith("/admin/"):
+        return defaults.server_error(request)
     return _error_response(
         IgnisError(
             "The server had an error while processing your request.",

@@ -33,6 +33,19 @@ def test_unknown_route_is_json_404_for_any_method(http, method, path):
     assert path in err["message"]
 
 
+def test_the_admin_keeps_its_html_pages():
+    from django.http import Http404
+    from django.test import RequestFactory
+
+    from apps.api import views
+
+    request = RequestFactory().get("/admin/no-such-page/")
+    assert views.handler404(request, Http404()).headers["content-type"].startswith("text/html")
+    assert views.handler500(request).headers["content-type"].startswith("text/html")
+    request = RequestFactory().get("/v1/catalog/download")
+    assert_openai_error(views.handler500(request), 500, code="internal_error")
+
+
 @pytest.mark.parametrize("path", ["/v1/models", "/health"])
 def test_post_to_a_get_route_is_405_envelope_not_csrf_403(http, path):
     assert_openai_error(http.post(path, data="{}", content_type="application/json"), 405, code="method_not_allowed")
