@@ -36,8 +36,16 @@ class Field:
     def flag(self) -> str:
         return "--" + self.key.replace(".", "-").replace("_", "-")
 
-    def parse(self, raw: Any) -> Any:
-        """Coerce ``raw`` (a string from env/CLI, or a JSON value) or raise ValueError."""
+    def parse(self, raw: Any, *, strict: bool = False) -> Any:
+        """Coerce ``raw`` (a string from env/CLI, or a JSON value) or raise ValueError.
+
+        ``strict`` (a JSON patch): an array or object is never a value, and a
+        string key takes only a string (not a number, null, or a list written
+        as its Python repr). Numbers and booleans may still come as strings
+        ("0.5", "off"), as from the environment.
+        """
+        if strict:
+            self._check_json_type(raw)
         if self.type is bool:
             if isinstance(raw, bool):
                 return raw
@@ -66,6 +74,23 @@ class Field:
         if raw is None:
             return None
         return str(raw)
+
+    def _check_json_type(self, raw: Any) -> None:
+        if isinstance(raw, list | dict) or (self.type is str and not isinstance(raw, str)):
+            kind = "a string" if self.type is str else "a boolean" if self.type is bool else "a number"
+            raise ValueError(f"{self.key} must be {kind}, not {_json_kind(raw)}")
+
+
+def _json_kind(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int | float):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    return "an array" if isinstance(value, list) else "an object"
 
 
 FIELDS: dict[str, Field] = {
@@ -214,7 +239,8 @@ def key_applies(key: str) -> str:
 
 
 def validate(patch: dict[str, Any]) -> dict[str, Any]:
-    """Parsed values for ``patch`` or ValueError(key, message) on the first bad one; nothing is applied."""
+    """Parsed values for ``patch`` (JSON values of each key's type) or ValueError(key, message) on the
+    first bad one; nothing is applied."""
     parsed = {}
     for key, raw in patch.items():
         field = FIELDS.get(key)
@@ -223,7 +249,7 @@ def validate(patch: dict[str, Any]) -> dict[str, Any]:
         if key in START_ONLY_KEYS:
             raise ValueError(key, f"{key} is read before the database opens: set {field.env_name} or {field.flag}")
         try:
-            parsed[key] = field.parse(raw)
+            parsed[key] = field.parse(raw, strict=True)
         except ValueError as exc:
             raise ValueError(key, str(exc)) from None
     return parsed

@@ -6,3 +6,6 @@ urlpatterns = [
     path("", include("apps.api.urls")),
     path("", include("apps.playground.urls")),
 ]
+
+handler404 = "apps.api.views.handler404"
+handler500 = "apps.api.views.handler500"

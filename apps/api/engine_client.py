@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 from channels.layers import get_channel_layer
 
@@ -11,6 +12,10 @@ from engine.status import EngineStatus
 
 # Parts of the reply the engine sends only while a scheduler exists (a model is loaded).
 _LOADED_ONLY = ("stats", "lanes")
+# The parts that carry what clients named (switch targets, reasons quoting them): kept by the
+# history and echoed by /health and /v1/models, so every string in them is cut to ECHO_CHARS.
+_ECHOED = ("error", "switching", "last_switch", "recent_switches")
+ECHO_CHARS = 512
 
 
 async def request_submit(add: AddRequest) -> None:
@@ -30,7 +35,19 @@ async def engine_status(timeout: float = 2.0) -> EngineStatus | None:
         msg = await asyncio.wait_for(layer.receive(reply), timeout)
     except TimeoutError:
         return None
-    return EngineStatus.from_message(msg)
+    status = EngineStatus.from_message(msg)
+    return dataclasses.replace(status, **{name: _bounded(getattr(status, name)) for name in _ECHOED})
+
+
+def _bounded(value):
+    """``value`` with every string in it cut to ECHO_CHARS characters (an ellipsis marks a cut)."""
+    if isinstance(value, str):
+        return value if len(value) <= ECHO_CHARS else value[: ECHO_CHARS - 1] + "\u2026"
+    if isinstance(value, dict):
+        return {k: _bounded(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_bounded(v) for v in value]
+    return value
 
 
 def engine_status_payload(status: EngineStatus | None) -> dict | None:

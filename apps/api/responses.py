@@ -82,6 +82,10 @@ def _input_item(item: Any, param: str) -> dict:
     kind = item.get("type", "message")
     if kind == "message":
         role = item.get("role")
+        if not isinstance(role, str):  # a list or object is not even hashable: never a dict lookup
+            raise InvalidRequest(
+                f"'role' must be a string: one of {', '.join(INPUT_ROLES)}.", param=f"{param}.role", code="invalid_type"
+            )
         if role not in INPUT_ROLES:
             raise InvalidRequest(
                 f"Unknown role {role!r}; expected one of {', '.join(INPUT_ROLES)}.", param=f"{param}.role"

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from apps.api.errors import InvalidRequest
+from apps.api.parsers import json_loads
 
 MAX_TOOLS = 128
 MAX_SCHEMA_CHARS = 64 * 1024
@@ -125,9 +126,9 @@ def tools_system_block(tools: list[Tool]) -> str:
 def _call_text(call: dict) -> str:
     fn = call.get("function") or {}
     args = fn.get("arguments") or "{}"
-    try:
-        args = json.loads(args) if isinstance(args, str) else args
-    except ValueError:
+    try:  # a string that is not JSON (or holds what the body parser refuses) is written as it came
+        args = json_loads(args) if isinstance(args, str) else args
+    except InvalidRequest:
         pass
     return (
         "<tool_call>\n" + json.dumps({"name": fn.get("name"), "arguments": args}, ensure_ascii=False) + "\n</tool_call>"

@@ -9,6 +9,7 @@ urlpatterns = [
     path("v1/tokenize", views.tokenize),
     path("v1/detokenize", views.detokenize),
     path("v1/models/switch", model_views.models_switch),
+    path("v1/models/<path:model_id>", views.model_detail),
     path("v1/config", model_views.config_view),
     path("v1/catalog", model_views.catalog_list),
     path("v1/catalog/download", model_views.catalog_download),

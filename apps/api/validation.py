@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -15,21 +14,6 @@ MAX_MESSAGE_CHARS = 1 << 20  # one message's text; the context bounds the sum
 MAX_STOP = 4
 MAX_STOP_LEN = 256
 MAX_N = 8  # choices per request: each is a sequence holding a decode lane
-
-
-def _reject_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not valid JSON")
-
-
-def parse_json_body(raw: bytes) -> dict:
-    """The body as a JSON object; NaN/Infinity literals are refused like any malformed JSON."""
-    try:
-        body = json.loads(raw.decode("utf-8"), parse_constant=_reject_constant)
-    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise InvalidRequest(f"We could not parse the JSON body of your request: {exc}", code="invalid_json") from None
-    if not isinstance(body, dict):
-        raise InvalidRequest("The request body must be a JSON object.", code="invalid_json")
-    return body
 
 
 def _number(body: dict, name: str, default: float, lo: float, hi: float, *, lo_open: bool = False) -> float:

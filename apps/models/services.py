@@ -18,6 +18,10 @@ from apps.api.errors import InvalidRequest, ModelNotFound
 from apps.models.download import KNOWN_DOWNLOADS, artifact_path
 
 REQUEST_CLASSES = ("interactive", "agent")
+# What a client may name, bounded like the catalog's columns (Artifact.served_id, Artifact.path): a
+# switch target is kept by the engine and echoed by /health and /v1/models, so it must stay small.
+MAX_ID_CHARS = 200
+MAX_PATH_CHARS = 1000
 
 
 @dataclass
@@ -37,7 +41,15 @@ def models_dir() -> Path:
 
 
 def path_confine(raw: str | Path) -> Path:
-    """``raw`` resolved (symlinks followed) and proven to lie inside the models directory."""
+    """``raw`` resolved (symlinks followed) and proven to lie inside the models directory.
+
+    A NUL byte (which no filesystem call accepts) or a path over MAX_PATH_CHARS is a 400.
+    """
+    text = str(raw)
+    if "\x00" in text:
+        raise InvalidRequest("A path cannot hold a NUL byte.", param="path", code="invalid_path")
+    if len(text) > MAX_PATH_CHARS:
+        raise InvalidRequest(f"A path is at most {MAX_PATH_CHARS} characters.", param="path", code="invalid_path")
     root = models_dir()
     candidate = Path(raw)
     if not candidate.is_absolute():
@@ -101,8 +113,15 @@ def served_model_update(*, served_id: str, path: str | Path) -> ServedModel:
         return model
 
 
+def served_id_check(served_id: str | None, *, param: str = "model") -> None:
+    """A served id a client names is at most MAX_ID_CHARS characters (None passes)."""
+    if served_id is not None and len(served_id) > MAX_ID_CHARS:
+        raise InvalidRequest(f"A model id is at most {MAX_ID_CHARS} characters.", param=param)
+
+
 def model_name_split(name: str | None) -> tuple[str | None, str | None]:
     """(served id, class) from ``id@interactive`` / ``id@agent``."""
+    served_id_check(name)
     request_class = None
     if name and "@" in name:
         name, _, suffix = name.rpartition("@")
@@ -186,6 +205,7 @@ def switch_target_resolve(*, served_id: str | None = None, path: str | None = No
     """A switch's target from a served id, an artifact path, or both (sync ORM: off the event loop)."""
     from apps.models.models import Artifact
 
+    served_id_check(served_id)
     if not path:
         if not served_id:
             raise InvalidRequest(

@@ -12,6 +12,7 @@ side also points its tokenizer at the new model.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import uuid
 from datetime import UTC, datetime, timedelta
@@ -166,10 +167,19 @@ async def model_switch(
     if wait:
         done = await _wait_done(layer, reply, sw)
         return {**described, **(done or {}), "status": "done"}
-    task = asyncio.ensure_future(_wait_done(layer, reply, sw))
+    # A fresh context: the caller may be a sync view (``async_to_sync`` from its request thread),
+    # whose context points sync_to_async at that thread's executor -- which quits when the view
+    # returns, long before the switch ends and _wait_done writes the history row.
+    task = asyncio.get_running_loop().create_task(_wait_done(layer, reply, sw), context=contextvars.Context())
     _background.add(task)
-    task.add_done_callback(_background.discard)
+    task.add_done_callback(_background_done)
     return described
+
+
+def _background_done(task: asyncio.Task) -> None:
+    _background.discard(task)
+    if not task.cancelled() and task.exception() is not None:
+        log.error("ignis.switch.record_failed", exc_info=task.exception())
 
 
 async def status_sync() -> EngineStatus | None:
@@ -229,8 +239,13 @@ GATE_EXEMPT = {("GET", "/v1/models"), ("POST", "/v1/models/switch"), ("GET", "/v
 
 async def switch_gate(*, method: str, path: str) -> None:
     """Raise ModelSwitching (503, Retry-After: 5) for a /v1 route while a switch runs."""
-    if not path.startswith("/v1/") or (method, path.rstrip("/")) in GATE_EXEMPT:
+    if not path.startswith("/v1/") or (method, path.rstrip("/")) in GATE_EXEMPT or _is_model_read(method, path):
         return
     status = await engine_client.engine_status()
     await switch_history_note(status)
     _refuse_while_switching(status)
+
+
+def _is_model_read(method: str, path: str) -> bool:
+    """GET /v1/models/{id} reads state, like GET /v1/models."""
+    return method == "GET" and path.startswith("/v1/models/")

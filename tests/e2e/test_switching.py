@@ -95,6 +95,26 @@ def test_explicit_switch_202_then_409_and_503_everywhere_else(live):
     assert resp.status_code == 200 and "4" in resp.json()["choices"][0]["message"]["content"]
 
 
+def test_explicit_switches_record_their_end_without_a_task_error(live):
+    """The task that records an explicit switch's end outlives the request (issue 11, point 28)."""
+    base, _, proc = live
+    for target in (TINY, DEFAULT):
+        before = models(base)["last_switch"]
+        resp = switch(base, model=target)
+        assert resp.status_code == 202, resp.text
+        body = wait_for(
+            lambda: models(base),
+            120,
+            0.2,
+            f"the switch to {target} to end",
+            until=lambda b, before=before: b["switching"] is None and b["last_switch"] not in (None, before),
+        )
+        assert body["last_switch"]["outcome"] == "switched" and body["last_switch"]["to"] == target
+    log = proc.log_text()  # the first switch's task ended a whole switch ago
+    assert "never retrieved" not in log and "CurrentThreadExecutor" not in log
+    assert not [e for e in proc.events() if e.get("event") == "ignis.switch.record_failed"]
+
+
 @pytest.mark.parametrize("path", ["../outside", "/etc", "escape", "smollm2-135m-instruct/../../outside"])
 def test_path_traversal_refused(live, path):
     base, _, _ = live
