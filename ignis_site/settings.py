@@ -36,6 +36,7 @@ INSTALLED_APPS = [
     "channels",
     "rest_framework",
     "django_prometheus",
+    "apps.core",
     "apps.api",
     "apps.models",
     "apps.playground",
@@ -117,7 +118,7 @@ CELERY_TASK_SERIALIZER = "json"
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 
 REST_FRAMEWORK = {
-    "EXCEPTION_HANDLER": "apps.api.errors.drf_exception_handler",
+    "EXCEPTION_HANDLER": "apps.core.errors.drf_exception_handler",
     "DEFAULT_AUTHENTICATION_CLASSES": [],
     "DEFAULT_PERMISSION_CLASSES": [],
     "UNAUTHENTICATED_USER": None,

@@ -27,13 +27,13 @@ from channels.consumer import AsyncConsumer
 from channels.exceptions import StopConsumer
 from django.conf import settings
 
-from apps.api import engine_client
 from apps.api.channels_split import ChannelSplitter
-from apps.api.errors import BodyTooLarge, IgnisError, error_from_engine
 from apps.api.logprobs import chat_logprobs
 from apps.api.parsers import parse_json_body
 from apps.api.services import PreparedChat, chat_prepare
 from apps.api.streaming import TextStream, chat_chunk, now, sse, usage_block
+from apps.core import engine_client
+from apps.core.errors import BodyTooLarge, IgnisError, error_from_engine
 from apps.models.switching import model_hold, switch_gate
 from engine.messages import AddRequest
 

@@ -9,7 +9,7 @@ from rest_framework.decorators import api_view
 from rest_framework.request import Request
 from rest_framework.response import Response
 
-from apps.api.errors import InvalidRequest
+from apps.core.errors import InvalidRequest
 from apps.models import catalog, config_service, selectors
 from apps.models.services import served_model, switch_target_resolve
 from apps.models.switching import model_switch, status_sync

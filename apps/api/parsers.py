@@ -15,7 +15,7 @@ from typing import Any
 
 from rest_framework.parsers import JSONParser
 
-from apps.api.errors import InvalidRequest
+from apps.core.errors import InvalidRequest
 
 MAX_DEPTH = 64  # arrays and objects inside one another; real requests (tool schemas included) stay far below
 

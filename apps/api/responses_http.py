@@ -15,11 +15,11 @@ import json
 from channels.exceptions import StopConsumer
 from django.views.decorators.csrf import csrf_exempt
 
-from apps.api import engine_client
 from apps.api.consumers import OpenAIHttpConsumer
-from apps.api.errors import error_from_engine
 from apps.api.responses import response_parse, response_prepare_async, stored_response_save
 from apps.api.responses_events import ResponseRun
+from apps.core import engine_client
+from apps.core.errors import error_from_engine
 
 
 def sse_event(event: dict) -> bytes:
@@ -108,8 +108,8 @@ async def response_detail(request, response_id: str):
     """GET /v1/responses/{id}: a stored response as it was answered; DELETE forgets it."""
     from django.http import JsonResponse
 
-    from apps.api.errors import IgnisError, NotFound
     from apps.api.responses import stored_response_delete, stored_response_get
+    from apps.core.errors import IgnisError, NotFound, error_response
 
     try:
         if request.method == "GET":
@@ -123,4 +123,4 @@ async def response_detail(request, response_id: str):
             return JsonResponse({"id": response_id, "object": "response.deleted", "deleted": True})
         raise IgnisError("Use GET or DELETE here.", code="method_not_allowed", status=405)
     except IgnisError as err:
-        return JsonResponse(err.envelope(), status=err.status)
+        return error_response(err)

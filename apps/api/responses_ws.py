@@ -30,11 +30,11 @@ from collections import deque
 from channels.generic.websocket import AsyncWebsocketConsumer
 from django.conf import settings
 
-from apps.api import engine_client
-from apps.api.errors import IgnisError, InvalidRequest, error_from_engine
 from apps.api.parsers import parse_json_body
 from apps.api.responses import response_parse, response_prepare_async, stored_response_save
 from apps.api.responses_events import ResponseRun
+from apps.core import engine_client
+from apps.core.errors import IgnisError, InvalidRequest, error_from_engine
 from apps.models.switching import model_hold, switch_gate
 
 log = logging.getLogger("ignis.api")

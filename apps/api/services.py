@@ -7,13 +7,13 @@ from dataclasses import dataclass, field
 
 from django.conf import settings
 
-from apps.api.errors import IgnisError, InvalidRequest
 from apps.api.validation import (
     ChatRequest,
     CompletionRequest,
     parse_chat_request,
     parse_completion_request,
 )
+from apps.core.errors import IgnisError, InvalidRequest
 from apps.models.services import ServedModel, model_name_resolve
 from engine.messages import AddRequest
 

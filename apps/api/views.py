@@ -9,23 +9,17 @@ from rest_framework.decorators import api_view
 from rest_framework.request import Request
 from rest_framework.response import Response
 
-from apps.api import engine_client, services
-from apps.api.errors import IgnisError, InvalidRequest, ModelNotFound
+from apps.api import services
+from apps.core import engine_client
+from apps.core.errors import IgnisError, InvalidRequest, ModelNotFound, error_response, internal_error
 from apps.models.services import served_model
 from engine.status import EngineState
-
-
-def _error_response(err: IgnisError) -> JsonResponse:
-    resp = JsonResponse(err.envelope(), status=err.status)
-    for k, v in err.headers().items():
-        resp[k] = v
-    return resp
 
 
 def _get_only(request: HttpRequest) -> JsonResponse | None:
     if request.method in ("GET", "HEAD"):
         return None
-    return _error_response(IgnisError("Use GET here.", code="method_not_allowed", status=405))
+    return error_response(IgnisError("Use GET here.", code="method_not_allowed", status=405))
 
 
 # The plain Django views are exempt from CSRF like DRF's: no /v1 route reads a session cookie
@@ -50,7 +44,7 @@ async def model_detail(request, model_id: str):
     for entry in (await models_payload())["data"]:
         if entry["id"] == model_id:
             return JsonResponse(entry)
-    return _error_response(ModelNotFound(f"The model '{model_id[:256]}' does not exist.", param="model"))
+    return error_response(ModelNotFound(f"The model '{model_id[:256]}' does not exist.", param="model"))
 
 
 @csrf_exempt
@@ -88,7 +82,7 @@ def detokenize(request: Request) -> Response:
 
 
 def _unknown_route(request: HttpRequest) -> JsonResponse:
-    return _error_response(
+    return error_response(
         IgnisError(f"Unknown route: {request.method} {request.path[:256]}", code="not_found", status=404)
     )
 
@@ -110,11 +104,4 @@ def handler500(request):
     """An error no view caught: the envelope, never Django's HTML page (but in the admin)."""
     if request.path.startswith("/admin/"):
         return defaults.server_error(request)
-    return _error_response(
-        IgnisError(
-            "The server had an error while processing your request.",
-            type="server_error",
-            code="internal_error",
-            status=500,
-        )
-    )
+    return error_response(internal_error())

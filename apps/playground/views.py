@@ -12,8 +12,8 @@ from django.http import HttpRequest, JsonResponse
 from django.shortcuts import render
 from django.views.decorators.http import require_GET
 
-from apps.api import engine_client
-from ignis_site.metrics import engine_samples
+from apps.core import engine_client
+from apps.core.metrics import engine_samples
 
 STATIC_DIR = Path(__file__).resolve().parent / "static" / "playground"
 

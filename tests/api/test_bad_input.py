@@ -238,7 +238,7 @@ def test_an_overlong_model_name_on_a_request_is_400():
 def test_engine_status_cuts_what_it_echoes(monkeypatch):
     from channels.layers import get_channel_layer
 
-    from apps.api import engine_client
+    from apps.core import engine_client
     from engine.messages import ENGINE_CHANNEL
 
     huge = "m/" + "x" * 1_000_000

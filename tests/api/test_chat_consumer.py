@@ -10,7 +10,8 @@ import pytest
 from channels.layers import get_channel_layer
 from channels.testing import ApplicationCommunicator
 
-from apps.api import consumers, engine_client
+from apps.api import consumers
+from apps.core import engine_client
 
 SCRIPT = (
     "<think>Weather needs a tool.</think>\n\nChecking.<tool_call>\n"

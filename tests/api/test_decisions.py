@@ -10,7 +10,7 @@ from apps.api.decisions import service
 from apps.api.decisions.answers import answer, option_distribution, score_of, usage_of
 from apps.api.decisions.prompt import KEYS, QuestionPrompt, input_text, question_prompt
 from apps.api.decisions.schema import MAX_OPTIONS, MAX_QUESTIONS, decisions_parse
-from apps.api.errors import IgnisError, InvalidRequest
+from apps.core.errors import IgnisError, InvalidRequest
 
 CAPITAL = {"type": "choice", "instructions": "What is the capital of France?", "choices": [{"value": "Paris"}, {"value": "London"}]}  # fmt: skip
 

@@ -12,8 +12,9 @@ import pytest
 from channels.layers import get_channel_layer
 from channels.testing import ApplicationCommunicator
 
-from apps.api import consumers, engine_client
+from apps.api import consumers
 from apps.api.decisions.consumer import DecisionsConsumer
+from apps.core import engine_client
 
 BODY = {
     "input": "Paris is the capital of France.",

@@ -12,8 +12,8 @@ from dataclasses import fields
 import pytest
 from channels.layers import InMemoryChannelLayer
 
-from apps.api import engine_client
-from apps.api.errors import ModelSwitching
+from apps.core import engine_client
+from apps.core.errors import ModelSwitching
 from engine.messages import ENGINE_CHANNEL
 from engine.status import EngineState, EngineStatus, SchedulerStats
 

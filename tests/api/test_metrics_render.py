@@ -6,8 +6,8 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from apps.core.metrics import engine_families, engine_samples, is_loopback, parse_bind
 from engine.status import EngineStatus
-from ignis_site.metrics import engine_families, engine_samples, is_loopback, parse_bind
 
 STATUS = {
     "status": "serving",
@@ -134,7 +134,7 @@ def test_bind_parsing():
 
 
 def test_monitor_route(client, monkeypatch, settings):
-    from apps.api import engine_client
+    from apps.core import engine_client
 
     async def fake_status(timeout: float = 2.0):
         return EngineStatus.from_message(STATUS)

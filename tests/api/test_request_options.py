@@ -7,8 +7,8 @@ import json
 import pytest
 
 from apps.api import tools as tool_mod
-from apps.api.errors import InvalidRequest
 from apps.api.validation import MAX_N, parse_chat_request, parse_completion_request
+from apps.core.errors import InvalidRequest
 
 MSG = [{"role": "user", "content": "hi"}]
 WEATHER = {

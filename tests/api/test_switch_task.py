@@ -18,7 +18,7 @@ from asgiref.sync import ThreadSensitiveContext, async_to_sync, sync_to_async
 from channels.db import database_sync_to_async
 from channels.layers import get_channel_layer
 
-from apps.api import engine_client
+from apps.core import engine_client
 from apps.models import switching
 from apps.models.services import SwitchTarget
 from engine.messages import ENGINE_CHANNEL

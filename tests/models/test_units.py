@@ -73,7 +73,7 @@ def test_ram_plan_refuses_what_the_host_cannot_hold(monkeypatch):
 
 @pytest.mark.django_db
 def test_path_confine_refuses_escapes(tmp_path, settings):
-    from apps.api.errors import InvalidRequest
+    from apps.core.errors import InvalidRequest
     from apps.models.services import path_confine
 
     settings.MODELS_DIR = tmp_path / "models"

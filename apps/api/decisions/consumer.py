@@ -12,10 +12,10 @@ import asyncio
 
 from channels.exceptions import StopConsumer
 
-from apps.api import engine_client
 from apps.api.consumers import OpenAIHttpConsumer
 from apps.api.decisions.service import QuestionResult, decisions_prepare, decisions_render, remap
-from apps.api.errors import IgnisError, error_from_engine
+from apps.core import engine_client
+from apps.core.errors import IgnisError, error_from_engine
 from engine.messages import AddRequest
 
 

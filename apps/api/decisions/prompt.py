@@ -22,7 +22,7 @@ import json
 from dataclasses import dataclass
 
 from apps.api.decide import label_first_tokens
-from apps.api.errors import InvalidRequest
+from apps.core.errors import InvalidRequest
 
 KEYS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
 PREDICATE = ["yes", "no"]

@@ -19,8 +19,8 @@ from apps.api.decide import ANSWER_LEAD
 from apps.api.decisions.answers import answer, usage_of
 from apps.api.decisions.prompt import QuestionPrompt, input_head, input_text, question_prompt
 from apps.api.decisions.schema import decisions_parse
-from apps.api.errors import IgnisError
 from apps.api.services import chat_render
+from apps.core.errors import IgnisError
 from apps.models.services import ServedModel, model_name_resolve
 from engine.messages import AddRequest
 

@@ -7,7 +7,7 @@ import sys
 
 from django.core.management.base import BaseCommand, CommandError
 
-from apps.api.errors import IgnisError
+from apps.core.errors import IgnisError
 
 
 class Command(BaseCommand):

@@ -80,7 +80,7 @@ class Command(BaseCommand):
         if values["server.celery_worker"]:
             celery = celery_worker_start()
             reactor.addSystemEventTrigger("before", "shutdown", celery_worker_stop, celery)
-        from ignis_site.metrics import start_listener  # /metrics on its own loopback listener
+        from apps.core.metrics import start_listener  # /metrics on its own loopback listener
 
         start_listener(values["server.metrics_bind"], twisted_loop, public_port=int(port))
         server = Server(
