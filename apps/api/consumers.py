@@ -27,8 +27,8 @@ from channels.consumer import AsyncConsumer
 from channels.exceptions import StopConsumer
 from django.conf import settings
 
-from apps.api.channels_split import ChannelSplitter
 from apps.api.logprobs import chat_logprobs
+from apps.api.output_split import OutputSplitter
 from apps.api.parsers import parse_json_body
 from apps.api.services import PreparedChat, chat_prepare
 from apps.api.streaming import TextStream, chat_chunk, now, sse, usage_block
@@ -167,7 +167,7 @@ class OpenAIHttpConsumer(AsyncConsumer):
 class Choice:
     """One engine request's share of a response: its text, channels, tokens and logprobs."""
 
-    def __init__(self, index: int, add: AddRequest, text: TextStream, splitter: ChannelSplitter | None = None):
+    def __init__(self, index: int, add: AddRequest, text: TextStream, splitter: OutputSplitter | None = None):
         self.index = index
         self.add = add
         self.text = text
@@ -282,7 +282,7 @@ class ChatCompletionsConsumer(MultiRequestConsumer):
                 i,
                 add,
                 TextStream(tok, req.stop, add.prompt_token_ids),
-                ChannelSplitter(in_reasoning=prep.in_reasoning, parse_tools=prep.parse_tools),
+                OutputSplitter(in_reasoning=prep.in_reasoning, parse_tools=prep.parse_tools, parsers=prep.parsers),
             )
             for i, add in enumerate(prep.adds)
         ]

@@ -19,6 +19,7 @@ from channels.db import database_sync_to_async
 from django.conf import settings
 
 from apps.api.errors import IgnisError, InvalidRequest, PreviousResponseNotFound
+from apps.api.output_parsers import output_parsers_for
 from apps.api.responses_events import new_id
 from apps.api.services import chat_render, generation_cap
 from apps.api.tools import Tool, tool_choice_grammar, tool_choice_parse, tools_parse, tools_prompt_apply
@@ -247,7 +248,7 @@ def response_prepare(req: ResponseRequest, previous: dict | None) -> PreparedRes
         add=add,
         conversation=conversation,
         base=base,
-        in_reasoning=prompt.rstrip().endswith("<think>"),
+        in_reasoning=output_parsers_for(served.tokenizer).reasoning.opened_by(prompt),
     )
 
 

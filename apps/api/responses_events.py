@@ -1,6 +1,6 @@
 """Responses API output: generated text split into items, and the events that build them.
 
-The chat side's ``ChannelSplitter`` (channels_split.py) turns the text of a
+The chat side's ``OutputSplitter`` (output_split.py) turns the text of a
 generation into reasoning, content and tool calls, never acting on half a
 tag; ``ResponseEvents`` turns those pieces into the
 Responses API's output items and its stream events, in the order the
@@ -26,7 +26,8 @@ import json
 import time
 import uuid
 
-from apps.api.channels_split import ChannelSplitter
+from apps.api.output_parsers import DEFAULT, OutputParsers, output_parsers_for
+from apps.api.output_split import OutputSplitter
 
 
 def new_id(prefix: str) -> str:
@@ -46,9 +47,9 @@ def usage_object(input_tokens: int, output_tokens: int, cached_tokens: int, reas
 class ResponseEvents:
     """One response's output items and stream events, built from split text."""
 
-    def __init__(self, response: dict, *, tools: bool, in_reasoning: bool = False):
+    def __init__(self, response: dict, *, tools: bool, in_reasoning: bool = False, parsers: OutputParsers = DEFAULT):
         self.response = response  # the Response object; ``output`` fills as items close
-        self.splitter = ChannelSplitter(in_reasoning=in_reasoning, parse_tools=tools)
+        self.splitter = OutputSplitter(in_reasoning=in_reasoning, parse_tools=tools, parsers=parsers)
         self.seq = 0
         self.open: dict | None = None  # the item receiving deltas (reasoning or message)
         self.call: dict | None = None  # the function_call item receiving argument deltas
@@ -84,7 +85,7 @@ class ResponseEvents:
         return len(self.response["output"])
 
     def _piece(self, ev) -> list[dict]:
-        """One splitter event (channels_split.Event) as item events."""
+        """One splitter event (output_split.Event) as item events."""
         if ev.kind == "tool_call_start":
             return self._close() + self._function_call_start(ev.call.name, ev.call.id)
         if ev.kind == "tool_call_args":
@@ -289,7 +290,10 @@ class ResponseRun:
         self.prep = prep
         req = prep.request
         self.events = ResponseEvents(
-            json.loads(json.dumps(prep.base)), tools=req.tool_choice != "none", in_reasoning=prep.in_reasoning
+            json.loads(json.dumps(prep.base)),
+            tools=req.tool_choice != "none",
+            in_reasoning=prep.in_reasoning,
+            parsers=output_parsers_for(prep.served.tokenizer),
         )
         self.text = TextStream(prep.served.tokenizer, [], prep.add.prompt_token_ids)
         self.cached_tokens = 0

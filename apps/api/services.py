@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from django.conf import settings
 
+from apps.api.output_parsers import DEFAULT, OutputParsers, output_parsers_for
 from apps.api.validation import (
     ChatRequest,
     CompletionRequest,
@@ -25,8 +26,9 @@ class PreparedChat:
     add: AddRequest  # the first choice's; reply_channel is filled in by the consumer
     adds: list[AddRequest] = field(default_factory=list)  # one per choice (n)
     prompt: str = ""
-    in_reasoning: bool = False  # the template opened <think> in the prompt
+    in_reasoning: bool = False  # the template opened the reasoning in the prompt
     parse_tools: bool = False
+    parsers: OutputParsers = DEFAULT  # the model's reasoning and tool tags
     id: str = ""  # the response's id (choices' engine requests add -<i> when n > 1)
 
 
@@ -190,14 +192,16 @@ def chat_prepare(body: dict) -> PreparedChat:
         top=req.top_logprobs,
         shared_prefix_len=system_block_len(req, served, prompt_ids),
     )
+    parsers = output_parsers_for(served.tokenizer)
     return PreparedChat(
         request=req,
         served=served,
         add=adds[0],
         adds=adds,
         prompt=prompt,
-        in_reasoning=prompt.rstrip().endswith("<think>"),
+        in_reasoning=parsers.reasoning.opened_by(prompt),
         parse_tools=req.tool_choice != "none",
+        parsers=parsers,
         id=base,
     )
 

@@ -1,9 +1,10 @@
-"""Splitting generated text into channels: reasoning, content and tool calls.
+"""Splitting generated text into its parts: reasoning, content and tool calls.
 
-The model writes one stream of text. Text between ``<think>`` and ``</think>``
-is reasoning (``reasoning_content``); ``<tool_call>{"name": ..., "arguments":
-...}</tool_call>`` blocks (the Hermes / Qwen format) are tool calls; the rest
-is content. :class:`ChannelSplitter` is fed text as it is detokenized and
+The model writes one stream of text. Text between the reasoning tags (``<think>``
+and ``</think>`` by default) is reasoning (``reasoning_content``); tool call blocks
+(``<tool_call>{"name": ..., "arguments": ...}</tool_call>``, the Hermes / Qwen
+format) are tool calls; the rest is content. The tags come from the model's
+parsers (output_parsers.py). :class:`OutputSplitter` is fed text as it is detokenized and
 returns events as soon as they are certain: it never emits the first
 characters of what may turn out to be a tag.
 
@@ -13,9 +14,10 @@ events carry the arguments as they arrive, re-serialised the way
 ``json.dumps(json.loads(...), ensure_ascii=False)`` writes them (:class:`JsonEcho`),
 so the pieces add up to the same text a whole parse gives; ``tool_call`` ends
 it. A call whose body is not that shape (arguments first, arguments a string)
-is held to its closing tag and sent as the same three events at once; one that
-never parses is shown as text. A call already started stays a call: cut short
-(max_tokens, a deadline) it keeps the arguments streamed so far.
+is held to its closing tag and sent as the same three events at once; a closed
+one that never parses is shown as text. A call already started stays a call: cut
+short (max_tokens, a deadline) it keeps the arguments streamed so far; one cut
+before it started (no name yet) is dropped, never shown as a raw tag.
 
 Shared by chat completions and the Responses API; nothing here knows about
 HTTP or the engine.
@@ -24,19 +26,9 @@ HTTP or the engine.
 from __future__ import annotations
 
 import json
-import uuid
 from dataclasses import dataclass
 
-THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
-TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
-
-
-@dataclass
-class ToolCall:
-    index: int
-    id: str
-    name: str
-    arguments: str  # a JSON text, as the OpenAI API carries it
+from apps.api.output_parsers import DEFAULT, OutputParsers, ToolCall, new_call_id
 
 
 @dataclass
@@ -153,7 +145,7 @@ class JsonEcho:
 
 
 class _CallStream:
-    """One ``<tool_call>`` body being read: its name, then its arguments as they come."""
+    """One tool call body being read: its name, then its arguments as they come."""
 
     def __init__(self) -> None:
         self.echo = JsonEcho()
@@ -210,24 +202,6 @@ class _CallStream:
         return events
 
 
-def new_call_id() -> str:
-    return "call_" + uuid.uuid4().hex[:24]
-
-
-def parse_tool_call(body: str, index: int) -> ToolCall | None:
-    """A Hermes tool call body (``{"name": ..., "arguments": {...}}``), or None when it is not one."""
-    try:
-        value = json.loads(body)
-    except ValueError:
-        return None
-    if not isinstance(value, dict) or not isinstance(value.get("name"), str) or not value["name"]:
-        return None
-    args = value.get("arguments", value.get("parameters", {}))
-    if not isinstance(args, str):
-        args = json.dumps(args, ensure_ascii=False)
-    return ToolCall(index=index, id=new_call_id(), name=value["name"], arguments=args)
-
-
 def _partial_tag(text: str, tags: tuple[str, ...]) -> int:
     """Length of the longest suffix of ``text`` that is a proper prefix of one of ``tags``."""
     best = 0
@@ -239,10 +213,13 @@ def _partial_tag(text: str, tags: tuple[str, ...]) -> int:
     return best
 
 
-class ChannelSplitter:
-    """Feed text, get :class:`Event` s. ``in_reasoning``: the prompt already opened ``<think>``."""
+class OutputSplitter:
+    """Feed text, get :class:`Event` s. ``in_reasoning``: the prompt already opened the reasoning."""
 
-    def __init__(self, *, in_reasoning: bool = False, parse_tools: bool = True):
+    def __init__(self, *, in_reasoning: bool = False, parse_tools: bool = True, parsers: OutputParsers = DEFAULT):
+        self.parsers = parsers
+        self.think_open, self.think_close = parsers.reasoning.start, parsers.reasoning.end
+        self.tool_open, self.tool_close = parsers.tools.start, parsers.tools.end
         self.mode = "reasoning" if in_reasoning else "content"
         self.parse_tools = parse_tools
         self._buf = ""
@@ -253,31 +230,31 @@ class ChannelSplitter:
         self.content = ""
 
     def _opening_tags(self) -> tuple[str, ...]:
-        return (THINK_OPEN, TOOL_OPEN) if self.parse_tools else (THINK_OPEN,)
+        return (self.think_open, self.tool_open) if self.parse_tools else (self.think_open,)
 
     def feed(self, text: str) -> list[Event]:
         self._buf += text
         events: list[Event] = []
         while True:
             if self.mode == "tool":
-                end = self._buf.find(TOOL_CLOSE)
+                end = self._buf.find(self.tool_close)
                 if end < 0:
-                    self._stream_call(len(self._buf) - _partial_tag(self._buf, (TOOL_CLOSE,)), events)
+                    self._stream_call(len(self._buf) - _partial_tag(self._buf, (self.tool_close,)), events)
                     return events
                 self._stream_call(end, events)
-                body, self._buf = self._buf[:end], self._buf[end + len(TOOL_CLOSE) :]
+                body, self._buf = self._buf[:end], self._buf[end + len(self.tool_close) :]
                 self._tool_done(body, events, closed=True)
                 self.mode, self._strip_ws = "content", True
                 continue
             if self.mode == "reasoning":
-                end = self._buf.find(THINK_CLOSE)
+                end = self._buf.find(self.think_close)
                 if end < 0:
-                    keep = _partial_tag(self._buf, (THINK_CLOSE,))
+                    keep = _partial_tag(self._buf, (self.think_close,))
                     self._emit("reasoning", self._buf[: len(self._buf) - keep], events)
                     self._buf = self._buf[len(self._buf) - keep :]
                     return events
                 self._emit("reasoning", self._buf[:end], events)
-                self._buf = self._buf[end + len(THINK_CLOSE) :]
+                self._buf = self._buf[end + len(self.think_close) :]
                 self.mode, self._strip_ws = "content", True
                 continue
             if self._strip_ws:
@@ -294,7 +271,7 @@ class ChannelSplitter:
             i, tag = min(hits)
             self._emit("content", self._buf[:i], events)
             self._buf = self._buf[i + len(tag) :]
-            self.mode = "reasoning" if tag == THINK_OPEN else "tool"
+            self.mode = "reasoning" if tag == self.think_open else "tool"
             if self.mode == "tool":
                 self._call = _CallStream()
 
@@ -307,7 +284,10 @@ class ChannelSplitter:
         elif self.mode == "reasoning":
             self._emit("reasoning", buf, events)
         elif not self._strip_ws or buf.strip():
-            self._emit("content", buf.lstrip() if self._strip_ws else buf, events)
+            text = buf.lstrip() if self._strip_ws else buf
+            if self.parse_tools and (cut := _partial_tag(text, (self.tool_open,))):
+                text = text[:-cut]  # a tool call's opening tag cut short (max_tokens): never shown
+            self._emit("content", text, events)
         self.mode = "content"
         return events
 
@@ -326,7 +306,7 @@ class ChannelSplitter:
         cs, self._call = self._call, None
         started = cs.call if cs is not None else None
         if started is not None:  # streamed: the rest of the arguments, if the whole parse has more
-            whole = parse_tool_call(body.strip(), started.index)
+            whole = self.parsers.tools.parse(body.strip(), started.index)
             if whole is not None and whole.arguments.startswith(started.arguments):
                 rest = whole.arguments[len(started.arguments) :]
                 if rest:
@@ -334,9 +314,11 @@ class ChannelSplitter:
                     events.append(Event("tool_call_args", rest, started))
             events.append(Event("tool_call", call=started))
             return
-        call = parse_tool_call(body.strip(), len(self.tool_calls))
-        if call is None:  # not a call after all: show the model's text as it was
-            self._emit("content", TOOL_OPEN + body + (TOOL_CLOSE if closed else ""), events)
+        call = self.parsers.tools.parse(body.strip(), len(self.tool_calls))
+        if call is None and not closed:  # cut before it could parse (max_tokens, a deadline): no raw tag
+            return
+        if call is None:  # closed but not a call after all: show the model's text as it was
+            self._emit("content", self.tool_open + body + self.tool_close, events)
             return
         self.tool_calls.append(call)
         events += [

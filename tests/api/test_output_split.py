@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from apps.api.channels_split import ChannelSplitter, JsonEcho, dump_chars, parse_tool_call
+from apps.api.output_parsers import parse_tool_call
+from apps.api.output_split import JsonEcho, OutputSplitter, dump_chars
 
 QWEN = (
     "<think>\nThe user wants the weather. I'll call get_weather.\n</think>\n\n"
@@ -18,8 +19,8 @@ QWEN = (
 )
 
 
-def run(text: str, pieces: list[str], **kw) -> tuple[ChannelSplitter, list]:
-    sp = ChannelSplitter(**kw)
+def run(text: str, pieces: list[str], **kw) -> tuple[OutputSplitter, list]:
+    sp = OutputSplitter(**kw)
     events = []
     for p in pieces:
         events += sp.feed(p)
@@ -90,7 +91,7 @@ def test_angle_brackets_that_are_no_tag_pass_through():
     sp, events = run(text, list(text))
     assert sp.content == text
     # Nothing is held once a piece cannot begin a tag any more.
-    sp2 = ChannelSplitter()
+    sp2 = OutputSplitter()
     assert "".join(e.text for e in sp2.feed("1 < 2")) == "1 < 2"
 
 
@@ -119,7 +120,7 @@ def test_calls_stream_name_then_arguments_adding_up_to_the_whole_parse(pieces):
 
 
 def test_arguments_stream_before_the_call_closes():
-    sp = ChannelSplitter()
+    sp = OutputSplitter()
     events = sp.feed('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par')
     assert [e.kind for e in events] == ["tool_call_start", "tool_call_args"]
     assert events[0].call.name == "get_weather" and events[1].text == '{"city": "Par'
@@ -152,7 +153,7 @@ def test_compact_arguments_come_out_as_the_whole_parse_writes_them():
 def test_arguments_before_the_name_or_as_a_string_come_whole_at_the_close():
     for body in ('{"arguments": {"a": 1}, "name": "f"}', '{"name": "f", "arguments": "{\\"a\\": 1}"}'):
         text = f"<tool_call>{body}</tool_call>"
-        sp = ChannelSplitter()
+        sp = OutputSplitter()
         assert sp.feed(text[:-13]) == []
         events = sp.feed(text[-13:])
         assert [e.kind for e in events] == ["tool_call_start", "tool_call_args", "tool_call"]
@@ -164,3 +165,40 @@ def test_a_started_call_cut_short_keeps_what_streamed():
         '<tool_call>{"name": "f", "arguments": {"a": "lo', ['<tool_call>{"name": "f", "arguments": {"a": "lo']
     )
     assert [c.arguments for c in sp.tool_calls] == ['{"a": "lo'] and events[-1].kind == "tool_call"
+
+
+@pytest.mark.parametrize("tail", ["<tool_call>\n", "<tool_call>", '<tool_call>\n{"na', "<tool_ca", "<to", "<"])
+def test_a_tool_call_cut_before_its_name_leaks_no_tag(tail):
+    """Issue 11 point 10: cut by max_tokens inside or before the call's opening, no raw tag is content."""
+    for pieces in ([tail], list(tail)):
+        sp = OutputSplitter()
+        events = [e for p in ["Checking. ", *pieces] for e in sp.feed(p)] + sp.flush()
+        shown = "".join(e.text for e in events if e.kind == "content")
+        assert shown == "Checking. " and sp.content == "Checking. " and not sp.tool_calls
+
+
+def test_a_closed_call_that_does_not_parse_is_still_text():
+    sp = OutputSplitter()
+    events = sp.feed("<tool_call>not json</tool_call>") + sp.flush()
+    assert "".join(e.text for e in events if e.kind == "content") == "<tool_call>not json</tool_call>"
+
+
+def test_the_tags_come_from_the_models_parsers(monkeypatch):
+    from apps.api import output_parsers as op
+
+    other = op.OutputParsers("other", op.ReasoningParser("[THINK]", "[/THINK]"), op.ToolParser("[CALL]", "[/CALL]"))
+    monkeypatch.setitem(op.FAMILIES, "other", other)
+    op._for_template.cache_clear()
+
+    class Tok:
+        chat_template = "{% for m in messages %}[CALL]{% endfor %}"
+
+    parsers = op.output_parsers_for(Tok())
+    assert parsers is other
+    sp = OutputSplitter(parsers=parsers)
+    events = sp.feed('[THINK]hm[/THINK]Sure.[CALL]{"name": "f", "arguments": {}}[/CALL]') + sp.flush()
+    assert sp.reasoning == "hm" and sp.content == "Sure." and sp.tool_calls[0].name == "f"
+    assert [e.kind for e in events][-1] == "tool_call"
+    Tok.chat_template = "<tool_call>"
+    op._for_template.cache_clear()
+    assert op.output_parsers_for(Tok()) is op.DEFAULT and op.DEFAULT.reasoning.opened_by("x <think>\n")
