@@ -10,7 +10,9 @@ The consumer has the HTTP consumer's shape: each engine round is its own
 message, so a socket going away aborts its sequence at once. One response
 runs at a time per socket; further ``response.create`` events wait in order.
 Errors are ``{"type": "error", "error": {...}}`` frames and never close the
-socket. When every decode lane is busy the engine answers ``engine_full``;
+socket; an event over ``server.body_limit`` is answered ``request_too_large``, as
+HTTP answers 413 (Daphne closes a frame past twice that with 1009 and a reason:
+ignis_site/daphne_ws.py). When every decode lane is busy the engine answers ``engine_full``;
 here that is not refused but retried until a lane frees (the request is
 queued). A socket with nothing in flight for ``server.socket_idle_close``
 seconds is closed. Each response has the HTTP route's deadline (the request's
@@ -34,7 +36,7 @@ from apps.api.parsers import parse_json_body
 from apps.api.responses import response_parse, response_prepare_async, stored_response_save
 from apps.api.responses_events import ResponseRun
 from apps.core import engine_client
-from apps.core.errors import IgnisError, InvalidRequest, error_from_engine
+from apps.core.errors import BodyTooLarge, IgnisError, InvalidRequest, error_from_engine
 from apps.models.switching import model_hold, switch_gate
 
 log = logging.getLogger("ignis.api")
@@ -72,7 +74,11 @@ class ResponsesSocketConsumer(AsyncWebsocketConsumer):
     async def receive(self, text_data: str | None = None, bytes_data: bytes | None = None) -> None:
         self.last_active = time.monotonic()
         try:
-            event = parse_json_body(text_data.encode() if text_data is not None else bytes_data or b"")
+            raw = text_data.encode() if text_data is not None else bytes_data or b""
+            limit = settings.IGNIS["server.body_limit"]
+            if len(raw) > limit:  # HTTP's limit: answered, and the socket stays open
+                raise BodyTooLarge(f"The event is over the {limit}-byte limit.")
+            event = parse_json_body(raw)
             kind = event.get("type")
             if kind != "response.create":
                 raise InvalidRequest(

@@ -83,6 +83,10 @@ class Command(BaseCommand):
         from apps.core.metrics import start_listener  # /metrics on its own loopback listener
 
         start_listener(values["server.metrics_bind"], twisted_loop, public_port=int(port))
+        from ignis_site import daphne_ws
+
+        daphne_ws.install()  # an oversized WebSocket frame is closed with a reason, not dropped
+        ws_limit = daphne_ws.max_message_bytes(settings.IGNIS["server.body_limit"])
         server = Server(
             application=get_default_application(),
             endpoints=build_endpoint_description_strings(host=host, port=port),
@@ -91,6 +95,8 @@ class Command(BaseCommand):
             verbosity=0,
             http_timeout=None,
             websocket_timeout=86400,
+            websocket_max_message_size=ws_limit,
+            websocket_max_frame_size=ws_limit,
             application_close_timeout=10,
             ready_callable=ready,
         )
