@@ -11,12 +11,12 @@ from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
 from django.urls import path, re_path  # noqa: E402
 
 from apps.api.auth import ApiGate  # noqa: E402
-from apps.api.completions import CompletionsConsumer  # noqa: E402
-from apps.api.consumers import ChatCompletionsConsumer  # noqa: E402
-from apps.api.decide import DecideConsumer  # noqa: E402
+from apps.api.chat.consumer import ChatCompletionsConsumer  # noqa: E402
+from apps.api.completions.consumer import CompletionsConsumer  # noqa: E402
+from apps.api.decide.consumer import DecideConsumer  # noqa: E402
 from apps.api.decisions.consumer import DecisionsConsumer  # noqa: E402
-from apps.api.responses_http import ResponsesConsumer  # noqa: E402
-from apps.api.responses_ws import ResponsesSocketConsumer  # noqa: E402
+from apps.api.responses.consumer import ResponsesConsumer  # noqa: E402
+from apps.api.responses.socket import ResponsesSocketConsumer  # noqa: E402
 
 # ApiGate: API keys and the declared body size, before any consumer or view runs.
 application = ApiGate(

@@ -1,13 +1,14 @@
 from django.urls import path, re_path
 
 from apps.api import model_views, views
-from apps.api.responses_http import response_detail
+from apps.api.responses.views import response_detail
+from apps.api.tokenize import views as tokenize_views
 
 urlpatterns = [
     path("health", views.health),
     path("v1/models", views.models_list),
-    path("v1/tokenize", views.tokenize),
-    path("v1/detokenize", views.detokenize),
+    path("v1/tokenize", tokenize_views.tokenize),
+    path("v1/detokenize", tokenize_views.detokenize),
     path("v1/models/switch", model_views.models_switch),
     path("v1/models/<path:model_id>", views.model_detail),
     path("v1/config", model_views.config_view),

@@ -5,14 +5,9 @@ from __future__ import annotations
 from django.http import HttpRequest, JsonResponse
 from django.views import defaults
 from django.views.decorators.csrf import csrf_exempt
-from rest_framework.decorators import api_view
-from rest_framework.request import Request
-from rest_framework.response import Response
 
-from apps.api import services
 from apps.core import engine_client
-from apps.core.errors import IgnisError, InvalidRequest, ModelNotFound, error_response, internal_error
-from apps.models.services import served_model
+from apps.core.errors import IgnisError, ModelNotFound, error_response, internal_error
 from engine.status import EngineState
 
 
@@ -59,26 +54,6 @@ async def health(request: HttpRequest) -> JsonResponse:
     healthy = state in (EngineState.SERVING, EngineState.UNLOADED)
     body = {"status": "ok" if healthy else state, "engine": engine_client.engine_status_payload(status)}
     return JsonResponse(body, status=200 if healthy else 503)
-
-
-@api_view(["POST"])
-def tokenize(request: Request) -> Response:
-    """POST /v1/tokenize: count a chat request's tokens exactly as it would be served."""
-    if not isinstance(request.data, dict):
-        raise InvalidRequest("The request body must be a JSON object.", code="invalid_json")
-    return Response(services.tokenize_chat(request.data))
-
-
-@api_view(["POST"])
-def detokenize(request: Request) -> Response:
-    tokens = request.data.get("tokens") if isinstance(request.data, dict) else None
-    tok = served_model().tokenizer
-    vocab = tok.tokenizer.get_vocab_size()
-    if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
-        raise InvalidRequest("'tokens' must be an array of integers.", param="tokens", code="invalid_type")
-    if any(t < 0 or t >= vocab for t in tokens):
-        raise InvalidRequest(f"Token ids must be in [0, {vocab}).", param="tokens")
-    return Response({"text": tok.decode(tokens)})
 
 
 def _unknown_route(request: HttpRequest) -> JsonResponse:

@@ -11,10 +11,13 @@ import pytest
 from channels.testing import ApplicationCommunicator, WebsocketCommunicator
 from django.test import Client
 
-from apps.api import consumers, parsers, responses_ws
-from apps.api.completions import CompletionsConsumer
-from apps.api.decide import DecideConsumer
-from apps.api.responses_http import ResponsesConsumer
+from apps.api import consumer as consumers
+from apps.api import parsers
+from apps.api.chat.consumer import ChatCompletionsConsumer
+from apps.api.completions.consumer import CompletionsConsumer
+from apps.api.decide.consumer import DecideConsumer
+from apps.api.responses import socket as responses_ws
+from apps.api.responses.consumer import ResponsesConsumer
 from apps.models import middleware
 from tests.helpers import assert_openai_error
 
@@ -87,7 +90,7 @@ def test_valid_astral_pairs_and_shallow_nesting_pass():
 # -- 18, 19 on the consumers (chat, completions, responses, decide) and the Responses WebSocket ---------------
 
 CONSUMERS = {
-    "/v1/chat/completions": (consumers.ChatCompletionsConsumer, '{"messages": [{"role": "user", "content": %s}]}'),
+    "/v1/chat/completions": (ChatCompletionsConsumer, '{"messages": [{"role": "user", "content": %s}]}'),
     "/v1/completions": (CompletionsConsumer, '{"prompt": %s}'),
     "/v1/responses": (
         ResponsesConsumer,

@@ -10,7 +10,8 @@ import pytest
 from channels.layers import get_channel_layer
 from channels.testing import ApplicationCommunicator
 
-from apps.api import consumers
+from apps.api import consumer as consumers
+from apps.api.chat.consumer import ChatCompletionsConsumer
 from apps.core import engine_client
 
 SCRIPT = (
@@ -41,7 +42,7 @@ def offline(monkeypatch):
 
 async def _run(body: dict, rounds_of: int, submitted: list, tokenizer) -> list[dict]:
     app = ApplicationCommunicator(
-        consumers.ChatCompletionsConsumer.as_asgi(),
+        ChatCompletionsConsumer.as_asgi(),
         {"type": "http", "method": "POST", "path": "/v1/chat/completions", "headers": []},
     )
     await app.send_input({"type": "http.request", "body": json.dumps(body).encode()})

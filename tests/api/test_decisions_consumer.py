@@ -12,7 +12,7 @@ import pytest
 from channels.layers import get_channel_layer
 from channels.testing import ApplicationCommunicator
 
-from apps.api import consumers
+from apps.api import consumer as consumers
 from apps.api.decisions.consumer import DecisionsConsumer
 from apps.core import engine_client
 

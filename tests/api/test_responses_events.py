@@ -17,7 +17,8 @@ from openai.lib.streaming.responses._responses import ResponseStreamState
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
-from apps.api.responses_events import ResponseEvents, output_text, usage_object
+from apps.api.responses.events import ResponseEvents, output_text
+from apps.api.usage import usage_object
 
 EVENT = TypeAdapter(ResponseStreamEvent)
 TOOLS = [{"type": "function", "name": "get_weather", "parameters": {"type": "object", "properties": {}}}]

@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 
 from apps.api.decisions.prompt import QuestionPrompt
+from apps.api.usage import usage_object
 
 
 def _mass(tokens: list[int], logprobs: dict[int, float | None]) -> float:
@@ -70,10 +71,4 @@ def usage_of(prompt_tokens: list[int], cached_tokens: list[int]) -> dict:
     """Usage over the request's engine requests (one per question): every prompt counts, and
     the tokens the engine claimed from retained state are cached; the rest it computed and kept."""
     total, cached = sum(prompt_tokens), sum(cached_tokens)
-    return {
-        "input_tokens": total,
-        "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": total - cached},
-        "output_tokens": 0,
-        "output_tokens_details": {"reasoning_tokens": 0},
-        "total_tokens": total,
-    }
+    return usage_object(total, 0, cached, cache_write_tokens=total - cached)

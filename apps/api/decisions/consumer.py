@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import asyncio
 
-from channels.exceptions import StopConsumer
-
-from apps.api.consumers import OpenAIHttpConsumer
+from apps.api.consumer import OpenAIHttpConsumer
 from apps.api.decisions.service import QuestionResult, decisions_prepare, decisions_render, remap
 from apps.core import engine_client
 from apps.core.errors import IgnisError, error_from_engine
@@ -53,13 +51,13 @@ class DecisionsConsumer(OpenAIHttpConsumer):
                     status=500,
                 )
             )
+            return
         self.results[i] = QuestionResult(dict(zip(ids, lps)), msg["prompt_tokens"], msg.get("cached_tokens", 0))
         if i == 0:
             await self._submit(self.prep.adds[1:])
         if len(self.results) == len(self.prep.adds):
             results = [self.results[k] for k in range(len(self.prep.adds))]
-            await self.send_json(200, decisions_render(self.prep, results))
-            raise StopConsumer()
+            await self.finish_json(decisions_render(self.prep, results))
 
     async def engine_failed(self, msg: dict) -> None:
         if msg["request_id"] not in self._request_ids:

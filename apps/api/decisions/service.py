@@ -15,11 +15,11 @@ from dataclasses import dataclass
 
 from django.conf import settings
 
+from apps.api.chat.service import chat_render
 from apps.api.decide import ANSWER_LEAD
 from apps.api.decisions.answers import answer, usage_of
 from apps.api.decisions.prompt import QuestionPrompt, input_head, input_text, question_prompt
 from apps.api.decisions.schema import decisions_parse
-from apps.api.services import chat_render
 from apps.core.errors import IgnisError
 from apps.models.services import ServedModel, model_name_resolve
 from engine.messages import AddRequest

@@ -32,18 +32,19 @@ from collections import deque
 from channels.generic.websocket import AsyncWebsocketConsumer
 from django.conf import settings
 
+from apps.api.consumer import Timers
 from apps.api.parsers import parse_json_body
-from apps.api.responses import response_parse, response_prepare_async, stored_response_save
-from apps.api.responses_events import ResponseRun
+from apps.api.responses.events import ResponseRun
+from apps.api.responses.service import response_parse, response_prepare_async, stored_response_save
 from apps.core import engine_client
-from apps.core.errors import BodyTooLarge, IgnisError, InvalidRequest, error_from_engine
+from apps.core.errors import BodyTooLarge, IgnisError, InvalidRequest, error_from_engine, internal_error
 from apps.models.switching import model_hold, switch_gate
 
 log = logging.getLogger("ignis.api")
 RETRY_MAX_WAIT = 0.5  # seconds between admission attempts while every lane is busy
 
 
-class ResponsesSocketConsumer(AsyncWebsocketConsumer):
+class ResponsesSocketConsumer(Timers, AsyncWebsocketConsumer):
     async def connect(self) -> None:
         self.pending: deque[dict] = deque()
         self.run: ResponseRun | None = None
@@ -63,6 +64,7 @@ class ResponsesSocketConsumer(AsyncWebsocketConsumer):
         self.pending.clear()
         for task in self.tasks:
             task.cancel()
+        self.timers_cancel()
 
     def _spawn(self, coro) -> None:
         task = asyncio.create_task(coro)
@@ -109,20 +111,11 @@ class ResponsesSocketConsumer(AsyncWebsocketConsumer):
                 continue
             except Exception:  # a bug answers in the envelope and leaves the socket open
                 log.exception("ignis.api.unhandled", extra={"path": "/v1/responses (websocket)"})
-                await self._error(
-                    IgnisError(
-                        "The server had an error while processing your request.",
-                        type="server_error",
-                        code="internal_error",
-                        status=500,
-                    )
-                )
+                await self._error(internal_error())
                 continue
             prep.add.reply_channel = self.channel_name
             self.run, self.stream_id, self.started = ResponseRun(prep), stream_id, False
-            seconds = prep.request.deadline or settings.IGNIS.get("server.deadline", 0)
-            if seconds:
-                self._spawn(self._deadline_after(seconds, self.run.request_id))
+            self.deadline_start(prep.request.deadline, request_id=self.run.request_id)
             await engine_client.request_submit(prep.add)
 
     # -- engine events -------------------------------------------------------
@@ -173,11 +166,6 @@ class ResponsesSocketConsumer(AsyncWebsocketConsumer):
         else:
             await self._error(err)
         await self._next()
-
-    async def _deadline_after(self, seconds: float, request_id: str) -> None:
-        await asyncio.sleep(seconds)
-        # Through the consumer's own channel, so it is handled between engine messages, never inside one.
-        await self.channel_layer.send(self.channel_name, {"type": "deadline.expired", "request_id": request_id})
 
     async def deadline_expired(self, msg: dict) -> None:
         """Cut by the deadline, as over HTTP: the output so far, an incomplete response (reason ``deadline``)."""

@@ -1,4 +1,7 @@
-"""Turning an API request into an engine request: template, tokens, limits."""
+"""POST /v1/chat/completions, the service: a chat request into engine requests (template, tokens, limits).
+
+The template rendering (``chat_render``), ``generation_cap`` and the engine requests' build
+(``_adds``) serve the completions, Responses and decide services too."""
 
 from __future__ import annotations
 
@@ -8,12 +11,7 @@ from dataclasses import dataclass, field
 from django.conf import settings
 
 from apps.api.output_parsers import DEFAULT, OutputParsers, output_parsers_for
-from apps.api.validation import (
-    ChatRequest,
-    CompletionRequest,
-    parse_chat_request,
-    parse_completion_request,
-)
+from apps.api.validation import ChatRequest, parse_chat_request
 from apps.core.errors import IgnisError, InvalidRequest
 from apps.models.services import ServedModel, model_name_resolve
 from engine.messages import AddRequest
@@ -30,16 +28,6 @@ class PreparedChat:
     parse_tools: bool = False
     parsers: OutputParsers = DEFAULT  # the model's reasoning and tool tags
     id: str = ""  # the response's id (choices' engine requests add -<i> when n > 1)
-
-
-@dataclass
-class PreparedCompletion:
-    request: CompletionRequest
-    served: ServedModel
-    adds: list[AddRequest]  # one per (prompt, n); empty when nothing is to be generated
-    prompt_ids: list[list[int]]  # per choice
-    prompt_texts: list[str]  # per choice (for echo)
-    id: str = ""
 
 
 def chat_render(
@@ -204,74 +192,3 @@ def chat_prepare(body: dict) -> PreparedChat:
         parsers=parsers,
         id=base,
     )
-
-
-def completion_prepare(body: dict) -> PreparedCompletion:
-    """POST /v1/completions: the prompts as given (no template), one engine request per prompt and copy."""
-    req = parse_completion_request(body)
-    served, suffix_class = model_name_resolve(req.model)
-    tok = served.tokenizer
-    vocab = tok.vocab_size
-    ids_list, texts = [], []
-    for i, p in enumerate(req.prompts):
-        if isinstance(p, str):
-            ids = tok.encode(p, add_special_tokens=True)
-            text = p
-        else:
-            if any(t < 0 or t >= vocab for t in p):
-                raise InvalidRequest(f"Token ids must be in [0, {vocab}).", param=f"prompt[{i}]")
-            ids, text = list(p), tok.decode(p, skip_special_tokens=False)
-        if not ids:
-            raise InvalidRequest("The prompt is empty.", param="prompt", code="invalid_prompt")
-        ids_list.append(ids)
-        texts.append(text)
-    base = f"cmpl-{uuid.uuid4().hex[:24]}"
-    per_choice_ids = [ids for ids in ids_list for _ in range(req.n)]
-    per_choice_texts = [t for t in texts for _ in range(req.n)]
-    if req.max_tokens == 0:
-        if not req.echo:
-            raise InvalidRequest("max_tokens 0 generates nothing; use it with echo.", param="max_tokens")
-        return PreparedCompletion(req, served, [], per_choice_ids, per_choice_texts, base)
-    caps = [generation_cap(len(ids), req.max_tokens) for ids in ids_list]
-    adds = _adds(
-        base,
-        ids_list,
-        req.n,
-        served,
-        max_tokens=caps,
-        sampling=req.sampling,
-        request_class=req.request_class or suffix_class or "interactive",
-        grammar=req.grammar,
-        logprobs=req.logprobs is not None,
-        top=req.logprobs or 0,
-    )
-    if req.echo and req.logprobs is not None:  # the echoed prompt is scored too (engine: numpy backend)
-        for add in adds:
-            add.prompt_logprobs = req.logprobs
-    return PreparedCompletion(req, served, adds, per_choice_ids, per_choice_texts, base)
-
-
-def tokenize_chat(body: dict) -> dict:
-    """POST /v1/tokenize: a chat request's prompt tokens exactly as chat completions would serve them
-    (the same validation, template, tools and switches), or a plain prompt as /v1/completions would."""
-    if "messages" in body:
-        req = parse_chat_request(body)
-        served, _ = model_name_resolve(req.model)
-        _, ids = chat_prompt(req, served)
-    elif "prompt" in body:
-        req = parse_completion_request({**body, "max_tokens": 1})
-        if len(req.prompts) != 1:
-            raise InvalidRequest("Tokenize one prompt at a time.", param="prompt")
-        served, _ = model_name_resolve(req.model)
-        p = req.prompts[0]
-        ids = served.tokenizer.encode(p, add_special_tokens=True) if isinstance(p, str) else list(p)
-    else:
-        raise InvalidRequest(
-            "Send 'messages' (a chat) or 'prompt' (a string).", param="messages", code="missing_required_parameter"
-        )
-    return {
-        "model": served.served_id,
-        "tokens": ids,
-        "count": len(ids),
-        "max_model_len": settings.IGNIS["model.max_context"],
-    }

@@ -1,6 +1,6 @@
 """POST /v1/responses as a Channels consumer: whole, or streamed as server-sent events.
 
-The shape of the chat consumer (see consumers.py): ``handle`` validates and
+The shape of the chat consumer (see apps/api/consumer.py): ``handle`` validates and
 submits with this consumer's channel as the reply address; each engine round
 arrives as ``engine_tokens`` and becomes Responses events. Headers go out
 with the first engine event, so an ``engine_full`` refusal is still an HTTP
@@ -12,12 +12,9 @@ from __future__ import annotations
 
 import json
 
-from channels.exceptions import StopConsumer
-from django.views.decorators.csrf import csrf_exempt
-
-from apps.api.consumers import OpenAIHttpConsumer
-from apps.api.responses import response_parse, response_prepare_async, stored_response_save
-from apps.api.responses_events import ResponseRun
+from apps.api.consumer import OpenAIHttpConsumer
+from apps.api.responses.events import ResponseRun
+from apps.api.responses.service import response_parse, response_prepare_async, stored_response_save
 from apps.core import engine_client
 from apps.core.errors import error_from_engine
 
@@ -41,6 +38,8 @@ class ResponsesConsumer(OpenAIHttpConsumer):
         prep.add.reply_channel = self.channel_name
         self._request_id = prep.add.request_id
         self.deadline_start(prep.request.deadline)
+        if self.stream:
+            self.keepalive_start()
         await engine_client.request_submit(prep.add)
 
     def _mine(self, msg: dict) -> bool:
@@ -89,9 +88,8 @@ class ResponsesConsumer(OpenAIHttpConsumer):
             await stored_response_save(response=self.run.response, messages=self.run.stored_messages())
         if self.stream:
             await self.end(sse_events(events))
-        self._request_id = None
-        await self.send_json(200, self.run.response)
-        raise StopConsumer()
+            return
+        await self.finish_json(self.run.response)
 
     async def engine_failed(self, msg: dict) -> None:
         if not self._mine(msg):
@@ -100,27 +98,5 @@ class ResponsesConsumer(OpenAIHttpConsumer):
         if not self._started:
             self._request_id = None
             await self.finish_with_error(err)
+            return
         await self.end(sse_events(self.run.failed(err.code or "server_error", err.message)))
-
-
-@csrf_exempt
-async def response_detail(request, response_id: str):
-    """GET /v1/responses/{id}: a stored response as it was answered; DELETE forgets it."""
-    from django.http import JsonResponse
-
-    from apps.api.responses import stored_response_delete, stored_response_get
-    from apps.core.errors import IgnisError, NotFound, error_response
-
-    try:
-        if request.method == "GET":
-            try:
-                return JsonResponse((await stored_response_get(response_id))["response"])
-            except IgnisError:
-                raise NotFound(f"No stored response with id '{response_id}'.", param="response_id") from None
-        if request.method == "DELETE":
-            if not await stored_response_delete(response_id):
-                raise NotFound(f"No stored response with id '{response_id}'.", param="response_id")
-            return JsonResponse({"id": response_id, "object": "response.deleted", "deleted": True})
-        raise IgnisError("Use GET or DELETE here.", code="method_not_allowed", status=405)
-    except IgnisError as err:
-        return error_response(err)

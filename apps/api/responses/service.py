@@ -18,10 +18,10 @@ from typing import Any
 from channels.db import database_sync_to_async
 from django.conf import settings
 
+from apps.api.chat.service import chat_render, generation_cap
 from apps.api.errors import IgnisError, InvalidRequest, PreviousResponseNotFound
 from apps.api.output_parsers import output_parsers_for
-from apps.api.responses_events import new_id
-from apps.api.services import chat_render, generation_cap
+from apps.api.responses.events import new_id
 from apps.api.tools import Tool, tool_choice_grammar, tool_choice_parse, tools_parse, tools_prompt_apply
 from apps.api.validation import _integer, _number, _text_of
 from apps.models.services import ServedModel, model_name_resolve

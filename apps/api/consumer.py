@@ -1,4 +1,4 @@
-"""Streaming routes as Channels consumers, event by event.
+"""The consumers' base: one HTTP request (or WebSocket response) driven event by event.
 
 A consumer handles one message at a time, so it never loops over a whole
 generation inside one handler: ``http_request`` validates and hands the request
@@ -8,13 +8,21 @@ with the consumer alive. Each engine round arrives as its own message
 the same dispatch loop, so a client that goes away aborts its sequences at
 once (within the engine's next round).
 
-The deadline clock is a message too: a timer task sends ``deadline.expired``
-to this consumer's own channel, so it is handled between engine events, never
+Timers are messages too (``Timers``, shared with the WebSocket consumer): the
+deadline sends ``deadline.expired`` and a stream's keepalive ``stream.keepalive``
+to this consumer's own channel, so they are handled between engine events, never
 in the middle of one. What a cut request is answered with is documented in
 docs/API.md (Deadlines): its output so far, ``finish_reason: "deadline"``.
 
-Response headers go out with the first engine event, so an ``engine_full``
-refusal is still an HTTP 503 with Retry-After.
+A stream's headers go out with the first engine event, or at the first
+keepalive tick (``KEEPALIVE_FIRST`` s, then a ``: keepalive`` comment every
+``server.sse_keepalive`` s while nothing else is written), whichever comes
+first; so an ``engine_full`` refusal, answered at admission, is still an HTTP
+503 with Retry-After, and a proxy with a read timeout never waits on a long
+queue or prefill.
+
+Handlers finish by returning: ``end``, ``finish_json`` and ``finish_with_error``
+mark the consumer finished, and ``dispatch`` stops it once the handler returns.
 """
 
 from __future__ import annotations
@@ -22,18 +30,18 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 
 from channels.consumer import AsyncConsumer
 from channels.exceptions import StopConsumer
 from django.conf import settings
 
-from apps.api.logprobs import chat_logprobs
 from apps.api.output_split import OutputSplitter
 from apps.api.parsers import parse_json_body
-from apps.api.services import PreparedChat, chat_prepare
-from apps.api.streaming import TextStream, chat_chunk, now, sse, usage_block
+from apps.api.streaming import TextStream, now, sse
+from apps.api.usage import usage_block
 from apps.core import engine_client
-from apps.core.errors import BodyTooLarge, IgnisError, error_from_engine
+from apps.core.errors import BodyTooLarge, IgnisError, error_from_engine, internal_error
 from apps.models.switching import model_hold, switch_gate
 from engine.messages import AddRequest
 
@@ -41,9 +49,40 @@ log = logging.getLogger("ignis.api")
 JSON = [(b"content-type", b"application/json")]
 SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
 DEADLINE = "deadline"  # the finish_reason of a request cut by its deadline
+KEEPALIVE = b": keepalive\n\n"
+KEEPALIVE_FIRST = 1.0  # seconds before a silent stream sends its headers (an admission refusal comes sooner)
 
 
-class OpenAIHttpConsumer(AsyncConsumer):
+class Timers:
+    """Timer tasks that send a message to this consumer's own channel (the deadline, the keepalive)."""
+
+    def timer_start(self, seconds: float, message: dict, *, every: float | None = None) -> None:
+        timers = self.__dict__.setdefault("_timers", set())
+        task = asyncio.ensure_future(self._timer(seconds, message, every))
+        timers.add(task)
+        task.add_done_callback(timers.discard)
+
+    async def _timer(self, seconds: float, message: dict, every: float | None) -> None:
+        await asyncio.sleep(seconds)
+        while True:
+            await self.channel_layer.send(self.channel_name, dict(message))
+            if not every:
+                return
+            await asyncio.sleep(every)
+
+    def timers_cancel(self) -> None:
+        for task in list(self.__dict__.get("_timers", ())):
+            task.cancel()
+
+    def deadline_start(self, requested: float | None, *, request_id: str | None = None) -> None:
+        """Start the clock: the request's own deadline, else ``server.deadline`` (0: none).
+        Past it, ``deadline.expired`` (with ``request_id``) arrives as a message."""
+        seconds = requested or settings.IGNIS.get("server.deadline", 0)
+        if seconds:
+            self.timer_start(seconds, {"type": "deadline.expired", "request_id": request_id})
+
+
+class OpenAIHttpConsumer(Timers, AsyncConsumer):
     """Collects the body, answers errors in the OpenAI envelope, tracks its engine requests.
 
     ``_request_ids`` are the live engine requests (a disconnect or an error aborts
@@ -59,12 +98,20 @@ class OpenAIHttpConsumer(AsyncConsumer):
         self._body = bytearray()
         self._request_ids: set[str] = set()
         self._started = False
-        self._deadline_task: asyncio.Task | None = None
+        self._finished = False
+        self._last_write = 0.0
         try:
             return await super().__call__(scope, receive, send)
         finally:
-            if self._deadline_task is not None:
-                self._deadline_task.cancel()
+            self.timers_cancel()
+
+    async def dispatch(self, message: dict) -> None:
+        """One message to its handler; once a handler has finished the response, the consumer stops."""
+        if self._finished:
+            raise StopConsumer()
+        await super().dispatch(message)
+        if self._finished:
+            raise StopConsumer()
 
     @property
     def _request_id(self) -> str | None:
@@ -89,18 +136,9 @@ class OpenAIHttpConsumer(AsyncConsumer):
             await self.handle(body)
         except IgnisError as err:
             await self.finish_with_error(err)
-        except StopConsumer:
-            raise
         except Exception:  # a bug must still answer in the envelope, and free what it holds
             log.exception("ignis.api.unhandled", extra={"path": self.scope.get("path")})
-            await self.finish_with_error(
-                IgnisError(
-                    "The server had an error while processing your request.",
-                    type="server_error",
-                    code="internal_error",
-                    status=500,
-                )
-            )
+            await self.finish_with_error(internal_error())
 
     async def handle(self, body: dict) -> None:
         raise NotImplementedError
@@ -112,19 +150,9 @@ class OpenAIHttpConsumer(AsyncConsumer):
 
     async def http_disconnect(self, message: dict) -> None:
         await self.abort_all()
-        raise StopConsumer()
+        self._finished = True
 
-    # -- the deadline clock --------------------------------------------------------------
-
-    def deadline_start(self, requested: float | None) -> None:
-        """Start the clock: the request's own deadline, else ``server.deadline`` (0: none)."""
-        seconds = requested or settings.IGNIS.get("server.deadline", 0)
-        if seconds:
-            self._deadline_task = asyncio.ensure_future(self._deadline_after(seconds))
-
-    async def _deadline_after(self, seconds: float) -> None:
-        await asyncio.sleep(seconds)
-        await self.channel_layer.send(self.channel_name, {"type": "deadline.expired"})
+    # -- timers ------------------------------------------------------------------------------
 
     async def deadline_expired(self, message: dict) -> None:
         await self.on_deadline()
@@ -135,6 +163,20 @@ class OpenAIHttpConsumer(AsyncConsumer):
             IgnisError("The request ran past its deadline.", type="server_error", code="deadline_exceeded", status=504)
         )
 
+    def keepalive_start(self) -> None:
+        """A streamed response: headers at the first tick at the latest, then a comment while silent."""
+        every = settings.IGNIS.get("server.sse_keepalive", 0)
+        if every:
+            self.timer_start(min(KEEPALIVE_FIRST, every), {"type": "stream.keepalive"}, every=every)
+
+    async def stream_keepalive(self, message: dict) -> None:
+        every = settings.IGNIS.get("server.sse_keepalive", 0)
+        if not self._started:
+            await self.start_stream()
+            await self.write(KEEPALIVE)
+        elif every and time.monotonic() - self._last_write >= every * 0.9:
+            await self.write(KEEPALIVE)
+
     # -- writing -------------------------------------------------------------------------
 
     async def send_json(self, status: int, payload: dict, headers: dict[str, str] | None = None) -> None:
@@ -142,26 +184,35 @@ class OpenAIHttpConsumer(AsyncConsumer):
         await self.send({"type": "http.response.start", "status": status, "headers": JSON + extra})
         await self.send({"type": "http.response.body", "body": json.dumps(payload).encode()})
 
+    async def finish_json(self, payload: dict, status: int = 200) -> None:
+        """The whole (non-streamed) answer; the consumer is finished."""
+        self._request_ids = set()
+        self._finished = True
+        await self.send_json(status, payload)
+
     async def start_stream(self) -> None:
         if not self._started:
             self._started = True
             await self.send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
 
     async def write(self, data: bytes) -> None:
+        self._last_write = time.monotonic()
         await self.send({"type": "http.response.body", "body": data, "more_body": True})
 
     async def end(self, data: bytes = b"") -> None:
+        """The stream's last bytes; the consumer is finished."""
         self._request_ids = set()
+        self._finished = True
         await self.send({"type": "http.response.body", "body": data, "more_body": False})
-        raise StopConsumer()
 
     async def finish_with_error(self, err: IgnisError) -> None:
-        """An error before the stream began is an HTTP status; after, a final SSE event."""
+        """An error before the stream began is an HTTP status; after, a final SSE event. Finished either way."""
         await self.abort_all()
         if self._started:
             await self.end(sse(err.envelope()) + sse("[DONE]"))
+            return
+        self._finished = True
         await self.send_json(err.status, err.envelope(), err.headers())
-        raise StopConsumer()
 
 
 class Choice:
@@ -192,7 +243,7 @@ class MultiRequestConsumer(OpenAIHttpConsumer):
     time, even when a round committed several), ``on_choice_done`` and ``respond``.
     """
 
-    async def submit(self, adds: list[AddRequest], choices: list[Choice], deadline: float | None) -> None:
+    async def submit(self, adds: list[AddRequest], choices: list[Choice], deadline: float | None, stream: bool) -> None:
         self.choices = {c.add.request_id: c for c in choices}
         self.order = choices
         self.created = now()
@@ -200,6 +251,8 @@ class MultiRequestConsumer(OpenAIHttpConsumer):
             add.reply_channel = self.channel_name
             self._request_ids.add(add.request_id)
         self.deadline_start(deadline)
+        if stream:
+            self.keepalive_start()
         for add in adds:
             await engine_client.request_submit(add)
 
@@ -254,11 +307,24 @@ class MultiRequestConsumer(OpenAIHttpConsumer):
 
     def usage(self) -> dict:
         prompts = {id(c.add.prompt_token_ids): len(c.add.prompt_token_ids) for c in self.order}
-        usage = usage_block(
-            sum(prompts.values()), sum(c.num_tokens for c in self.order), max(c.cached_tokens for c in self.order)
+        return usage_block(
+            sum(prompts.values()),
+            sum(c.num_tokens for c in self.order),
+            max(c.cached_tokens for c in self.order),
+            reasoning_tokens=sum(c.reasoning_tokens for c in self.order),
         )
-        usage["completion_tokens_details"]["reasoning_tokens"] = sum(c.reasoning_tokens for c in self.order)
-        return usage
+
+    def whole_body(self, object_: str, choices: list[dict]) -> dict:
+        """The non-streamed answer of chat and text completions."""
+        return {
+            "id": self.prep.id,
+            "object": object_,
+            "created": self.created,
+            "model": self.prep.served.served_id,
+            "system_fingerprint": "ignis",
+            "choices": choices,
+            "usage": self.usage(),
+        }
 
     async def on_token(self, choice: Choice, token_id: int) -> None:
         raise NotImplementedError
@@ -268,130 +334,3 @@ class MultiRequestConsumer(OpenAIHttpConsumer):
 
     async def respond(self) -> None:
         raise NotImplementedError
-
-
-class ChatCompletionsConsumer(MultiRequestConsumer):
-    """POST /v1/chat/completions, streamed (SSE chunks) or whole; n choices; reasoning and tool calls."""
-
-    async def handle(self, body: dict) -> None:
-        prep: PreparedChat = await asyncio.to_thread(chat_prepare, body)
-        self.prep = prep
-        req, tok = prep.request, prep.served.tokenizer
-        choices = [
-            Choice(
-                i,
-                add,
-                TextStream(tok, req.stop, add.prompt_token_ids),
-                OutputSplitter(in_reasoning=prep.in_reasoning, parse_tools=prep.parse_tools, parsers=prep.parsers),
-            )
-            for i, add in enumerate(prep.adds)
-        ]
-        await self.submit(prep.adds, choices, req.deadline)
-
-    def _chunk(self, choice: Choice, delta: dict, finish_reason: str | None = None) -> bytes:
-        chunk = chat_chunk(self.prep.id, self.prep.served.served_id, self.created, delta, finish_reason)
-        chunk["choices"][0]["index"] = choice.index
-        if self.prep.request.logprobs and choice.pending_logprobs:
-            items, choice.pending_logprobs = choice.pending_logprobs, []
-            chunk["choices"][0]["logprobs"] = {
-                "content": chat_logprobs(self.prep.served.tokenizer, items, self.prep.request.top_logprobs),
-                "refusal": None,
-            }
-        return sse(chunk)
-
-    def _deltas(self, choice: Choice, events) -> list[dict]:
-        deltas = []
-        for ev in events:
-            if ev.kind == "content":
-                deltas.append({"content": ev.text})
-            elif ev.kind == "reasoning":
-                deltas.append({"reasoning_content": ev.text})
-            elif ev.kind == "tool_call_start":  # the name first, then the arguments as they arrive
-                call = ev.call
-                deltas.append(
-                    {
-                        "tool_calls": [
-                            {
-                                "index": call.index,
-                                "id": call.id,
-                                "type": "function",
-                                "function": {"name": call.name, "arguments": ""},
-                            }
-                        ]
-                    }
-                )
-            elif ev.kind == "tool_call_args":
-                deltas.append({"tool_calls": [{"index": ev.call.index, "function": {"arguments": ev.text}}]})
-        return deltas
-
-    async def _open(self, choice: Choice) -> None:
-        await self.start_stream()
-        if not choice.opened:
-            choice.opened = True
-            await self.write(self._chunk(choice, {"role": "assistant", "content": ""}))
-
-    async def on_token(self, choice: Choice, token_id: int) -> None:
-        if choice.splitter.mode == "reasoning":
-            choice.reasoning_tokens += 1
-        events = choice.splitter.feed(choice.text.feed([token_id]))
-        if self.prep.request.stream:
-            await self._open(choice)
-            out = b"".join(self._chunk(choice, d) for d in self._deltas(choice, events))
-            if out:
-                await self.write(out)
-
-    async def on_choice_done(self, choice: Choice) -> None:
-        events = choice.splitter.feed(choice.text.flush()) + choice.splitter.flush()
-        if choice.finish_reason == "stop" and choice.splitter.tool_calls:
-            choice.finish_reason = "tool_calls"
-        if not self.prep.request.stream:
-            return
-        await self._open(choice)
-        out = b"".join(self._chunk(choice, d) for d in self._deltas(choice, events))
-        await self.write(out + self._chunk(choice, {}, choice.finish_reason))
-
-    def _message(self, choice: Choice) -> dict:
-        sp = choice.splitter
-        msg = {"role": "assistant", "content": sp.content if sp.content or not sp.tool_calls else None}
-        if sp.reasoning:
-            msg["reasoning_content"] = sp.reasoning
-        if sp.tool_calls:
-            msg["tool_calls"] = [
-                {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
-                for c in sp.tool_calls
-            ]
-        return msg
-
-    async def respond(self) -> None:
-        req, prep = self.prep.request, self.prep
-        usage = self.usage()
-        if not req.stream:
-            choices = []
-            for c in self.order:
-                lp = None
-                if req.logprobs:
-                    lp = {
-                        "content": chat_logprobs(prep.served.tokenizer, c.logprobs, req.top_logprobs),
-                        "refusal": None,
-                    }
-                choices.append(
-                    {"index": c.index, "message": self._message(c), "logprobs": lp, "finish_reason": c.finish_reason}
-                )
-            await self.send_json(
-                200,
-                {
-                    "id": prep.id,
-                    "object": "chat.completion",
-                    "created": self.created,
-                    "model": prep.served.served_id,
-                    "system_fingerprint": "ignis",
-                    "choices": choices,
-                    "usage": usage,
-                },
-            )
-            self._request_ids = set()
-            raise StopConsumer()
-        out = b""
-        if req.include_usage:
-            out += sse(chat_chunk(prep.id, prep.served.served_id, self.created, {}, usage=usage, choices=False))
-        await self.end(out + sse("[DONE]"))

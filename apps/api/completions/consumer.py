@@ -1,4 +1,4 @@
-"""POST /v1/completions: legacy text completions (load tools and older clients), streamed or whole.
+"""POST /v1/completions, the consumer: legacy text completions (load tools and older clients), streamed or whole.
 
 The prompt is used as given (text, several texts, token ids), with no chat
 template. ``echo`` puts the prompt in front of each choice's text; with
@@ -12,11 +12,9 @@ from __future__ import annotations
 
 import asyncio
 
-from channels.exceptions import StopConsumer
-
-from apps.api.consumers import Choice, MultiRequestConsumer
+from apps.api.completions.service import PreparedCompletion, completion_prepare
+from apps.api.consumer import Choice, MultiRequestConsumer
 from apps.api.logprobs import LegacyLogprobs
-from apps.api.services import PreparedCompletion, completion_prepare
 from apps.api.streaming import TextStream, now, sse
 from engine.messages import AddRequest
 
@@ -42,7 +40,7 @@ class CompletionsConsumer(MultiRequestConsumer):
         choices = [Choice(i, add, TextStream(tok, req.stop, add.prompt_token_ids)) for i, add in enumerate(prep.adds)]
         for c in choices:
             self._echo(c)
-        await self.submit(prep.adds, choices, req.deadline)
+        await self.submit(prep.adds, choices, req.deadline, req.stream)
 
     def _echo(self, choice: Choice) -> None:
         req = self.prep.request
@@ -122,8 +120,7 @@ class CompletionsConsumer(MultiRequestConsumer):
             await self.write(sse(self._chunk(choice, tail, None, choice.finish_reason)))
 
     async def respond(self) -> None:
-        req, prep = self.prep.request, self.prep
-        usage = self.usage()
+        req = self.prep.request
         if not req.stream:
             choices = [
                 {
@@ -134,27 +131,15 @@ class CompletionsConsumer(MultiRequestConsumer):
                 }
                 for c in self.order
             ]
-            await self.send_json(
-                200,
-                {
-                    "id": prep.id,
-                    "object": "text_completion",
-                    "created": self.created,
-                    "model": prep.served.served_id,
-                    "system_fingerprint": "ignis",
-                    "choices": choices,
-                    "usage": usage,
-                },
-            )
-            self._request_ids = set()
-            raise StopConsumer()
+            await self.finish_json(self.whole_body("text_completion", choices))
+            return
         if not self._started:
             for c in self.order:
                 await self._open(c)
                 await self.write(sse(self._chunk(c, "", None, c.finish_reason)))
         out = b""
         if req.include_usage:
-            body = self._chunk(self.order[0], "", None, usage=usage)
+            body = self._chunk(self.order[0], "", None, usage=self.usage())
             body["choices"] = []
             out += sse(body)
         await self.end(out + sse("[DONE]"))

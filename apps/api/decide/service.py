@@ -26,18 +26,14 @@ refused with 400 naming ``labels``.
 
 from __future__ import annotations
 
-import asyncio
 import math
 import time
 import uuid
 from dataclasses import dataclass
 
-from channels.exceptions import StopConsumer
-
-from apps.api import engine_client
-from apps.api.consumers import OpenAIHttpConsumer
-from apps.api.errors import IgnisError, InvalidRequest, error_from_engine
-from apps.api.services import chat_render
+from apps.api.chat.service import chat_render
+from apps.api.errors import InvalidRequest
+from apps.api.usage import usage_block
 from apps.models.services import ServedModel, model_name_resolve
 from engine.messages import AddRequest
 
@@ -187,50 +183,5 @@ def decision_render(
             for label, p in zip(prep.labels, probs)
         ],
         "label_mass": total,
-        "usage": {
-            "prompt_tokens": prompt_tokens,
-            "completion_tokens": 0,
-            "total_tokens": prompt_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached_tokens},
-        },
+        "usage": usage_block(prompt_tokens, 0, cached_tokens, reasoning_tokens=None),
     }
-
-
-class DecideConsumer(OpenAIHttpConsumer):
-    """POST /v1/decide: submit a prefill-only request, answer from its logits."""
-
-    async def handle(self, body: dict) -> None:
-        self.prep = await asyncio.to_thread(decide_prepare, body)
-        self.prep.add.reply_channel = self.channel_name
-        self._request_id = self.prep.add.request_id
-        await engine_client.request_submit(self.prep.add)
-
-    async def engine_tokens(self, msg: dict) -> None:  # a decide request decodes nothing
-        return
-
-    async def engine_finished(self, msg: dict) -> None:
-        if msg["request_id"] != self._request_id:
-            return
-        self._request_id = None
-        logits, ids, lps = msg.get("logits"), self.prep.add.decide_token_ids, msg.get("decide_logprobs")
-        logprobs = dict(zip(ids, lps)) if lps is not None and len(lps) == len(ids) else None
-        if not logits and logprobs is None:
-            await self.finish_with_error(
-                IgnisError(
-                    "The engine returned no logits for this decision.",
-                    type="server_error",
-                    code="engine_error",
-                    status=500,
-                )
-            )
-        decision = await asyncio.to_thread(
-            decision_render, self.prep, logits, msg["prompt_tokens"], msg.get("cached_tokens", 0), logprobs
-        )
-        await self.send_json(200, decision)
-        raise StopConsumer()
-
-    async def engine_failed(self, msg: dict) -> None:
-        if msg["request_id"] != self._request_id:
-            return
-        self._request_id = None
-        await self.finish_with_error(error_from_engine(msg))

@@ -28,20 +28,11 @@ import uuid
 
 from apps.api.output_parsers import DEFAULT, OutputParsers, output_parsers_for
 from apps.api.output_split import OutputSplitter
+from apps.api.usage import usage_object
 
 
 def new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
-
-
-def usage_object(input_tokens: int, output_tokens: int, cached_tokens: int, reasoning_tokens: int = 0) -> dict:
-    return {
-        "input_tokens": input_tokens,
-        "input_tokens_details": {"cached_tokens": cached_tokens, "cache_write_tokens": 0},
-        "output_tokens": output_tokens,
-        "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
-        "total_tokens": input_tokens + output_tokens,
-    }
 
 
 class ResponseEvents:
