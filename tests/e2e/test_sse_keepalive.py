@@ -72,3 +72,15 @@ def test_a_refusal_at_admission_is_still_an_http_status(slow_prefill):
     body = {"model": MODEL, "prompt": "hi", "max_tokens": 10**6, "stream": True}
     resp = httpx.post(slow_prefill + "/v1/completions", json=body, timeout=60)
     assert resp.status_code == 400
+
+
+def test_responses_stream_opens_after_keepalives(slow_prefill):
+    client = OpenAI(base_url=slow_prefill + "/v1", api_key="unused", max_retries=0, timeout=120)
+    events = list(
+        client.responses.create(
+            model=MODEL, input="Tell me about Paris. " * 150, max_output_tokens=2, temperature=0, stream=True
+        )
+    )
+    types = [e.type for e in events]
+    assert types[:2] == ["response.created", "response.in_progress"], types
+    assert types[-1] in ("response.completed", "response.incomplete")

@@ -46,8 +46,10 @@ class ResponsesConsumer(OpenAIHttpConsumer):
         return self._request_id is not None and msg["request_id"] == self._request_id
 
     async def _opening(self) -> list[dict]:
-        if self._started:
+        """response.created and in_progress, once (the headers may have gone out with a keepalive)."""
+        if getattr(self, "_opened", False):
             return []
+        self._opened = True
         await self.start_stream()
         return self.run.start()
 
@@ -99,4 +101,5 @@ class ResponsesConsumer(OpenAIHttpConsumer):
             self._request_id = None
             await self.finish_with_error(err)
             return
-        await self.end(sse_events(self.run.failed(err.code or "server_error", err.message)))
+        opening = await self._opening()
+        await self.end(sse_events(opening + self.run.failed(err.code or "server_error", err.message)))
