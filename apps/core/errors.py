@@ -110,6 +110,11 @@ def internal_error() -> IgnisError:
     )
 
 
+def engine_error(message: str) -> IgnisError:
+    """A 500 for an engine answer that came back without what the route reads from it."""
+    return IgnisError(message, type="server_error", code="engine_error", status=500)
+
+
 def error_response(err: IgnisError) -> JsonResponse:
     """The envelope as an HTTP response, with its Retry-After: the one renderer for DRF
     views, Django views, the middleware and the Playground. Consumers send the same

@@ -7,7 +7,7 @@ import asyncio
 from apps.api.consumer import OpenAIHttpConsumer
 from apps.api.decide.service import decide_prepare, decision_render
 from apps.core import engine_client
-from apps.core.errors import IgnisError, error_from_engine
+from apps.core.errors import engine_error, error_from_engine
 
 
 class DecideConsumer(OpenAIHttpConsumer):
@@ -29,14 +29,7 @@ class DecideConsumer(OpenAIHttpConsumer):
         logits, ids, lps = msg.get("logits"), self.prep.add.decide_token_ids, msg.get("decide_logprobs")
         logprobs = dict(zip(ids, lps)) if lps is not None and len(lps) == len(ids) else None
         if not logits and logprobs is None:
-            await self.finish_with_error(
-                IgnisError(
-                    "The engine returned no logits for this decision.",
-                    type="server_error",
-                    code="engine_error",
-                    status=500,
-                )
-            )
+            await self.finish_with_error(engine_error("The engine returned no logits for this decision."))
             return
         decision = await asyncio.to_thread(
             decision_render, self.prep, logits, msg["prompt_tokens"], msg.get("cached_tokens", 0), logprobs

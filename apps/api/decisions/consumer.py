@@ -13,7 +13,7 @@ import asyncio
 from apps.api.consumer import OpenAIHttpConsumer
 from apps.api.decisions.service import QuestionResult, decisions_prepare, decisions_render, remap
 from apps.core import engine_client
-from apps.core.errors import IgnisError, error_from_engine
+from apps.core.errors import engine_error, error_from_engine
 from engine.messages import AddRequest
 
 
@@ -43,14 +43,7 @@ class DecisionsConsumer(OpenAIHttpConsumer):
         i = self.order[request_id]
         ids, lps = self.prep.adds[i].decide_token_ids, msg.get("decide_logprobs")
         if msg.get("finish_reason") == "abort" or lps is None or len(lps) != len(ids):
-            await self.finish_with_error(
-                IgnisError(
-                    f"The engine returned no answer for question {i}.",
-                    type="server_error",
-                    code="engine_error",
-                    status=500,
-                )
-            )
+            await self.finish_with_error(engine_error(f"The engine returned no answer for question {i}."))
             return
         self.results[i] = QuestionResult(dict(zip(ids, lps)), msg["prompt_tokens"], msg.get("cached_tokens", 0))
         if i == 0:
