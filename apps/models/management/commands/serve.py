@@ -32,7 +32,7 @@ class Command(BaseCommand):
         from channels.layers import get_channel_layer
         from channels.routing import get_default_application
         from daphne.endpoints import build_endpoint_description_strings
-        from daphne.server import Server, twisted_loop
+        from daphne.server import twisted_loop
         from twisted.internet import reactor
 
         from apps.models.catalog import artifact_sync
@@ -42,6 +42,7 @@ class Command(BaseCommand):
         from engine.config import EngineConfig
         from engine.worker import EngineWorker
         from ignis_site.config import engine_config_dict, worker_options
+        from ignis_site.daphne_gate import IgnisServer
 
         values = apply_config_flags(options)
         if values["model.id"] == DEFAULT_MODEL.served_id and not values["model.path"] and not options["no_download"]:
@@ -83,7 +84,7 @@ class Command(BaseCommand):
         from ignis_site.metrics import start_listener  # /metrics on its own loopback listener
 
         start_listener(values["server.metrics_bind"], twisted_loop, public_port=int(port))
-        server = Server(
+        server = IgnisServer(
             application=get_default_application(),
             endpoints=build_endpoint_description_strings(host=host, port=port),
             signal_handlers=True,
