@@ -43,6 +43,7 @@ INSTALLED_APPS = [
 
 MIDDLEWARE = [
     "django_prometheus.middleware.PrometheusBeforeMiddleware",
+    "ignis_site.staticfiles.StaticFilesMiddleware",  # the admin's CSS and JS at /static/ (whitenoise)
     "apps.models.middleware.SwitchGateMiddleware",  # 503 model_switching on /v1 while a switch runs
     "django.middleware.security.SecurityMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
@@ -128,6 +129,11 @@ DATA_UPLOAD_MAX_MEMORY_SIZE = IGNIS["server.body_limit"]
 
 STATIC_URL = "static/"
 STATIC_ROOT = VAR_DIR / "static"
+STATIC_ROOT.mkdir(exist_ok=True)  # whitenoise warns at start about a missing root
+# Whitenoise indexes the apps' static files at start: no collectstatic step.
+WHITENOISE_USE_FINDERS = True
+WHITENOISE_AUTOREFRESH = False
+WHITENOISE_MAX_AGE = 3600
 
 LANGUAGE_CODE = "en-us"
 TIME_ZONE = "UTC"

@@ -185,3 +185,13 @@ def test_health_without_a_key_shows_status_only(server):
     base, _ = server
     assert httpx.get(base + "/health").json() == {"status": "ok"}
     assert "engine" in httpx.get(base + "/health", headers={"Authorization": f"Bearer {KEY}"}).json()
+
+
+def test_the_admin_is_styled(server):
+    """The admin's stylesheet is served by the ASGI app (whitenoise), not a 404 (today: an unstyled admin)."""
+    base, _ = server
+    page = httpx.get(base + "/admin/login/", timeout=10)
+    assert page.status_code == 200 and "/static/admin/css/base.css" in page.text
+    css = httpx.get(base + "/static/admin/css/base.css", timeout=10)
+    assert css.status_code == 200, css.status_code
+    assert css.headers["content-type"].startswith("text/css") and "body" in css.text
