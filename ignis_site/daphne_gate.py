@@ -6,8 +6,10 @@ without a key only at its end, and a declared ``Content-Length`` of 10 GB with
 no body hangs until the client gives up. ``GatedRequest`` runs the same checks
 (``apps.api.auth.refusal``) as soon as the headers are in (Twisted's
 ``gotLength``): a refused request is answered at once (401 or 413, the OpenAI
-envelope, CORS headers for an allowed origin) and its connection closed
-without reading the body.
+envelope, CORS headers for an allowed origin, ``Connection: close``). Its body
+is never buffered nor passed on; what still arrives is discarded for at most
+``LINGER_SECONDS`` (closing a socket with unread bytes sends a reset, and a
+client still uploading would lose the answer), then the connection is closed.
 
 Twisted's idle timeout restarts with every byte, so one byte every few seconds
 kept a connection forever. ``server.read_timeout`` bounds the whole arrival,
@@ -34,6 +36,7 @@ from apps.api.errors import IgnisError
 log = logging.getLogger("ignis.server")
 
 REASONS = {401: b"Unauthorized", 408: b"Request Timeout", 413: b"Content Too Large"}
+LINGER_SECONDS = 5.0
 
 
 class RequestTimeout(IgnisError):
@@ -47,6 +50,7 @@ class GatedRequest(WebRequest):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._refused = False
+        self._linger = None
         timeout = float(settings.IGNIS.get("server.read_timeout") or 0)
         self._read_timer = reactor.callLater(timeout, self._read_timed_out) if timeout > 0 else None
 
@@ -55,6 +59,7 @@ class GatedRequest(WebRequest):
         if length == 0:
             return  # nothing to wait for: the ASGI gate answers at once, with CORS
         headers = [(name.lower(), value) for name, values in self.requestHeaders.getAllRawHeaders() for value in values]
+        # The request line is parsed into the channel (Twisted's private names) until the body is in.
         target = self.channel._path.split(b"?", 1)[0]
         try:
             path = unquote(target.decode("ascii"))
@@ -71,18 +76,21 @@ class GatedRequest(WebRequest):
             super().handleContentChunk(data)
 
     def requestReceived(self, command, path, version):
-        self._stop_timer()
-        if not self._refused:
-            super().requestReceived(command, path, version)
+        self._stop_timers()
+        if self._refused:
+            self.channel.loseConnection()  # the refused body is all in: nothing unread to reset on
+            return
+        super().requestReceived(command, path, version)
 
     def connectionLost(self, reason):
-        self._stop_timer()
+        self._stop_timers()
         super().connectionLost(reason)
 
-    def _stop_timer(self) -> None:
-        if self._read_timer is not None and self._read_timer.active():
-            self._read_timer.cancel()
-        self._read_timer = None
+    def _stop_timers(self) -> None:
+        for timer in (self._read_timer, self._linger):
+            if timer is not None and timer.active():
+                timer.cancel()
+        self._read_timer = self._linger = None
 
     def _read_timed_out(self) -> None:
         self._read_timer = None
@@ -91,10 +99,11 @@ class GatedRequest(WebRequest):
         limit = settings.IGNIS.get("server.read_timeout")
         log.info("ignis.request.read_timeout", extra={"seconds": limit, "client": str(self.client)})
         headers = [(name.lower(), value) for name, values in self.requestHeaders.getAllRawHeaders() for value in values]
-        self._refuse(RequestTimeout(f"The request did not arrive within {limit} seconds."), headers)
+        self._refuse(RequestTimeout(f"The request did not arrive within {limit} seconds."), headers, linger=False)
 
-    def _refuse(self, err: IgnisError, headers) -> None:
-        """Answer ``err`` on the raw transport and close: the body is never read."""
+    def _refuse(self, err: IgnisError, headers, *, linger: bool = True) -> None:
+        """Answer ``err`` on the raw transport; close once the body is in, or ``LINGER_SECONDS`` on."""
+        self._stop_timers()
         self._refused = True
         self.requestHeaders.removeHeader(b"expect")  # no "100 Continue" after the answer
         body = json.dumps(err.envelope()).encode()
@@ -109,7 +118,10 @@ class GatedRequest(WebRequest):
         lines += [name + b": " + value for name, value in cors.response_headers(headers)]
         channel = self.channel
         channel.transport.write(b"\r\n".join(lines) + b"\r\n\r\n" + body)
-        channel.loseConnection()
+        if linger:
+            self._linger = reactor.callLater(LINGER_SECONDS, channel.loseConnection)
+        else:
+            channel.loseConnection()
 
 
 class GatedHTTPFactory(HTTPFactory):

@@ -45,9 +45,11 @@ def port_of(base: str) -> int:
 
 
 def raw_exchange(base: str, head: str, *, wait: float) -> tuple[bytes, float]:
-    """Send only the request's headers, then read what comes back within ``wait`` seconds (and when)."""
+    """Send only the request's headers, then read what comes back within ``wait`` seconds,
+    and how long the first byte of the answer took."""
     sock = socket.create_connection(("127.0.0.1", port_of(base)), timeout=wait)
     start = time.monotonic()
+    first = None
     try:
         sock.sendall(head.encode())
         data = b""
@@ -58,10 +60,25 @@ def raw_exchange(base: str, head: str, *, wait: float) -> tuple[bytes, float]:
                 break
             if not chunk:
                 break
+            first = first if first is not None else time.monotonic() - start
             data += chunk
-        return data, time.monotonic() - start
+            if answered(data):
+                break
+        return data, first if first is not None else float("inf")
     finally:
         sock.close()
+
+
+def answered(data: bytes) -> bool:
+    """A whole HTTP answer (headers and its Content-Length of body) is in ``data``."""
+    top, sep, body = data.partition(b"\r\n\r\n")
+    if not sep:
+        return False
+    for line in top.split(b"\r\n")[1:]:
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length":
+            return len(body) >= int(value)
+    return False
 
 
 def head(path: str, length: int, *extra: str) -> str:
@@ -127,6 +144,20 @@ def test_a_slow_body_is_cut_at_the_read_timeout(server):
     assert data.startswith(b"HTTP/1.1 408"), data[:200]
     assert b"request_timeout" in data
     assert READ_TIMEOUT - 0.5 <= took <= READ_TIMEOUT + 3
+
+
+def test_an_upload_refused_on_its_headers_still_reads_the_answer(server):
+    """A client that sends its whole (too big) body before reading gets the 413, not a reset."""
+    base, _ = server
+    r = httpx.post(
+        base + "/v1/chat/completions",
+        content=b" " * (5 << 20),
+        headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"},
+        timeout=30,
+    )
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+    r = httpx.post(base + "/v1/tokenize", content=b" " * (3 << 20), timeout=30)
+    assert r.status_code == 401 and r.json()["error"]["code"] == "missing_api_key"
 
 
 def test_a_whole_request_within_the_limits_still_passes(server):
