@@ -173,7 +173,9 @@ def celery_worker_start():
         "-n",
         f"ignis-embedded-{os.getpid()}@%h",
     ]
-    return subprocess.Popen(cmd, cwd=settings.BASE_DIR, env=os.environ.copy())
+    # Its log goes to stderr through Django's LOGGING; stdout carries only Celery's own prints
+    # ("worker: Warm shutdown" at stop), which are not part of the one log stream.
+    return subprocess.Popen(cmd, cwd=settings.BASE_DIR, env=os.environ.copy(), stdout=subprocess.DEVNULL)
 
 
 def celery_worker_stop(proc) -> None:
