@@ -27,7 +27,7 @@ from urllib.parse import unquote
 from daphne import server as daphne_server
 from daphne.http_protocol import HTTPFactory, WebRequest
 from django.conf import settings
-from twisted.internet import reactor
+from twisted.internet import reactor  # after daphne.server, which installs the asyncio reactor
 
 from apps.api import cors
 from apps.api.auth import refusal
@@ -37,6 +37,7 @@ log = logging.getLogger("ignis.server")
 
 REASONS = {401: b"Unauthorized", 408: b"Request Timeout", 413: b"Content Too Large"}
 LINGER_SECONDS = 5.0
+clock = reactor  # the timers' clock (a twisted.internet.task.Clock in tests)
 
 
 class RequestTimeout(IgnisError):
@@ -52,7 +53,7 @@ class GatedRequest(WebRequest):
         self._refused = False
         self._linger = None
         timeout = float(settings.IGNIS.get("server.read_timeout") or 0)
-        self._read_timer = reactor.callLater(timeout, self._read_timed_out) if timeout > 0 else None
+        self._read_timer = clock.callLater(timeout, self._read_timed_out) if timeout > 0 else None
 
     def gotLength(self, length):
         super().gotLength(length)
@@ -119,7 +120,7 @@ class GatedRequest(WebRequest):
         channel = self.channel
         channel.transport.write(b"\r\n".join(lines) + b"\r\n\r\n" + body)
         if linger:
-            self._linger = reactor.callLater(LINGER_SECONDS, channel.loseConnection)
+            self._linger = clock.callLater(LINGER_SECONDS, channel.loseConnection)
         else:
             channel.loseConnection()
 
