@@ -138,8 +138,8 @@ def model_name_resolve(name: str | None) -> tuple[ServedModel, str | None]:
     here: an implicit switch (``apps.models.switching.model_hold``) has
     already run for the routes that switch, before they prepare the request.
     """
+    name, request_class = model_name_split(name)  # a bad name is a 400 whatever is on disk
     served = served_model()
-    name, request_class = model_name_split(name)
     if name and name != served.served_id:
         hint = (
             "" if settings.IGNIS["switch.allow_implicit"] else " (implicit switching is off: --switch-allow-implicit)"
