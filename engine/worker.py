@@ -24,7 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
 
-from engine.backend import StepPlan
+from engine.backend import StepOutput, StepPlan
 from engine.config import EngineConfig
 from engine.host import ModelHost
 from engine.loading import BackendFactory, Loader
@@ -92,7 +92,6 @@ class EngineWorker:
 
     async def run(self) -> None:
         """Load, then serve until cancelled."""
-        loop = asyncio.get_running_loop()
         receiver = asyncio.create_task(self._receive_loop())
         host = self.host
         try:
@@ -108,11 +107,10 @@ class EngineWorker:
                     await self._wait(host.idle_left() if plan is None else sched.prefill_wait())
                     continue
                 try:
-                    out = await loop.run_in_executor(self._thread, host.backend.step, plan)
+                    out = await self._step(plan)
                 except Exception:
                     log.exception("ignis.engine.step_failed")
-                    await self._fail_plan(plan)
-                    continue
+                    plan, out = await self._isolate(plan)
                 await self._send_outputs(sched.update_from_output(plan, out))
                 host.touch()
                 self._log_interval()
@@ -244,14 +242,50 @@ class EngineWorker:
                     extra={**{k: msg.get(k) for k in keys}, **TELEMETRY.timings(msg["request_id"])},
                 )
 
-    async def _fail_plan(self, plan: StepPlan) -> None:
-        """A step that raised ends the requests it carried with engine_error; the rest go on."""
+    async def _step(self, plan: StepPlan) -> StepOutput:
+        return await asyncio.get_running_loop().run_in_executor(self._thread, self.host.backend.step, plan)
+
+    async def _isolate(self, plan: StepPlan) -> tuple[StepPlan, StepOutput]:
+        """A step raised: find the rows that raise and end only those with engine_error.
+
+        The swaps run again on their own, then the prefill span and each decode lane
+        alone; what the rows that ran computed comes back as one plan and output for
+        ``update_from_output``. Running a row again is safe: it writes the same tokens
+        into the same KV slots, a swap copies the same pages. Swaps that raise again
+        end every row of the plan (its pages are not where the books say).
+        """
+        rows = [StepPlan(prefill=plan.prefill)] if plan.prefill is not None else []
+        rows += [StepPlan(decode=[lane]) for lane in plan.decode]
+        failed: list[StepPlan] = []
+        ran, out = StepPlan(), StepOutput()
+        if plan.swap_out or plan.swap_in:
+            try:
+                await self._step(StepPlan(swap_out=plan.swap_out, swap_in=plan.swap_in))
+            except Exception:
+                failed, rows = rows, []
+        for row in rows:
+            try:
+                got = await self._step(row)
+            except Exception as exc:
+                failed.append(row)
+                log.warning("ignis.engine.row_failed", extra={"seq_id": _row_seq_id(row), "error": repr(exc)})
+                continue
+            if row.prefill is not None:
+                ran.prefill = row.prefill
+                out.prefill_token, out.prefill_logprob = got.prefill_token, got.prefill_logprob
+                out.prefill_logits, out.prompt_logprobs = got.prefill_logits, got.prompt_logprobs
+                out.prefill_seconds = got.prefill_seconds
+            else:
+                ran.decode += row.decode
+                out.decode_tokens += got.decode_tokens
+                out.decode_logprobs += got.decode_logprobs or [None] * len(got.decode_tokens)
+                out.decode_seconds = max(out.decode_seconds, got.decode_seconds)
         sched = self.host.scheduler
-        seq_ids = [lane.seq_id for lane in plan.decode] + ([plan.prefill.seq_id] if plan.prefill else [])
-        seqs = [sched.sequence(seq_id) for seq_id in seq_ids]
+        seqs = [sched.sequence(_row_seq_id(row)) for row in failed]
         await self._end_with_error(
             [s.request_id for s in seqs if s is not None], "The engine failed while running this request."
         )
+        return ran, out
 
     async def _end_with_error(self, request_ids: list[str], message: str) -> None:
         """End live requests with ``engine_error``: their lanes and pages free, their clients told why."""
@@ -268,3 +302,8 @@ class EngineWorker:
         stats = asdict(self.host.scheduler.make_stats())
         kv = stats.pop("kv_pages", {})
         log.debug("ignis.scheduler.interval", extra={**stats, **{f"kv_{k}": v for k, v in kv.items()}})
+
+
+def _row_seq_id(row: StepPlan) -> int:
+    """The sequence of a one-row plan (``_isolate``'s)."""
+    return row.prefill.seq_id if row.prefill is not None else row.decode[0].seq_id

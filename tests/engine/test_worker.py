@@ -202,9 +202,10 @@ def test_abort_ends_a_stream_at_once(models):
     run(scenario)
 
 
-def test_a_step_that_raises_ends_only_the_requests_it_carried(models):
-    """The failing step carries a decoding lane and a prompt's prefill: both end with
-    engine_error; a request still waiting for the prefill lane is served in full."""
+def test_a_step_that_raises_ends_only_the_row_that_raised(models, logs):
+    """The failing step carries a decoding lane and a poisoned prompt's prefill: the worker
+    runs each row alone, so only the poisoned request ends with engine_error; the lane
+    goes on token for token (its KV rewritten in place), and a waiting request is served."""
     poison = 990
 
     async def scenario():
@@ -218,15 +219,42 @@ def test_a_step_that_raises_ends_only_the_requests_it_carried(models):
             await e.status()  # both are in the inbox
             models.fail_step = lambda plan: plan.prefill is not None and poison in plan.prefill.token_ids
             models.step_gate.open()
-            for add in (lane, bad):
-                _, last = await e.outcome(add)
-                assert refused_with(last, "engine_error", 500)
-                assert last["message"] == "The engine failed while running this request."
-            tokens, last = await e.outcome(waiting)
-            assert last["type"] == "engine.finished" and tokens == expected(waiting, 4)
+            _, last = await e.outcome(bad)
+            assert refused_with(last, "engine_error", 500)
+            assert last["message"] == "The engine failed while running this request."
+            for add, want in ((lane, expected(lane, 60)[1:]), (waiting, expected(waiting, 4))):
+                tokens, last = await e.outcome(add)
+                assert last["type"] == "engine.finished" and last["finish_reason"] == "length"
+                assert tokens == want
+            await logs.wait("ignis.engine.row_failed")
             st = await e.status()
-            assert st["status"] == "serving" and st["stats"]["aborted"] == 2 and st["stats"]["lanes_busy"] == 0
+            assert st["status"] == "serving" and st["stats"]["aborted"] == 1 and st["stats"]["lanes_busy"] == 0
             await e.serve()
+
+    run(scenario)
+
+
+def test_a_decode_lane_that_raises_ends_alone(models):
+    """Three lanes decode; every round that carries the poisoned one raises. That one ends with
+    engine_error at its first failing round; the other two stream every token they would alone."""
+
+    async def scenario():
+        async with Engine(models, models.model("m1")) as e:
+            models.step_gate.close()
+            adds = [await e.submit(max_tokens=12, sampling={"top_k": k}) for k in (0, 7, 0)]
+            bad = adds[1]
+            models.fail_step = lambda plan: any(
+                lane.sample.params.top_k == 7 and lane.position > len(bad.prompt_token_ids) for lane in plan.decode
+            )
+            models.step_gate.open()
+            await e.status()
+            tokens, last = await e.outcome(bad)
+            assert refused_with(last, "engine_error", 500) and len(tokens) >= 1
+            for add in (adds[0], adds[2]):
+                tokens, last = await e.outcome(add)
+                assert last["type"] == "engine.finished" and tokens == expected(add, 12)
+            stats = (await e.status())["stats"]
+            assert (stats["aborted"], stats["lanes_busy"], stats["kv_pages"]["used"]) == (1, 0, 0)
 
     run(scenario)
 
