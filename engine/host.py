@@ -7,7 +7,8 @@ Each transition is one method; ``state`` changes only in ``_enter``,
     start           LOADING                    SERVING | FAILED
     reload          UNLOADED | FAILED          LOADING, then SERVING | FAILED
     unload          SERVING (idle, or asked)   UNLOADED
-    accept_switch   any but SWITCHING          SWITCHING
+    accept_switch   any but SWITCHING          SWITCHING (SERVING stays SERVING when the
+                                               switch names what serves: a no-op)
     run_switch      SWITCHING                  refused by the precheck: the state it left,
                                                  nothing torn down; else drained, torn down, and
                                                switched: SERVING (the new model loaded)
@@ -248,6 +249,12 @@ class ModelHost:
             if sw.reply_channel:
                 await self._send(sw.reply_channel, SwitchAck(sw.switch_id, False, "A switch is running.").to_message())
             return
+        if self._serves_already(sw):
+            log.info("ignis.model.switch_unchanged", extra={"switch_id": sw.switch_id, "model": self.served_id})
+            if sw.reply_channel:
+                ack = SwitchAck(sw.switch_id, True, f"'{self.served_id}' serves already.", unchanged=True)
+                await self._send(sw.reply_channel, ack.to_message())
+            return
         self._resume, self.state = self.state, S.SWITCHING
         self._pending = sw
         self.switching = {"from": self.served_id, "to": sw.served_id}
@@ -272,6 +279,19 @@ class ModelHost:
         )
         if sw.reply_channel:
             await self._send(sw.reply_channel, SwitchAck(sw.switch_id, True).to_message())
+
+    def _serves_already(self, sw: SwitchModel) -> bool:
+        """``sw`` names what serves now: the same id and artifact, loaded with the same
+        configuration. Such a switch is a no-op: no reload, the cache and its statistics
+        stay, and it is no switch in the history."""
+        if self.state is not S.SERVING or sw.refuse or sw.served_id != self.served_id:
+            return False
+        if Path(sw.path).resolve() != self.artifact_path.resolve():
+            return False
+        same_plan = sw.config.get("max_context", self.requested_max_context) == self.requested_max_context
+        same_plan = same_plan and sw.config.get("ram_budget", self.ram_budget) == self.ram_budget
+        loaded = dataclasses.replace(self.cfg, max_context=self.requested_max_context)
+        return same_plan and dataclasses.replace(self._config_for(sw), max_context=self.requested_max_context) == loaded
 
     async def run_switch(self) -> None:
         """SWITCHING → refused (the state it left), switched, restored or failed; once

@@ -112,6 +112,8 @@ class RequestFailed(_Msg):
 
 # Outcomes of a switch, as GET /v1/models reports them in ``last_switch``.
 SWITCHED, REFUSED, RESTORED, FAILED = "switched", "refused", "restored", "failed"
+# A switch to what serves already: answered at once (SwitchAck.unchanged), never a last_switch.
+UNCHANGED = "unchanged"
 
 
 @dataclass
@@ -137,6 +139,9 @@ class SwitchAck(_Msg):
     switch_id: str
     accepted: bool
     message: str = ""
+    # The target is what serves already (same id, artifact and configuration): nothing
+    # happens, no SwitchDone follows, and nothing is recorded as a switch.
+    unchanged: bool = False
 
 
 @dataclass

@@ -25,7 +25,7 @@ from django.utils import timezone
 from apps.api import engine_client
 from apps.api.errors import ModelSwitchFailed, ModelSwitching, SwitchInProgress
 from apps.models.services import SwitchTarget, model_name_split, servable_lookup, served_model, served_model_update
-from engine.messages import ENGINE_CHANNEL, SWITCHED, SwitchModel
+from engine.messages import ENGINE_CHANNEL, SWITCHED, UNCHANGED, SwitchModel
 from engine.status import EngineState, EngineStatus
 
 log = logging.getLogger("ignis.models")
@@ -154,7 +154,6 @@ async def model_switch(
         raise ModelSwitchFailed("The engine did not answer the switch request.") from None
     if not ack.get("accepted"):
         raise SwitchInProgress("A model switch is already running; wait for it to end.")
-    await _record_start(sw, from_id)
     described = {
         "id": sw.switch_id,
         "object": "model.switch",
@@ -163,6 +162,9 @@ async def model_switch(
         "trigger": trigger,
         "status": "switching",
     }
+    if ack.get("unchanged"):  # it serves already: answered at once, no SwitchDone, not in the history
+        return {**described, "status": "done", "outcome": UNCHANGED, "reason": ack.get("message", ""), "seconds": 0.0}
+    await _record_start(sw, from_id)
     if wait:
         done = await _wait_done(layer, reply, sw)
         return {**described, **(done or {}), "status": "done"}

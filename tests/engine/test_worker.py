@@ -506,3 +506,32 @@ def test_a_switch_refused_while_unloaded_leaves_it_unloaded(models, logs, tmp_pa
             await e.serve()
 
     run(scenario)
+
+
+def test_a_switch_to_what_serves_is_a_no_op(models):
+    """Same id, artifact and configuration: answered at once, no reload, the statistics and
+    the retained prefixes stay, and it is no switch in the history. A new config still reloads."""
+    m1 = models.model("m1")
+
+    async def scenario():
+        async with Engine(models, m1) as e:
+            await e.serve()
+            ack, _ = await e.switch(m1, "m1")
+            assert ack["accepted"] and ack["unchanged"]
+            st = await e.status()
+            assert (st["status"], st["last_switch"], st["recent_switches"], st["switch_outcomes"]) == (
+                "serving",
+                None,
+                [],
+                {},
+            )
+            assert st["stats"]["finished"] == 1 and models.loads == [m1]
+            reply = await e.layer.new_channel()
+            sw = SwitchModel("sw-config", "m1", str(m1), config={"prefill_chunk": 8}, reply_channel=reply)
+            await e.layer.send(ENGINE_CHANNEL, sw.to_message())
+            ack = await e.receive(reply)
+            assert ack["accepted"] and not ack["unchanged"]
+            done = await e.receive(reply)
+            assert done["outcome"] == "switched" and models.loads == [m1, m1]
+
+    run(scenario)
