@@ -15,6 +15,9 @@ Each transition is one method; ``state`` changes only in ``_enter``,
                                                restored: SERVING (it failed; the old one reloaded)
                                                failed:   FAILED (that failed too, or none served)
 
+Every change of ``state`` (and every finished switch) calls ``changed()``: the
+worker then publishes the status to every front end (EngineHeartbeat).
+
 A switch is accepted at once (on the receive loop), so it can arrive while a
 load or a teardown is in flight: the state then reads SWITCHING at once, and
 what that transition leaves is where the switch resumes from (``_enter``).
@@ -85,6 +88,8 @@ class ModelHost:
         send: Callable[[str, dict], Awaitable[None]],
         end_requests: Callable[[list[str], str], Awaitable[None]],
         wake: Callable[[], None],
+        announce: Callable[[], Awaitable[None]] | None = None,
+        changed: Callable[[], None] | None = None,
         idle_unload: float = 0,
         drain_timeout: float = 30.0,
         ram_budget: int = 0,
@@ -95,6 +100,8 @@ class ModelHost:
         self.cfg = cfg
         self.artifact_path = Path(artifact_path)
         self.served_id = served_id
+        self._changed = changed or (lambda: None)
+        self._announce = announce
         self.state = S.LOADING
         self.error: str | None = None
         self.backend: Backend | None = None
@@ -119,6 +126,17 @@ class ModelHost:
         self._drain_deadline = 0.0
         self._last_active = time.monotonic()
         self._unload_wanted = False
+
+    @property
+    def state(self) -> EngineState:
+        return self._state
+
+    @state.setter
+    def state(self, value: EngineState) -> None:
+        """Every change is announced to the front ends (``changed()``: the worker publishes)."""
+        if getattr(self, "_state", None) is not value:
+            self._state = value
+            self._changed()
 
     # -- what the loop asks between steps ----------------------------------------------
 
@@ -336,8 +354,11 @@ class ModelHost:
         self.switch_outcomes[outcome] = self.switch_outcomes.get(outcome, 0) + 1
         self.state = {SWITCHED: S.SERVING, RESTORED: S.SERVING, FAILED: S.FAILED}.get(outcome, self._resume)
         log.info("ignis.model.switch", extra={"switch_id": sw.switch_id, **self.last_switch})
+        self._changed()  # the history changed, whatever the state did
+        if self._announce is not None:  # front ends hear the new state before the requester hears the end
+            await self._announce()
         if sw.reply_channel:
-            done = SwitchDone(sw.switch_id, outcome, reason, self.served_id, seconds)
+            done = SwitchDone(sw.switch_id, outcome, reason, self.served_id, seconds, str(self.artifact_path))
             await self._send(sw.reply_channel, done.to_message())
 
     # -- the work, on the step thread ------------------------------------------------

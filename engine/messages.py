@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields
 
 ENGINE_CHANNEL = "ignis.engine"
-STATUS_GROUP = "ignis.status"
+STATUS_GROUP = "ignis.status"  # every front end: EngineHeartbeat, on each change and every heartbeat seconds
 
 
 class _Msg:
@@ -154,6 +154,27 @@ class SwitchDone(_Msg):
     reason: str
     served_id: str  # the model serving now (or the one that failed)
     seconds: float = 0.0
+    path: str = ""  # served_id's artifact
+
+
+@dataclass
+class EngineHeartbeat(_Msg):
+    """Engine -> every front end (group STATUS_GROUP): its status, sent whenever the state,
+    the served model or the switch history changes and at least every ``heartbeat`` seconds.
+
+    Front ends answer requests from the last one (apps/models/engine_state.py); one that
+    hears none for ``server.engine_timeout`` seconds takes the engine for gone and ends
+    the requests it sent: ``running_request_ids`` (they streamed a token) with
+    engine_error, ``waiting_request_ids`` (admitted or queued, no token yet) with
+    engine_unavailable.
+    """
+
+    TYPE = "engine.heartbeat"
+    engine_id: str  # one per worker process and start: a restarted engine has another
+    heartbeat: float
+    status: dict  # EngineStatus.to_message()
+    running_request_ids: list[str] = field(default_factory=list)
+    waiting_request_ids: list[str] = field(default_factory=list)
 
 
 @dataclass

@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
+import uuid
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -30,9 +32,11 @@ from engine.host import ModelHost
 from engine.loading import BackendFactory, Loader
 from engine.messages import (
     ENGINE_CHANNEL,
+    STATUS_GROUP,
     AbortRequest,
     AddRequest,
     ConfigureEngine,
+    EngineHeartbeat,
     RequestFailed,
     RequestFinished,
     SwitchModel,
@@ -62,11 +66,15 @@ class EngineWorker:
         idle_unload: float = 0,
         drain_timeout: float = 30.0,
         ram_budget: int = 0,
+        heartbeat: float = 1.0,
         on_progress: Callable[[str, int, int], None] | None = None,
         loader: Loader | None = None,
         backend_factory: BackendFactory | None = None,
     ):
         self.layer = layer
+        self.heartbeat = float(heartbeat)
+        self.engine_id = f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        self._changed = asyncio.Event()
         self._inbox: deque[dict] = deque()
         self._wakeup = asyncio.Event()
         self._replies: dict[str, str] = {}  # request_id -> reply channel, while the scheduler holds it
@@ -80,6 +88,8 @@ class EngineWorker:
             send=self._send,
             end_requests=self._end_with_error,
             wake=self._wakeup.set,
+            announce=self.announce,
+            changed=self._changed.set,
             idle_unload=idle_unload,
             drain_timeout=drain_timeout,
             ram_budget=ram_budget,
@@ -93,6 +103,7 @@ class EngineWorker:
     async def run(self) -> None:
         """Load, then serve until cancelled."""
         receiver = asyncio.create_task(self._receive_loop())
+        publisher = asyncio.create_task(self._publish_loop())
         host = self.host
         try:
             await host.start()
@@ -116,6 +127,7 @@ class EngineWorker:
                 self._log_interval()
         finally:
             receiver.cancel()
+            publisher.cancel()
             self._thread.shutdown(wait=False)
 
     async def _tend_model(self) -> bool:
@@ -165,6 +177,36 @@ class EngineWorker:
     def status_message(self) -> dict:
         """The reply to ``engine.status`` (EngineStatus on the wire)."""
         return self.host.status().to_message()
+
+    # -- the status, pushed to every front end -------------------------------------------
+
+    def heartbeat_message(self) -> dict:
+        """EngineHeartbeat: the status, and which of this engine's requests a front end
+        must end (and how) should this engine stop answering."""
+        sched = self.host.scheduler
+        seqs = list(sched.seqs.values()) if sched is not None else []
+        waiting = [s.request_id for s in seqs if s.first_token_time is None]
+        waiting += [m["request_id"] for m in self._inbox if m.get("type") == AddRequest.TYPE]
+        running = [s.request_id for s in seqs if s.first_token_time is not None]
+        beat = EngineHeartbeat(self.engine_id, self.heartbeat, self.status_message(), running, waiting)
+        return beat.to_message()
+
+    async def announce(self) -> None:
+        """Publish the status to STATUS_GROUP now."""
+        self._changed.clear()
+        try:
+            await self.layer.group_send(STATUS_GROUP, self.heartbeat_message())
+        except Exception:  # a layer hiccup must not stop the loop; the next beat retries
+            log.exception("ignis.engine.heartbeat_failed")
+
+    async def _publish_loop(self) -> None:
+        """A heartbeat every ``heartbeat`` seconds, and one at once on every change."""
+        while True:
+            try:
+                await asyncio.wait_for(self._changed.wait(), self.heartbeat)
+            except TimeoutError:
+                pass
+            await self.announce()
 
     async def _take_messages(self) -> None:
         """Admit or abort what arrived. While no model is loaded a request waits at the

@@ -6,6 +6,7 @@ import asyncio
 
 from channels.layers import get_channel_layer
 
+from apps.models import engine_state
 from engine.messages import ENGINE_CHANNEL, AbortRequest, AddRequest
 from engine.status import EngineStatus
 
@@ -14,14 +15,25 @@ _LOADED_ONLY = ("stats", "lanes")
 
 
 async def request_submit(add: AddRequest) -> None:
+    engine_state.request_sent(add.request_id, add.reply_channel)  # ended here should the engine go
     await get_channel_layer().send(ENGINE_CHANNEL, add.to_message())
 
 
 async def request_abort(request_id: str) -> None:
+    engine_state.request_done(request_id)
     await get_channel_layer().send(ENGINE_CHANNEL, AbortRequest(request_id=request_id).to_message())
 
 
 async def engine_status(timeout: float = 2.0) -> EngineStatus | None:
+    """The engine's status: the one it pushed last where this process listens to its
+    heartbeats (apps/models/engine_state.py; None while the engine is gone), else asked
+    for (``engine_status_ask``)."""
+    if engine_state.CACHE.listening:
+        return engine_state.engine_state()
+    return await engine_status_ask(timeout)
+
+
+async def engine_status_ask(timeout: float = 2.0) -> EngineStatus | None:
     """Ask the engine for its status; None when it does not answer in time."""
     layer = get_channel_layer()
     reply = await layer.new_channel()  # the default prefix: see apps.models.switching.model_switch
