@@ -164,9 +164,9 @@ class EngineHeartbeat(_Msg):
 
     Front ends answer requests from the last one (apps/models/engine_state.py); one that
     hears none for ``server.engine_timeout`` seconds takes the engine for gone and ends
-    the requests it sent: ``running_request_ids`` (they streamed a token) with
-    engine_error, ``waiting_request_ids`` (admitted or queued, no token yet) with
-    engine_unavailable.
+    the requests it sent: ``waiting_request_ids`` (admitted or queued, no token yet) with
+    engine_unavailable, the rest with engine_error. The worker beats soon after a
+    request's first token, so a stream is seldom still listed as waiting.
     """
 
     TYPE = "engine.heartbeat"

@@ -199,14 +199,16 @@ class EngineWorker:
         except Exception:  # a layer hiccup must not stop the loop; the next beat retries
             log.exception("ignis.engine.heartbeat_failed")
 
-    async def _publish_loop(self) -> None:
-        """A heartbeat every ``heartbeat`` seconds, and one at once on every change."""
+    async def _publish_loop(self, min_gap: float = 0.1) -> None:
+        """A heartbeat every ``heartbeat`` seconds, and one soon after every change (state,
+        history, a request's first token), at most one per ``min_gap`` seconds."""
         while True:
             try:
                 await asyncio.wait_for(self._changed.wait(), self.heartbeat)
             except TimeoutError:
                 pass
             await self.announce()
+            await asyncio.sleep(min(min_gap, self.heartbeat))
 
     async def _take_messages(self) -> None:
         """Admit or abort what arrived. While no model is loaded a request waits at the
@@ -269,6 +271,7 @@ class EngineWorker:
             msg = output.to_message()
             await self._send(channel, msg)
             if msg["type"] == "engine.tokens" and msg.get("ttft") is not None:
+                self._changed.set()  # it streams now: front ends end it with engine_error should this engine go
                 log.info(
                     "ignis.request.ttft",
                     extra={

@@ -13,8 +13,10 @@ the engine reports finished in the history (``switch_history_note``).
 Liveness: with no heartbeat for ``server.engine_timeout`` seconds the engine
 is taken for gone. New requests are then 503 ``engine_unavailable`` with
 Retry-After (``switch_gate``), and the requests this front end sent end: the
-ones that streamed a token with ``engine_error``, the waiting ones with
-``engine_unavailable`` (``request_sent`` keeps their reply channels). The next
+ones the last heartbeat listed as waiting with ``engine_unavailable``, the
+others (they streamed, or were sent since) with ``engine_error``
+(``request_sent`` keeps their reply channels; the engine beats soon after a
+request's first token, so the list is seldom behind). The next
 heartbeat, from this engine or a restarted one, makes it available again.
 
 Without a listener (management commands, unit tests) nothing is cached and
@@ -49,7 +51,7 @@ class EngineStateCache:
         self.engine_id: str | None = None
         self.seen_at: float | None = None  # monotonic time of the last heartbeat
         self.available = False
-        self.running: set[str] = set()  # the last heartbeat's running_request_ids
+        self.waiting: set[str] = set()  # the last heartbeat's waiting_request_ids
         self.sent: dict[str, tuple[str, float]] = {}  # request_id -> (reply channel, when sent)
 
     def take(self, beat: EngineHeartbeat, now: float) -> bool:
@@ -57,10 +59,10 @@ class EngineStateCache:
         came_back = not self.available
         self.status = EngineStatus.from_message(beat.status)
         self.engine_id, self.seen_at, self.available = beat.engine_id, now, True
-        self.running = set(beat.running_request_ids)
+        self.waiting = set(beat.waiting_request_ids)
         # A request the engine does not list has finished, unless it was sent so recently
         # that the engine may not have had it when it wrote this heartbeat.
-        live = self.running | set(beat.waiting_request_ids)
+        live = self.waiting | set(beat.running_request_ids)
         grace = 2 * max(beat.heartbeat, 0.5)
         self.sent = {rid: v for rid, v in self.sent.items() if rid in live or now - v[1] < grace}
         return came_back
@@ -106,7 +108,9 @@ async def _end_sent(layer) -> None:
     """The engine is gone: every request it held ends, each the way docs/API.md says."""
     sent, CACHE.sent = CACHE.sent, {}
     for request_id, (channel, _) in sent.items():
-        if request_id in CACHE.running:
+        # Waiting at the last heartbeat: not begun, so 503 engine_unavailable. Anything else (it
+        # streamed, or was sent after that beat) may have begun: an engine_error event ends it.
+        if request_id not in CACHE.waiting:
             failed = RequestFailed(request_id, "The engine stopped answering while this request ran.", "engine_error")
         else:
             failed = RequestFailed(

@@ -88,7 +88,7 @@ def test_a_silent_engine_ends_what_it_held_refuses_new_requests_and_service_come
             await asyncio.to_thread(models.step_gate.held.wait, TIMEOUT)  # the engine is mid-step
             waiting = AddRequest("r-wait", await layer.new_channel(), [5, 6, 7, 8], 4)
             await engine_client.request_submit(waiting)
-            await until(lambda: "r-wait" in cache.sent and "r-run" in cache.running, "a beat listing both")
+            await until(lambda: "r-wait" in cache.waiting and "r-run" in cache.sent, "a beat listing both")
             first.cancel()  # the engine dies mid-step: no more heartbeats, no more tokens
             with contextlib.suppress(asyncio.CancelledError):
                 await first
