@@ -26,6 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
 
+from engine.admission import compile_grammar
 from engine.backend import StepOutput, StepPlan
 from engine.config import EngineConfig
 from engine.host import ModelHost
@@ -230,7 +231,12 @@ class EngineWorker:
         refused = self.host.refusal_for(add)
         if refused is None:
             self.host.touch()
-            refused = self.host.scheduler.add_request(add)
+            compiled = None
+            if add.grammar:  # compiling can take seconds: never on the event loop
+                stops = sorted(set(add.stop_token_ids or ()))
+                constraints = self.host.scheduler.constraints
+                compiled = await asyncio.to_thread(compile_grammar, add.grammar, stops, constraints)
+            refused = self.host.scheduler.add_request(add, compiled)
         if refused is not None:
             await self._send(add.reply_channel, refused.to_message())
             return

@@ -7,7 +7,8 @@ group for its life (``engine_state_listen``, started by ``serve`` beside
 ``config_listen``) and keeps the last status here, so requests answer from it:
 no status round trip and no database write sits on a request's path. The
 listener does the work a status used to trigger on the request path: it points
-this side's tokenizer at the model the engine serves, and records the switches
+this side's tokenizer at the model the engine serves (and loads it, on a
+thread, before a request needs it), and records the switches
 the engine reports finished in the history (``switch_history_note``).
 
 Liveness: with no heartbeat for ``server.engine_timeout`` seconds the engine
@@ -133,11 +134,13 @@ async def _took(beat: EngineHeartbeat, came_back: bool) -> None:
     status = CACHE.status
     if came_back:
         log.info("ignis.engine.available", extra={"engine_id": beat.engine_id, "status": str(status.status)})
+    await switch_history_note(status)
     if status.model and status.path:
         served = served_model()
         if status.model != served.served_id or str(served.path) != status.path:
-            served_model_update(served_id=status.model, path=status.path)
-    await switch_history_note(status)
+            served = served_model_update(served_id=status.model, path=status.path)
+        if "tokenizer" not in served.__dict__:  # loaded here, on a thread, before a request needs it
+            await asyncio.to_thread(lambda: served.tokenizer)
 
 
 async def _watch(layer) -> None:

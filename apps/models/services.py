@@ -27,9 +27,9 @@ class ServedModel:
 
     @cached_property
     def tokenizer(self):
-        from engine.tokenizer import load_tokenizer
+        from engine.tokenizer import shared_tokenizer  # the engine's grammars use the same one
 
-        return load_tokenizer(self.path)
+        return shared_tokenizer(self.path)
 
 
 def models_dir() -> Path:

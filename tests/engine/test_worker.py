@@ -535,3 +535,25 @@ def test_a_switch_to_what_serves_is_a_no_op(models):
             assert done["outcome"] == "switched" and models.loads == [m1, m1]
 
     run(scenario)
+
+
+def test_a_grammar_compiles_off_the_event_loop(models, monkeypatch):
+    import engine.worker as worker_mod
+
+    threads = []
+
+    def compile_grammar(grammar, stop_token_ids, constraints):
+        threads.append(threading.current_thread())
+        return "The output grammar does not compile: fake"
+
+    monkeypatch.setattr(worker_mod, "compile_grammar", compile_grammar)
+
+    async def scenario():
+        async with Engine(models, models.model("m1")) as e:
+            add = await e.submit(grammar="start: 'x'")
+            _, last = await e.outcome(add)
+            assert refused_with(last, "invalid_grammar", 400)
+            assert threads and threads[0] is not threading.main_thread()
+            await e.serve()
+
+    run(scenario)
