@@ -108,6 +108,7 @@ class EngineWorker:
         host = self.host
         try:
             await host.start()
+            await self.announce()
             while True:
                 await self._take_messages()
                 if await self._tend_model():
@@ -138,11 +139,13 @@ class EngineWorker:
             await host.run_switch()
         elif host.needs_load and any(m.get("type") == AddRequest.TYPE for m in self._inbox):
             if not await host.reload():
+                await self.announce()  # FAILED is known before a refusal says so
                 await self._refuse_waiting()
         elif host.unload_due():
             await host.unload()
         else:
             return False
+        await self.announce()  # before anything the transition lets through is answered
         return True
 
     async def _wait(self, timeout: float | None) -> None:
@@ -165,6 +168,7 @@ class EngineWorker:
                 continue
             if kind == SwitchModel.TYPE:
                 await self.host.accept_switch(SwitchModel.from_message(msg))
+                await self.announce()
             elif kind == ConfigureEngine.TYPE:
                 self.host.configure(ConfigureEngine.from_message(msg).values)
                 if msg.get("reply_channel"):
