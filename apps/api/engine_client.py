@@ -25,11 +25,11 @@ async def request_abort(request_id: str) -> None:
 
 
 async def engine_status(timeout: float = 2.0) -> EngineStatus | None:
-    """The engine's status: the one it pushed last where this process listens to its
-    heartbeats (apps/models/engine_state.py; None while the engine is gone), else asked
-    for (``engine_status_ask``)."""
-    if engine_state.CACHE.listening:
-        return engine_state.engine_state()
+    """The engine's status as of now (GET /health, the Monitor, /metrics: fresh counters),
+    asked for; None at once while the heartbeats say the engine is gone
+    (apps/models/engine_state.py). Request paths read the pushed status instead."""
+    if not engine_state.engine_available():
+        return None
     return await engine_status_ask(timeout)
 
 

@@ -80,7 +80,7 @@ def test_a_silent_engine_ends_what_it_held_refuses_new_requests_and_service_come
         first = asyncio.create_task(worker(layer, models, m1).run())
         try:
             await until(lambda: cache.status is not None and cache.status.status == "serving", "a serving status")
-            assert await gate() is None and (await engine_client.engine_status()).model == "m1"  # from the cache
+            assert await gate() is None and (await switching.status_sync()).model == "m1"  # from the cache
             running = AddRequest("r-run", await layer.new_channel(), [1, 2, 3, 4], 500)
             await engine_client.request_submit(running)
             assert (await asyncio.wait_for(layer.receive(running.reply_channel), TIMEOUT))["type"] == "engine.tokens"
