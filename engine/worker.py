@@ -298,22 +298,27 @@ class EngineWorker:
                 )
 
     async def _step(self, plan: StepPlan) -> StepOutput:
+        self.host.backend.step_stage = "plan"
         return await asyncio.get_running_loop().run_in_executor(self._thread, self.host.backend.step, plan)
 
     async def _isolate(self, plan: StepPlan) -> tuple[StepPlan, StepOutput]:
         """A step raised: find the rows that raise and end only those with engine_error.
 
-        The swaps run again on their own, then the prefill span and each decode lane
-        alone; what the rows that ran computed comes back as one plan and output for
-        ``update_from_output``. Running a row again is safe: it writes the same tokens
-        into the same KV slots, a swap copies the same pages. Swaps that raise again
-        end every row of the plan (its pages are not where the books say).
+        The prefill span and each decode lane run again alone; what the rows that ran
+        computed comes back as one plan and output for ``update_from_output``. Running
+        a row again is safe: it writes the same tokens into the same KV slots. The
+        swaps ran once (the backend's ``step_stage`` says how far the step got): done
+        before a row raised, run first here if the step raised before them, and if they
+        raised, every row of the plan ends (its pages are not where the books say).
         """
+        stage = getattr(self.host.backend, "step_stage", "plan")
         rows = [StepPlan(prefill=plan.prefill)] if plan.prefill is not None else []
         rows += [StepPlan(decode=[lane]) for lane in plan.decode]
         failed: list[StepPlan] = []
         ran, out = StepPlan(), StepOutput()
-        if plan.swap_out or plan.swap_in:
+        if stage == "swaps":
+            failed, rows = rows, []
+        elif stage == "plan" and (plan.swap_out or plan.swap_in):
             try:
                 await self._step(StepPlan(swap_out=plan.swap_out, swap_in=plan.swap_in))
             except Exception:
