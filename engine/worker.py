@@ -309,20 +309,22 @@ class EngineWorker:
         a row again is safe: it writes the same tokens into the same KV slots. The
         swaps ran once (the backend's ``step_stage`` says how far the step got): done
         before a row raised, run first here if the step raised before them, and if they
-        raised, every row of the plan ends (its pages are not where the books say).
+        raised, every row of the plan ends (its pages are not where the books say), and
+        so does every lane they were moving out (its host copy is not there).
         """
         stage = getattr(self.host.backend, "step_stage", "plan")
         rows = [StepPlan(prefill=plan.prefill)] if plan.prefill is not None else []
         rows += [StepPlan(decode=[lane]) for lane in plan.decode]
         failed: list[StepPlan] = []
         ran, out = StepPlan(), StepOutput()
-        if stage == "swaps":
-            failed, rows = rows, []
-        elif stage == "plan" and (plan.swap_out or plan.swap_in):
+        swaps_failed = stage == "swaps"
+        if stage == "plan" and (plan.swap_out or plan.swap_in):
             try:
                 await self._step(StepPlan(swap_out=plan.swap_out, swap_in=plan.swap_in))
             except Exception:
-                failed, rows = rows, []
+                swaps_failed = True
+        if swaps_failed:
+            failed, rows = rows, []
         for row in rows:
             try:
                 got = await self._step(row)
@@ -342,6 +344,9 @@ class EngineWorker:
                 out.decode_seconds = max(out.decode_seconds, got.decode_seconds)
         sched = self.host.scheduler
         seqs = [sched.sequence(_row_seq_id(row)) for row in failed]
+        if swaps_failed:  # the lanes they were moving out end too: their host copy is not there
+            moved = {h for _, h in plan.swap_out}
+            seqs += [s for s in sched.preempted if moved & set(s.host_block_table)]
         await self._end_with_error(
             [s.request_id for s in seqs if s is not None], "The engine failed while running this request."
         )

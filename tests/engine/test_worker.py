@@ -557,3 +557,24 @@ def test_a_grammar_compiles_off_the_event_loop(models, monkeypatch):
             await e.serve()
 
     run(scenario)
+
+
+def test_swaps_that_raise_end_the_plan_and_the_lanes_they_moved(tmp_path):
+    """Two lanes outgrow a 6-block pool: the step that preempts one raises in its swap (again when
+    run alone). Both end with engine_error, no page stays taken, and the engine serves on."""
+    models = FakeModels(tmp_path, num_blocks=6, block_size=4, num_host_blocks=16)
+
+    async def scenario():
+        async with Engine(models, models.model("m1")) as e:
+            models.fail_step = lambda plan: bool(plan.swap_out)
+            a, b = await e.submit(max_tokens=14), await e.submit(max_tokens=14)
+            for add in (a, b):
+                _, last = await e.outcome(add)
+                assert refused_with(last, "engine_error", 500), last
+            models.fail_step = None
+            stats = (await e.status())["stats"]
+            assert (stats["aborted"], stats["lanes_busy"], stats["kv_pages"]["used"]) == (2, 0, 0)
+            assert stats["preempted"] == 1
+            await e.serve()
+
+    run(scenario)
