@@ -46,6 +46,7 @@ def front_end(monkeypatch):
     monkeypatch.setattr(engine_state, "get_channel_layer", lambda: layer)
     monkeypatch.setattr(engine_client, "get_channel_layer", lambda: layer)
     monkeypatch.setattr(engine_state, "_took", note)
+    monkeypatch.setattr(switching, "served_model_update", lambda **kw: None)  # the fake model is no real one
     monkeypatch.setitem(settings.IGNIS, "server.engine_timeout", 1.5)
 
     async def no_round_trip(timeout: float = 2.0):
