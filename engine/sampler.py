@@ -11,7 +11,8 @@ Order per row (the usual HF/vLLM order):
    divided by the penalty, negative ones multiplied);
 2. presence and frequency penalties over output tokens (OpenAI semantics:
    ``logit -= frequency * count + presence * (count > 0)``);
-3. greedy rows (``temperature <= 0`` or ``top_k == 1``) take the argmax here;
+3. greedy rows (``temperature`` below ``MIN_TEMPERATURE``, 0 included, or
+   ``top_k == 1``) take the argmax here;
 4. temperature, then top-k, top-p and min-p masks (masked logits = -inf);
 5. an inverse-CDF draw with one uniform from Philox(seed, position).
 

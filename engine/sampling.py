@@ -9,10 +9,16 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+# Temperatures below this sample greedily (vLLM's _SAMPLING_EPS). Dividing logits by a
+# smaller one overflows float32 (1e-40 is a subnormal, 1e-50 rounds to 0) and the nucleus
+# of what is left is empty or NaN; at 1e-5 a logit gap of 1e-3 is already a factor e^100,
+# so the draw is the argmax anyway. engine/cu/sample.cu gets the same floor as a define.
+MIN_TEMPERATURE = 1e-5
+
 
 @dataclass(frozen=True)
 class SamplingParams:
-    temperature: float = 1.0  # 0 means greedy
+    temperature: float = 1.0  # below MIN_TEMPERATURE (0 included) means greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 means off
     min_p: float = 0.0
@@ -23,7 +29,8 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature <= 0.0 or self.top_k == 1
+        # ``not >=``: a NaN temperature is greedy too, never a division.
+        return not self.temperature >= MIN_TEMPERATURE or self.top_k == 1
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -132,6 +132,15 @@ FIELDS: dict[str, Field] = {
             1 << 31,
         ),
         Field("server.responses_keep", int, 10000, "stored responses kept for previous_response_id", 1, 1 << 31),
+        Field("server.engine_heartbeat", float, 1.0, "seconds between the engine's status heartbeats", 0.05, 60),
+        Field(
+            "server.engine_timeout",
+            float,
+            5.0,
+            "seconds without an engine heartbeat before a front end takes the engine for gone",
+            0.2,
+            3600,
+        ),
         Field("model.id", str, "smollm2-135m-instruct", "served id of the model loaded at start"),
         Field("model.path", str, "", "artifact path (default: the catalog's file for model.id)"),
         Field("model.backend", str, "numpy", "numpy | cuda"),
@@ -248,6 +257,7 @@ LIVE_KEYS = frozenset(
         "server.body_limit",
         "server.deadline",
         "server.deadline_max",
+        "server.engine_timeout",
     }
 )
 
@@ -275,11 +285,12 @@ def validate(patch: dict[str, Any]) -> dict[str, Any]:
 
 
 def worker_options(values: dict[str, Any]) -> dict[str, Any]:
-    """The engine worker's own settings (idle unload, switch drain, RAM plan)."""
+    """The engine worker's own settings (idle unload, switch drain, RAM plan, heartbeat)."""
     return {
         "idle_unload": values["model.idle_unload"],
         "drain_timeout": values["switch.drain_timeout"],
         "ram_budget": values["model.ram_budget"],
+        "heartbeat": values["server.engine_heartbeat"],
     }
 
 

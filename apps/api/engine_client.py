@@ -7,6 +7,7 @@ import dataclasses
 
 from channels.layers import get_channel_layer
 
+from apps.models import engine_state
 from engine.messages import ENGINE_CHANNEL, AbortRequest, AddRequest
 from engine.status import EngineStatus
 
@@ -19,14 +20,25 @@ ECHO_CHARS = 512
 
 
 async def request_submit(add: AddRequest) -> None:
+    engine_state.request_sent(add.request_id, add.reply_channel)  # ended here should the engine go
     await get_channel_layer().send(ENGINE_CHANNEL, add.to_message())
 
 
 async def request_abort(request_id: str) -> None:
+    engine_state.request_done(request_id)
     await get_channel_layer().send(ENGINE_CHANNEL, AbortRequest(request_id=request_id).to_message())
 
 
 async def engine_status(timeout: float = 2.0) -> EngineStatus | None:
+    """The engine's status as of now (GET /health, the Monitor, /metrics: fresh counters),
+    asked for; None at once while the heartbeats say the engine is gone
+    (apps/models/engine_state.py). Request paths read the pushed status instead."""
+    if not engine_state.engine_available():
+        return None
+    return await engine_status_ask(timeout)
+
+
+async def engine_status_ask(timeout: float = 2.0) -> EngineStatus | None:
     """Ask the engine for its status; None when it does not answer in time."""
     layer = get_channel_layer()
     reply = await layer.new_channel()  # the default prefix: see apps.models.switching.model_switch

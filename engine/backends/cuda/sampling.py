@@ -20,8 +20,9 @@ _MASK64 = (1 << 64) - 1
 def stage_row(st, row: int, req: SampleRequest, position: int, vocab: int, pen_stride: int) -> bool:
     """Write row ``row``'s sampling inputs into staging ``st``; returns whether it has penalties."""
     p = req.params
+    # A greedy row goes to the device as T = 0: the host's is_greedy decides, never float32 rounding.
     st.view["params"][row * 8 : row * 8 + 8] = (
-        p.temperature, p.top_p, float(p.top_k), p.min_p, p.presence_penalty, p.frequency_penalty,
+        0.0 if p.is_greedy else p.temperature, p.top_p, float(p.top_k), p.min_p, p.presence_penalty, p.frequency_penalty,
         p.repetition_penalty, 0.0,
     )  # fmt: skip
     st.view["seeds"][row] = int(req.seed) & _MASK64

@@ -44,6 +44,7 @@ class Command(BaseCommand):
         from apps.models.catalog import artifact_sync
         from apps.models.config_service import config_listen, config_snapshot
         from apps.models.download import DEFAULT_MODEL, artifact_path, ensure_default_model
+        from apps.models.engine_state import engine_state_listen
         from apps.models.services import served_model
         from engine.config import EngineConfig
         from engine.worker import EngineWorker
@@ -84,6 +85,8 @@ class Command(BaseCommand):
             reactor.callWhenRunning(start_engine)
         # Live config changes other front ends take (scaled mode) reach this one's settings.IGNIS.
         reactor.callWhenRunning(lambda: tasks.append(twisted_loop.create_task(config_listen())))
+        # The engine's pushed status (and its heartbeats) feed this front end's cache.
+        reactor.callWhenRunning(lambda: tasks.append(twisted_loop.create_task(engine_state_listen())))
         if values["server.celery_worker"]:
             celery = celery_worker_start()
             reactor.addSystemEventTrigger("before", "shutdown", celery_worker_stop, celery)
