@@ -190,3 +190,20 @@ class ConfigureEngine(_Msg):
 
     TYPE = "engine.configure"
     values: dict = field(default_factory=dict)
+    reply_channel: str | None = None  # gets EngineConfigured once applied
+
+
+@dataclass
+class EngineConfigured(_Msg):
+    """Engine -> requester: the ConfigureEngine values are applied."""
+
+    TYPE = "engine.configured"
+
+
+@dataclass
+class StatusRequest(_Msg):
+    """Django -> engine: answer on ``reply_channel`` with the EngineStatus (engine/status.py),
+    at once, from the receive loop (asking never counts as using the model)."""
+
+    TYPE = "engine.status"
+    reply_channel: str

@@ -37,16 +37,17 @@ from engine.messages import (
     AbortRequest,
     AddRequest,
     ConfigureEngine,
+    EngineConfigured,
     EngineHeartbeat,
     RequestFailed,
     RequestFinished,
+    StatusRequest,
     SwitchModel,
     UnloadModel,
 )
 from engine.outputs import EngineOutput
 from engine.refusals import refusal
 from engine.sequence import SequenceStatus
-from engine.status import EngineStatus
 from engine.telemetry import TELEMETRY
 
 log = logging.getLogger("ignis.engine")
@@ -163,16 +164,17 @@ class EngineWorker:
         while True:
             msg = await self.layer.receive(ENGINE_CHANNEL)
             kind = msg.get("type")
-            if kind == EngineStatus.TYPE:
-                await self._send(msg["reply_channel"], self.status_message())
+            if kind == StatusRequest.TYPE:
+                await self._send(StatusRequest.from_message(msg).reply_channel, self.status_message())
                 continue
             if kind == SwitchModel.TYPE:
                 await self.host.accept_switch(SwitchModel.from_message(msg))
                 await self.announce()
             elif kind == ConfigureEngine.TYPE:
-                self.host.configure(ConfigureEngine.from_message(msg).values)
-                if msg.get("reply_channel"):
-                    await self._send(msg["reply_channel"], {"type": "engine.configured"})
+                configure = ConfigureEngine.from_message(msg)
+                self.host.configure(configure.values)
+                if configure.reply_channel:
+                    await self._send(configure.reply_channel, EngineConfigured().to_message())
             elif kind == UnloadModel.TYPE:
                 self.host.request_unload()
             else:
