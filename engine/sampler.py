@@ -10,7 +10,9 @@ Order per row (the usual HF/vLLM order):
 1. repetition penalty over prompt + output tokens (HF: positive logits are
    divided by the penalty, negative ones multiplied);
 2. presence and frequency penalties over output tokens (OpenAI semantics:
-   ``logit -= frequency * count + presence * (count > 0)``);
+   ``logit -= frequency * count + presence * (count > 0)``); then ``logit_bias``
+   added, and the suppressed tokens (stop ids before ``min_tokens``) masked, then
+   the grammar's mask;
 3. greedy rows (``temperature <= 0`` or ``top_k == 1``) take the argmax here;
 4. temperature, then top-k, top-p and min-p masks (masked logits = -inf);
 5. an inverse-CDF draw with one uniform from Philox(seed, position).
@@ -53,6 +55,7 @@ def sample_row(row: np.ndarray, req: SampleRequest, position: int) -> tuple[int,
     p = req.params
     x = np.array(row, dtype=np.float32, copy=True)
     apply_penalties(x, p, req.prompt_token_ids, req.output_token_ids)
+    apply_bias(x, p, req.suppress_token_ids)
     if req.constraint is not None:  # a grammar: disallowed tokens can be neither drawn nor listed
         req.constraint.mask_logits(x)
     if p.is_greedy:
@@ -78,6 +81,26 @@ def apply_penalties(x: np.ndarray, p: SamplingParams, prompt_ids: Sequence[int],
         keep = (ids >= 0) & (ids < vocab)
         ids, counts = ids[keep], counts[keep]
         x[ids] -= np.float32(p.frequency_penalty) * counts.astype(np.float32) + np.float32(p.presence_penalty)
+
+
+def has_edits(req: SampleRequest) -> bool:
+    """Whether ``apply_bias`` changes the row (the CUDA backend then draws it on the host)."""
+    return bool(req.params.logit_bias or req.suppress_token_ids)
+
+
+def apply_bias(x: np.ndarray, p: SamplingParams, suppress: Sequence[int]) -> None:
+    """``logit_bias`` added, then ``suppress`` masked (-inf), in place on ``x`` [vocab]. Ids outside the
+    vocabulary are skipped (the API refuses them first); a mask that would leave nothing is not applied."""
+    vocab = x.shape[0]
+    for token, bias in p.logit_bias:
+        if 0 <= token < vocab:
+            x[token] += np.float32(bias)
+    ids = [t for t in suppress if 0 <= t < vocab]
+    if ids:
+        kept = x[ids].copy()
+        x[ids] = -np.inf
+        if not np.isfinite(x).any():
+            x[ids] = kept
 
 
 def process_logits(x: np.ndarray, p: SamplingParams) -> np.ndarray:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from django.conf import settings
 
 from apps.api.errors import IgnisError, InvalidRequest
+from apps.api.thinking import thinking_kwargs
 from apps.api.validation import (
     ChatRequest,
     CompletionRequest,
@@ -90,7 +91,7 @@ def chat_prompt(req: ChatRequest, served: ServedModel) -> tuple[str, list[int]]:
 
     tools = req.tools if req.tool_choice != "none" else []
     messages, template_tools = tools_prompt_apply(req.messages, tools, served.tokenizer.chat_template)
-    prompt = chat_render(served, messages, req.template_kwargs, template_tools)
+    prompt = chat_render(served, messages, thinking_kwargs(req.template_kwargs, req.reasoning_effort, served.tokenizer.chat_template, param="reasoning_effort"), template_tools)  # fmt: skip
     return prompt, served.tokenizer.encode(prompt)
 
 
