@@ -172,7 +172,10 @@ class TextPart(serializers.Serializer):
 class Content(Strict):
     """A string, null, or a list of {type: text, text} parts; returned as the joined text."""
 
-    schema = {"anyOf": [{"type": "string"}, {"type": "array", "items": {"$ref": "#/components/schemas/TextPart"}}]}
+    def json_schema(self) -> dict:
+        from apps.api.schemas.openapi import object_schema
+
+        return {"anyOf": [{"type": "string"}, {"type": "array", "items": object_schema(TextPart())}]}
 
     def to_internal_value(self, data: Any) -> str:
         if isinstance(data, str):
@@ -231,12 +234,10 @@ class Message(serializers.Serializer):
 class Messages(Strict):
     """1..MAX_MESSAGES messages, as {role, content (text), name?, tool_call_id?, tool_calls?}."""
 
-    schema = {
-        "type": "array",
-        "minItems": 1,
-        "maxItems": MAX_MESSAGES,
-        "items": {"$ref": "#/components/schemas/Message"},
-    }
+    def json_schema(self) -> dict:
+        from apps.api.schemas.openapi import object_schema
+
+        return {"type": "array", "minItems": 1, "maxItems": MAX_MESSAGES, "items": object_schema(Message())}
 
     def to_internal_value(self, data: Any) -> list[dict]:
         if not isinstance(data, list):

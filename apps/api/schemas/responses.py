@@ -79,12 +79,33 @@ def _item(item: Any) -> dict:
 class Input(Strict):
     """A string (one user message) or up to MAX_ITEMS items; returned as chat messages."""
 
-    schema = {
-        "anyOf": [
-            {"type": "string"},
-            {"type": "array", "maxItems": MAX_ITEMS, "items": {"$ref": "#/components/schemas/ResponseInputItem"}},
+    def json_schema(self) -> dict:
+        text = Content().json_schema()
+        string = {"type": "string"}
+        items = [
+            {
+                "type": "object",
+                "properties": {"type": {"const": "message"}, "role": {"enum": list(INPUT_ROLES)}, "content": text},
+                "required": ["role"],
+            },
+            {
+                "type": "object",
+                "properties": {
+                    "type": {"const": "function_call"},
+                    "call_id": string,
+                    "name": string,
+                    "arguments": string,
+                },
+                "required": ["type", "call_id", "name", "arguments"],
+            },
+            {
+                "type": "object",
+                "properties": {"type": {"const": "function_call_output"}, "call_id": string, "output": text},
+                "required": ["type", "call_id", "output"],
+            },
+            {"type": "object", "properties": {"type": {"const": "reasoning"}}, "required": ["type"]},
         ]
-    }
+        return {"anyOf": [string, {"type": "array", "maxItems": MAX_ITEMS, "items": {"anyOf": items}}]}
 
     def to_internal_value(self, data: Any) -> list[dict]:
         if isinstance(data, str):
