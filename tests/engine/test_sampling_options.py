@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from engine.backend import SampleRequest
 from engine.sampler import sample_row
@@ -69,3 +70,21 @@ def test_ignore_eos_runs_past_the_stop_token_to_max_tokens():
     msgs = run_until_done(sched, backend, clock)[r.request_id]
     assert tokens_of(msgs) == expected_tokens(r, 6)
     assert finished_of(msgs).finish_reason == "length"
+
+
+class OnlyEos:
+    """A grammar at its end: it admits the stop token alone."""
+
+    def __init__(self, eos: int):
+        self.eos = eos
+
+    def mask_logits(self, x: np.ndarray) -> None:
+        keep = x[self.eos]
+        x[:] = -np.inf
+        x[self.eos] = keep
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_a_grammar_that_admits_only_the_stop_token_still_ends_under_min_tokens(temperature):
+    req = SampleRequest(SamplingParams(temperature=temperature), seed=3, constraint=OnlyEos(5), suppress_token_ids=(5,))
+    assert sample_row(logits(2), req, 0)[0] == 5
