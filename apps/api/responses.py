@@ -90,7 +90,7 @@ def response_parse(body: dict) -> ResponseRequest:
         previous_response_id=data.get("previous_response_id"),
         max_output_tokens=data.get("max_output_tokens"),
         tools=tools,
-        tools_echo=data.get("tools") or [],
+        tools_echo=body.get("tools") or [],  # as the request gave them
         tool_choice=tool_choice_parse(data.get("tool_choice"), tools),
         parallel_tool_calls=given(data, "parallel_tool_calls", True),
         sampling={

@@ -14,6 +14,7 @@ from rest_framework import serializers
 from rest_framework.exceptions import ErrorDetail, ValidationError
 
 from apps.api.schemas.fields import AnyJson, Bool, Custom, Enum, Integer, Number, Object, Str, Strict
+from apps.api.schemas.tools import ResponseFormat, Tools
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_MESSAGES = 2048
@@ -32,22 +33,6 @@ STOP_SCHEMA = {
         {"type": "array", "maxItems": MAX_STOP, "items": {"type": "string", "minLength": 1, "maxLength": MAX_STOP_LEN}},
     ]
 }
-TOOL_SCHEMA = {
-    "type": "object",
-    "properties": {
-        "type": {"const": "function"},
-        "function": {
-            "type": "object",
-            "properties": {
-                "name": {"type": "string", "minLength": 1, "maxLength": 64},
-                "description": {"type": "string"},
-                "parameters": {"type": "object"},
-            },
-            "required": ["name"],
-        },
-    },
-    "required": ["type", "function"],
-}
 TOOL_CHOICE_SCHEMA = {
     "anyOf": [
         {"enum": ["none", "auto", "required"]},
@@ -58,27 +43,6 @@ TOOL_CHOICE_SCHEMA = {
                 "function": {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]},
             },
             "required": ["type", "function"],
-        },
-    ]
-}
-RESPONSE_FORMAT_SCHEMA = {
-    "anyOf": [
-        {"type": "object", "properties": {"type": {"enum": ["text", "json_object"]}}, "required": ["type"]},
-        {
-            "type": "object",
-            "properties": {
-                "type": {"const": "json_schema"},
-                "json_schema": {
-                    "type": "object",
-                    "properties": {
-                        "name": {"type": "string", "maxLength": 64},
-                        "schema": {"type": "object"},
-                        "strict": {"type": ["boolean", "null"]},
-                    },
-                    "required": ["name"],
-                },
-            },
-            "required": ["type", "json_schema"],
         },
     ]
 }
@@ -150,7 +114,7 @@ class SamplingBody(serializers.Serializer):
     ignore_eos = Bool(description="keep generating past the model's end-of-sequence tokens")
     min_tokens = Integer(0, 1 << 30, description="the EOS and stop token ids cannot end the output before this many")
     logit_bias = LogitBias()
-    response_format = Custom(RESPONSE_FORMAT_SCHEMA)
+    response_format = ResponseFormat()
 
     def get_fields(self):
         fields = super().get_fields()
@@ -277,7 +241,7 @@ class ChatBody(SamplingBody):
     chat_template_kwargs = Object(description="extension: variables for the chat template")
     logprobs = Bool()
     top_logprobs = Integer(0, MAX_TOP_LOGPROBS)
-    tools = Custom({"type": "array", "maxItems": 128, "items": TOOL_SCHEMA})
+    tools = Tools()
     tool_choice = Custom(TOOL_CHOICE_SCHEMA)
     parallel_tool_calls = Bool()
     reasoning_effort = Enum(*REASONING_EFFORTS, description="mapped to the chat template's enable_thinking")

@@ -19,6 +19,7 @@ from apps.api.schemas.chat import (
     SamplingBody,
 )
 from apps.api.schemas.fields import Bool, Custom, Enum, Integer, Number, Object, Str, Strict
+from apps.api.schemas.tools import Tools
 
 MAX_ITEMS = 2048
 INPUT_ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
@@ -167,7 +168,7 @@ class ResponseBody(serializers.Serializer):
     generate = Bool(description="extension: false prefills and stores, generating nothing")
     previous_response_id = Str(max_length=256)
     max_output_tokens = Integer(1, 1 << 30)
-    tools = Custom({"type": "array", "maxItems": 128, "items": {"type": "object"}})
+    tools = Tools()
     tool_choice = Custom(TOOL_CHOICE_SCHEMA)
     parallel_tool_calls = Bool()
     temperature = Number(0.0, 2.0)
