@@ -88,3 +88,19 @@ class OnlyEos:
 def test_a_grammar_that_admits_only_the_stop_token_still_ends_under_min_tokens(temperature):
     req = SampleRequest(SamplingParams(temperature=temperature), seed=3, constraint=OnlyEos(5), suppress_token_ids=(5,))
     assert sample_row(logits(2), req, 0)[0] == 5
+
+
+def test_cuda_rows_with_a_bias_or_suppression_are_drawn_on_the_host():
+    """The CUDA backend's device draw knows no bias: such a row reads its logits back and is drawn by
+    the host sampler (engine/backends/cuda/sampling.py; no GPU needed for this part)."""
+    from engine.backends.cuda import sampling as cuda_sampling
+
+    x = logits(4)
+    plain = SampleRequest(SamplingParams(temperature=0.0), seed=1)
+    biased = SampleRequest(SamplingParams(temperature=0.0, logit_bias=((11, 100.0),)), seed=1)
+    held = SampleRequest(SamplingParams(temperature=0.0), seed=1, suppress_token_ids=(int(np.argmax(x)),))
+    assert not cuda_sampling.needs_logits(plain) and cuda_sampling.finish_row(x, plain, 42, 0) == (42, None)
+    assert cuda_sampling.needs_logits(biased) and cuda_sampling.finish_row(x, biased, 42, 0)[0] == 11
+    assert cuda_sampling.needs_logits(held) and cuda_sampling.finish_row(x, held, int(np.argmax(x)), 0)[0] != np.argmax(
+        x
+    )
