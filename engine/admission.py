@@ -85,7 +85,7 @@ def admit(
         max_tokens=max_tokens,
         sampling=sampling,
         seed=seed,
-        stop_token_ids=frozenset(msg.stop_token_ids or ()),
+        stop_token_ids=frozenset(() if sampling.ignore_eos else msg.stop_token_ids or ()),
         request_class=msg.request_class or "interactive",
         num_logprobs=msg.num_logprobs,
         want_logprobs=msg.want_logprobs or msg.num_logprobs > 0,

@@ -43,6 +43,8 @@ class SampleRequest:
     want_logprobs: bool = False
     # engine.constraint.GrammarConstraint: masks disallowed tokens before the draw (None: unconstrained).
     constraint: object | None = None
+    # Tokens that cannot be drawn at this position (the stop ids, until params.min_tokens are out).
+    suppress_token_ids: Sequence[int] = ()
 
 
 @dataclass

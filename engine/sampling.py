@@ -26,6 +26,10 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     seed: int | None = None
+    # OpenAI's logit_bias: (token id, bias) pairs added to the logits before any mask.
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0  # the stop token ids cannot be drawn before this many output tokens
+    ignore_eos: bool = False  # the stop token ids do not end the sequence (admission drops them)
 
     @property
     def is_greedy(self) -> bool:
@@ -37,4 +41,7 @@ class SamplingParams:
 
     @classmethod
     def from_dict(cls, d: dict) -> SamplingParams:
-        return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
+        kw = {k: d[k] for k in cls.__dataclass_fields__ if k in d}
+        if "logit_bias" in kw:  # lists over the channel layer; pairs, so it stays hashable
+            kw["logit_bias"] = tuple((int(t), float(b)) for t, b in kw["logit_bias"])
+        return cls(**kw)

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from django.conf import settings
 
 from apps.api.errors import IgnisError, InvalidRequest
+from apps.api.thinking import thinking_kwargs
 from apps.api.validation import (
     ChatRequest,
     CompletionRequest,
@@ -100,9 +101,10 @@ def _chat_prompt(req: ChatRequest, served: ServedModel) -> tuple[str, list[int],
 
     tools = req.tools if req.tool_choice != "none" else []
     messages, template_tools = tools_prompt_apply(req.messages, tools, served.tokenizer.chat_template)
-    prompt = chat_render(served, messages, req.template_kwargs, template_tools)
+    template_kwargs = thinking_kwargs(req.template_kwargs, req.reasoning_effort, served.tokenizer.chat_template, param="reasoning_effort")  # fmt: skip
+    prompt = chat_render(served, messages, template_kwargs, template_tools)
     ids = served.tokenizer.encode(prompt)
-    return prompt, ids, system_block_len(served, messages, template_tools, req.template_kwargs, ids)
+    return prompt, ids, system_block_len(served, messages, template_tools, template_kwargs, ids)
 
 
 def system_block_len(

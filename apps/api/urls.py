@@ -2,9 +2,11 @@ from django.urls import path, re_path
 
 from apps.api import model_views, views
 from apps.api.responses_http import response_detail
+from apps.api.schemas import openapi
 
 urlpatterns = [
     path("health", views.health),
+    path("openapi.json", openapi.openapi_view),
     path("v1/models", views.models_list),
     path("v1/tokenize", views.tokenize),
     path("v1/detokenize", views.detokenize),

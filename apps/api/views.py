@@ -12,6 +12,8 @@ from rest_framework.response import Response
 from apps.api import engine_client, services
 from apps.api.auth import key_presented
 from apps.api.errors import IgnisError, InvalidRequest, ModelNotFound
+from apps.api.schemas import validated
+from apps.api.schemas.models import DetokenizeBody, TokenizeBody
 from apps.models.services import served_model
 from engine.status import EngineState
 
@@ -76,18 +78,15 @@ async def health(request: HttpRequest) -> JsonResponse:
 @api_view(["POST"])
 def tokenize(request: Request) -> Response:
     """POST /v1/tokenize: count a chat request's tokens exactly as it would be served."""
-    if not isinstance(request.data, dict):
-        raise InvalidRequest("The request body must be a JSON object.", code="invalid_json")
+    validated(TokenizeBody, request.data)  # the declared shape; tokenize_chat parses it as its route would
     return Response(services.tokenize_chat(request.data))
 
 
 @api_view(["POST"])
 def detokenize(request: Request) -> Response:
-    tokens = request.data.get("tokens") if isinstance(request.data, dict) else None
+    tokens = validated(DetokenizeBody, request.data)["tokens"]
     tok = served_model().tokenizer
     vocab = tok.tokenizer.get_vocab_size()
-    if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
-        raise InvalidRequest("'tokens' must be an array of integers.", param="tokens", code="invalid_type")
     if any(t < 0 or t >= vocab for t in tokens):
         raise InvalidRequest(f"Token ids must be in [0, {vocab}).", param="tokens")
     return Response({"text": tok.decode(tokens)})

@@ -45,14 +45,14 @@ def sample_on_device(kern, stream, logits: int, vocab: int, st, pen_stride: int,
 
 
 def needs_logits(req: SampleRequest) -> bool:
-    """Whether the row's logits must come back to the host (logprobs, or a grammar to apply)."""
-    return req.want_logprobs or req.constraint is not None
+    """Whether the row's logits must come back to the host (logprobs, a grammar, a bias or suppression)."""
+    return req.want_logprobs or req.constraint is not None or sampler.has_edits(req)
 
 
 def finish_row(row: np.ndarray, req: SampleRequest, token: int, position: int) -> tuple[int, TokenLogprob | None]:
     """The row's token and logprob: a constrained row is drawn here from its (penalised) logits
     ``row``; otherwise the device's ``token`` stands, with its logprob when asked."""
-    if req.constraint is not None:
+    if req.constraint is not None or sampler.has_edits(req):
         return host_sample(row, req, position)
     if req.want_logprobs:
         return token, logprob(row, req, token)
