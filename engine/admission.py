@@ -38,10 +38,13 @@ def admit(
     seed_rng: random.Random,
     supports_prompt_logprobs: bool = True,
     constraints=None,
+    compiled=None,
 ) -> Sequence | RequestFailed:
     """Build the request's Sequence (with its grammar, if it names one), or the
     RequestFailed that refuses it. ``constraints`` is the load's
-    engine.constraint.ConstraintFactory (None: grammars are refused)."""
+    engine.constraint.ConstraintFactory (None: grammars are refused);
+    ``compiled`` the request's grammar already built off the event loop (a
+    GrammarConstraint, or the reason it does not compile), else it is built here."""
     rid, num_prompt = msg.request_id, len(msg.prompt_token_ids)
     if msg.prompt_logprobs is not None and not supports_prompt_logprobs:
         return refusal("unsupported", rid)
@@ -82,7 +85,7 @@ def admit(
         max_tokens=max_tokens,
         sampling=sampling,
         seed=seed,
-        stop_token_ids=frozenset(msg.stop_token_ids or ()),
+        stop_token_ids=frozenset(() if sampling.ignore_eos else msg.stop_token_ids or ()),
         request_class=msg.request_class or "interactive",
         num_logprobs=msg.num_logprobs,
         want_logprobs=msg.want_logprobs or msg.num_logprobs > 0,
@@ -93,7 +96,11 @@ def admit(
         arrival_time=now,
     )
     if msg.grammar:
-        problem = _attach_constraint(seq, msg.grammar, constraints)
+        problem = compiled if isinstance(compiled, str) else None
+        if compiled is not None and problem is None:
+            seq.constraint = compiled
+        elif compiled is None:
+            problem = _attach_constraint(seq, msg.grammar, constraints)
         if problem is not None:
             return refusal("invalid_grammar", rid, problem)
     return seq
@@ -101,12 +108,22 @@ def admit(
 
 def _attach_constraint(seq: Sequence, grammar: str, constraints) -> str | None:
     """Give ``seq`` its grammar (engine.constraint), or say why it cannot have one."""
+    built = compile_grammar(grammar, sorted(seq.stop_token_ids), constraints)
+    if isinstance(built, str):
+        return built
+    seq.constraint = built
+    return None
+
+
+def compile_grammar(grammar: str, stop_token_ids: list[int], constraints):
+    """A GrammarConstraint for ``grammar``, or the reason there is none. Compiling takes
+    milliseconds to seconds (and the first one loads the tokenizer): the worker runs it
+    off the event loop and hands the result to ``admit`` as ``compiled``."""
     from engine.constraint import ConstraintError
 
     if constraints is None:
         return "Constrained decoding is not available on this engine."
     try:
-        seq.constraint = constraints.build(grammar, sorted(seq.stop_token_ids))
+        return constraints.build(grammar, stop_token_ids)
     except (ConstraintError, ImportError, ValueError) as exc:
         return f"The output grammar does not compile: {exc}"
-    return None

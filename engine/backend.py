@@ -43,6 +43,8 @@ class SampleRequest:
     want_logprobs: bool = False
     # engine.constraint.GrammarConstraint: masks disallowed tokens before the draw (None: unconstrained).
     constraint: object | None = None
+    # Tokens that cannot be drawn at this position (the stop ids, until params.min_tokens are out).
+    suppress_token_ids: Sequence[int] = ()
 
 
 @dataclass
@@ -115,6 +117,9 @@ class Backend(abc.ABC):
 
     name: str = "abstract"
     supports_prompt_logprobs: bool = False  # PrefillSpan.want_prompt_logprobs (else the scheduler refuses)
+    # How far the last step got: "plan" (nothing ran yet; the worker sets it), "swaps" (the
+    # page copies ran or raised), "rows" (the swaps are done; the prefill or decode ran).
+    step_stage: str = "plan"
 
     def __init__(self) -> None:
         self.config: ModelConfig | None = None
@@ -156,10 +161,12 @@ class Backend(abc.ABC):
         import time
 
         out = StepOutput()
+        self.step_stage = "swaps"  # where a step that raises got to (the worker's _isolate reads it)
         if plan.swap_out:
             self.swap_out(plan.swap_out)
         if plan.swap_in:
             self.swap_in(plan.swap_in)
+        self.step_stage = "rows"
         if plan.prefill is not None:
             t0 = time.perf_counter()
             self.prefill(plan.prefill, out)

@@ -34,6 +34,20 @@ def ll_tokenizer(bundle):
     )
 
 
+_ll_lock = threading.Lock()
+_ll: dict[int, tuple[object, object]] = {}  # id(bundle) -> (bundle, its llguidance tokenizer)
+
+
+def ll_tokenizer_for(bundle):
+    """The process's one llguidance tokenizer for ``bundle`` (grammars here, token bytes for
+    logprobs on the Django side): with engine.tokenizer.shared_tokenizer, one per model."""
+    with _ll_lock:
+        hit = _ll.get(id(bundle))
+        if hit is None or hit[0] is not bundle:
+            hit = _ll[id(bundle)] = (bundle, ll_tokenizer(bundle))
+        return hit[1]
+
+
 class GrammarConstraint:
     def __init__(self, matcher, vocab_size: int, stop_token_ids: list[int]):
         self.matcher = matcher
@@ -85,10 +99,10 @@ class ConstraintFactory:
     def warm(self) -> None:
         with self._lock:
             if self._tok is None:
-                from engine.tokenizer import load_tokenizer
+                from engine.tokenizer import shared_tokenizer
 
-                bundle = load_tokenizer(self.artifact_path)
-                self._tok, self._vocab = ll_tokenizer(bundle), bundle.vocab_size
+                bundle = shared_tokenizer(self.artifact_path)
+                self._tok, self._vocab = ll_tokenizer_for(bundle), bundle.vocab_size
 
     def build(self, grammar: str, stop_token_ids: list[int], vocab_size: int | None = None) -> GrammarConstraint:
         import llguidance

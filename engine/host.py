@@ -7,12 +7,16 @@ Each transition is one method; ``state`` changes only in ``_enter``,
     start           LOADING                    SERVING | FAILED
     reload          UNLOADED | FAILED          LOADING, then SERVING | FAILED
     unload          SERVING (idle, or asked)   UNLOADED
-    accept_switch   any but SWITCHING          SWITCHING
+    accept_switch   any but SWITCHING          SWITCHING (SERVING stays SERVING when the
+                                               switch names what serves: a no-op)
     run_switch      SWITCHING                  refused by the precheck: the state it left,
                                                  nothing torn down; else drained, torn down, and
                                                switched: SERVING (the new model loaded)
                                                restored: SERVING (it failed; the old one reloaded)
                                                failed:   FAILED (that failed too, or none served)
+
+Every change of ``state`` (and every finished switch) calls ``changed()``: the
+worker then publishes the status to every front end (EngineHeartbeat).
 
 A switch is accepted at once (on the receive loop), so it can arrive while a
 load or a teardown is in flight: the state then reads SWITCHING at once, and
@@ -84,6 +88,8 @@ class ModelHost:
         send: Callable[[str, dict], Awaitable[None]],
         end_requests: Callable[[list[str], str], Awaitable[None]],
         wake: Callable[[], None],
+        announce: Callable[[], Awaitable[None]] | None = None,
+        changed: Callable[[], None] | None = None,
         idle_unload: float = 0,
         drain_timeout: float = 30.0,
         ram_budget: int = 0,
@@ -94,6 +100,8 @@ class ModelHost:
         self.cfg = cfg
         self.artifact_path = Path(artifact_path)
         self.served_id = served_id
+        self._changed = changed or (lambda: None)
+        self._announce = announce
         self.state = S.LOADING
         self.error: str | None = None
         self.backend: Backend | None = None
@@ -118,6 +126,17 @@ class ModelHost:
         self._drain_deadline = 0.0
         self._last_active = time.monotonic()
         self._unload_wanted = False
+
+    @property
+    def state(self) -> EngineState:
+        return self._state
+
+    @state.setter
+    def state(self, value: EngineState) -> None:
+        """Every change is announced to the front ends (``changed()``: the worker publishes)."""
+        if getattr(self, "_state", None) is not value:
+            self._state = value
+            self._changed()
 
     # -- what the loop asks between steps ----------------------------------------------
 
@@ -248,6 +267,12 @@ class ModelHost:
             if sw.reply_channel:
                 await self._send(sw.reply_channel, SwitchAck(sw.switch_id, False, "A switch is running.").to_message())
             return
+        if self._serves_already(sw):
+            log.info("ignis.model.switch_unchanged", extra={"switch_id": sw.switch_id, "model": self.served_id})
+            if sw.reply_channel:
+                ack = SwitchAck(sw.switch_id, True, f"'{self.served_id}' serves already.", unchanged=True)
+                await self._send(sw.reply_channel, ack.to_message())
+            return
         self._resume, self.state = self.state, S.SWITCHING
         self._pending = sw
         self.switching = {"from": self.served_id, "to": sw.served_id}
@@ -272,6 +297,19 @@ class ModelHost:
         )
         if sw.reply_channel:
             await self._send(sw.reply_channel, SwitchAck(sw.switch_id, True).to_message())
+
+    def _serves_already(self, sw: SwitchModel) -> bool:
+        """``sw`` names what serves now: the same id and artifact, loaded with the same
+        configuration. Such a switch is a no-op: no reload, the cache and its statistics
+        stay, and it is no switch in the history."""
+        if self.state is not S.SERVING or sw.refuse or sw.served_id != self.served_id:
+            return False
+        if Path(sw.path).resolve() != self.artifact_path.resolve():
+            return False
+        same_plan = sw.config.get("max_context", self.requested_max_context) == self.requested_max_context
+        same_plan = same_plan and sw.config.get("ram_budget", self.ram_budget) == self.ram_budget
+        loaded = dataclasses.replace(self.cfg, max_context=self.requested_max_context)
+        return same_plan and dataclasses.replace(self._config_for(sw), max_context=self.requested_max_context) == loaded
 
     async def run_switch(self) -> None:
         """SWITCHING → refused (the state it left), switched, restored or failed; once
@@ -316,8 +354,11 @@ class ModelHost:
         self.switch_outcomes[outcome] = self.switch_outcomes.get(outcome, 0) + 1
         self.state = {SWITCHED: S.SERVING, RESTORED: S.SERVING, FAILED: S.FAILED}.get(outcome, self._resume)
         log.info("ignis.model.switch", extra={"switch_id": sw.switch_id, **self.last_switch})
+        self._changed()  # the history changed, whatever the state did
+        if self._announce is not None:  # front ends hear the new state before the requester hears the end
+            await self._announce()
         if sw.reply_channel:
-            done = SwitchDone(sw.switch_id, outcome, reason, self.served_id, seconds)
+            done = SwitchDone(sw.switch_id, outcome, reason, self.served_id, seconds, str(self.artifact_path))
             await self._send(sw.reply_channel, done.to_message())
 
     # -- the work, on the step thread ------------------------------------------------

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields
 
 ENGINE_CHANNEL = "ignis.engine"
-STATUS_GROUP = "ignis.status"
+STATUS_GROUP = "ignis.status"  # every front end: EngineHeartbeat, on each change and every heartbeat seconds
 
 
 class _Msg:
@@ -112,6 +112,8 @@ class RequestFailed(_Msg):
 
 # Outcomes of a switch, as GET /v1/models reports them in ``last_switch``.
 SWITCHED, REFUSED, RESTORED, FAILED = "switched", "refused", "restored", "failed"
+# A switch to what serves already: answered at once (SwitchAck.unchanged), never a last_switch.
+UNCHANGED = "unchanged"
 
 
 @dataclass
@@ -137,6 +139,9 @@ class SwitchAck(_Msg):
     switch_id: str
     accepted: bool
     message: str = ""
+    # The target is what serves already (same id, artifact and configuration): nothing
+    # happens, no SwitchDone follows, and nothing is recorded as a switch.
+    unchanged: bool = False
 
 
 @dataclass
@@ -149,6 +154,27 @@ class SwitchDone(_Msg):
     reason: str
     served_id: str  # the model serving now (or the one that failed)
     seconds: float = 0.0
+    path: str = ""  # served_id's artifact
+
+
+@dataclass
+class EngineHeartbeat(_Msg):
+    """Engine -> every front end (group STATUS_GROUP): its status, sent whenever the state,
+    the served model or the switch history changes and at least every ``heartbeat`` seconds.
+
+    Front ends answer requests from the last one (apps/core/engine_state.py); one that
+    hears none for ``server.engine_timeout`` seconds takes the engine for gone and ends
+    the requests it sent: ``waiting_request_ids`` (admitted or queued, no token yet) with
+    engine_unavailable, the rest with engine_error. The worker beats soon after a
+    request's first token, so a stream is seldom still listed as waiting.
+    """
+
+    TYPE = "engine.heartbeat"
+    engine_id: str  # one per worker process and start: a restarted engine has another
+    heartbeat: float
+    status: dict  # EngineStatus.to_message()
+    running_request_ids: list[str] = field(default_factory=list)
+    waiting_request_ids: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -164,3 +190,20 @@ class ConfigureEngine(_Msg):
 
     TYPE = "engine.configure"
     values: dict = field(default_factory=dict)
+    reply_channel: str | None = None  # gets EngineConfigured once applied
+
+
+@dataclass
+class EngineConfigured(_Msg):
+    """Engine -> requester: the ConfigureEngine values are applied."""
+
+    TYPE = "engine.configured"
+
+
+@dataclass
+class StatusRequest(_Msg):
+    """Django -> engine: answer on ``reply_channel`` with the EngineStatus (engine/status.py),
+    at once, from the receive loop (asking never counts as using the model)."""
+
+    TYPE = "engine.status"
+    reply_channel: str

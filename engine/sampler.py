@@ -10,8 +10,11 @@ Order per row (the usual HF/vLLM order):
 1. repetition penalty over prompt + output tokens (HF: positive logits are
    divided by the penalty, negative ones multiplied);
 2. presence and frequency penalties over output tokens (OpenAI semantics:
-   ``logit -= frequency * count + presence * (count > 0)``);
-3. greedy rows (``temperature <= 0`` or ``top_k == 1``) take the argmax here;
+   ``logit -= frequency * count + presence * (count > 0)``); then ``logit_bias``
+   added, the grammar's mask, and the suppressed tokens (stop ids before
+   ``min_tokens``) masked unless that would leave no token;
+3. greedy rows (``temperature`` below ``MIN_TEMPERATURE``, 0 included, or
+   ``top_k == 1``) take the argmax here;
 4. temperature, then top-k, top-p and min-p masks (masked logits = -inf);
 5. an inverse-CDF draw with one uniform from Philox(seed, position).
 
@@ -53,8 +56,10 @@ def sample_row(row: np.ndarray, req: SampleRequest, position: int) -> tuple[int,
     p = req.params
     x = np.array(row, dtype=np.float32, copy=True)
     apply_penalties(x, p, req.prompt_token_ids, req.output_token_ids)
+    apply_logit_bias(x, p)
     if req.constraint is not None:  # a grammar: disallowed tokens can be neither drawn nor listed
         req.constraint.mask_logits(x)
+    suppress(x, req.suppress_token_ids)
     if p.is_greedy:
         token = int(np.argmax(x))
     else:
@@ -78,6 +83,32 @@ def apply_penalties(x: np.ndarray, p: SamplingParams, prompt_ids: Sequence[int],
         keep = (ids >= 0) & (ids < vocab)
         ids, counts = ids[keep], counts[keep]
         x[ids] -= np.float32(p.frequency_penalty) * counts.astype(np.float32) + np.float32(p.presence_penalty)
+
+
+def has_edits(req: SampleRequest) -> bool:
+    """Whether a logit bias or a suppression changes the row (the CUDA backend then draws it on the host)."""
+    return bool(req.params.logit_bias or req.suppress_token_ids)
+
+
+def apply_logit_bias(x: np.ndarray, p: SamplingParams) -> None:
+    """``logit_bias`` added in place on ``x`` [vocab]; ids outside the vocabulary are skipped (the API
+    refuses them first)."""
+    vocab = x.shape[0]
+    for token, bias in p.logit_bias:
+        if 0 <= token < vocab:
+            x[token] += np.float32(bias)
+
+
+def suppress(x: np.ndarray, token_ids: Sequence[int]) -> None:
+    """Mask ``token_ids`` (-inf) in place, after any grammar's mask, unless that would leave no token
+    (a grammar that admits only EOS at its end: the stop comes, ``min_tokens`` or not)."""
+    vocab = x.shape[0]
+    ids = [t for t in token_ids if 0 <= t < vocab]
+    if ids:
+        kept = x[ids].copy()
+        x[ids] = -np.inf
+        if not np.isfinite(x).any():
+            x[ids] = kept
 
 
 def process_logits(x: np.ndarray, p: SamplingParams) -> np.ndarray:

@@ -83,8 +83,9 @@ class Scheduler:
 
     # -- requests in and out -------------------------------------------------
 
-    def add_request(self, msg: AddRequest) -> RequestFailed | None:
-        """Queue ``msg`` (None), or return the refusal that says why it cannot run."""
+    def add_request(self, msg: AddRequest, compiled=None) -> RequestFailed | None:
+        """Queue ``msg`` (None), or return the refusal that says why it cannot run.
+        ``compiled``: its grammar, built off the loop (engine.admission.compile_grammar)."""
         if msg.request_id in self.seqs:
             seq = refusal("duplicate_request", msg.request_id)
         else:
@@ -100,6 +101,7 @@ class Scheduler:
                 seed_rng=self.seed_rng,
                 supports_prompt_logprobs=self.supports_prompt_logprobs,
                 constraints=self.constraints,
+                compiled=compiled,
             )
         if isinstance(seq, RequestFailed):
             self.counters["refused"] += 1

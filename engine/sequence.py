@@ -107,4 +107,7 @@ class Sequence:
             num_logprobs=self.num_logprobs,
             want_logprobs=self.want_logprobs,
             constraint=self.constraint,
+            suppress_token_ids=(
+                sorted(self.stop_token_ids) if len(self.output_token_ids) < self.sampling.min_tokens else ()
+            ),
         )

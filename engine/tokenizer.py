@@ -12,6 +12,7 @@ control tokens as special added tokens so they are never cut into pieces.
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -64,6 +65,21 @@ class TokenizerBundle:
     @property
     def vocab_size(self) -> int:
         return self.tokenizer.get_vocab_size(with_added_tokens=True)
+
+
+_shared_lock = threading.Lock()
+_shared: dict[str, TokenizerBundle] = {}
+
+
+def shared_tokenizer(path: str | Path) -> TokenizerBundle:
+    """The process's one TokenizerBundle for an artifact (loaded once, by whoever asks first):
+    the Django side's ServedModel and the engine's grammar factory share it when embedded."""
+    key = str(Path(path).resolve())
+    with _shared_lock:
+        bundle = _shared.get(key)
+        if bundle is None:
+            bundle = _shared[key] = load_tokenizer(key)
+        return bundle
 
 
 def load_tokenizer(path: str | Path) -> TokenizerBundle:

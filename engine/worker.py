@@ -17,31 +17,37 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
+import uuid
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
 
-from engine.backend import StepPlan
+from engine.admission import compile_grammar
+from engine.backend import StepOutput, StepPlan
 from engine.config import EngineConfig
 from engine.host import ModelHost
 from engine.loading import BackendFactory, Loader
 from engine.messages import (
     ENGINE_CHANNEL,
+    STATUS_GROUP,
     AbortRequest,
     AddRequest,
     ConfigureEngine,
+    EngineConfigured,
+    EngineHeartbeat,
     RequestFailed,
     RequestFinished,
+    StatusRequest,
     SwitchModel,
     UnloadModel,
 )
 from engine.outputs import EngineOutput
 from engine.refusals import refusal
 from engine.sequence import SequenceStatus
-from engine.status import EngineStatus
 from engine.telemetry import TELEMETRY
 
 log = logging.getLogger("ignis.engine")
@@ -62,11 +68,15 @@ class EngineWorker:
         idle_unload: float = 0,
         drain_timeout: float = 30.0,
         ram_budget: int = 0,
+        heartbeat: float = 1.0,
         on_progress: Callable[[str, int, int], None] | None = None,
         loader: Loader | None = None,
         backend_factory: BackendFactory | None = None,
     ):
         self.layer = layer
+        self.heartbeat = float(heartbeat)
+        self.engine_id = f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        self._changed = asyncio.Event()
         self._inbox: deque[dict] = deque()
         self._wakeup = asyncio.Event()
         self._replies: dict[str, str] = {}  # request_id -> reply channel, while the scheduler holds it
@@ -80,6 +90,8 @@ class EngineWorker:
             send=self._send,
             end_requests=self._end_with_error,
             wake=self._wakeup.set,
+            announce=self.announce,
+            changed=self._changed.set,
             idle_unload=idle_unload,
             drain_timeout=drain_timeout,
             ram_budget=ram_budget,
@@ -92,11 +104,12 @@ class EngineWorker:
 
     async def run(self) -> None:
         """Load, then serve until cancelled."""
-        loop = asyncio.get_running_loop()
         receiver = asyncio.create_task(self._receive_loop())
+        publisher = asyncio.create_task(self._publish_loop())
         host = self.host
         try:
             await host.start()
+            await self.announce()
             while True:
                 await self._take_messages()
                 if await self._tend_model():
@@ -108,16 +121,16 @@ class EngineWorker:
                     await self._wait(host.idle_left() if plan is None else sched.prefill_wait())
                     continue
                 try:
-                    out = await loop.run_in_executor(self._thread, host.backend.step, plan)
+                    out = await self._step(plan)
                 except Exception:
                     log.exception("ignis.engine.step_failed")
-                    await self._fail_plan(plan)
-                    continue
+                    plan, out = await self._isolate(plan)
                 await self._send_outputs(sched.update_from_output(plan, out))
                 host.touch()
                 self._log_interval()
         finally:
             receiver.cancel()
+            publisher.cancel()
             self._thread.shutdown(wait=False)
 
     async def _tend_model(self) -> bool:
@@ -127,11 +140,13 @@ class EngineWorker:
             await host.run_switch()
         elif host.needs_load and any(m.get("type") == AddRequest.TYPE for m in self._inbox):
             if not await host.reload():
+                await self.announce()  # FAILED is known before a refusal says so
                 await self._refuse_waiting()
         elif host.unload_due():
             await host.unload()
         else:
             return False
+        await self.announce()  # before anything the transition lets through is answered
         return True
 
     async def _wait(self, timeout: float | None) -> None:
@@ -149,15 +164,17 @@ class EngineWorker:
         while True:
             msg = await self.layer.receive(ENGINE_CHANNEL)
             kind = msg.get("type")
-            if kind == EngineStatus.TYPE:
-                await self._send(msg["reply_channel"], self.status_message())
+            if kind == StatusRequest.TYPE:
+                await self._send(StatusRequest.from_message(msg).reply_channel, self.status_message())
                 continue
             if kind == SwitchModel.TYPE:
                 await self.host.accept_switch(SwitchModel.from_message(msg))
+                await self.announce()
             elif kind == ConfigureEngine.TYPE:
-                self.host.configure(ConfigureEngine.from_message(msg).values)
-                if msg.get("reply_channel"):
-                    await self._send(msg["reply_channel"], {"type": "engine.configured"})
+                configure = ConfigureEngine.from_message(msg)
+                self.host.configure(configure.values)
+                if configure.reply_channel:
+                    await self._send(configure.reply_channel, EngineConfigured().to_message())
             elif kind == UnloadModel.TYPE:
                 self.host.request_unload()
             else:
@@ -167,6 +184,38 @@ class EngineWorker:
     def status_message(self) -> dict:
         """The reply to ``engine.status`` (EngineStatus on the wire)."""
         return self.host.status().to_message()
+
+    # -- the status, pushed to every front end -------------------------------------------
+
+    def heartbeat_message(self) -> dict:
+        """EngineHeartbeat: the status, and which of this engine's requests a front end
+        must end (and how) should this engine stop answering."""
+        sched = self.host.scheduler
+        seqs = list(sched.seqs.values()) if sched is not None else []
+        waiting = [s.request_id for s in seqs if s.first_token_time is None]
+        waiting += [m["request_id"] for m in self._inbox if m.get("type") == AddRequest.TYPE]
+        running = [s.request_id for s in seqs if s.first_token_time is not None]
+        beat = EngineHeartbeat(self.engine_id, self.heartbeat, self.status_message(), running, waiting)
+        return beat.to_message()
+
+    async def announce(self) -> None:
+        """Publish the status to STATUS_GROUP now."""
+        self._changed.clear()
+        try:
+            await self.layer.group_send(STATUS_GROUP, self.heartbeat_message())
+        except Exception:  # a layer hiccup must not stop the loop; the next beat retries
+            log.exception("ignis.engine.heartbeat_failed")
+
+    async def _publish_loop(self, min_gap: float = 0.1) -> None:
+        """A heartbeat every ``heartbeat`` seconds, and one soon after every change (state,
+        history, a request's first token), at most one per ``min_gap`` seconds."""
+        while True:
+            try:
+                await asyncio.wait_for(self._changed.wait(), self.heartbeat)
+            except TimeoutError:
+                pass
+            await self.announce()
+            await asyncio.sleep(min(min_gap, self.heartbeat))
 
     async def _take_messages(self) -> None:
         """Admit or abort what arrived. While no model is loaded a request waits at the
@@ -188,7 +237,12 @@ class EngineWorker:
         refused = self.host.refusal_for(add)
         if refused is None:
             self.host.touch()
-            refused = self.host.scheduler.add_request(add)
+            compiled = None
+            if add.grammar:  # compiling can take seconds: never on the event loop
+                stops = sorted(set(add.stop_token_ids or ()))
+                constraints = self.host.scheduler.constraints
+                compiled = await asyncio.to_thread(compile_grammar, add.grammar, stops, constraints)
+            refused = self.host.scheduler.add_request(add, compiled)
         if refused is not None:
             await self._send(add.reply_channel, refused.to_message())
             return
@@ -229,6 +283,7 @@ class EngineWorker:
             msg = output.to_message()
             await self._send(channel, msg)
             if msg["type"] == "engine.tokens" and msg.get("ttft") is not None:
+                self._changed.set()  # it streams now: front ends end it with engine_error should this engine go
                 log.info(
                     "ignis.request.ttft",
                     extra={
@@ -244,14 +299,60 @@ class EngineWorker:
                     extra={**{k: msg.get(k) for k in keys}, **TELEMETRY.timings(msg["request_id"])},
                 )
 
-    async def _fail_plan(self, plan: StepPlan) -> None:
-        """A step that raised ends the requests it carried with engine_error; the rest go on."""
+    async def _step(self, plan: StepPlan) -> StepOutput:
+        self.host.backend.step_stage = "plan"
+        return await asyncio.get_running_loop().run_in_executor(self._thread, self.host.backend.step, plan)
+
+    async def _isolate(self, plan: StepPlan) -> tuple[StepPlan, StepOutput]:
+        """A step raised: find the rows that raise and end only those with engine_error.
+
+        The prefill span and each decode lane run again alone; what the rows that ran
+        computed comes back as one plan and output for ``update_from_output``. Running
+        a row again is safe: it writes the same tokens into the same KV slots. The
+        swaps ran once (the backend's ``step_stage`` says how far the step got): done
+        before a row raised, run first here if the step raised before them, and if they
+        raised, every row of the plan ends (its pages are not where the books say), and
+        so does every lane they were moving out (its host copy is not there).
+        """
+        stage = getattr(self.host.backend, "step_stage", "plan")
+        rows = [StepPlan(prefill=plan.prefill)] if plan.prefill is not None else []
+        rows += [StepPlan(decode=[lane]) for lane in plan.decode]
+        failed: list[StepPlan] = []
+        ran, out = StepPlan(), StepOutput()
+        swaps_failed = stage == "swaps"
+        if stage == "plan" and (plan.swap_out or plan.swap_in):
+            try:
+                await self._step(StepPlan(swap_out=plan.swap_out, swap_in=plan.swap_in))
+            except Exception:
+                swaps_failed = True
+        if swaps_failed:
+            failed, rows = rows, []
+        for row in rows:
+            try:
+                got = await self._step(row)
+            except Exception as exc:
+                failed.append(row)
+                log.warning("ignis.engine.row_failed", extra={"seq_id": _row_seq_id(row), "error": repr(exc)})
+                continue
+            if row.prefill is not None:
+                ran.prefill = row.prefill
+                out.prefill_token, out.prefill_logprob = got.prefill_token, got.prefill_logprob
+                out.prefill_logits, out.prompt_logprobs = got.prefill_logits, got.prompt_logprobs
+                out.prefill_seconds = got.prefill_seconds
+            else:
+                ran.decode += row.decode
+                out.decode_tokens += got.decode_tokens
+                out.decode_logprobs += got.decode_logprobs or [None] * len(got.decode_tokens)
+                out.decode_seconds = max(out.decode_seconds, got.decode_seconds)
         sched = self.host.scheduler
-        seq_ids = [lane.seq_id for lane in plan.decode] + ([plan.prefill.seq_id] if plan.prefill else [])
-        seqs = [sched.sequence(seq_id) for seq_id in seq_ids]
+        seqs = [sched.sequence(_row_seq_id(row)) for row in failed]
+        if swaps_failed:  # the lanes they were moving out end too: their host copy is not there
+            moved = {h for _, h in plan.swap_out}
+            seqs += [s for s in sched.preempted if moved & set(s.host_block_table)]
         await self._end_with_error(
             [s.request_id for s in seqs if s is not None], "The engine failed while running this request."
         )
+        return ran, out
 
     async def _end_with_error(self, request_ids: list[str], message: str) -> None:
         """End live requests with ``engine_error``: their lanes and pages free, their clients told why."""
@@ -268,3 +369,8 @@ class EngineWorker:
         stats = asdict(self.host.scheduler.make_stats())
         kv = stats.pop("kv_pages", {})
         log.debug("ignis.scheduler.interval", extra={**stats, **{f"kv_{k}": v for k, v in kv.items()}})
+
+
+def _row_seq_id(row: StepPlan) -> int:
+    """The sequence of a one-row plan (``_isolate``'s)."""
+    return row.prefill.seq_id if row.prefill is not None else row.decode[0].seq_id

@@ -101,11 +101,26 @@ FIELDS: dict[str, Field] = {
         Field("server.metrics_bind", str, "127.0.0.1:9464", "loopback listener for /metrics ('' = off)"),
         Field("server.body_limit", int, 4 * MiB, "largest request body in bytes", 1024, 1 << 30),
         Field("server.api_keys", str, "", "comma-separated API keys ('' = no auth)"),
+        Field(
+            "server.cors_origins",
+            str,
+            "",
+            "comma-separated origins a browser page may call /v1 from ('*' = any, '' = none)",
+        ),
+        Field(
+            "server.read_timeout",
+            float,
+            60.0,
+            "seconds a request's headers and body may take to arrive (0 = no bound)",
+            0,
+            86400,
+        ),
         Field("server.api_keys_file", str, "", "file of API keys, one a line ('#' comments), beside server.api_keys"),
         Field("server.deadline", float, 600.0, "seconds a request may run before it is cut (0 = none)", 0, 86400),
         Field("server.deadline_max", float, 3600.0, "largest per-request 'deadline' a client may ask for", 1, 86400),
         Field("server.models_dir", str, "", "where artifacts live (default: ./models)"),
-        Field("server.log_level", str, "info", "level of the JSON log on stderr: debug | info | warning | error"),
+        Field("server.log_level", str, "info", "level of the log on stderr: debug | info | warning | error"),
+        Field("server.log_format", str, "json", "the log on stderr: json (one object a line) | text (for people)"),
         Field("server.data_dir", str, "", "state: SQLite, Celery queue, caches (default: ./var)"),
         Field("server.redis_url", str, "", "Redis URL: scaled mode (engine in `runengine`)"),
         Field(
@@ -125,6 +140,15 @@ FIELDS: dict[str, Field] = {
             300,
         ),
         Field("server.responses_keep", int, 10000, "stored responses kept for previous_response_id", 1, 1 << 31),
+        Field("server.engine_heartbeat", float, 1.0, "seconds between the engine's status heartbeats", 0.05, 60),
+        Field(
+            "server.engine_timeout",
+            float,
+            5.0,
+            "seconds without an engine heartbeat before a front end takes the engine for gone",
+            0.2,
+            3600,
+        ),
         Field("model.id", str, "smollm2-135m-instruct", "served id of the model loaded at start"),
         Field("model.path", str, "", "artifact path (default: the catalog's file for model.id)"),
         Field("model.backend", str, "numpy", "numpy | cuda"),
@@ -207,7 +231,9 @@ def load(overrides: dict[str, Any] | None = None, environ: dict[str, str] | None
 
 # Keys the settings module is built from before the database opens: the
 # environment or a flag sets them, never the saved configuration (PATCH refuses them).
-START_ONLY_KEYS = frozenset({"server.data_dir", "server.redis_url", "server.models_dir", "server.log_level"})
+START_ONLY_KEYS = frozenset(
+    {"server.data_dir", "server.redis_url", "server.models_dir", "server.log_level", "server.log_format"}
+)
 
 # Keys a load is built from: changing one reloads the model (the way a switch does).
 RELOAD_KEYS = frozenset(
@@ -234,9 +260,12 @@ LIVE_KEYS = frozenset(
         "switch.known_models",
         "switch.drain_timeout",
         "server.api_keys",
+        "server.cors_origins",
+        "server.read_timeout",
         "server.body_limit",
         "server.deadline",
         "server.deadline_max",
+        "server.engine_timeout",
     }
 )
 
@@ -264,11 +293,12 @@ def validate(patch: dict[str, Any]) -> dict[str, Any]:
 
 
 def worker_options(values: dict[str, Any]) -> dict[str, Any]:
-    """The engine worker's own settings (idle unload, switch drain, RAM plan)."""
+    """The engine worker's own settings (idle unload, switch drain, RAM plan, heartbeat)."""
     return {
         "idle_unload": values["model.idle_unload"],
         "drain_timeout": values["switch.drain_timeout"],
         "ram_budget": values["model.ram_budget"],
+        "heartbeat": values["server.engine_heartbeat"],
     }
 
 

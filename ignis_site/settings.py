@@ -2,7 +2,7 @@
 
 from pathlib import Path
 
-from ignis_site import config
+from ignis_site import config, jsonlog
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 IGNIS = config.load()
@@ -44,6 +44,7 @@ INSTALLED_APPS = [
 
 MIDDLEWARE = [
     "django_prometheus.middleware.PrometheusBeforeMiddleware",
+    "ignis_site.staticfiles.StaticFilesMiddleware",  # the admin's CSS and JS at /static/ (whitenoise)
     "apps.models.middleware.SwitchGateMiddleware",  # 503 model_switching on /v1 while a switch runs
     "django.middleware.security.SecurityMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
@@ -105,7 +106,7 @@ else:
     _celery_dir = VAR_DIR / "celery"
     for _sub in ("in", "processed", "results", "control"):
         (_celery_dir / _sub).mkdir(parents=True, exist_ok=True)
-    CELERY_BROKER_URL = "filesystem://"
+    CELERY_BROKER_URL = "filesystem://localhost/"  # a host named: kombu warns at each connect otherwise
     CELERY_BROKER_TRANSPORT_OPTIONS = {
         "data_folder_in": str(_celery_dir / "in"),
         "data_folder_out": str(_celery_dir / "in"),
@@ -129,6 +130,11 @@ DATA_UPLOAD_MAX_MEMORY_SIZE = IGNIS["server.body_limit"]
 
 STATIC_URL = "static/"
 STATIC_ROOT = VAR_DIR / "static"
+STATIC_ROOT.mkdir(exist_ok=True)  # whitenoise warns at start about a missing root
+# Whitenoise indexes the apps' static files at start: no collectstatic step.
+WHITENOISE_USE_FINDERS = True
+WHITENOISE_AUTOREFRESH = False
+WHITENOISE_MAX_AGE = 3600
 
 LANGUAGE_CODE = "en-us"
 TIME_ZONE = "UTC"
@@ -138,13 +144,19 @@ _LOG_LEVEL = IGNIS["server.log_level"].upper()
 if _LOG_LEVEL not in ("DEBUG", "INFO", "WARNING", "ERROR"):
     raise ValueError(f"server.log_level must be debug, info, warning or error, not {IGNIS['server.log_level']!r}")
 
+_LOG_FORMAT = IGNIS["server.log_format"].lower()
+if _LOG_FORMAT not in ("json", "text"):
+    raise ValueError(f"server.log_format must be json or text, not {IGNIS['server.log_format']!r}")
+
 LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
-    "formatters": {"json": {"()": "ignis_site.jsonlog.JsonFormatter"}},
+    "formatters": {
+        "main": {"()": f"ignis_site.jsonlog.{'JsonFormatter' if _LOG_FORMAT == 'json' else 'TextFormatter'}"}
+    },
     "filters": {"drop_deliberate_503": {"()": "ignis_site.jsonlog.DropDeliberate503"}},
     "handlers": {
-        "stderr": {"class": "logging.StreamHandler", "formatter": "json", "level": _LOG_LEVEL},
+        "stderr": {"class": "logging.StreamHandler", "formatter": "main", "level": _LOG_LEVEL},
         # The engine's request and model events feed the metrics' histograms (engine/telemetry.py).
         "telemetry": {"class": "engine.telemetry.TelemetryHandler"},
     },
@@ -163,5 +175,10 @@ LOGGING = {
             "propagate": False,
         },
         "daphne": {"handlers": ["stderr"], "level": "WARNING"},
+        # The embedded Celery worker logs through this configuration too (ignis_site/celery.py).
+        "celery": {"handlers": ["stderr"], "level": "WARNING", "propagate": False},
+        "kombu": {"handlers": ["stderr"], "level": "WARNING", "propagate": False},
     },
 }
+# warnings.warn (Celery's "running as root", deprecations) becomes a log record, not a raw stderr print.
+jsonlog.capture_warnings()

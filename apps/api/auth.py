@@ -1,11 +1,22 @@
 """API keys and the body limit, checked before anything else runs.
 
-``ApiGate`` wraps the ASGI application: a ``/v1/`` request (HTTP or WebSocket)
-whose ``Authorization: Bearer <key>`` is not one of the configured keys is
-answered 401 ``authentication_error`` at once -- its body is never read, no
+``ApiGate`` wraps the ASGI application: a request on a protected route (every
+``/v1/`` route, HTTP and the Responses WebSocket, and the Playground's
+``/ui/api/`` data routes) whose ``Authorization: Bearer <key>`` is not one of
+the configured keys is answered 401 ``authentication_error`` at once -- no
 consumer or view is built, the engine never hears of it. A declared
 ``Content-Length`` over ``server.body_limit`` is answered 413 the same way
-(consumers also count the bytes of bodies sent without one).
+(consumers also count the bytes of bodies sent without one). A refused
+WebSocket is accepted and closed at once with code 4401 and the message as its
+reason: a browser's ``WebSocket`` can read a close code, not an HTTP status.
+
+Daphne reads a whole request body before the ASGI application is called, so
+for a request with a body the same checks (``refusal``) also run on its
+headers alone, inside the HTTP server (``ignis_site/daphne_gate.py``).
+
+Open without a key: ``/health`` (status only; the engine's details need a key,
+``key_presented``), the Playground's page and assets under ``/ui/``, the admin
+(its own login), and CORS preflights (they never carry credentials).
 
 Keys come from ``server.api_keys`` (comma-separated) and ``server.api_keys_file``
 (one a line, ``#`` comments; re-read when it changes). No key configured means
@@ -22,9 +33,9 @@ import threading
 
 from django.conf import settings
 
-from apps.api.errors import AuthenticationError, BodyTooLarge, IgnisError
+from apps.core.errors import AuthenticationError, BodyTooLarge, IgnisError
 
-PROTECTED_PREFIX = "/v1/"
+PROTECTED_PREFIXES = ("/v1/", "/ui/api/")
 
 _file_lock = threading.Lock()
 _file_cache: dict[str, tuple[float, tuple[str, ...]]] = {}
@@ -84,6 +95,39 @@ def authenticate(headers) -> None:
         raise AuthenticationError("Incorrect API key provided.")
 
 
+def key_presented(headers) -> bool:
+    """True when no key is configured or ``headers`` carry a configured one."""
+    try:
+        authenticate(headers)
+    except AuthenticationError:
+        return False
+    return True
+
+
+def is_preflight(method: str, headers) -> bool:
+    """A CORS preflight: OPTIONS with Origin and Access-Control-Request-Method (never credentials)."""
+    names = {name.lower() for name, _ in headers}
+    return method == "OPTIONS" and b"origin" in names and b"access-control-request-method" in names
+
+
+def refusal(*, kind: str, method: str, path: str, headers, length: int | None) -> IgnisError | None:
+    """Why a request is refused on its headers alone (a bad key, then a declared length over the limit), or None.
+
+    ``length`` is the declared Content-Length (None: none declared). The key comes
+    first: a stranger learns nothing about limits.
+    """
+    if not path.startswith(PROTECTED_PREFIXES) or (kind == "http" and is_preflight(method, headers)):
+        return None
+    try:
+        authenticate(headers)
+    except IgnisError as err:
+        return err
+    limit = settings.IGNIS["server.body_limit"]
+    if kind == "http" and (length or 0) > limit:
+        return BodyTooLarge(f"The request body is over the {limit}-byte limit.")
+    return None
+
+
 def declared_length(headers) -> int | None:
     for name, value in headers:
         if name.lower() == b"content-length":
@@ -95,33 +139,40 @@ def declared_length(headers) -> int | None:
 
 
 class ApiGate:
-    """ASGI middleware: keys, then the declared body size, for every ``/v1/`` route."""
+    """ASGI middleware: keys, then the declared body size, for every protected route."""
 
     def __init__(self, app):
         self.app = app
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] in ("http", "websocket") and scope.get("path", "").startswith(PROTECTED_PREFIX):
+        if scope["type"] in ("http", "websocket"):
             headers = scope.get("headers", [])
-            try:
-                authenticate(headers)
-                limit = settings.IGNIS["server.body_limit"]
-                if scope["type"] == "http" and (declared_length(headers) or 0) > limit:
-                    raise BodyTooLarge(f"The request body is over the {limit}-byte limit.")
-            except IgnisError as err:
+            err = refusal(
+                kind=scope["type"],
+                method=scope.get("method", "GET"),
+                path=scope.get("path", ""),
+                headers=headers,
+                length=declared_length(headers),
+            )
+            if err is not None:
                 return await self._refuse(scope, receive, send, err)
         return await self.app(scope, receive, send)
 
     @staticmethod
     async def _refuse(scope, receive, send, err: IgnisError) -> None:
         if scope["type"] == "websocket":
-            await receive()  # websocket.connect
-            await send(
-                {"type": "websocket.close", "code": 4401 if err.status == 401 else 1009, "reason": err.message[:120]}
-            )
+            await websocket_refuse(receive, send, code=4401, reason=err.message)
             return
         headers = [(b"content-type", b"application/json")]
         if err.status == 401:
             headers.append((b"www-authenticate", b'Bearer realm="ignis"'))
         await send({"type": "http.response.start", "status": err.status, "headers": headers})
         await send({"type": "http.response.body", "body": json.dumps(err.envelope()).encode()})
+
+
+async def websocket_refuse(receive, send, *, code: int, reason: str) -> None:
+    """Accept, then close with ``code`` and ``reason`` before any frame: a close before the
+    accept would be an HTTP 403 at the upgrade, which no browser lets a page read."""
+    await receive()  # websocket.connect
+    await send({"type": "websocket.accept"})
+    await send({"type": "websocket.close", "code": code, "reason": reason[:120]})

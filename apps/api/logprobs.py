@@ -9,27 +9,15 @@ A token's text is its own bytes (a token may hold part of a UTF-8 character;
 from __future__ import annotations
 
 import math
-import threading
 
 MAX_TOP_LOGPROBS = 20
 _FLOOR = -9999.0  # -inf is not JSON
 
-_lock = threading.Lock()
-_ll: dict[int, tuple[object, object]] = {}  # id(bundle) -> (bundle, llguidance tokenizer)
-
-
-def _ll_tokenizer(bundle):
-    with _lock:
-        hit = _ll.get(id(bundle))
-        if hit is None or hit[0] is not bundle:
-            from engine.constraint import ll_tokenizer
-
-            hit = _ll[id(bundle)] = (bundle, ll_tokenizer(bundle))
-        return hit[1]
-
 
 def token_bytes(bundle, token_id: int) -> bytes:
-    return _ll_tokenizer(bundle).decode_bytes([int(token_id)])
+    from engine.constraint import ll_tokenizer_for  # the engine's own, shared when embedded
+
+    return ll_tokenizer_for(bundle).decode_bytes([int(token_id)])
 
 
 def _lp(value: float) -> float:

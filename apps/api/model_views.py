@@ -9,6 +9,8 @@ from rest_framework.decorators import api_view
 from rest_framework.request import Request
 from rest_framework.response import Response
 
+from apps.api.schemas import validated
+from apps.api.schemas.models import CatalogDownloadBody, CatalogImportBody, SwitchBody
 from apps.core.errors import InvalidRequest
 from apps.models import catalog, config_service, selectors
 from apps.models.services import served_model, switch_target_resolve
@@ -53,14 +55,8 @@ async def models_payload() -> dict:
 @api_view(["POST"])
 def models_switch(request: Request) -> Response:
     """POST /v1/models/switch {"model": id} or {"path": artifact}: 202 at once, the work runs in the background."""
-    body = request.data if isinstance(request.data, dict) else None
-    if body is None:
-        raise InvalidRequest("The request body must be a JSON object.", code="invalid_json")
-    served_id, path = body.get("model"), body.get("path")
-    for param, value in (("model", served_id), ("path", path)):
-        if value is not None and (not isinstance(value, str) or not value.strip()):
-            raise InvalidRequest(f"'{param}' must be a non-empty string.", param=param, code="invalid_type")
-    target = switch_target_resolve(served_id=served_id, path=path)
+    body = validated(SwitchBody, request.data)
+    target = switch_target_resolve(served_id=body.get("model"), path=body.get("path"))
     return Response(async_to_sync(model_switch)(target=target, trigger="explicit"), status=202)
 
 
@@ -86,23 +82,13 @@ def catalog_list(request: Request) -> Response:
 @api_view(["POST"])
 def catalog_download(request: Request) -> Response:
     """POST /v1/catalog/download {"id"}: a Celery task fetches a known model; 202 with its progress row."""
-    served_id = request.data.get("id") if isinstance(request.data, dict) else None
-    if not isinstance(served_id, str) or not served_id:
-        raise InvalidRequest("'id' names the model to download.", param="id", code="missing_required_parameter")
+    served_id = validated(CatalogDownloadBody, request.data)["id"]
     return Response(catalog.artifact_dict(catalog.artifact_download(served_id=served_id)), status=202)
 
 
 @api_view(["POST"])
 def catalog_import(request: Request) -> Response:
     """POST /v1/catalog/import {"path", "id"?}: a Celery task hashes an artifact in the models directory."""
-    body = request.data if isinstance(request.data, dict) else {}
-    path, served_id = body.get("path"), body.get("id")
-    if not isinstance(path, str) or not path:
-        raise InvalidRequest(
-            "'path' names the artifact, relative to the models directory.",
-            param="path",
-            code="missing_required_parameter",
-        )
-    if served_id is not None and (not isinstance(served_id, str) or not served_id.strip()):
-        raise InvalidRequest("'id' must be a non-empty string.", param="id", code="invalid_type")
+    body = validated(CatalogImportBody, request.data if isinstance(request.data, dict) else {})
+    path, served_id = body["path"], body.get("id")
     return Response(catalog.artifact_dict(catalog.artifact_import(path=path, served_id=served_id)), status=202)

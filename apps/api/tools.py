@@ -16,11 +16,14 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from apps.api.errors import InvalidRequest
-from apps.api.parsers import json_loads
+from rest_framework import serializers
+from rest_framework.exceptions import ValidationError
 
-MAX_TOOLS = 128
-MAX_SCHEMA_CHARS = 64 * 1024
+from apps.api.parsers import json_loads
+from apps.api.schemas import validated
+from apps.api.schemas.tools import MAX_SCHEMA_CHARS, MAX_TOOLS, ResponseFormat, Tools, schema_checked  # noqa: F401
+from apps.core.errors import InvalidRequest
+
 JSON_OPTIONS = {"whitespace_flexible": False}  # compact JSON: small models wander in free whitespace
 
 
@@ -38,44 +41,22 @@ class Tool:
 
 
 def _schema(value: Any, param: str) -> dict:
-    if not isinstance(value, dict):
-        raise InvalidRequest("A JSON schema must be an object.", param=param, code="invalid_type")
-    if len(json.dumps(value)) > MAX_SCHEMA_CHARS:
-        raise InvalidRequest(f"A JSON schema may be at most {MAX_SCHEMA_CHARS} characters.", param=param)
-    return value
+    try:
+        return schema_checked(value)
+    except ValidationError as exc:
+        raise InvalidRequest(str(exc.detail[0]), param=param, code=exc.detail[0].code) from None
+
+
+class _ToolsBody(serializers.Serializer):
+    tools = Tools()
+    response_format = ResponseFormat()
 
 
 def tools_parse(value: Any) -> list[Tool]:
-    if value is None:
-        return []
-    if not isinstance(value, list):
-        raise InvalidRequest("'tools' must be an array.", param="tools", code="invalid_type")
-    if len(value) > MAX_TOOLS:
-        raise InvalidRequest(f"At most {MAX_TOOLS} tools.", param="tools")
-    tools, names = [], set()
-    for i, t in enumerate(value):
-        param = f"tools[{i}]"
-        if not isinstance(t, dict) or t.get("type", "function") != "function":
-            raise InvalidRequest("Only function tools are supported.", param=f"{param}.type")
-        fn = t.get("function") if "function" in t else t  # the Responses API's flat shape too
-        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
-            raise InvalidRequest(
-                "A tool needs a function with a non-empty string 'name'.", param=f"{param}.function.name"
-            )
-        if fn["name"] in names:
-            raise InvalidRequest(f"Two tools are named {fn['name']!r}.", param=f"{param}.function.name")
-        names.add(fn["name"])
-        desc = fn.get("description") or ""
-        if not isinstance(desc, str):
-            raise InvalidRequest(
-                "'description' must be a string.", param=f"{param}.function.description", code="invalid_type"
-            )
-        params = fn.get("parameters")
-        params = (
-            {"type": "object", "properties": {}} if params is None else _schema(params, f"{param}.function.parameters")
-        )
-        tools.append(Tool(fn["name"], desc, params))
-    return tools
+    """The request's function tools (chat's nested shape or the Responses API's flat one), declared by
+    apps.api.schemas.tools.Tools; 400 naming ``tools[i].function.name`` (or ``tools[i].name``)."""
+    tools = validated(_ToolsBody, {"tools": value}).get("tools") or []
+    return [Tool(t["name"], t["description"], t["parameters"]) for t in tools]
 
 
 def tool_choice_parse(value: Any, tools: list[Tool]) -> str | Tool:
@@ -184,26 +165,16 @@ def json_schema_grammar(schema: dict, param: str) -> str:
 
 
 def response_format_grammar(value: Any) -> tuple[str | None, str]:
-    """(grammar or None, the format's type) for ``response_format``."""
-    if value is None:
+    """(grammar or None, the format's type) for ``response_format`` (declared: ResponseFormat)."""
+    fmt = validated(_ToolsBody, {"response_format": value}).get("response_format")
+    if fmt is None:
         return None, "text"
-    if not isinstance(value, dict) or value.get("type") not in ("text", "json_object", "json_schema"):
-        raise InvalidRequest(
-            '\'response_format\' is {"type": "text" | "json_object" | "json_schema"}.', param="response_format"
-        )
-    kind = value["type"]
+    kind = fmt["type"]
     if kind == "text":
         return None, kind
     if kind == "json_object":
         return json_schema_grammar({"type": "object"}, "response_format"), kind
-    spec = value.get("json_schema")
-    if not isinstance(spec, dict) or not isinstance(spec.get("name", ""), str):
-        raise InvalidRequest(
-            'json_schema needs {"name": ..., "schema": {...}}.',
-            param="response_format.json_schema",
-            code="invalid_type",
-        )
-    schema = _schema(spec.get("schema", {}), "response_format.json_schema.schema")
+    schema = fmt["json_schema"].get("schema") or {}
     return json_schema_grammar(schema, "response_format.json_schema.schema"), kind
 
 

@@ -2,10 +2,12 @@ from django.urls import path, re_path
 
 from apps.api import model_views, views
 from apps.api.responses.views import response_detail
+from apps.api.schemas import openapi
 from apps.api.tokenize import views as tokenize_views
 
 urlpatterns = [
     path("health", views.health),
+    path("openapi.json", openapi.openapi_view),
     path("v1/models", views.models_list),
     path("v1/tokenize", tokenize_views.tokenize),
     path("v1/detokenize", tokenize_views.detokenize),

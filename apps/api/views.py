@@ -6,6 +6,7 @@ from django.http import HttpRequest, JsonResponse
 from django.views import defaults
 from django.views.decorators.csrf import csrf_exempt
 
+from apps.api.auth import key_presented
 from apps.core import engine_client
 from apps.core.errors import IgnisError, ModelNotFound, error_response, internal_error
 from engine.status import EngineState
@@ -46,13 +47,18 @@ async def model_detail(request, model_id: str):
 async def health(request: HttpRequest) -> JsonResponse:
     """GET /health: 200 while the engine answers and can serve (serving, or unloaded and
     ready to load on the next request); 503 with its state while loading, switching,
-    failed or unreachable, so a balancer sends traffic elsewhere only when it must."""
+    failed or unreachable, so a balancer sends traffic elsewhere only when it must.
+    Open without a key; with keys configured, only a request carrying one sees the
+    engine's details (model path, switch history)."""
     if refused := _get_only(request):
         return refused
     status = await engine_client.engine_status()
     state = status.status if status is not None else "unreachable"
     healthy = state in (EngineState.SERVING, EngineState.UNLOADED)
-    body = {"status": "ok" if healthy else state, "engine": engine_client.engine_status_payload(status)}
+    body = {"status": "ok" if healthy else state}
+    presented = request.META.get("HTTP_AUTHORIZATION")
+    if key_presented([(b"authorization", presented.encode("latin-1"))] if presented else []):
+        body["engine"] = engine_client.engine_status_payload(status)
     return JsonResponse(body, status=200 if healthy else 503)
 
 

@@ -7,6 +7,7 @@ import dataclasses
 
 from channels.layers import get_channel_layer
 
+from apps.core import engine_state
 from engine.messages import ENGINE_CHANNEL, AbortRequest, AddRequest
 from engine.status import EngineStatus
 
@@ -19,14 +20,25 @@ ECHO_CHARS = 512
 
 
 async def request_submit(add: AddRequest) -> None:
+    engine_state.request_sent(add.request_id, add.reply_channel)  # ended here should the engine go
     await get_channel_layer().send(ENGINE_CHANNEL, add.to_message())
 
 
 async def request_abort(request_id: str) -> None:
+    engine_state.request_done(request_id)
     await get_channel_layer().send(ENGINE_CHANNEL, AbortRequest(request_id=request_id).to_message())
 
 
 async def engine_status(timeout: float = 2.0) -> EngineStatus | None:
+    """The engine's status as of now (GET /health, the Monitor, /metrics: fresh counters),
+    asked for; None at once while the heartbeats say the engine is gone
+    (apps/core/engine_state.py). Request paths read the pushed status instead."""
+    if not engine_state.engine_available():
+        return None
+    return await engine_status_ask(timeout)
+
+
+async def engine_status_ask(timeout: float = 2.0) -> EngineStatus | None:
     """Ask the engine for its status; None when it does not answer in time."""
     layer = get_channel_layer()
     reply = await layer.new_channel()  # the default prefix: see apps.models.switching.model_switch
@@ -61,3 +73,10 @@ def engine_status_payload(status: EngineStatus | None) -> dict | None:
     msg = status.to_message()
     head = {"type": msg.pop("type")}
     return head | {k: v for k, v in msg.items() if not (k in _LOADED_ONLY and v is None)}
+
+
+async def engine_status_now() -> EngineStatus | None:
+    """The cached status where a listener runs (None: the engine is gone); else a round trip."""
+    if engine_state.CACHE.listening:
+        return engine_state.engine_state()
+    return await engine_status_ask()

@@ -8,12 +8,15 @@ Celery tasks, a switch goes through ``model_switch``, a config edit through
 from __future__ import annotations
 
 from asgiref.sync import async_to_sync
+from django import forms
 from django.contrib import admin, messages
+from django.http import HttpResponseRedirect
 
 from apps.core.errors import IgnisError
 from apps.models import catalog
 from apps.models.models import Artifact, ConfigValue, SwitchRecord
 from apps.models.services import switch_target_resolve
+from ignis_site import config
 
 
 @admin.register(Artifact)
@@ -67,11 +70,28 @@ class ArtifactAdmin(admin.ModelAdmin):
         self._each(request, queryset[:1], go, "switch started")
 
 
+class ConfigValueForm(forms.ModelForm):
+    """A value the schema refuses is a form error: the page shows it and nothing is saved."""
+
+    class Meta:
+        model = ConfigValue
+        fields = ("value",)
+
+    def clean_value(self):
+        value = self.cleaned_data.get("value")
+        try:
+            config.validate({self.instance.key: value})
+        except ValueError as exc:
+            raise forms.ValidationError(exc.args[-1]) from None
+        return value
+
+
 @admin.register(ConfigValue)
 class ConfigValueAdmin(admin.ModelAdmin):
     """``value`` is the saved value (read back at start) or, unsaved, the one the server started with;
     ``running`` and ``source`` are this process's (an environment variable or a flag beats a saved value)."""
 
+    form = ConfigValueForm
     list_display = ("key", "value", "saved", "running", "source", "updated_at")
     list_filter = ("saved",)
     readonly_fields = ("key", "saved")
@@ -107,7 +127,20 @@ class ConfigValueAdmin(admin.ModelAdmin):
         try:
             async_to_sync(config_update)(patch={obj.key: obj.value})
         except IgnisError as err:
+            # The change view would go on to log the change and say "changed successfully".
+            request.ignis_config_refused = True
             self.message_user(request, f"{obj.key}: {err.message}", messages.ERROR)
+
+    def log_change(self, request, obj, message):
+        if not getattr(request, "ignis_config_refused", False):
+            return super().log_change(request, obj, message)
+        return None
+
+    def response_change(self, request, obj):
+        """A refused edit goes back to its form with the error only, not also a success message."""
+        if getattr(request, "ignis_config_refused", False):
+            return HttpResponseRedirect(request.path)
+        return super().response_change(request, obj)
 
 
 @admin.register(SwitchRecord)

@@ -27,7 +27,7 @@ from django.conf import settings
 
 from apps.core.errors import InvalidRequest, ModelSwitchFailed
 from apps.models.services import SwitchTarget, path_confine, servable_lookup, served_id_check, served_model
-from engine.messages import ENGINE_CHANNEL, SWITCHED, ConfigureEngine
+from engine.messages import ENGINE_CHANNEL, SWITCHED, UNCHANGED, ConfigureEngine
 from ignis_site import config
 
 # Config keys the engine applies live, and the name the engine knows each by.
@@ -142,7 +142,7 @@ async def config_update(*, patch: dict[str, Any]) -> dict:
         engine_cfg = {**config.engine_config_dict(new_values), "ram_budget": new_values["model.ram_budget"]}
         done = await model_switch(target=target, trigger="config", config=engine_cfg, wait=True)
         result["reload"] = {k: done.get(k) for k in ("outcome", "reason", "seconds")}
-        if done.get("outcome") != SWITCHED:
+        if done.get("outcome") not in (SWITCHED, UNCHANGED):  # unchanged: the engine runs this config already
             raise ModelSwitchFailed(
                 f"The reload this patch needs did not land ({done.get('outcome')}): "
                 f"{done.get('reason')}; nothing changed."

@@ -31,9 +31,9 @@ class ServedModel:
 
     @cached_property
     def tokenizer(self):
-        from engine.tokenizer import load_tokenizer
+        from engine.tokenizer import shared_tokenizer  # the engine's grammars use the same one
 
-        return load_tokenizer(self.path)
+        return shared_tokenizer(self.path)
 
 
 def models_dir() -> Path:
@@ -138,8 +138,8 @@ def model_name_resolve(name: str | None) -> tuple[ServedModel, str | None]:
     here: an implicit switch (``apps.models.switching.model_hold``) has
     already run for the routes that switch, before they prepare the request.
     """
+    name, request_class = model_name_split(name)  # a bad name is a 400 whatever is on disk
     served = served_model()
-    name, request_class = model_name_split(name)
     if name and name != served.served_id:
         hint = (
             "" if settings.IGNIS["switch.allow_implicit"] else " (implicit switching is off: --switch-allow-implicit)"
@@ -198,6 +198,11 @@ def servable_lookup(served_id: str) -> SwitchTarget:
         return SwitchTarget(served_id, artifact_locate(served_id))
     if served_id == served.served_id:
         return SwitchTarget(served_id, served.path)
+    cfg = settings.IGNIS
+    if served_id == cfg["model.id"]:  # the model this server started with stays known after a switch away
+        return SwitchTarget(
+            served_id, path_confine(cfg["model.path"]) if cfg["model.path"] else artifact_locate(served_id)
+        )
     raise ModelNotFound(f"The model '{served_id}' does not exist or is not known to this server.", param="model")
 
 

@@ -4,9 +4,11 @@ naming another known model), and config reloads; plus the gate that answers 503
 
 The engine is the one authority on what is loaded: it accepts or refuses a
 switch at once (a second one is ``switch_in_progress``) and reports how it
-ended, and lists its recent finished switches in its status: whichever front
-end reads one first records it in the history (idempotent by switch id). This
-side also points its tokenizer at the new model.
+ended, and lists its recent finished switches in the status it pushes to every
+front end (apps/core/engine_state.py): each front end's listener records the
+ones it has not seen in the history (idempotent by switch id) and points its
+tokenizer at the model served, so the gate and the hold read a cached status:
+no round trip and no database write on a request's path.
 """
 
 from __future__ import annotations
@@ -23,10 +25,10 @@ from django.conf import settings
 from django.db import IntegrityError
 from django.utils import timezone
 
-from apps.core import engine_client
-from apps.core.errors import ModelSwitchFailed, ModelSwitching, SwitchInProgress
+from apps.core import engine_client, engine_state
+from apps.core.errors import IgnisError, ModelSwitchFailed, ModelSwitching, SwitchInProgress
 from apps.models.services import SwitchTarget, model_name_split, servable_lookup, served_model, served_model_update
-from engine.messages import ENGINE_CHANNEL, SWITCHED, SwitchModel
+from engine.messages import ENGINE_CHANNEL, RESTORED, SWITCHED, UNCHANGED, SwitchModel
 from engine.status import EngineState, EngineStatus
 
 log = logging.getLogger("ignis.models")
@@ -114,14 +116,28 @@ async def switch_history_note(status: EngineStatus | None) -> None:
 
 
 async def _wait_done(layer, reply: str, sw: SwitchModel) -> dict | None:
-    """The engine's SwitchDone for ``sw``; the model it reports serving becomes this side's model."""
+    """The engine's SwitchDone for ``sw``; the model it reports serving becomes this side's model.
+    The history row is finished in the background (the listener records it too)."""
     try:
         done = await asyncio.wait_for(layer.receive(reply), timeout=24 * 3600)
     except TimeoutError:
         return None
-    await _record_end(done)
-    await status_sync()
+    if done.get("path") and done.get("outcome") in (SWITCHED, RESTORED):
+        served_model_update(served_id=done["served_id"], path=done["path"])
+    _spawn(_record_end(done))
+    if not engine_state.CACHE.listening:
+        await status_sync()
     return done
+
+
+def _spawn(coro) -> None:
+    """Run ``coro`` in the background, in a fresh context: the caller may be a sync view
+    (``async_to_sync`` from its request thread), whose context points sync_to_async at that
+    thread's executor -- which quits when the view returns, long before the switch ends and
+    _wait_done writes the history row."""
+    task = asyncio.get_running_loop().create_task(coro, context=contextvars.Context())
+    _background.add(task)
+    task.add_done_callback(_background_done)
 
 
 async def model_switch(
@@ -155,7 +171,6 @@ async def model_switch(
         raise ModelSwitchFailed("The engine did not answer the switch request.") from None
     if not ack.get("accepted"):
         raise SwitchInProgress("A model switch is already running; wait for it to end.")
-    await _record_start(sw, from_id)
     described = {
         "id": sw.switch_id,
         "object": "model.switch",
@@ -164,15 +179,13 @@ async def model_switch(
         "trigger": trigger,
         "status": "switching",
     }
+    if ack.get("unchanged"):  # it serves already: answered at once, no SwitchDone, not in the history
+        return {**described, "status": "done", "outcome": UNCHANGED, "reason": ack.get("message", ""), "seconds": 0.0}
+    await _record_start(sw, from_id)
     if wait:
         done = await _wait_done(layer, reply, sw)
         return {**described, **(done or {}), "status": "done"}
-    # A fresh context: the caller may be a sync view (``async_to_sync`` from its request thread),
-    # whose context points sync_to_async at that thread's executor -- which quits when the view
-    # returns, long before the switch ends and _wait_done writes the history row.
-    task = asyncio.get_running_loop().create_task(_wait_done(layer, reply, sw), context=contextvars.Context())
-    _background.add(task)
-    task.add_done_callback(_background_done)
+    _spawn(_wait_done(layer, reply, sw))
     return described
 
 
@@ -183,9 +196,11 @@ def _background_done(task: asyncio.Task) -> None:
 
 
 async def status_sync() -> EngineStatus | None:
-    """The engine's status; the model it names becomes the one this side tokenizes for."""
-    status = await engine_client.engine_status()
-    await switch_history_note(status)
+    """The engine's status (pushed: apps/core/engine_state.py; asked for where no listener
+    runs); the model it names becomes the one this side tokenizes for."""
+    status = await engine_client.engine_status_now()
+    if not engine_state.CACHE.listening:  # else the listener records the history, off the request path
+        await switch_history_note(status)
     if status is not None and status.model and status.path:
         served = served_model()
         if status.model != served.served_id or str(served.path) != status.path:
@@ -202,6 +217,17 @@ def _refuse_while_switching(status: EngineStatus | None) -> None:
         raise _switching()
 
 
+def _refuse_while_gone() -> None:
+    if not engine_state.engine_available():
+        raise IgnisError(
+            "The engine is not answering; retry shortly.",
+            type="server_error",
+            code="engine_unavailable",
+            status=503,
+            retry_after=engine_state.RETRY_AFTER,
+        )
+
+
 async def model_hold(*, name: str | None) -> None:
     """Before a chat completion, response or decision: make ``name`` the serving model.
 
@@ -215,11 +241,12 @@ async def model_hold(*, name: str | None) -> None:
     if not isinstance(name, str):
         return
     served_id, _ = model_name_split(name)
-    status = await status_sync()
+    status = await status_sync()  # the cached status: no round trip where a listener runs
     if not served_id or served_id == served_model().served_id:
         return
     if not settings.IGNIS["switch.allow_implicit"]:
         return
+    _refuse_while_gone()
     _refuse_while_switching(status)
     target = await database_sync_to_async(servable_lookup)(served_id)
     try:
@@ -238,14 +265,28 @@ GATE_EXEMPT = {("GET", "/v1/models"), ("POST", "/v1/models/switch"), ("GET", "/v
 
 
 async def switch_gate(*, method: str, path: str) -> None:
-    """Raise ModelSwitching (503, Retry-After: 5) for a /v1 route while a switch runs."""
+    """For a /v1 route: 503 engine_unavailable while the engine misses its heartbeats, 503
+    model_switching (Retry-After: 5) while a switch runs. Reads the pushed status
+    (apps/core/engine_state.py): no round trip, no database write."""
     if not path.startswith("/v1/") or (method, path.rstrip("/")) in GATE_EXEMPT or _is_model_read(method, path):
         return
-    status = await engine_client.engine_status()
-    await switch_history_note(status)
-    _refuse_while_switching(status)
+    _refuse_while_gone()
+    _refuse_while_switching(engine_state.engine_state())
 
 
 def _is_model_read(method: str, path: str) -> bool:
     """GET /v1/models/{id} reads state, like GET /v1/models."""
     return method == "GET" and path.startswith("/v1/models/")
+
+
+async def status_took(status: EngineStatus) -> None:
+    """The engine state listener's hook (apps/core/engine_state.py STATUS_HOOKS, registered by
+    ModelsConfig.ready): record finished switches, point this side's tokenizer at the model
+    the engine serves and load it on a thread before a request needs it."""
+    await switch_history_note(status)
+    if status.model and status.path:
+        served = served_model()
+        if status.model != served.served_id or str(served.path) != status.path:
+            served = served_model_update(served_id=status.model, path=status.path)
+        if "tokenizer" not in served.__dict__:
+            await asyncio.to_thread(lambda: served.tokenizer)

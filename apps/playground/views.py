@@ -7,7 +7,6 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from django.conf import settings
 from django.http import HttpRequest, JsonResponse
 from django.shortcuts import render
 from django.views.decorators.http import require_GET
@@ -16,27 +15,6 @@ from apps.core import engine_client
 from apps.core.metrics import engine_samples
 
 STATIC_DIR = Path(__file__).resolve().parent / "static" / "playground"
-
-
-def _key_refused(request) -> JsonResponse | None:
-    """With API keys configured, the Monitor route wants one too (the page sends it)."""
-    keys = [k.strip() for k in (settings.IGNIS.get("server.api_keys") or "").split(",") if k.strip()]
-    if not keys:
-        return None
-    header = request.headers.get("Authorization", "")
-    if header.startswith("Bearer ") and header[7:].strip() in keys:
-        return None
-    return JsonResponse(
-        {
-            "error": {
-                "message": "Missing or invalid API key.",
-                "type": "invalid_request_error",
-                "param": None,
-                "code": "invalid_api_key",
-            }
-        },
-        status=401,
-    )
 
 
 def assets_version() -> int:
@@ -53,11 +31,9 @@ def index(request):
 async def monitor(request: HttpRequest) -> JsonResponse:
     """GET /ui/api/monitor: engine state, lanes and the /metrics samples, from one status reply.
 
-    Read-only: asking the engine for status never counts as using the model.
+    Read-only: asking the engine for status never counts as using the model. The
+    key is checked by the one gate (apps/api/auth.py) before this view runs.
     """
-    refused = _key_refused(request)
-    if refused is not None:
-        return refused
     status = await engine_client.engine_status()
     if status is None:
         state = {"status": "unreachable", "model": None, "backend": None, "error": None}

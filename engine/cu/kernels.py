@@ -5,7 +5,8 @@ constants, block size and parameter list (``engine.cu.launch.Kernel``); the
 wrappers below compute grids, check preconditions and pass parameters by name.
 Block sizes that a source depends on reach it as a define from the same
 constant (``TC_THREADS``, ``GEMM_THREADS``, ``DECODE_THREADS``,
-``PREFILL_THREADS``, ``SAMPLE_THREADS``). Pointers are plain ints (device
+``PREFILL_THREADS``, ``SAMPLE_THREADS``), and so does the greedy floor
+(``MIN_TEMPERATURE``, engine/sampling.py's). Pointers are plain ints (device
 addresses).
 """
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from engine.cu.launch import Kernel, module
+from engine.sampling import MIN_TEMPERATURE
 
 GEMV_MAX_ROWS = 8
 GEMM_SMEM = 3 * (128 + 128) * 40 * 2  # STAGES * (BM + BN) * LDS * sizeof(bf16)
@@ -82,7 +84,7 @@ class Kernels:
                                     "block_size:i32 KVH:i32 n:i32 start:i32 scale_log2:f32 out:ptr", PREFILL_THREADS)  # fmt: skip
         self._counters = cuda.mem_alloc(4 * MAX_COUNTERS)  # decode_attn's split counters, self-resetting
         cuda.memset_d32(self._counters, 0, MAX_COUNTERS)
-        samp = mod("sample", ("SAMPLE_THREADS", SAMPLE_THREADS))
+        samp = mod("sample", ("SAMPLE_THREADS", SAMPLE_THREADS), ("MIN_TEMPERATURE", MIN_TEMPERATURE))
         self._penalties = Kernel(samp, "apply_penalties", "logits:ptr V:i32 params:ptr pen_tokens:ptr pen_counts:ptr "
                                  "pen_num:ptr pen_stride:i32", 256)  # fmt: skip
         self._sample = Kernel(samp, "sample", "logits:ptr V:i32 params:ptr seeds:ptr positions:ptr out_tokens:ptr",

@@ -10,7 +10,10 @@
 // sample: grid M, block SAMPLE_THREADS (defined by the wrapper). seeds uint64 [M],
 //   positions int32 [M] (the position of the token being drawn: the row's own
 //   position + 1, as engine/sampler.py keys it), out_tokens int32 [M].
-//   Greedy (temperature <= 0 or top_k == 1): argmax, lowest index on ties.
+//   Greedy (temperature below MIN_TEMPERATURE, 0 and NaN included, or top_k == 1): argmax,
+//   lowest index on ties. MIN_TEMPERATURE is engine/sampling.py's (a define from the wrapper):
+//   1 / T for a smaller T overflows, and the wrapper stages greedy rows with T = 0 anyway,
+//   so the host's choice of greedy and this one agree at the boundary too.
 //   Otherwise, with l' = l / T and mx = max l': a token is kept when
 //     l' >= mx - 30 (mass below is < V * e^-30, negligible),
 //     l' >= mx + log(min_p)                          (min-p),
@@ -24,6 +27,9 @@
 
 #ifndef SAMPLE_THREADS
 #error "SAMPLE_THREADS is defined by engine/cu/kernels.py"
+#endif
+#ifndef MIN_TEMPERATURE
+#error "MIN_TEMPERATURE is defined by engine/cu/kernels.py (engine/sampling.py's)"
 #endif
 #define BISECT_STEPS 24
 
@@ -83,7 +89,7 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
     const int top_k = (int)p[2];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
 
-    if (temperature <= 0.f || top_k == 1) {
+    if (!(temperature >= (float)MIN_TEMPERATURE) || top_k == 1) {
         float best = -INFINITY;
         int bi = 0x7fffffff;
         for (int i = threadIdx.x; i < V; i += SAMPLE_THREADS) {

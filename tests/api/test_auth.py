@@ -23,7 +23,7 @@ class App:
         await send({"type": "http.response.body", "body": b"ok"})
 
 
-def call(gate, path="/v1/chat/completions", headers=(), kind="http"):
+def call(gate, path="/v1/chat/completions", headers=(), kind="http", method="POST"):
     sent, body_reads = [], []
 
     async def receive():
@@ -33,7 +33,7 @@ def call(gate, path="/v1/chat/completions", headers=(), kind="http"):
     async def send(msg):
         sent.append(msg)
 
-    scope = {"type": kind, "path": path, "method": "POST", "headers": [(k.encode(), v.encode()) for k, v in headers]}
+    scope = {"type": kind, "path": path, "method": method, "headers": [(k.encode(), v.encode()) for k, v in headers]}
     asyncio.run(gate(scope, receive, send))
     return sent, body_reads
 
@@ -81,10 +81,47 @@ def test_a_bad_key_is_401_and_touches_nothing(keys, headers, code):
 
 def test_routes_outside_v1_are_open_and_websockets_are_closed(keys):
     app = App()
-    sent, _ = call(auth.ApiGate(app), path="/health")
-    assert app.calls == 1
+    for path in ("/health", "/ui/", "/ui/static/playground/app.js", "/admin/login/"):
+        sent, _ = call(auth.ApiGate(app), path=path)
+    assert app.calls == 4
     sent, _ = call(auth.ApiGate(app), path="/v1/responses", kind="websocket")
-    assert app.calls == 1 and sent == [{"type": "websocket.close", "code": 4401, "reason": sent[0]["reason"]}]
+    # Accepted, then closed with 4401: a close before the accept is an HTTP 403 no browser lets a page read.
+    assert app.calls == 4
+    assert sent[0] == {"type": "websocket.accept"}
+    assert sent[1]["type"] == "websocket.close" and sent[1]["code"] == 4401
+    assert sent[1]["reason"].startswith("You didn't provide an API key.")
+    assert len(sent) == 2
+
+
+@pytest.mark.parametrize("headers", [[], [("Authorization", "Bearer sk-wrong")]])
+def test_the_monitor_route_takes_the_one_gate(keys, headers):
+    """/ui/api/monitor: refused by the gate (keys from server.api_keys_file too), not by code of its own."""
+    app = App()
+    sent, _ = call(auth.ApiGate(app), path="/ui/api/monitor", headers=headers)
+    assert app.calls == 0 and sent[0]["status"] == 401
+    sent, _ = call(auth.ApiGate(app), path="/ui/api/monitor", headers=[("Authorization", "Bearer sk-file-2")])
+    assert app.calls == 1 and sent[0]["status"] == 200
+
+
+def test_the_monitor_view_has_no_key_check_of_its_own():
+    import inspect
+
+    from apps.playground import views
+
+    assert "api_keys" not in inspect.getsource(views)
+
+
+def test_health_details_need_a_key(keys):
+    assert not auth.key_presented([])
+    assert not auth.key_presented([(b"authorization", b"Bearer sk-nope")])
+    assert auth.key_presented([(b"authorization", b"Bearer sk-file-1")])
+
+
+def test_a_preflight_passes_the_key_gate(keys):
+    app = App()
+    headers = [("Origin", "https://app.example"), ("Access-Control-Request-Method", "POST")]
+    call(auth.ApiGate(app), path="/v1/chat/completions", headers=headers, method="OPTIONS")
+    assert app.calls == 1
 
 
 def test_declared_body_over_the_limit_is_413_after_the_key(keys):

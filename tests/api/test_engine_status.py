@@ -265,9 +265,20 @@ def test_models_payload_without_an_engine_reads_loading(monkeypatch):
 
 @pytest.mark.parametrize(("state", "refused"), [("switching", True), ("serving", False), ("loading", False)])
 def test_switch_gate_refuses_only_while_switching(monkeypatch, state, refused):
-    from apps.models import switching
+    import time
 
-    _fake_status(monkeypatch, {**SERVING, "status": state, "recent_switches": []})
+    from apps.core import engine_state
+    from apps.models import switching
+    from engine.messages import EngineHeartbeat
+
+    async def no_round_trip(timeout: float = 2.0):
+        raise AssertionError("the gate reads the pushed status")
+
+    monkeypatch.setattr(engine_client, "engine_status_ask", no_round_trip)
+    cache = engine_state.EngineStateCache()
+    cache.listening = True
+    cache.take(EngineHeartbeat("e1", 1.0, {**SERVING, "status": state, "recent_switches": []}), time.monotonic())
+    monkeypatch.setattr(engine_state, "CACHE", cache)
     gate = switching.switch_gate(method="POST", path="/v1/chat/completions")
     if refused:
         with pytest.raises(ModelSwitching) as err:

@@ -115,6 +115,21 @@ def test_explicit_switches_record_their_end_without_a_task_error(live):
     assert not [e for e in proc.events() if e.get("event") == "ignis.switch.record_failed"]
 
 
+def test_a_switch_to_the_serving_model_is_a_no_op_answered_at_once(live):
+    """Issue 11 point 11: no reload, the statistics stay, and it is no switch in the history."""
+    base, _, _ = live
+    wait_status(base, DEFAULT, "serving")
+    assert chat(base, DEFAULT).status_code == 200
+    before = models(base)["last_switch"]
+    finished = httpx.get(base + "/health", timeout=10).json()["engine"]["stats"]["finished"]
+    resp = switch(base, model=DEFAULT)
+    assert resp.status_code == 202, resp.text
+    body = resp.json()
+    assert (body["status"], body["outcome"], body["to"]) == ("done", "unchanged", DEFAULT)
+    assert models(base)["last_switch"] == before and entry(base, DEFAULT)["status"] == "serving"
+    assert httpx.get(base + "/health", timeout=10).json()["engine"]["stats"]["finished"] >= finished
+
+
 @pytest.mark.parametrize("path", ["../outside", "/etc", "escape", "smollm2-135m-instruct/../../outside"])
 def test_path_traversal_refused(live, path):
     base, _, _ = live

@@ -167,7 +167,7 @@ class FakeModels:
         self.loads: list[Path] = []  # every load started, in order
         self.backends: list[FakeBackend] = []  # every backend made, in order
         self.load_gate, self.step_gate = Gate(), Gate()
-        self.fail_step: Callable[[StepPlan], bool] | None = None  # True: this step raises (once)
+        self.fail_step: Callable[[StepPlan], bool] | None = None  # True: this step raises (every time)
 
     def model(self, name: str, max_position: int = 256) -> Path:
         """A directory the precheck accepts (artifact_config reads its config.json)."""
@@ -205,7 +205,6 @@ class FakeModels:
     def _before_step(self, plan: StepPlan) -> None:
         self.step_gate.enter()
         if self.fail_step is not None and self.fail_step(plan):
-            self.fail_step = None
             raise RuntimeError("the fake step failed")
 
 

@@ -7,7 +7,7 @@ import pytest
 
 from engine.backend import SampleRequest
 from engine.sampler import apply_penalties, log_softmax, process_logits, sample_row, sample_rows
-from engine.sampling import SamplingParams
+from engine.sampling import MIN_TEMPERATURE, SamplingParams
 
 VOCAB = 1000
 
@@ -58,6 +58,33 @@ def test_greedy_is_argmax(params):
     logits = make_logits(4)
     toks, _ = sample_rows(logits, [req(seed=s, **params) for s in range(4)], [0, 1, 2, 3])
     assert toks == list(np.argmax(logits, axis=1))
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        dict(temperature=1e-50, top_p=0.9),  # the chat fuzz case: 1e-50 is 0 in float32
+        dict(temperature=1e-40, top_p=0.5),  # the completions one: a float32 subnormal
+        dict(temperature=1e-30),
+        dict(temperature=1e-6, top_k=50, min_p=0.1),
+        dict(temperature=float("nan"), top_p=0.9),
+    ],
+)
+def test_temperatures_below_the_floor_are_greedy(params):
+    """Below MIN_TEMPERATURE the row is the argmax, and its logprobs are the model's (temperature 1)."""
+    logits = make_logits(4)
+    reqs = [req(seed=s, want_logprobs=True, num_logprobs=3, **params) for s in range(4)]
+    toks, lps = sample_rows(logits, reqs, [0, 1, 2, 3])
+    assert toks == list(np.argmax(logits, axis=1))
+    for row, tok, lp in zip(logits, toks, lps):
+        assert lp.logprob == pytest.approx(log_softmax(row)[tok]) and np.isfinite(lp.logprob)
+
+
+def test_the_smallest_temperature_above_the_floor_still_draws_from_a_finite_row():
+    logits = make_logits(4)
+    reqs = [req(seed=s, temperature=MIN_TEMPERATURE, top_p=0.9, want_logprobs=True) for s in range(4)]
+    toks, lps = sample_rows(logits, reqs, [0, 1, 2, 3])
+    assert toks == list(np.argmax(logits, axis=1)) and all(np.isfinite(lp.logprob) for lp in lps)
 
 
 def test_input_logits_untouched():

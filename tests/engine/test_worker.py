@@ -202,9 +202,10 @@ def test_abort_ends_a_stream_at_once(models):
     run(scenario)
 
 
-def test_a_step_that_raises_ends_only_the_requests_it_carried(models):
-    """The failing step carries a decoding lane and a prompt's prefill: both end with
-    engine_error; a request still waiting for the prefill lane is served in full."""
+def test_a_step_that_raises_ends_only_the_row_that_raised(models, logs):
+    """The failing step carries a decoding lane and a poisoned prompt's prefill: the worker
+    runs each row alone, so only the poisoned request ends with engine_error; the lane
+    goes on token for token (its KV rewritten in place), and a waiting request is served."""
     poison = 990
 
     async def scenario():
@@ -218,15 +219,42 @@ def test_a_step_that_raises_ends_only_the_requests_it_carried(models):
             await e.status()  # both are in the inbox
             models.fail_step = lambda plan: plan.prefill is not None and poison in plan.prefill.token_ids
             models.step_gate.open()
-            for add in (lane, bad):
-                _, last = await e.outcome(add)
-                assert refused_with(last, "engine_error", 500)
-                assert last["message"] == "The engine failed while running this request."
-            tokens, last = await e.outcome(waiting)
-            assert last["type"] == "engine.finished" and tokens == expected(waiting, 4)
+            _, last = await e.outcome(bad)
+            assert refused_with(last, "engine_error", 500)
+            assert last["message"] == "The engine failed while running this request."
+            for add, want in ((lane, expected(lane, 60)[1:]), (waiting, expected(waiting, 4))):
+                tokens, last = await e.outcome(add)
+                assert last["type"] == "engine.finished" and last["finish_reason"] == "length"
+                assert tokens == want
+            await logs.wait("ignis.engine.row_failed")
             st = await e.status()
-            assert st["status"] == "serving" and st["stats"]["aborted"] == 2 and st["stats"]["lanes_busy"] == 0
+            assert st["status"] == "serving" and st["stats"]["aborted"] == 1 and st["stats"]["lanes_busy"] == 0
             await e.serve()
+
+    run(scenario)
+
+
+def test_a_decode_lane_that_raises_ends_alone(models):
+    """Three lanes decode; every round that carries the poisoned one raises. That one ends with
+    engine_error at its first failing round; the other two stream every token they would alone."""
+
+    async def scenario():
+        async with Engine(models, models.model("m1")) as e:
+            models.step_gate.close()
+            adds = [await e.submit(max_tokens=12, sampling={"top_k": k}) for k in (0, 7, 0)]
+            bad = adds[1]
+            models.fail_step = lambda plan: any(
+                lane.sample.params.top_k == 7 and lane.position > len(bad.prompt_token_ids) for lane in plan.decode
+            )
+            models.step_gate.open()
+            await e.status()
+            tokens, last = await e.outcome(bad)
+            assert refused_with(last, "engine_error", 500) and len(tokens) >= 1
+            for add in (adds[0], adds[2]):
+                tokens, last = await e.outcome(add)
+                assert last["type"] == "engine.finished" and tokens == expected(add, 12)
+            stats = (await e.status())["stats"]
+            assert (stats["aborted"], stats["lanes_busy"], stats["kv_pages"]["used"]) == (1, 0, 0)
 
     run(scenario)
 
@@ -475,6 +503,78 @@ def test_a_switch_refused_while_unloaded_leaves_it_unloaded(models, logs, tmp_pa
             _, reply = await e.switch(tmp_path / "missing", "ghost")
             assert (await e.receive(reply))["outcome"] == "refused"
             assert (await e.status())["status"] == "unloaded"  # the state it left, not serving
+            await e.serve()
+
+    run(scenario)
+
+
+def test_a_switch_to_what_serves_is_a_no_op(models):
+    """Same id, artifact and configuration: answered at once, no reload, the statistics and
+    the retained prefixes stay, and it is no switch in the history. A new config still reloads."""
+    m1 = models.model("m1")
+
+    async def scenario():
+        async with Engine(models, m1) as e:
+            await e.serve()
+            ack, _ = await e.switch(m1, "m1")
+            assert ack["accepted"] and ack["unchanged"]
+            st = await e.status()
+            assert (st["status"], st["last_switch"], st["recent_switches"], st["switch_outcomes"]) == (
+                "serving",
+                None,
+                [],
+                {},
+            )
+            assert st["stats"]["finished"] == 1 and models.loads == [m1]
+            reply = await e.layer.new_channel()
+            sw = SwitchModel("sw-config", "m1", str(m1), config={"prefill_chunk": 8}, reply_channel=reply)
+            await e.layer.send(ENGINE_CHANNEL, sw.to_message())
+            ack = await e.receive(reply)
+            assert ack["accepted"] and not ack["unchanged"]
+            done = await e.receive(reply)
+            assert done["outcome"] == "switched" and models.loads == [m1, m1]
+
+    run(scenario)
+
+
+def test_a_grammar_compiles_off_the_event_loop(models, monkeypatch):
+    import engine.worker as worker_mod
+
+    threads = []
+
+    def compile_grammar(grammar, stop_token_ids, constraints):
+        threads.append(threading.current_thread())
+        return "The output grammar does not compile: fake"
+
+    monkeypatch.setattr(worker_mod, "compile_grammar", compile_grammar)
+
+    async def scenario():
+        async with Engine(models, models.model("m1")) as e:
+            add = await e.submit(grammar="start: 'x'")
+            _, last = await e.outcome(add)
+            assert refused_with(last, "invalid_grammar", 400)
+            assert threads and threads[0] is not threading.main_thread()
+            await e.serve()
+
+    run(scenario)
+
+
+def test_swaps_that_raise_end_the_plan_and_the_lanes_they_moved(tmp_path):
+    """Two lanes outgrow a 6-block pool: the step that preempts one raises in its swap (again when
+    run alone). Both end with engine_error, no page stays taken, and the engine serves on."""
+    models = FakeModels(tmp_path, num_blocks=6, block_size=4, num_host_blocks=16)
+
+    async def scenario():
+        async with Engine(models, models.model("m1")) as e:
+            models.fail_step = lambda plan: bool(plan.swap_out)
+            a, b = await e.submit(max_tokens=14), await e.submit(max_tokens=14)
+            for add in (a, b):
+                _, last = await e.outcome(add)
+                assert refused_with(last, "engine_error", 500), last
+            models.fail_step = None
+            stats = (await e.status())["stats"]
+            assert (stats["aborted"], stats["lanes_busy"], stats["kv_pages"]["used"]) == (2, 0, 0)
+            assert stats["preempted"] == 1
             await e.serve()
 
     run(scenario)

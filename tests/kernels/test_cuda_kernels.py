@@ -487,6 +487,10 @@ def test_penalties_and_sampling(kern, stream):
         SamplingParams(temperature=0.9, min_p=0.05, top_k=200, top_p=0.95),
         SamplingParams(temperature=1.0, top_k=1),
         SamplingParams(temperature=1.0, frequency_penalty=0.7),
+        # Below engine.sampling.MIN_TEMPERATURE: greedy on both (1e-40 reaches the kernel as a subnormal).
+        SamplingParams(temperature=1e-40, top_p=0.5),
+        SamplingParams(temperature=1e-50, top_p=0.9),
+        SamplingParams(temperature=1e-7, min_p=0.1),
     ]
     agree = total = 0
     for _trial in range(6):

@@ -46,7 +46,7 @@ class ChatCompletionsConsumer(MultiRequestConsumer):
             if ev.kind == "content":
                 deltas.append({"content": ev.text})
             elif ev.kind == "reasoning":
-                deltas.append({"reasoning_content": ev.text})
+                deltas.append({"reasoning_content": ev.text, "reasoning": ev.text})  # the field newer servers use
             elif ev.kind == "tool_call_start":  # the name first, then the arguments as they arrive
                 call = ev.call
                 deltas.append(
@@ -95,7 +95,7 @@ class ChatCompletionsConsumer(MultiRequestConsumer):
         sp = choice.splitter
         msg = {"role": "assistant", "content": sp.content if sp.content or not sp.tool_calls else None}
         if sp.reasoning:
-            msg["reasoning_content"] = sp.reasoning
+            msg["reasoning_content"] = msg["reasoning"] = sp.reasoning
         if sp.tool_calls:
             msg["tool_calls"] = [
                 {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}

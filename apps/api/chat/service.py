@@ -5,12 +5,15 @@ The template rendering (``chat_render``), ``generation_cap`` and the engine requ
 
 from __future__ import annotations
 
+import functools
+import json
 import uuid
 from dataclasses import dataclass, field
 
 from django.conf import settings
 
 from apps.api.output_parsers import DEFAULT, OutputParsers, output_parsers_for
+from apps.api.thinking import thinking_kwargs
 from apps.api.validation import ChatRequest, parse_chat_request
 from apps.core.errors import IgnisError, InvalidRequest
 from apps.models.services import ServedModel, model_name_resolve
@@ -76,45 +79,67 @@ def generation_cap(prompt_len: int, requested: int | None) -> int:
 
 def chat_prompt(req: ChatRequest, served: ServedModel) -> tuple[str, list[int]]:
     """The prompt text and tokens exactly as the request would be served (tools and switches included)."""
+    prompt, ids, _ = _chat_prompt(req, served)
+    return prompt, ids
+
+
+def _chat_prompt(req: ChatRequest, served: ServedModel) -> tuple[str, list[int], int]:
+    """The prompt, its tokens, and how many of them are its system block (``system_block_len``):
+    the template renders the request once; the system block alone is rendered once per
+    distinct block (a burst of subagents shares one)."""
     from apps.api.tools import tools_prompt_apply
 
     tools = req.tools if req.tool_choice != "none" else []
     messages, template_tools = tools_prompt_apply(req.messages, tools, served.tokenizer.chat_template)
-    prompt = chat_render(served, messages, req.template_kwargs, template_tools)
-    return prompt, served.tokenizer.encode(prompt)
+    template_kwargs = thinking_kwargs(req.template_kwargs, req.reasoning_effort, served.tokenizer.chat_template, param="reasoning_effort")  # fmt: skip
+    prompt = chat_render(served, messages, template_kwargs, template_tools)
+    ids = served.tokenizer.encode(prompt)
+    return prompt, ids, system_block_len(served, messages, template_tools, template_kwargs, ids)
 
 
-def system_block_len(req: ChatRequest, served: ServedModel, prompt_ids: list[int]) -> int:
+def system_block_len(
+    served: ServedModel, messages: list[dict], tools: list[dict] | None, template_kwargs: dict, prompt_ids: list[int]
+) -> int:
     """How many leading prompt tokens are its system block: the leading system messages
     rendered alone (tools included), as far as they tokenize the same. The engine keeps
     that span as a shared prefix (a burst of subagents opening with one block); 0 if none."""
-    from apps.api.tools import tools_prompt_apply
-    from engine.chat_template import ChatTemplateError, render_chat
-
-    tok = served.tokenizer
-    tools = req.tools if req.tool_choice != "none" else []
-    messages, template_tools = tools_prompt_apply(req.messages, tools, tok.chat_template)
     k = next((i for i, m in enumerate(messages) if m["role"] != "system"), len(messages))
     if k == 0:
         return 0
-    try:
-        text = render_chat(
-            tok.chat_template,
-            messages[:k],
-            tools=template_tools,
-            add_generation_prompt=False,
-            bos_token=tok.bos_token,
-            eos_token=tok.eos_token,
-            **req.template_kwargs,
-        )
-    except (ChatTemplateError, TypeError):  # a template that wants more than a system block
+    try:  # key order kept: the template may render dicts in their order
+        key = json.dumps([str(served.path), messages[:k], tools, template_kwargs])
+    except (TypeError, ValueError):
         return 0
+    block = _system_block_ids(key)
     n = 0
-    for a, b in zip(tok.encode(text), prompt_ids):
+    for a, b in zip(block, prompt_ids):
         if a != b:
             break
         n += 1
     return n
+
+
+@functools.lru_cache(maxsize=256)
+def _system_block_ids(key: str) -> tuple[int, ...]:
+    """The system block's tokens, by (artifact, leading system messages, tools, kwargs) as JSON."""
+    from engine.chat_template import ChatTemplateError, render_chat
+    from engine.tokenizer import shared_tokenizer
+
+    path, messages, tools, template_kwargs = json.loads(key)
+    tok = shared_tokenizer(path)
+    try:
+        text = render_chat(
+            tok.chat_template,
+            messages,
+            tools=tools,
+            add_generation_prompt=False,
+            bos_token=tok.bos_token,
+            eos_token=tok.eos_token,
+            **template_kwargs,
+        )
+    except (ChatTemplateError, TypeError):  # a template that wants more than a system block
+        return ()
+    return tuple(tok.encode(text))
 
 
 def _sampling_for(sampling: dict, i: int) -> dict:
@@ -165,7 +190,7 @@ def chat_prepare(body: dict) -> PreparedChat:
     """Validate, render and tokenize a chat completion request (runs off the event loop)."""
     req = parse_chat_request(body)
     served, suffix_class = model_name_resolve(req.model)
-    prompt, prompt_ids = chat_prompt(req, served)
+    prompt, prompt_ids, system_len = _chat_prompt(req, served)
     base = f"chatcmpl-{uuid.uuid4().hex[:24]}"
     adds = _adds(
         base,
@@ -178,7 +203,7 @@ def chat_prepare(body: dict) -> PreparedChat:
         grammar=req.grammar,
         logprobs=req.logprobs,
         top=req.top_logprobs,
-        shared_prefix_len=system_block_len(req, served, prompt_ids),
+        shared_prefix_len=system_len,
     )
     parsers = output_parsers_for(served.tokenizer)
     return PreparedChat(

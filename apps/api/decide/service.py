@@ -32,13 +32,13 @@ import uuid
 from dataclasses import dataclass
 
 from apps.api.chat.service import chat_render
-from apps.api.errors import InvalidRequest
+from apps.api.schemas import validated
+from apps.api.schemas.decide import MAX_LABEL_LEN, MAX_LABELS, DecideBody  # noqa: F401 - their old home
 from apps.api.usage import usage_block
+from apps.core.errors import InvalidRequest
 from apps.models.services import ServedModel, model_name_resolve
 from engine.messages import AddRequest
 
-MAX_LABELS = 64
-MAX_LABEL_LEN = 200
 ANSWER_LEAD = "Answer:"
 
 
@@ -48,36 +48,6 @@ class PreparedDecision:
     add: AddRequest
     labels: list[str]
     label_tokens: list[list[int]]  # per label, the first tokens that count for it
-
-
-def _string(body: dict, name: str, *, required: bool, allow_empty: bool = False) -> str | None:
-    value = body.get(name)
-    if value is None:
-        if required:
-            raise InvalidRequest(f"'{name}' is required.", param=name, code="missing_required_parameter")
-        return None
-    if not isinstance(value, str):
-        raise InvalidRequest(f"'{name}' must be a string.", param=name, code="invalid_type")
-    if not allow_empty and not value.strip():
-        raise InvalidRequest(f"'{name}' must not be empty.", param=name)
-    return value
-
-
-def _labels(value) -> list[str]:
-    if value is None:
-        raise InvalidRequest("'labels' is required.", param="labels", code="missing_required_parameter")
-    if not isinstance(value, list):
-        raise InvalidRequest("'labels' must be an array of strings.", param="labels", code="invalid_type")
-    if not 2 <= len(value) <= MAX_LABELS:
-        raise InvalidRequest(f"Give between 2 and {MAX_LABELS} labels.", param="labels")
-    for i, label in enumerate(value):
-        if not isinstance(label, str):
-            raise InvalidRequest("Each label must be a string.", param=f"labels[{i}]", code="invalid_type")
-        if not label.strip() or len(label) > MAX_LABEL_LEN:
-            raise InvalidRequest(f"A label is 1 to {MAX_LABEL_LEN} characters, not blank.", param=f"labels[{i}]")
-    if len(set(value)) != len(value):
-        raise InvalidRequest("Labels must be distinct.", param="labels")
-    return value
 
 
 def label_first_tokens(tokenizer, labels: list[str]) -> list[list[int]]:
@@ -117,14 +87,9 @@ def label_first_tokens(tokenizer, labels: list[str]) -> list[list[int]]:
 
 def decide_prepare(body: dict) -> PreparedDecision:
     """Validate, render and tokenize a decision request (runs off the event loop)."""
-    evidence = _string(body, "evidence", required=False, allow_empty=True) or ""
-    question = _string(body, "question", required=True)
-    labels = _labels(body.get("labels"))
-    instructions = _string(body, "instructions", required=False)
-    model = _string(body, "model", required=False)
-    request_class = body.get("class")
-    if request_class is not None and request_class not in ("interactive", "agent"):
-        raise InvalidRequest("'class' must be 'interactive' or 'agent'.", param="class")
+    data = validated(DecideBody, body)
+    evidence, question, labels = data.get("evidence") or "", data["question"], data["labels"]
+    instructions, model, request_class = data.get("instructions"), data.get("model"), data.get("class")
     served, suffix_class = model_name_resolve(model)
     tok = served.tokenizer
     label_tokens = label_first_tokens(tok, labels)

@@ -49,6 +49,9 @@ class Text(serializers.Field):
             fail("Must not be blank.")
         return data
 
+    def json_schema(self) -> dict:
+        return {"type": "string", "maxLength": self.max_length, **({} if self.allow_blank else {"pattern": "\\S"})}
+
     def to_representation(self, value):  # pragma: no cover - requests only
         return value
 
@@ -65,6 +68,9 @@ class Literal(serializers.Field):
             fail(f"Expected one of: {', '.join(map(repr, self.values))}.")
         return data
 
+    def json_schema(self) -> dict:
+        return {"type": "string", "enum": list(self.values)}
+
     def to_representation(self, value):  # pragma: no cover
         return value
 
@@ -76,6 +82,9 @@ class ChoiceValue(serializers.Field):
         if isinstance(data, bool):
             return data
         return Text(max_length=MAX_OPTION_TEXT, allow_blank=False).to_internal_value(data)
+
+    def json_schema(self) -> dict:
+        return {"anyOf": [{"type": "boolean"}, Text(max_length=MAX_OPTION_TEXT, allow_blank=False).json_schema()]}
 
     def to_representation(self, value):  # pragma: no cover
         return value
@@ -95,6 +104,11 @@ class OneOf(serializers.Field):
         if not ser.is_valid():
             raise ValidationError(ser.errors)
         return dict(ser.validated_data)
+
+    def json_schema(self) -> dict:
+        from apps.api.schemas.jsonschema import object_schema
+
+        return {"oneOf": [object_schema(cls()) for cls in getattr(self.pick, "variants", ())]} or {"type": "object"}
 
     def to_representation(self, value):  # pragma: no cover
         return value
@@ -126,6 +140,10 @@ class Either(serializers.Field):
             raise ValidationError(errors)
         return out
 
+    def json_schema(self) -> dict:
+        parts = {"type": "array", "minItems": 1, "maxItems": self.max_items, "items": self.parts.json_schema()}
+        return {"anyOf": [{"type": "string"}, parts]}
+
     def to_representation(self, value):  # pragma: no cover
         return value
 
@@ -143,6 +161,7 @@ def tagged(field: str, table: dict[str, type[serializers.Serializer]]):
             )
         return table[kind]
 
+    pick.variants = list(dict.fromkeys(table.values()))  # for the OpenAPI document
     return pick
 
 
@@ -172,6 +191,9 @@ def _json_checked(data: Any) -> Any:
 class JsonData(serializers.Field):
     def to_internal_value(self, data: Any) -> Any:
         return _json_checked(data)
+
+    def json_schema(self) -> dict:
+        return {"anyOf": [{"type": "object"}, {"type": "array", "items": {"type": "object"}}]}
 
     def to_representation(self, value):  # pragma: no cover
         return value

@@ -29,7 +29,7 @@ from apps.api.decisions.fields import (
     first_error,
     tagged,
 )
-from apps.api.errors import InvalidRequest
+from apps.core.errors import InvalidRequest
 
 # Limits (docs/API.md, POST /v1/decisions). Each question is one prefill of its own suffix over
 # the retained input, so the number of questions bounds the work a request may ask for; 26
@@ -162,6 +162,9 @@ def _pick_item(data: dict) -> type[serializers.Serializer]:
     return tagged("type", ITEMS)(data)
 
 
+_pick_item.variants = list(dict.fromkeys([*MESSAGES.values(), *ITEMS.values()]))  # for the OpenAPI document
+
+
 class Input(serializers.Field):
     """A string, or 1..MAX_ITEMS items; each tool output names an earlier call of its kind."""
 
@@ -190,6 +193,10 @@ class Input(serializers.Field):
         if errors:
             raise ValidationError(errors)
         return items
+
+    def json_schema(self) -> dict:
+        items = {"type": "array", "minItems": 1, "maxItems": MAX_ITEMS, "items": OneOf(_pick_item).json_schema()}
+        return {"anyOf": [{"type": "string", "pattern": "\\S"}, items]}
 
     def to_representation(self, value):  # pragma: no cover
         return value
@@ -276,6 +283,10 @@ class Questions(serializers.Field):
         if errors:
             raise ValidationError(errors)
         return out
+
+    def json_schema(self) -> dict:
+        one = OneOf(tagged("type", QUESTIONS)).json_schema()
+        return {"type": "array", "minItems": 1, "maxItems": MAX_QUESTIONS, "items": one}
 
     def to_representation(self, value):  # pragma: no cover
         return value

@@ -19,16 +19,23 @@ from channels.db import database_sync_to_async
 from django.conf import settings
 
 from apps.api.chat.service import chat_render, generation_cap
-from apps.api.errors import IgnisError, InvalidRequest, PreviousResponseNotFound
 from apps.api.output_parsers import output_parsers_for
 from apps.api.responses.events import new_id
-from apps.api.tools import Tool, tool_choice_grammar, tool_choice_parse, tools_parse, tools_prompt_apply
-from apps.api.validation import _integer, _number, _text_of
+from apps.api.schemas import given, validated
+from apps.api.schemas.responses import INPUT_ROLES, MAX_ITEMS, ResponseBody  # noqa: F401 - their old home
+from apps.api.thinking import thinking_kwargs
+from apps.api.tools import (
+    Tool,
+    _schema,
+    json_schema_grammar,
+    tool_choice_grammar,
+    tool_choice_parse,
+    tools_parse,
+    tools_prompt_apply,
+)
+from apps.core.errors import IgnisError, PreviousResponseNotFound
 from apps.models.services import ServedModel, model_name_resolve
 from engine.messages import AddRequest
-
-MAX_ITEMS = 2048
-INPUT_ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
 
 
 @dataclass
@@ -49,6 +56,9 @@ class ResponseRequest:
     request_class: str | None = None
     metadata: dict = field(default_factory=dict)
     deadline: float | None = None  # seconds; None: server.deadline
+    text_format: dict = field(default_factory=lambda: {"type": "text"})  # echoed as text.format
+    text_grammar: str | None = None  # text.format json_schema / json_object, as chat's response_format
+    reasoning_effort: str | None = None  # reasoning.effort, mapped as chat's reasoning_effort
 
 
 @dataclass
@@ -61,126 +71,50 @@ class PreparedResponse:
     in_reasoning: bool = False  # the prompt opened <think> itself
 
 
-def _bool(body: dict, name: str, default: bool) -> bool:
-    value = body.get(name, default)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise InvalidRequest(f"'{name}' must be a boolean.", param=name, code="invalid_type")
-    return value
-
-
-def _optional_str(body: dict, name: str) -> str | None:
-    value = body.get(name)
-    if value is not None and not isinstance(value, str):
-        raise InvalidRequest(f"'{name}' must be a string.", param=name, code="invalid_type")
-    return value
-
-
-def _input_item(item: Any, param: str) -> dict:
-    if not isinstance(item, dict):
-        raise InvalidRequest("Each input item must be an object.", param=param, code="invalid_type")
-    kind = item.get("type", "message")
-    if kind == "message":
-        role = item.get("role")
-        if not isinstance(role, str):  # a list or object is not even hashable: never a dict lookup
-            raise InvalidRequest(
-                f"'role' must be a string: one of {', '.join(INPUT_ROLES)}.", param=f"{param}.role", code="invalid_type"
-            )
-        if role not in INPUT_ROLES:
-            raise InvalidRequest(
-                f"Unknown role {role!r}; expected one of {', '.join(INPUT_ROLES)}.", param=f"{param}.role"
-            )
-        return {"role": INPUT_ROLES[role], "content": _text_of(item.get("content"), f"{param}.content")}
-    if kind == "function_call":
-        for key in ("call_id", "name", "arguments"):
-            if not isinstance(item.get(key), str):
-                raise InvalidRequest(
-                    f"A function_call item needs a string '{key}'.", param=f"{param}.{key}", code="invalid_type"
-                )
-        return {
-            "role": "assistant",
-            "content": "",
-            "tool_calls": [
-                {
-                    "id": item["call_id"],
-                    "type": "function",
-                    "function": {"name": item["name"], "arguments": item["arguments"]},
-                }
-            ],
-        }
-    if kind == "function_call_output":
-        if not isinstance(item.get("call_id"), str):
-            raise InvalidRequest(
-                "A function_call_output item needs a string 'call_id'.", param=f"{param}.call_id", code="invalid_type"
-            )
-        output = item.get("output")
-        text = output if isinstance(output, str) else _text_of(output, f"{param}.output")
-        return {"role": "tool", "tool_call_id": item["call_id"], "content": text}
-    if kind == "reasoning":
-        return {}  # earlier reasoning is not part of the next prompt
-    raise InvalidRequest(f"Input items of type {kind!r} are not supported.", param=f"{param}.type")
-
-
-def _messages_of(value: Any) -> list[dict]:
-    if isinstance(value, str):
-        return [{"role": "user", "content": value}]
-    if not isinstance(value, list):
-        raise InvalidRequest("'input' must be a string or an array of input items.", param="input", code="invalid_type")
-    if len(value) > MAX_ITEMS:
-        raise InvalidRequest(f"At most {MAX_ITEMS} input items.", param="input")
-    messages = [m for i, item in enumerate(value) if (m := _input_item(item, f"input[{i}]"))]
-    merged: list[dict] = []  # consecutive function calls are one assistant turn
-    for m in messages:
-        if merged and m.get("tool_calls") and merged[-1].get("tool_calls") and not m["content"]:
-            merged[-1]["tool_calls"] += m["tool_calls"]
-        else:
-            merged.append(m)
-    return merged
-
-
 def _tool_choice_echo(choice: str | Tool) -> Any:
     return {"type": "function", "name": choice.name} if isinstance(choice, Tool) else choice
 
 
 def response_parse(body: dict) -> ResponseRequest:
     """Validate a POST /v1/responses body (or a WebSocket response.create); unknown fields are ignored."""
-    if body.get("input") is None:
-        raise InvalidRequest("'input' is required.", param="input", code="missing_required_parameter")
-    messages = _messages_of(body["input"])
-    tools = tools_parse(body.get("tools"))
-    request_class = body.get("class")
-    if request_class is not None and request_class not in ("interactive", "agent"):
-        raise InvalidRequest("'class' must be 'interactive' or 'agent'.", param="class")
-    metadata = body.get("metadata") or {}
-    if not isinstance(metadata, dict):
-        raise InvalidRequest("'metadata' must be an object.", param="metadata", code="invalid_type")
-    seed = _integer(body, "seed", -(1 << 63), (1 << 64) - 1)
-    deadline = None
-    if body.get("deadline") is not None:
-        deadline = _number(body, "deadline", 0.0, 0.0, settings.IGNIS.get("server.deadline_max", 3600.0), lo_open=True)
+    data = validated(ResponseBody, body)
+    tools = tools_parse(data.get("tools"))
+    seed = data.get("seed")
+    text_format = (data.get("text") or {}).get("format") or {"type": "text"}
     return ResponseRequest(
-        messages=messages,
-        instructions=_optional_str(body, "instructions"),
-        model=_optional_str(body, "model"),
-        stream=_bool(body, "stream", False),
-        store=_bool(body, "store", True),
-        generate=_bool(body, "generate", True),
-        previous_response_id=_optional_str(body, "previous_response_id"),
-        max_output_tokens=_integer(body, "max_output_tokens", 1, 1 << 30),
+        messages=data["input"],
+        instructions=data.get("instructions"),
+        model=data.get("model"),
+        stream=given(data, "stream", False),
+        store=given(data, "store", True),
+        generate=given(data, "generate", True),
+        previous_response_id=data.get("previous_response_id"),
+        max_output_tokens=data.get("max_output_tokens"),
         tools=tools,
-        tools_echo=body.get("tools") or [],
-        tool_choice=tool_choice_parse(body.get("tool_choice"), tools),
-        parallel_tool_calls=_bool(body, "parallel_tool_calls", True),
+        tools_echo=body.get("tools") or [],  # as the request gave them
+        tool_choice=tool_choice_parse(data.get("tool_choice"), tools),
+        parallel_tool_calls=given(data, "parallel_tool_calls", True),
         sampling={
-            "temperature": _number(body, "temperature", 1.0, 0.0, 2.0),
-            "top_p": _number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
+            "temperature": given(data, "temperature", 1.0),
+            "top_p": given(data, "top_p", 1.0),
             "seed": None if seed is None else seed % (1 << 64),
         },
-        request_class=request_class,
-        metadata=metadata,
-        deadline=deadline,
+        request_class=data.get("class"),
+        metadata=given(data, "metadata", {}),
+        deadline=data.get("deadline"),
+        text_format=text_format,
+        text_grammar=text_format_grammar(text_format),
+        reasoning_effort=(data.get("reasoning") or {}).get("effort"),
     )
+
+
+def text_format_grammar(fmt: dict) -> str | None:
+    """``text.format`` as chat's ``response_format`` grammar (param paths as this API's)."""
+    if fmt["type"] == "text":
+        return None
+    if fmt["type"] == "json_object":
+        return json_schema_grammar({"type": "object"}, "text.format")
+    return json_schema_grammar(_schema(fmt["schema"], "text.format.schema"), "text.format.schema")
 
 
 def _remap(err: IgnisError) -> IgnisError:
@@ -197,9 +131,10 @@ def response_prepare(req: ResponseRequest, previous: dict | None) -> PreparedRes
     tools = req.tools if req.tool_choice != "none" else []
     try:
         messages, template_tools = tools_prompt_apply(messages, tools, served.tokenizer.chat_template)
-        prompt = chat_render(served, messages, None, template_tools)
+        kwargs = thinking_kwargs(None, req.reasoning_effort, served.tokenizer.chat_template, param="reasoning.effort")
+        prompt = chat_render(served, messages, kwargs, template_tools)
         prompt_ids = served.tokenizer.encode(prompt)
-        grammar = tool_choice_grammar(req.tool_choice, tools, req.parallel_tool_calls)
+        grammar = tool_choice_grammar(req.tool_choice, tools, req.parallel_tool_calls) or req.text_grammar
         max_tokens = generation_cap(len(prompt_ids), req.max_output_tokens)
     except IgnisError as err:
         raise _remap(err) from None
@@ -230,10 +165,10 @@ def response_prepare(req: ResponseRequest, previous: dict | None) -> PreparedRes
         "output": [],
         "parallel_tool_calls": req.parallel_tool_calls,
         "previous_response_id": req.previous_response_id,
-        "reasoning": {"effort": None, "summary": None},
+        "reasoning": {"effort": req.reasoning_effort, "summary": None},
         "store": req.store,
         "temperature": req.sampling["temperature"],
-        "text": {"format": {"type": "text"}},
+        "text": {"format": req.text_format},
         "tool_choice": _tool_choice_echo(req.tool_choice),
         "tools": req.tools_echo,
         "top_p": req.sampling["top_p"],

@@ -20,8 +20,9 @@ _MASK64 = (1 << 64) - 1
 def stage_row(st, row: int, req: SampleRequest, position: int, vocab: int, pen_stride: int) -> bool:
     """Write row ``row``'s sampling inputs into staging ``st``; returns whether it has penalties."""
     p = req.params
+    # A greedy row goes to the device as T = 0: the host's is_greedy decides, never float32 rounding.
     st.view["params"][row * 8 : row * 8 + 8] = (
-        p.temperature, p.top_p, float(p.top_k), p.min_p, p.presence_penalty, p.frequency_penalty,
+        0.0 if p.is_greedy else p.temperature, p.top_p, float(p.top_k), p.min_p, p.presence_penalty, p.frequency_penalty,
         p.repetition_penalty, 0.0,
     )  # fmt: skip
     st.view["seeds"][row] = int(req.seed) & _MASK64
@@ -44,14 +45,14 @@ def sample_on_device(kern, stream, logits: int, vocab: int, st, pen_stride: int,
 
 
 def needs_logits(req: SampleRequest) -> bool:
-    """Whether the row's logits must come back to the host (logprobs, or a grammar to apply)."""
-    return req.want_logprobs or req.constraint is not None
+    """Whether the row's logits must come back to the host (logprobs, a grammar, a bias or suppression)."""
+    return req.want_logprobs or req.constraint is not None or sampler.has_edits(req)
 
 
 def finish_row(row: np.ndarray, req: SampleRequest, token: int, position: int) -> tuple[int, TokenLogprob | None]:
     """The row's token and logprob: a constrained row is drawn here from its (penalised) logits
     ``row``; otherwise the device's ``token`` stands, with its logprob when asked."""
-    if req.constraint is not None:
+    if req.constraint is not None or sampler.has_edits(req):
         return host_sample(row, req, position)
     if req.want_logprobs:
         return token, logprob(row, req, token)

@@ -7,7 +7,16 @@ def add_config_flags(parser, skip: tuple[str, ...] = ()) -> None:
     for field in config.FIELDS.values():
         if field.key in skip:
             continue
-        parser.add_argument(field.flag, dest=field.key, default=None, help=f"{field.help} [{field.env_name}]")
+        # default=None: an unset flag must not beat the saved value or the environment; the help says the default.
+        text = f"{field.help} (default: {_shown(field.default)}) [{field.env_name}]"
+        metavar = field.type.__name__.upper()
+        parser.add_argument(field.flag, dest=field.key, default=None, metavar=metavar, help=text.replace("%", "%%"))
+
+
+def _shown(default) -> str:
+    if default == "":
+        return "''"
+    return str(default).lower() if isinstance(default, bool) else str(default)
 
 
 def apply_config_flags(options: dict) -> dict:

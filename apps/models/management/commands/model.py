@@ -18,6 +18,7 @@ class Command(BaseCommand):
         sub.add_parser("list", help="list catalog entries and whether they are on disk")
         dl = sub.add_parser("download", help="fetch a known model into the models directory")
         dl.add_argument("served_id")
+        dl.add_argument("--force", action="store_true", help="fetch again even if a verified copy is on disk")
         vf = sub.add_parser("verify", help="check an artifact's sha256 against the recorded one")
         vf.add_argument("served_id")
         im = sub.add_parser("import", help="add an artifact already in the models directory to the catalog")
@@ -41,16 +42,31 @@ class Command(BaseCommand):
     def do_list(self, **options):
         from apps.models.catalog import artifact_sync
 
+        rows = [("ID", "STATE", "FORMAT", "SIZE", "PATH", "SOURCE")]
         for art in artifact_sync():
-            size = f"{art.size_bytes} bytes" if art.size_bytes else "-"
-            self.stdout.write(f"{art.served_id}\t{art.state}\t{art.format or '-'}\t{size}\t{art.path}\t{art.source}")
+            size = f"{art.size_bytes / (1 << 20):.1f} MiB" if art.size_bytes else "-"
+            rows.append((art.served_id, art.state, art.format or "-", size, art.path or "-", art.source or "-"))
+        widths = [max(len(str(row[i])) for row in rows) for i in range(len(rows[0]) - 1)]
+        for row in rows:
+            self.stdout.write("  ".join(str(v).ljust(w) for v, w in zip(row, widths)) + "  " + str(row[-1]))
 
-    def do_download(self, served_id, **options):
-        from apps.models.catalog import artifact_download_run
+    def do_download(self, served_id, force=False, **options):
+        from apps.models.catalog import artifact_download_run, artifact_sync, artifact_verify
         from apps.models.download import KNOWN_DOWNLOADS
 
         if served_id not in KNOWN_DOWNLOADS:
             raise CommandError(f"unknown model {served_id!r}; known: {', '.join(KNOWN_DOWNLOADS)}")
+        if not force:
+            artifact_sync()
+            try:
+                clean, got, _ = artifact_verify(served_id=served_id)
+            except IgnisError:
+                clean = False  # not in the catalog or not on disk: fetch it
+            if clean:
+                self.stdout.write(
+                    f"{served_id}: already on disk, sha256 {got} verified; nothing to do (--force refetches)"
+                )
+                return
         art = artifact_download_run(served_id=served_id, echo=self._echo)
         self.stdout.write(f"\n{served_id}: {art.path} sha256 {art.sha256}")
 

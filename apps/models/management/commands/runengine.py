@@ -31,7 +31,8 @@ class Command(BaseCommand):
             served.served_id,
             **worker_options(values),
         )
-        self.stdout.write(f"ignis engine: serving {served.served_id} from {served.path}")
+        # Not "serving" yet: the load runs inside worker.run(); it logs ignis.model.loaded when done.
+        log.info("ignis.engine.starting", extra={"model": served.served_id, "path": str(served.path)})
         try:
             asyncio.run(worker.run())
         except KeyboardInterrupt:

@@ -14,6 +14,7 @@ from django.conf import settings
 from django.core.management.base import BaseCommand
 
 from apps.models.management.commands._options import add_config_flags, apply_config_flags
+from ignis_site import config
 
 log = logging.getLogger("ignis.server")
 
@@ -22,8 +23,13 @@ class Command(BaseCommand):
     help = "Serve ignis on --server-host/--server-port (default http://127.0.0.1:8080)."
 
     def add_arguments(self, parser):
-        parser.add_argument("--host", dest="server.host", default=None, help="alias of --server-host")
-        parser.add_argument("--port", dest="server.port", default=None, help="alias of --server-port")
+        host, port = config.FIELDS["server.host"].default, config.FIELDS["server.port"].default
+        parser.add_argument(
+            "--host", dest="server.host", default=None, metavar="STR", help=f"alias of --server-host (default: {host})"
+        )
+        parser.add_argument(
+            "--port", dest="server.port", default=None, metavar="INT", help=f"alias of --server-port (default: {port})"
+        )
         parser.add_argument("--with-engine", action="store_true", help="host the engine here even with Redis")
         parser.add_argument("--no-download", action="store_true", help="fail instead of fetching the default model")
         add_config_flags(parser, skip=("server.host", "server.port"))
@@ -32,20 +38,23 @@ class Command(BaseCommand):
         from channels.layers import get_channel_layer
         from channels.routing import get_default_application
         from daphne.endpoints import build_endpoint_description_strings
-        from daphne.server import Server, twisted_loop
+        from daphne.server import twisted_loop
         from twisted.internet import reactor
 
+        from apps.core.engine_state import engine_state_listen
         from apps.models.catalog import artifact_sync
         from apps.models.config_service import config_listen, config_snapshot
-        from apps.models.download import DEFAULT_MODEL, ensure_default_model
+        from apps.models.download import DEFAULT_MODEL, artifact_path, ensure_default_model
         from apps.models.services import served_model
         from engine.config import EngineConfig
         from engine.worker import EngineWorker
         from ignis_site.config import engine_config_dict, worker_options
+        from ignis_site.daphne_gate import IgnisServer
 
         values = apply_config_flags(options)
         if values["model.id"] == DEFAULT_MODEL.served_id and not values["model.path"] and not options["no_download"]:
-            self.stdout.write(f"fetching {DEFAULT_MODEL.served_id} into {settings.MODELS_DIR} if absent ...")
+            if not artifact_path(settings.MODELS_DIR, DEFAULT_MODEL).exists():
+                log.info("ignis.server.fetching", extra={"model": DEFAULT_MODEL.served_id, "into": settings.MODELS_DIR})
             ensure_default_model(settings.MODELS_DIR)
         served = served_model()
         artifact_sync()
@@ -61,22 +70,23 @@ class Command(BaseCommand):
                 served.path,
                 served.served_id,
                 **worker_options(values),
-                on_progress=ProgressBar(self.stdout),
+                on_progress=ProgressBar(self.stdout) if self.stdout.isatty() else None,
             )
             tasks.append(twisted_loop.create_task(worker.run()))
 
         def ready():
+            # The listener is up; the URL is announced once the model serves (announce_when_serving).
             shown = f"[{host}]" if ":" in host else host
-            self.stdout.write(
-                f"ignis serving {served.served_id} at http://{shown}:{port}/ "
-                f"(engine: {'embedded' if embedded else 'runengine over Redis'})"
-            )
-            sys.stdout.flush()
+            url = f"http://{shown}:{port}/"
+            engine = "embedded" if embedded else "runengine over Redis"
+            tasks.append(twisted_loop.create_task(announce_when_serving(self.stdout, url, engine)))
 
         if embedded:
             reactor.callWhenRunning(start_engine)
         # Live config changes other front ends take (scaled mode) reach this one's settings.IGNIS.
         reactor.callWhenRunning(lambda: tasks.append(twisted_loop.create_task(config_listen())))
+        # The engine's pushed status (and its heartbeats) feed this front end's cache.
+        reactor.callWhenRunning(lambda: tasks.append(twisted_loop.create_task(engine_state_listen())))
         if values["server.celery_worker"]:
             celery = celery_worker_start()
             reactor.addSystemEventTrigger("before", "shutdown", celery_worker_stop, celery)
@@ -87,7 +97,7 @@ class Command(BaseCommand):
 
         daphne_ws.install()  # an oversized WebSocket frame is closed with a reason, not dropped
         ws_limit = daphne_ws.max_message_bytes(settings.IGNIS["server.body_limit"])
-        server = Server(
+        server = IgnisServer(
             application=get_default_application(),
             endpoints=build_endpoint_description_strings(host=host, port=port),
             signal_handlers=True,
@@ -101,6 +111,37 @@ class Command(BaseCommand):
             ready_callable=ready,
         )
         server.run()
+
+
+async def announce_when_serving(out, url: str, engine: str, interval: float = 0.25) -> None:
+    """Print ``ignis serving <model> at <url>`` once the engine says it serves (not when the port opens).
+
+    A failed load is said too (the server stays up: /health answers 503 and the
+    next request tries again); an engine that does not answer (scaled mode,
+    ``runengine`` not started yet) is waited for, said once.
+    """
+    import asyncio
+
+    from apps.core.engine_client import engine_status
+    from engine.status import EngineState
+
+    said_waiting = said_failed = False
+    started = asyncio.get_running_loop().time()
+    while True:
+        status = await engine_status(timeout=2.0)
+        state = status.status if status is not None else None
+        if state == EngineState.SERVING:
+            log.info("ignis.server.serving", extra={"url": url, "model": status.model, "engine": engine})
+            out.write(f"ignis serving {status.model} at {url} (engine: {engine})")
+            out.flush()
+            return
+        if state == EngineState.FAILED and not said_failed:
+            said_failed = True
+            log.error("ignis.server.model_failed", extra={"url": url, "error": status.error})
+        if state is None and not said_waiting and asyncio.get_running_loop().time() - started > 10:
+            said_waiting = True
+            log.warning("ignis.server.waiting_for_engine", extra={"url": url, "engine": engine})
+        await asyncio.sleep(interval)
 
 
 class ProgressBar:
@@ -130,6 +171,7 @@ def celery_worker_start():
         "celery",
         "-A",
         "ignis_site",
+        "--quiet",  # no banner: the worker logs through the server's logging (ignis_site/celery.py)
         "worker",
         "--pool=solo",
         "--concurrency=1",
@@ -140,7 +182,9 @@ def celery_worker_start():
         "-n",
         f"ignis-embedded-{os.getpid()}@%h",
     ]
-    return subprocess.Popen(cmd, cwd=settings.BASE_DIR, env=os.environ.copy())
+    # Its log goes to stderr through Django's LOGGING; stdout carries only Celery's own prints
+    # ("worker: Warm shutdown" at stop), which are not part of the one log stream.
+    return subprocess.Popen(cmd, cwd=settings.BASE_DIR, env=os.environ.copy(), stdout=subprocess.DEVNULL)
 
 
 def celery_worker_stop(proc) -> None:

@@ -1,0 +1,252 @@
+"""POST /v1/chat/completions (and /v1/tokenize's chat form): the body as declared serializers.
+
+``SamplingBody`` holds what chat and legacy completions share; ``ChatBody`` adds messages,
+logprobs, tools and the chat-only switches. apps.api.validation builds ChatRequest from
+the validated data.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.conf import settings
+from rest_framework import serializers
+from rest_framework.exceptions import ErrorDetail, ValidationError
+
+from apps.api.schemas.fields import AnyJson, Bool, Custom, Enum, Integer, Number, Object, Str, Strict
+from apps.api.schemas.tools import ResponseFormat, Tools
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+MAX_MESSAGES = 2048
+MAX_MESSAGE_CHARS = 1 << 20  # one message's text; the context bounds the sum
+MAX_STOP = 4
+MAX_STOP_LEN = 256
+MAX_N = 8  # choices per request: each is a sequence holding a decode lane
+MAX_TOP_LOGPROBS = 20
+MAX_LOGIT_BIAS = 1024  # entries; OpenAI documents -100..100 per token
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
+TEXT_PART_TYPES = ("text", "input_text", "output_text")
+
+STOP_SCHEMA = {
+    "anyOf": [
+        {"type": "string", "minLength": 1, "maxLength": MAX_STOP_LEN},
+        {"type": "array", "maxItems": MAX_STOP, "items": {"type": "string", "minLength": 1, "maxLength": MAX_STOP_LEN}},
+    ]
+}
+TOOL_CHOICE_SCHEMA = {
+    "anyOf": [
+        {"enum": ["none", "auto", "required"]},
+        {
+            "type": "object",
+            "properties": {
+                "type": {"const": "function"},
+                "function": {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]},
+            },
+            "required": ["type", "function"],
+        },
+    ]
+}
+
+
+class StreamOptions(serializers.Serializer):
+    include_usage = Bool()
+
+
+class Stop(Strict):
+    """A string or up to MAX_STOP strings, each 1..MAX_STOP_LEN characters."""
+
+    schema = STOP_SCHEMA
+
+    def to_internal_value(self, data: Any) -> list[str]:
+        stops = [data] if isinstance(data, str) else data
+        if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+            self.bad("'stop' must be a string or an array of strings.", "invalid_type")
+        if len(stops) > MAX_STOP or any(len(s) > MAX_STOP_LEN or not s for s in stops):
+            self.bad(f"At most {MAX_STOP} non-empty stop strings of up to {MAX_STOP_LEN} characters.")
+        return stops
+
+
+class LogitBias(Strict):
+    """{"token id": bias}: ids as decimal strings (JSON keys), biases in [-100, 100]; the vocabulary
+    bound is checked once the model is known (apps.api.chat.service)."""
+
+    schema = {
+        "type": "object",
+        "maxProperties": MAX_LOGIT_BIAS,
+        "propertyNames": {"pattern": "^[0-9]{1,9}$"},
+        "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100},
+    }
+
+    def to_internal_value(self, data: Any) -> dict[int, float]:
+        if not isinstance(data, dict):
+            self.bad("{name} must be an object of token ids to biases.", "invalid_type")
+        if len(data) > MAX_LOGIT_BIAS:
+            self.bad(f"{{name}} may hold at most {MAX_LOGIT_BIAS} tokens.")
+        out: dict[int, float] = {}
+        for key, bias in data.items():
+            if not (key.isascii() and key.isdigit() and len(key) <= 9):
+                self.bad(f"{{name}} keys are token ids (decimal strings); got {key[:32]!r}.", "invalid_type")
+            if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100 <= bias <= 100:
+                raise ValidationError({key: [ErrorDetail("A bias is a number in [-100, 100].", code="invalid_value")]})
+            out[int(key)] = float(bias)
+        return out
+
+
+class SamplingBody(serializers.Serializer):
+    """Chat and legacy completions alike: model, stream, caps, sampling, stop, n, class, deadline."""
+
+    model = Str(max_length=1 << 20, description="a served id; `id@agent` / `id@interactive` pick the class")
+    stream = Bool()
+    stream_options = StreamOptions(required=False, allow_null=True)
+    max_completion_tokens = Integer(1, 1 << 30)
+    max_tokens = Integer(1, 1 << 30)
+    temperature = Number(0.0, 2.0)
+    top_p = Number(0.0, 1.0, lo_open=True)
+    top_k = Integer(-1, 1 << 20, description="extension: -1 or 0 is off")
+    min_p = Number(0.0, 1.0, description="extension")
+    presence_penalty = Number(-2.0, 2.0)
+    frequency_penalty = Number(-2.0, 2.0)
+    repetition_penalty = Number(0.0, 10.0, lo_open=True, description="extension")
+    seed = Integer(-(1 << 63), (1 << 64) - 1)
+    stop = Stop()
+    n = Integer(1, MAX_N)
+    deadline = Number(0.0, 1e9, lo_open=True, description="extension: seconds, at most server.deadline_max")
+    ignore_eos = Bool(description="keep generating past the model's end-of-sequence tokens")
+    min_tokens = Integer(0, 1 << 30, description="the EOS and stop token ids cannot end the output before this many")
+    logit_bias = LogitBias()
+    response_format = ResponseFormat()
+
+    def get_fields(self):
+        fields = super().get_fields()
+        fields["class"] = Enum("interactive", "agent", message="'class' must be 'interactive' or 'agent'.")
+        return fields
+
+    def validate_deadline(self, value):
+        top = settings.IGNIS.get("server.deadline_max", 3600.0)
+        if value is not None and value > top:
+            raise ValidationError(f"'deadline' must be in (0.0, {top}]; got {value}.", code="invalid_value")
+        return value
+
+
+class TextPart(serializers.Serializer):
+    type = Enum(*TEXT_PART_TYPES, required=True, message="Only text content parts are supported.")
+    text = Str(required=True, max_length=MAX_MESSAGE_CHARS)
+
+
+class Content(Strict):
+    """A string, null, or a list of {type: text, text} parts; returned as the joined text."""
+
+    def json_schema(self) -> dict:
+        from apps.api.schemas.jsonschema import object_schema
+
+        return {"anyOf": [{"type": "string"}, {"type": "array", "items": object_schema(TextPart())}]}
+
+    def to_internal_value(self, data: Any) -> str:
+        if isinstance(data, str):
+            text = data
+        elif isinstance(data, list):
+            parts, errors = [], {}
+            for j, part in enumerate(data):
+                if not isinstance(part, dict) or part.get("type") not in TEXT_PART_TYPES:
+                    errors[j] = [ErrorDetail("Only text content parts are supported.", code="invalid_value")]
+                    break
+                if not isinstance(part.get("text"), str):
+                    errors[j] = {"text": [ErrorDetail("A text part needs a string 'text'.", code="invalid_type")]}
+                    break
+                parts.append(part["text"])
+            if errors:
+                raise ValidationError(errors)
+            text = "".join(parts)
+        else:
+            self.bad("'content' must be a string or a list of text parts.", "invalid_type")
+        if len(text) > MAX_MESSAGE_CHARS:
+            self.bad(f"A message may hold at most {MAX_MESSAGE_CHARS} characters.")
+        return text
+
+
+class FunctionCall(serializers.Serializer):
+    name = Str(required=True, max_length=256)
+    arguments = Str(description="JSON text")
+
+
+class ToolCall(serializers.Serializer):
+    id = AnyJson()
+    type = AnyJson()
+    function = FunctionCall(required=True)
+
+
+class Message(serializers.Serializer):
+    role = Enum(*ROLES, required=True)
+    content = Content()
+    name = Str(max_length=256)
+    tool_call_id = Str(max_length=256)
+    tool_calls = serializers.ListField(child=ToolCall(), required=False, allow_null=True)
+
+    def to_internal_value(self, data):
+        if not isinstance(data, dict):
+            raise ValidationError(
+                {"non_field_errors": [ErrorDetail("Each message must be an object.", code="invalid_type")]}
+            )
+        role = data.get("role")
+        if role not in ROLES:
+            raise ValidationError(
+                {"role": [ErrorDetail(f"Unknown role {role!r:.40}; expected one of {', '.join(ROLES)}.")]}
+            )
+        return super().to_internal_value(data)
+
+
+class Messages(Strict):
+    """1..MAX_MESSAGES messages, as {role, content (text), name?, tool_call_id?, tool_calls?}."""
+
+    def json_schema(self) -> dict:
+        from apps.api.schemas.jsonschema import object_schema
+
+        return {"type": "array", "minItems": 1, "maxItems": MAX_MESSAGES, "items": object_schema(Message())}
+
+    def to_internal_value(self, data: Any) -> list[dict]:
+        if not isinstance(data, list):
+            self.bad("'messages' must be an array.", "invalid_type")
+        if not data:
+            self.bad("'messages' must not be empty.", "empty_array")
+        if len(data) > MAX_MESSAGES:
+            self.bad(f"At most {MAX_MESSAGES} messages.")
+        out = []
+        for i, raw in enumerate(data):
+            ser = Message(data=raw)
+            if not ser.is_valid():
+                raise ValidationError({i: ser.errors})
+            m = ser.validated_data
+            msg = {"role": "system" if m["role"] == "developer" else m["role"], "content": m.get("content") or ""}
+            for extra in ("name", "tool_call_id"):
+                if m.get(extra) is not None:
+                    msg[extra] = m[extra]
+            if m.get("tool_calls") is not None:
+                msg["tool_calls"] = [
+                    {
+                        "id": str(c.get("id") or ""),
+                        "type": "function",
+                        "function": {
+                            "name": c["function"]["name"],
+                            "arguments": c["function"].get("arguments") or "{}",
+                        },
+                    }
+                    for c in m["tool_calls"]
+                ]
+            out.append(msg)
+        return out
+
+
+class ChatBody(SamplingBody):
+    messages = Messages(required=True)
+    chat_template_kwargs = Object(description="extension: variables for the chat template")
+    logprobs = Bool()
+    top_logprobs = Integer(0, MAX_TOP_LOGPROBS)
+    tools = Tools()
+    tool_choice = Custom(TOOL_CHOICE_SCHEMA)
+    parallel_tool_calls = Bool()
+    reasoning_effort = Enum(*REASONING_EFFORTS, description="mapped to the chat template's enable_thinking")
+
+    def validate(self, data):
+        if data.get("top_logprobs") is not None and not data.get("logprobs"):
+            raise ValidationError({"top_logprobs": [ErrorDetail("'top_logprobs' needs 'logprobs': true.")]})
+        return data
