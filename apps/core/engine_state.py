@@ -38,12 +38,12 @@ from collections.abc import Awaitable, Callable
 from channels.layers import get_channel_layer
 from django.conf import settings
 
+from apps.core.groups import join_forever
 from engine.messages import STATUS_GROUP, EngineHeartbeat, RequestFailed
 from engine.status import EngineStatus
 
 log = logging.getLogger("ignis.engine_state")
 RETRY_AFTER = 5  # seconds a request refused while the engine is gone is told to wait
-GROUP_REFRESH = 3600.0  # channels_redis forgets group members after a day
 
 
 class EngineStateCache:
@@ -156,18 +156,11 @@ async def engine_state_listen() -> None:
     layer = get_channel_layer()
     channel = f"ignis.engine_state.{_ORIGIN}"  # a plain channel: see config_service.config_listen
 
-    async def join_forever():
-        while True:
-            try:
-                await layer.group_add(STATUS_GROUP, channel)
-            except Exception:
-                log.exception("ignis.engine_state.group_add_failed")
-                await asyncio.sleep(5)
-                continue
-            await asyncio.sleep(GROUP_REFRESH)
-
     CACHE.listening = True
-    tasks = [asyncio.ensure_future(join_forever()), asyncio.ensure_future(_watch(layer))]
+    tasks = [
+        asyncio.ensure_future(join_forever(layer, STATUS_GROUP, channel, log, "ignis.engine_state.group_add_failed")),
+        asyncio.ensure_future(_watch(layer)),
+    ]
     try:
         while True:
             try:

@@ -26,6 +26,7 @@ from channels.layers import get_channel_layer
 from django.conf import settings
 
 from apps.core.errors import InvalidRequest, ModelSwitchFailed
+from apps.core.groups import join_forever
 from apps.models.services import SwitchTarget, path_confine, servable_lookup, served_id_check, served_model
 from engine.messages import ENGINE_CHANNEL, SWITCHED, UNCHANGED, ConfigureEngine
 from ignis_site import config
@@ -40,7 +41,6 @@ ENGINE_LIVE = {
 }
 SECRET_KEYS = {"server.api_keys"}
 CONFIG_GROUP = "ignis.config"
-GROUP_REFRESH = 3600.0  # channels_redis forgets group members after a day
 _ORIGIN = f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
 log = logging.getLogger("ignis.config")
 # Where each running value came from: default | saved | env | flag (set by config_start).
@@ -191,17 +191,7 @@ async def config_listen() -> None:
     # through one receive lock per process, which a receive that never ends would hold.
     channel = f"ignis.config.{_ORIGIN}"
 
-    async def join_forever():
-        while True:
-            try:
-                await layer.group_add(CONFIG_GROUP, channel)
-            except Exception:
-                log.exception("ignis.config.group_add_failed")
-                await asyncio.sleep(5)
-                continue
-            await asyncio.sleep(GROUP_REFRESH)
-
-    joiner = asyncio.ensure_future(join_forever())
+    joiner = asyncio.ensure_future(join_forever(layer, CONFIG_GROUP, channel, log, "ignis.config.group_add_failed"))
     try:
         while True:
             try:
