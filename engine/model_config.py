@@ -32,6 +32,31 @@ class ModelConfig:
     attention_bias: bool = False  # qwen2: q/k/v projections carry biases
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    # Sliding-window attention: the window of the layers that slide, and which do
+    # ("sliding_attention" / "full_attention" per layer, HF's ``layer_types``);
+    # an empty ``layer_types`` with a window set means every layer slides (mistral).
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] = ()
+    # Sparse MoE layers (qwen3_moe, mixtral, gpt_oss): experts, experts per token, expert width.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    # Settings only the architecture's own definition reads (gemma's softcaps and
+    # query_pre_attn_scalar, qwen3_moe's mlp_only_layers, gpt-oss's swiglu_limit, ...).
+    params: dict = field(default_factory=dict, compare=False, hash=False)
+
+    def layer_window(self, layer: int) -> int | None:
+        """The attention window of ``layer`` (None: full causal attention)."""
+        if self.sliding_window is None:
+            return None
+        if not self.layer_types:
+            return self.sliding_window
+        return self.sliding_window if self.layer_types[layer] == "sliding_attention" else None
+
+    @property
+    def all_layers_slide(self) -> bool:
+        """Every layer windowed: KV pages wholly behind the window can be released."""
+        return all(self.layer_window(i) is not None for i in range(self.num_layers))
 
     @property
     def kv_bytes_per_token_fp32(self) -> int:

@@ -8,8 +8,9 @@ A definition says what a model *is*, independent of any backend:
   naming, float32 ``[out, in]``) with its shape; ``from_hf`` / ``from_gguf`` map
   a checkpoint's own names onto those, applying any re-layout the format needs
   (split fused tensors, undo llama.cpp's q/k row permutation);
-* its computation: ``block(cfg)`` and ``head(cfg)`` as operations from
-  ``engine.models.ops``, which each backend implements.
+* its computation: ``embedding(cfg)``, ``block(cfg, layer)`` for each layer
+  and ``head(cfg)`` as operations from ``engine.models.ops``, which each
+  backend implements.
 
 The checkpoint mapping is declared as data (:class:`TensorMap`); this module
 applies it, so a family file only lists names.
@@ -23,7 +24,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from engine.model_config import ModelConfig
-from engine.models.ops import Block, Head
+from engine.models.ops import Block, Embedding, Head
 
 LAYER_PREFIX = "model.layers."
 
@@ -68,9 +69,17 @@ class ModelDefinition:
 
     # --- what the model computes -------------------------------------------------------
 
-    def block(self, cfg: ModelConfig) -> Block:
-        """Every decoder layer, as operations (all layers alike)."""
+    def embedding(self, cfg: ModelConfig) -> Embedding:
+        """How token ids become the first residual rows (default: the embedding rows, unscaled)."""
+        return Embedding()
+
+    def block(self, cfg: ModelConfig, layer: int) -> Block:
+        """Decoder layer ``layer`` (0-based), as operations."""
         raise NotImplementedError
+
+    def blocks(self, cfg: ModelConfig) -> list[Block]:
+        """Every decoder layer's block, in order."""
+        return [self.block(cfg, i) for i in range(cfg.num_layers)]
 
     def head(self, cfg: ModelConfig) -> Head:
         """What runs after the last layer."""

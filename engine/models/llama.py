@@ -123,10 +123,10 @@ class Llama(ModelDefinition):
             return unpermute_rows(w, cfg.num_heads if ".q_proj." in name else cfg.num_kv_heads)
         return w
 
-    def block(self, cfg: ModelConfig) -> Block:
+    def block(self, cfg: ModelConfig, layer: int) -> Block:
         return Block(
             attn_norm=RMSNorm("input_layernorm"),
-            attention=Attention(qkv_bias=cfg.attention_bias),
+            attention=Attention(qkv_bias=cfg.attention_bias, sliding_window=cfg.layer_window(layer)),
             mlp_norm=RMSNorm("post_attention_layernorm"),
             mlp=GatedMLP("silu"),
         )

@@ -11,14 +11,31 @@ import math
 import numpy as np
 
 from engine.model_config import ModelConfig
+from engine.models.ops import Rope
+
+
+def rope_tables(cfg: ModelConfig, rope: Rope) -> tuple[np.ndarray, float]:
+    """``(inv_freq, attention_factor)`` of one layer's rope.
+
+    ``inv_freq``: float32 ``[rotary_dim / 2]`` as HF computes them, base
+    ``rope.theta`` (or the model's), with ``cfg.rope_scaling`` applied when
+    ``rope.scaled``. ``attention_factor`` multiplies cos and sin (1.0 but for
+    yarn and longrope, as HF's ``attention_scaling``).
+    """
+    d = rope.rotary_dim or cfg.head_dim
+    theta = cfg.rope_theta if rope.theta is None else rope.theta
+    inv = (1.0 / (np.float32(theta) ** (np.arange(0, d, 2, dtype=np.int64).astype(np.float32) / d))).astype(np.float32)
+    if not rope.scaled:
+        return inv, 1.0
+    return _scaled(cfg, inv), 1.0
 
 
 def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
-    """Per-pair rotary frequencies (float32, as HF computes them), with rope_scaling applied."""
-    d = cfg.head_dim
-    inv = (1.0 / (np.float32(cfg.rope_theta) ** (np.arange(0, d, 2, dtype=np.int64).astype(np.float32) / d))).astype(
-        np.float32
-    )
+    """Per-pair rotary frequencies of the model's default rope (all of ``head_dim``, scaled)."""
+    return rope_tables(cfg, Rope())[0]
+
+
+def _scaled(cfg: ModelConfig, inv: np.ndarray) -> np.ndarray:
     rs = cfg.rope_scaling or {}
     kind = rs.get("rope_type", rs.get("type", "default"))
     if kind == "default":
@@ -37,4 +54,4 @@ def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
         return np.where(medium, smoothed, scaled).astype(np.float32)
-    raise NotImplementedError(f"rope_scaling type {kind!r} is not supported by the numpy backend")
+    raise NotImplementedError(f"rope_scaling type {kind!r} is not supported")

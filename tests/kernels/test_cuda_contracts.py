@@ -81,7 +81,7 @@ def _cfg():
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2"])
 def test_the_registered_definitions_are_supported(arch):
     d = definition(arch)
-    check_supported(d.block(_cfg()), d.head(_cfg()))
+    check_supported(d.block(_cfg(), 0), d.head(_cfg()))
 
 
 @pytest.mark.parametrize(
@@ -97,6 +97,6 @@ def test_the_registered_definitions_are_supported(arch):
 )
 def test_an_operation_without_kernels_is_refused_by_name(change, named):
     d = definition("llama")
-    block, head = change(d.block(_cfg()), d.head(_cfg()))
+    block, head = change(d.block(_cfg(), 0), d.head(_cfg()))
     with pytest.raises(ValueError, match=named):
         check_supported(block, head)

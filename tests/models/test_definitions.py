@@ -28,12 +28,12 @@ def test_each_definition_describes_its_block_and_tensors(arch):
     assert for_hf(arch) is d and for_gguf(arch) is d
     cfg = config(arch)
     assert cfg.arch == arch and cfg.head_dim == 16
-    block, head = d.block(cfg), d.head(cfg)
+    block, head = d.block(cfg, 0), d.head(cfg)
     assert isinstance(block, Block) and isinstance(head, Head)
     assert isinstance(block.attn_norm, RMSNorm) and isinstance(block.mlp_norm, RMSNorm)
     assert isinstance(block.attention, Attention) and isinstance(block.mlp, GatedMLP)
     assert block.attention.qkv_bias == (arch == "qwen2")
-    check_supported(block, head)  # the numpy backend has a reference for every operation named
+    check_supported(d.blocks(cfg), head)  # the numpy backend has a reference for every operation named
 
     shapes = d.tensors(cfg)
     assert shapes["model.embed_tokens.weight"] == (320, 96) and shapes["lm_head.weight"] == (320, 96)

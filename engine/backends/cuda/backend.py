@@ -17,7 +17,7 @@ import numpy as np
 
 from engine.backend import Backend, DecodeLane, PrefillSpan, StepOutput
 from engine.backends.cuda import sampling
-from engine.backends.cuda.forward import MAX_LANES, PREFILL_CHUNK, Forward, Workspace, check_supported
+from engine.backends.cuda.forward import MAX_LANES, PREFILL_CHUNK, Forward, Workspace, uniform_block
 from engine.config import CudaTuning
 from engine.memory import MemoryPlan, workspace_bytes
 from engine.model_config import ModelConfig
@@ -56,8 +56,8 @@ class CudaBackend(Backend):
         from engine.models import definition
 
         defn = definition(cfg.arch)
-        block, head = defn.block(cfg), defn.head(cfg)
-        check_supported(block, head)
+        head = defn.head(cfg)
+        block = uniform_block(defn.blocks(cfg), head, defn.embedding(cfg))
         if cfg.num_heads % cfg.num_kv_heads:
             raise ValueError("num_heads must be a multiple of num_kv_heads")
         self.config = cfg

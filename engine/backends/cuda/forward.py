@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.model_config import ModelConfig
-from engine.models.ops import Block, GatedMLP, Head, RMSNorm, Rope
+from engine.models.ops import Attention, Block, Embedding, GatedMLP, Head, RMSNorm, Rope
 
 MAX_LANES = 8  # rows of one decode round (one graph per width 1..8)
 PREFILL_CHUNK = 2048  # rows of one prefill chunk (activations are sized for it)
@@ -39,12 +39,30 @@ def check_supported(block: Block, head: Head) -> None:
     norm("block.mlp_norm", block.mlp_norm)
     norm("head.final_norm", head.final_norm)
     rope = getattr(block.attention, "rope", None)
-    if not isinstance(rope, Rope) or rope.style != "neox":
+    if not isinstance(rope, Rope) or rope != Rope("neox"):
         raise ValueError(f"the CUDA backend has no kernel for attention rope {rope!r} (Rope 'neox' only)")
+    attn = block.attention
+    if attn != Attention(rope=rope, qkv_bias=attn.qkv_bias):
+        raise ValueError(f"the CUDA backend has no kernel for block.attention = {attn!r} (plain attention only)")
     if not isinstance(block.mlp, GatedMLP) or block.mlp.act != "silu":
         raise ValueError(f"the CUDA backend has no kernel for block.mlp = {block.mlp!r} (GatedMLP 'silu' only)")
+    if block.attn_post_norm is not None or block.mlp_post_norm is not None:
+        raise ValueError("the CUDA backend has no kernel for post-norms (block.attn_post_norm, block.mlp_post_norm)")
     if block.residual != "pre_norm":
         raise ValueError(f"the CUDA backend has no kernel for residual {block.residual!r} ('pre_norm' only)")
+    if head.softcap is not None:
+        raise ValueError(f"the CUDA backend has no kernel for head.softcap = {head.softcap}")
+
+
+def uniform_block(blocks: list[Block], head: Head, embedding: Embedding) -> Block:
+    """The one block every layer runs (refused, naming it, where layers differ or an op has no kernel)."""
+    for i, b in enumerate(blocks):
+        if b != blocks[0]:
+            raise ValueError(f"the CUDA backend runs layers alike only (layer {i} differs from layer 0)")
+    if embedding != Embedding():
+        raise ValueError(f"the CUDA backend has no kernel for embedding = {embedding!r} (unscaled only)")
+    check_supported(blocks[0], head)
+    return blocks[0]
 
 
 @dataclass

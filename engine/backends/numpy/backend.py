@@ -108,10 +108,10 @@ class NumpyBackend(Backend):
             raise ValueError("empty prefill span")
         end = span.start_pos + t
         positions = np.arange(span.start_pos, end, dtype=np.int64)
-        ctx_slots = self._slots(span.block_table, np.arange(end, dtype=np.int64))
-        write = ctx_slots[span.start_pos :]
-        mask = np.where(np.arange(end)[None, :] <= positions[:, None], 0.0, -np.inf).astype(np.float32)[None]
-        h = self.model.forward(span.token_ids, positions, write, ctx_slots[None], mask, self.kv)
+        ctx = np.arange(self._window_start(span.start_pos), end, dtype=np.int64)
+        ctx_slots = self._slots(span.block_table, ctx)
+        write = ctx_slots[span.start_pos - int(ctx[0]) :]
+        h = self.model.forward(span.token_ids, positions, write, ctx_slots[None], ctx[None], self.kv)
         if span.want_prompt_logprobs is not None:
             out.prompt_logprobs = self._prompt_logprobs(h, span)
         if span.sample is None and not span.want_logits:
@@ -146,17 +146,25 @@ class NumpyBackend(Backend):
         Each lane is one row; contexts are padded to the longest lane and masked.
         """
         positions = np.array([ln.position for ln in lanes], dtype=np.int64)
-        span = np.arange(int(positions.max()) + 1, dtype=np.int64)
+        span = np.arange(self._window_start(int(positions.min())), int(positions.max()) + 1, dtype=np.int64)
         ctx_slots = np.empty((len(lanes), len(span)), dtype=np.int64)
         for r, ln in enumerate(lanes):
             # Padding past a lane's own position repeats its last slot; the mask removes it.
             ctx_slots[r] = self._slots(ln.block_table, np.minimum(span, ln.position))
-        mask = None  # lanes of one length pad nothing
-        if positions.min() < positions.max():
-            mask = np.where(span[None, :] <= positions[:, None], 0.0, -np.inf).astype(np.float32)[:, None, :]
-        write = ctx_slots[np.arange(len(lanes)), positions]
+        write = ctx_slots[np.arange(len(lanes)), positions - int(span[0])]
         tokens = [ln.token_id for ln in lanes]
-        return self.model.logits(self.model.forward(tokens, positions, write, ctx_slots, mask, self.kv))
+        ctx = np.broadcast_to(span, ctx_slots.shape)
+        return self.model.logits(self.model.forward(tokens, positions, write, ctx_slots, ctx, self.kv))
+
+    def _window_start(self, position: int) -> int:
+        """The first position any layer of a query at ``position`` reads: behind every
+        layer's window (mistral's all-sliding layers) nothing is gathered, so pages
+        released there are never read."""
+        cfg = self.config
+        if not cfg.all_layers_slide:
+            return 0
+        window = max(cfg.layer_window(i) for i in range(cfg.num_layers))
+        return max(0, position - window + 1)
 
     # --- KV pages -------------------------------------------------------------------------
 
