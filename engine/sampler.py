@@ -212,6 +212,11 @@ def _softmax64(x: np.ndarray) -> np.ndarray:
     return e / e.sum()
 
 
-def _uniform(seed: int, position: int) -> float:
+def uniform(seed: int, position: int, stream: int = 0) -> float:
+    """The uniform in [0, 1) keyed by ``(seed, position)``; ``stream`` > 0 gives further
+    independent ones of the same key (Philox counter), as speculative acceptance needs."""
     key = np.array([int(seed) & _MASK64, int(position) & _MASK64], dtype=np.uint64)
-    return float(np.random.Generator(np.random.Philox(key=key)).random())
+    return float(np.random.Generator(np.random.Philox(key=key, counter=int(stream))).random())
+
+
+_uniform = uniform
