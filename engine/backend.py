@@ -117,6 +117,10 @@ class Backend(abc.ABC):
 
     name: str = "abstract"
     supports_prompt_logprobs: bool = False  # PrefillSpan.want_prompt_logprobs (else the scheduler refuses)
+    # When every layer slides (ModelConfig.all_layers_slide), attention never reads a block-table
+    # entry behind the window: the scheduler may then release those pages, leaving -1 there
+    # (engine.kv_manager.RELEASED), which this backend must never dereference.
+    releases_window_pages: bool = False
     # How far the last step got: "plan" (nothing ran yet; the worker sets it), "swaps" (the
     # page copies ran or raised), "rows" (the swaps are done; the prefill or decode ran).
     step_stage: str = "plan"

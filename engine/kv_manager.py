@@ -16,6 +16,20 @@ A full prompt block's hash is chained from the previous block's hash, so a
 hash names the whole prefix up to that block's end (nano-vllm / vLLM style).
 A block is hashed only once its K/V are written (``mark_computed``), so a
 claimed block is always complete.
+
+Sliding windows: when every layer slides and the backend never reads behind
+the window (``Backend.releases_window_pages``), ``release_behind`` gives back a
+decoding sequence's blocks that lie wholly before its window, so a long
+generation holds about ``window / block_size + 1`` blocks. The block table
+keeps its length (position p still lives at ``block_table[p // block_size]``);
+released entries become ``RELEASED`` (-1), always a leading run of
+``seq.num_released_blocks`` entries, which backends never read and swaps skip.
+A released page goes through the same reference count as ``free``: a block
+shared through prefix reuse stays with its other holders, a hashed prompt
+block stays retained. Prefix claims walk the hash chain from block 0 and stop
+at the first block no longer on device, so a prefix whose head or middle is
+gone is never claimed past the gap; a retained block is claimed by the hash of
+everything before it, whose K/V it holds whatever its owner released since.
 """
 
 from __future__ import annotations
@@ -23,7 +37,19 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from collections.abc import Sequence as Seq
 
+from engine.model_config import ModelConfig
 from engine.sequence import Sequence
+
+RELEASED = -1  # a block-table entry behind the window whose page went back to the pool
+
+
+def release_window(cfg: ModelConfig, backend_releases: bool) -> int | None:
+    """The window behind which a sequence's pages may be released (None: never): every
+    layer slides and the backend never reads behind the window. The widest layer window
+    decides (each layer reads no further back than its own)."""
+    if not backend_releases or not cfg.all_layers_slide:
+        return None
+    return max(cfg.layer_window(i) for i in range(cfg.num_layers))
 
 
 def block_hash(prev: int | None, tokens: Seq[int]) -> int:
@@ -178,7 +204,7 @@ class KVManager:
             h = block_hash(seq.block_hashes[-1] if seq.block_hashes else None, chunk)
             seq.block_hashes.append(h)
             b = seq.block_table[i]
-            if h not in self.hash_to_block and self.hashes[b] is None:
+            if b != RELEASED and h not in self.hash_to_block and self.hashes[b] is None:
                 self.hashes[b], self.tokens[b] = h, chunk
                 self.hash_to_block[h] = b
 
@@ -193,34 +219,57 @@ class KVManager:
             seq.block_table.append(b)
         return True
 
+    def release_behind(self, seq: Sequence, first_position: int) -> int:
+        """Give back ``seq``'s blocks lying wholly before ``first_position`` (no query reads
+        there again: behind every layer's window); returns how many went back."""
+        n = seq.num_released_blocks
+        end = min(max(0, first_position) // self.block_size, len(seq.block_table))
+        hashed = False
+        for i in range(n, end):
+            b = seq.block_table[i]
+            hashed |= self.hashes[b] is not None
+            seq.block_table[i] = RELEASED
+            self._release(b)
+        seq.num_released_blocks = max(n, end)
+        if hashed:  # released head-first; let the LRU still evict a prompt's tail before its head
+            for h in reversed(seq.block_hashes[: seq.num_released_blocks]):
+                b = self.hash_to_block.get(h)
+                if b is not None and b in self.evictable:
+                    self.evictable.move_to_end(b)
+        return max(0, end - n)
+
     def free(self, seq: Sequence) -> None:
         """Drop ``seq``'s device and host blocks; hashed (prompt) blocks stay retained.
         Released tail-first so the LRU evicts a prompt's tail before its head."""
-        for b in reversed(seq.block_table):
+        n = seq.num_released_blocks
+        for b in reversed(seq.block_table[n:]):
             self._release(b)
-        self.free_host_blocks.extend(seq.host_block_table)
-        seq.block_table, seq.host_block_table = [], []
+        self.free_host_blocks.extend(seq.host_block_table[n:])
+        seq.block_table, seq.host_block_table, seq.num_released_blocks = [], [], 0
 
     # -- host tier -----------------------------------------------------------
 
     def can_swap_out(self, seq: Sequence) -> bool:
-        return len(seq.block_table) <= len(self.free_host_blocks)
+        return len(seq.block_table) - seq.num_released_blocks <= len(self.free_host_blocks)
 
     def swap_out(self, seq: Sequence) -> list[tuple[int, int]]:
-        """Move ``seq``'s pages to host blocks; returns (device, host) copies to run."""
+        """Move ``seq``'s pages to host blocks; returns (device, host) copies to run.
+        Released entries stay RELEASED in the host table: nothing to copy."""
         assert self.can_swap_out(seq)
-        pairs = [(b, self.free_host_blocks.popleft()) for b in seq.block_table]
-        for b in reversed(seq.block_table):
+        n = seq.num_released_blocks
+        pairs = [(b, self.free_host_blocks.popleft()) for b in seq.block_table[n:]]
+        for b in reversed(seq.block_table[n:]):
             self._release(b)  # a hashed block stays retained on device too
-        seq.host_block_table = [h for _, h in pairs]
+        seq.host_block_table = [RELEASED] * n + [h for _, h in pairs]
         seq.block_table = []
         return pairs
 
     def _swap_in_hits(self, seq: Sequence) -> list[int]:
-        """Device blocks still holding ``seq``'s hashed prompt blocks, in order."""
+        """Device blocks still holding ``seq``'s hashed prompt blocks, in order from its
+        first unreleased one (each named by the hash of its whole prefix)."""
         hits, bs = [], self.block_size
-        for i, h in enumerate(seq.block_hashes[: len(seq.host_block_table)]):
-            b = self.hash_to_block.get(h)
+        for i in range(seq.num_released_blocks, min(len(seq.block_hashes), len(seq.host_block_table))):
+            b = self.hash_to_block.get(seq.block_hashes[i])
             if b is None or self.tokens[b] != tuple(seq.prompt_token_ids[i * bs : (i + 1) * bs]):
                 break
             hits.append(b)
@@ -229,23 +278,26 @@ class KVManager:
     def can_swap_in(self, seq: Sequence, num_tokens: int = 0) -> bool:
         """Whether ``seq``'s pages come back and it then holds ``num_tokens`` positions."""
         hits = self._swap_in_hits(seq)
-        need = len(seq.host_block_table) - sum(1 for b in hits if self.ref_count[b] > 0)
+        held = len(seq.host_block_table) - seq.num_released_blocks
+        need = held - sum(1 for b in hits if self.ref_count[b] > 0)
         need += max(0, self.blocks_for(num_tokens) - len(seq.host_block_table))
         return need <= self.num_available_blocks
 
     def swap_in(self, seq: Sequence) -> list[tuple[int, int]]:
         """Bring ``seq``'s pages back; returns (host, device) copies to run. Blocks
-        whose content is still on device (retained by hash) are claimed, not copied."""
+        whose content is still on device (retained by hash) are claimed, not copied;
+        released entries stay RELEASED."""
+        n = seq.num_released_blocks
         hits = self._swap_in_hits(seq)
         for b in hits:
             self._claim(b)
-        table, pairs = list(hits), []
-        for host in seq.host_block_table[len(hits) :]:
+        table, pairs = [RELEASED] * n + hits, []
+        for host in seq.host_block_table[n + len(hits) :]:
             b = self._take_block()
             self.ref_count[b] = 1
             table.append(b)
             pairs.append((host, b))
-        self.host_blocks_in_flight.extend(seq.host_block_table)
+        self.host_blocks_in_flight.extend(seq.host_block_table[n:])
         seq.block_table, seq.host_block_table = table, []
         return pairs
 

@@ -64,7 +64,7 @@ def load_model(
     refuses, with SwitchRefused, a plan that does not fit.
     """
     from engine.constraint import ConstraintFactory
-    from engine.kv_manager import KVManager
+    from engine.kv_manager import KVManager, release_window
 
     t0 = time.perf_counter()
     model_cfg, weights = loader(path, progress)
@@ -98,6 +98,7 @@ def load_model(
             KVManager(plan.num_blocks, plan.block_size, plan.num_host_blocks),
             constraints=constraints,
             supports_prompt_logprobs=backend.supports_prompt_logprobs,
+            kv_window=release_window(model_cfg, backend.releases_window_pages),
         )
     except BaseException:
         backend.unload()

@@ -15,7 +15,11 @@ Invariants:
 * when pages run short, the lowest-ranked decoding sequence moves to host
   (PREEMPTED) and later resumes without recomputing; if the host tier is full
   it is recomputed instead (back to WAITING, its output kept);
-* ranks: class (interactive above agent), then arrival.
+* ranks: class (interactive above agent), then arrival;
+* with ``kv_window`` (engine.kv_manager.release_window: every layer slides and
+  the backend never reads behind the window), each round first gives back a
+  decoding sequence's blocks wholly behind the window of the position it
+  feeds, so its pages stay bounded by the window however long it generates.
 """
 
 from __future__ import annotations
@@ -50,7 +54,8 @@ class Scheduler:
 
     ``constraints`` is the load's engine.constraint.ConstraintFactory (None:
     a request naming a grammar is refused); ``supports_prompt_logprobs`` is the
-    backend's (Backend.supports_prompt_logprobs; False: prompt scoring is refused).
+    backend's (Backend.supports_prompt_logprobs; False: prompt scoring is refused);
+    ``kv_window``: release pages behind this window during decode (None: never).
     """
 
     def __init__(
@@ -62,6 +67,7 @@ class Scheduler:
         *,
         constraints=None,
         supports_prompt_logprobs: bool = True,
+        kv_window: int | None = None,
     ) -> None:
         self.cfg = cfg
         self.kv = kv
@@ -69,6 +75,7 @@ class Scheduler:
         self.seed_rng = seed_rng or random.Random()
         self.constraints = constraints
         self.supports_prompt_logprobs = supports_prompt_logprobs
+        self.kv_window = kv_window
         self.seqs: dict[str, Sequence] = {}  # live, by request_id
         self.by_seq_id: dict[int, Sequence] = {}
         self.waiting: list[Sequence] = []  # rank order
@@ -149,7 +156,11 @@ class Scheduler:
 
     def _grow_running(self, plan: StepPlan) -> None:
         """Give every decoding lane a slot for the token it feeds; preempt the
-        lowest-ranked lanes while the pool is dry."""
+        lowest-ranked lanes while the pool is dry. Pages behind the window go back
+        first, so the round's growth can reuse them."""
+        if self.kv_window is not None:
+            for seq in self.running:  # feeding position num_tokens - 1 reads from num_tokens - window on
+                self.kv.release_behind(seq, seq.num_tokens - self.kv_window)
         for seq in list(self.running):
             while seq.status == S.DECODING and not self.kv.append_slots(seq, seq.num_tokens):
                 self._preempt(self.running[-1], plan)

@@ -62,6 +62,7 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)  # device blocks
     host_block_table: list[int] = field(default_factory=list)  # while PREEMPTED
     block_hashes: list[int] = field(default_factory=list)  # of the full prompt blocks computed so far
+    num_released_blocks: int = 0  # leading block_table entries released behind the window (KVManager.RELEASED)
     num_computed_tokens: int = 0  # positions whose K/V are written
     num_cached_tokens: int = 0  # prompt tokens claimed from retained state
 

@@ -84,9 +84,24 @@ def load_gguf(
             progress(done, total)
     if "rope_freqs.weight" in names:
         # llama3-style GGUFs carry per-pair frequency divisors instead of rope_scaling metadata.
-        t = next(t for t in reader.tensors if t.name == "rope_freqs.weight")
-        factors = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(-1)
-        cfg = dataclasses.replace(cfg, rope_scaling={"rope_type": "freq_factors", "factors": factors.tolist()})
+        factors = _vector(reader, "rope_freqs.weight")
+        cfg = dataclasses.replace(cfg, rope_scaling={"rope_type": "freq_factors", "factors": factors})
+    longrope = {key: _vector(reader, name) for name, key in _LONGROPE_FACTORS.items() if name in names}
+    if longrope:
+        # phi3's longrope GGUFs: the definition read the metadata half of rope_scaling, the factors are tensors.
+        cfg = dataclasses.replace(cfg, rope_scaling={**(cfg.rope_scaling or {}), **longrope})
     if "model.embed_tokens.weight" in weights:
         cfg = dataclasses.replace(cfg, vocab_size=weights["model.embed_tokens.weight"].shape[0])
     return cfg, weights
+
+
+# GGUF tensor -> the rope_scaling key its values fill (longrope's per-pair factors).
+_LONGROPE_FACTORS = {"rope_factors_long.weight": "long_factor", "rope_factors_short.weight": "short_factor"}
+
+
+def _vector(reader, name: str) -> list[float]:
+    """A small 1-D tensor (rope factors) as floats."""
+    from gguf.quants import dequantize
+
+    t = next(t for t in reader.tensors if t.name == name)
+    return np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(-1).tolist()

@@ -3,6 +3,12 @@
 Config: HF ``LlamaConfig`` / ``MistralConfig`` fields (``rope_theta`` at the top
 or, in transformers 5, under ``rope_parameters``; llama3 and linear
 ``rope_scaling``; an explicit ``head_dim``); GGUF ``{arch}.*`` metadata.
+mistral's ``sliding_window`` (Mistral-7B-v0.1: 4096; null in later ones)
+windows every layer, as transformers masks it (``ModelConfig.sliding_window``
+with ``layer_types`` empty); HF ``LlamaConfig`` has none. llama.cpp converts
+Mistral checkpoints to its ``llama`` architecture, so a GGUF's window is
+``{arch}.attention.sliding_window`` for both (0 or absent: none). A window
+no shorter than ``max_position`` never masks anything and is dropped.
 
 Block: ``x += o_proj(attention(rope(q, k), v))`` over ``input_layernorm(x)``,
 then ``x += down(silu(gate(h)) * up(h))`` over ``post_attention_layernorm(x)``,
@@ -16,7 +22,7 @@ permutes the rows of ``attn_q`` / ``attn_k`` for llama and mistral (undone here)
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -55,6 +61,8 @@ class Llama(ModelDefinition):
     gguf_map: TensorMap = field(default=LLAMA_GGUF, repr=False)
     qkv_bias_default: bool = False
     gguf_permuted_qk: bool = True  # llama.cpp's converter permutes q/k rows for this arch
+    hf_sliding_window: bool = False  # config.json's sliding_window windows every layer (mistral)
+    gguf_sliding_window: bool = False  # {arch}.attention.sliding_window windows every layer (llama, mistral)
 
     def config_from_hf(self, config: dict, generation: dict | None = None) -> ModelConfig:
         num_heads = int(config["num_attention_heads"])
@@ -66,7 +74,7 @@ class Llama(ModelDefinition):
         if scaling is not None:
             scaling = {k: v for k, v in scaling.items() if k != "rope_theta"}
             scaling.setdefault("rope_type", scaling.get("type", "default"))
-        return ModelConfig(
+        cfg = ModelConfig(
             arch=self.name,
             vocab_size=int(config["vocab_size"]),
             hidden_size=hidden,
@@ -84,6 +92,7 @@ class Llama(ModelDefinition):
             bos_token_id=config.get("bos_token_id"),
             eos_token_ids=eos_ids(eos),
         )
+        return with_window(cfg, config.get("sliding_window")) if self.hf_sliding_window else cfg
 
     def config_from_gguf(self, meta: dict, tensor_names: set[str]) -> ModelConfig:
         arch = meta["general.architecture"]
@@ -99,7 +108,7 @@ class Llama(ModelDefinition):
         rope_scaling = None
         if key("rope.scaling.type") == "linear" and key("rope.scaling.factor"):
             rope_scaling = {"rope_type": "linear", "factor": float(key("rope.scaling.factor"))}
-        return ModelConfig(
+        cfg = ModelConfig(
             arch=self.name,
             vocab_size=int(vocab) if vocab is not None else 0,
             hidden_size=hidden,
@@ -117,6 +126,7 @@ class Llama(ModelDefinition):
             bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
             eos_token_ids=eos_ids(meta.get("tokenizer.ggml.eos_token_id")),
         )
+        return with_window(cfg, key("attention.sliding_window")) if self.gguf_sliding_window else cfg
 
     def relayout_gguf(self, cfg: ModelConfig, name: str, w: np.ndarray) -> np.ndarray:
         if self.gguf_permuted_qk and (".q_proj." in name or ".k_proj." in name):
@@ -158,5 +168,12 @@ class Llama(ModelDefinition):
         return out
 
 
-LLAMA = Llama("llama", ("llama",), ("llama",))
-MISTRAL = Llama("mistral", ("mistral",), ("mistral",))
+def with_window(cfg: ModelConfig, window: int | None) -> ModelConfig:
+    """``cfg`` with every layer sliding over ``window`` (unchanged for none, 0, or one that never masks)."""
+    if window and int(window) < cfg.max_position:
+        return replace(cfg, sliding_window=int(window), layer_types=())
+    return cfg
+
+
+LLAMA = Llama("llama", ("llama",), ("llama",), gguf_sliding_window=True)
+MISTRAL = Llama("mistral", ("mistral",), ("mistral",), hf_sliding_window=True, gguf_sliding_window=True)

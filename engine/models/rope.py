@@ -2,6 +2,20 @@
 
 Shared by every backend: the numpy reference rotates with them, the CUDA
 backend uploads them once at load.
+
+longrope (Phi-3 / Phi-4's 128k models; ``su`` is its old name): each pair's
+frequency is divided by a per-pair factor, ``long_factor`` or
+``short_factor``, and cos and sin are scaled by an attention factor (given,
+or ``sqrt(1 + ln(s) / ln(original_max_position_embeddings))`` with ``s`` =
+``factor`` or ``max_position / original_max_position_embeddings``, 1.0 when
+``s <= 1``). transformers switches to the long factors once a sequence
+outgrows ``original_max_position_embeddings``, recomputing every cached key;
+a server whose KV cache outlives that switch cannot, so the set is chosen
+once per load: long factors when the served context
+(``ModelConfig.max_position``) exceeds the original window, short otherwise
+(llama.cpp decides the same way, by its context size). A long-context model
+served that way matches transformers on sequences past the original window
+and differs (long factors where transformers uses short) on shorter ones.
 """
 
 from __future__ import annotations
@@ -27,6 +41,8 @@ def rope_tables(cfg: ModelConfig, rope: Rope) -> tuple[np.ndarray, float]:
     inv = (1.0 / (np.float32(theta) ** (np.arange(0, d, 2, dtype=np.int64).astype(np.float32) / d))).astype(np.float32)
     if not rope.scaled:
         return inv, 1.0
+    if (cfg.rope_scaling or {}).get("rope_type") == "longrope":
+        return _longrope(cfg, theta, d)
     return _scaled(cfg, inv), 1.0
 
 
@@ -55,3 +71,22 @@ def _scaled(cfg: ModelConfig, inv: np.ndarray) -> np.ndarray:
         medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
         return np.where(medium, smoothed, scaled).astype(np.float32)
     raise NotImplementedError(f"rope_scaling type {kind!r} is not supported")
+
+
+def _longrope(cfg: ModelConfig, theta: float, d: int) -> tuple[np.ndarray, float]:
+    rs = cfg.rope_scaling
+    original = int(rs["original_max_position_embeddings"])
+    which = "long_factor" if cfg.max_position > original else "short_factor"
+    if which not in rs:
+        raise ValueError(f"rope_scaling longrope: no {which} (served context {cfg.max_position}, original {original})")
+    ext = np.asarray(rs[which], dtype=np.float32).reshape(-1)
+    if len(ext) != d // 2:
+        raise ValueError(f"rope_scaling longrope: {which} has {len(ext)} entries, the rope has {d // 2} pairs")
+    # HF's order of operations, 1 / (factor * base ** (2i / d)), for bit-equal frequencies.
+    powers = np.float32(theta) ** (np.arange(0, d, 2, dtype=np.int64).astype(np.float32) / np.float32(d))
+    inv = (np.float32(1.0) / (ext * powers)).astype(np.float32)
+    attention = rs.get("attention_factor")
+    if attention is None:
+        scale = rs.get("factor") or cfg.max_position / original
+        attention = 1.0 if scale <= 1.0 else math.sqrt(1 + math.log(scale) / math.log(original))
+    return inv, float(attention)

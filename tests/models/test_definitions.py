@@ -79,24 +79,25 @@ def test_phi3_splits_its_fused_tensors_into_row_views():
         d.from_hf(cfg, {p + "self_attn.qkv_proj.weight": qkv[:100]})
 
 
-def test_phi3_refuses_longrope_and_partial_rotary_and_caps_at_its_window():
-    with pytest.raises(ValueError, match="phi3: rope_scaling 'longrope' is not supported.*issue 13"):
-        config("phi3", rope_scaling={"type": "longrope", "short_factor": [1.0], "long_factor": [2.0]})
-    with pytest.raises(ValueError, match="phi3: rope_scaling 'su'"):
-        config("phi3", rope_parameters={"rope_type": "su", "rope_theta": 1e4})
-    with pytest.raises(ValueError, match="phi3: partial_rotary_factor 0.5 is not supported"):
-        config("phi3", partial_rotary_factor=0.5)
-    assert config("phi3", sliding_window=200).max_position == 200  # within the window attention is causal
-    assert config("phi3", sliding_window=None).max_position == 512
+def test_phi3_reads_longrope_partial_rotary_and_its_window():
+    """(Parity for each is tests/models/test_phi3.py.)"""
+    rs = config("phi3", rope_scaling={"type": "longrope", "short_factor": [1.0], "long_factor": [2.0]}).rope_scaling
+    assert rs["rope_type"] == "longrope" and rs["long_factor"] == [2.0]
+    with pytest.raises(ValueError, match="phi3: rope_scaling 'linear' is not supported"):
+        config("phi3", rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4})
+    assert config("phi3", partial_rotary_factor=0.5).params["rotary_dim"] == 8
+    windowed = config("phi3", sliding_window=200)  # transformers masks every layer to the window
+    assert windowed.max_position == 512 and windowed.sliding_window == 200 and windowed.all_layers_slide
+    assert config("phi3", sliding_window=None).sliding_window is None
     meta = {"general.architecture": "phi3", "phi3.embedding_length": 96, "phi3.attention.head_count": 6,
             "phi3.feed_forward_length": 160, "phi3.block_count": 3, "phi3.context_length": 4096}  # fmt: skip
-    with pytest.raises(ValueError, match="phi3: longrope scaling"):
+    with pytest.raises(ValueError, match="phi3: rope_factors tensors without phi3.rope.scaling.original_context"):
         for_gguf("phi3").config_from_gguf(meta, {"rope_factors_long.weight", "token_embd.weight"})
-    with pytest.raises(ValueError, match="phi3: rope over 8 of 16 head dimensions"):
-        for_gguf("phi3").config_from_gguf({**meta, "phi3.rope.dimension_count": 8}, set())
-    assert (
-        for_gguf("phi3").config_from_gguf({**meta, "phi3.attention.sliding_window": 2047}, set()).max_position == 2047
-    )
+    with pytest.raises(ValueError, match="phi3: phi3.rope.dimension_count 18 does not fit head_dim 16"):
+        for_gguf("phi3").config_from_gguf({**meta, "phi3.rope.dimension_count": 18}, set())
+    gguf_cfg = for_gguf("phi3").config_from_gguf({**meta, "phi3.attention.sliding_window": 2047}, set())
+    assert gguf_cfg.max_position == 4096 and gguf_cfg.sliding_window == 2047
+    assert for_gguf("phi3").config_from_gguf({**meta, "phi3.attention.sliding_window": 0}, set()).sliding_window is None
 
 
 def test_llama_gguf_undoes_the_q_k_row_permutation():

@@ -47,9 +47,11 @@ class DeviceWeights:
 def upload(cfg: ModelConfig, block: Block, head: Head, weights, mem) -> DeviceWeights:
     """Copy ``weights`` to the device through ``mem`` (``runtime.Allocations``); the norms' tensor
     names and whether q|k|v carry biases come from the definition's ``block`` and ``head``."""
-    import pycuda.driver as cuda
+    from engine.models.rope import rope_inv_freq, rope_tables
 
-    from engine.models.rope import rope_inv_freq
+    if rope_tables(cfg, block.attention.rope)[1] != 1.0:  # longrope / yarn scale cos and sin too
+        raise ValueError("the CUDA backend has no kernel for a rope attention factor (longrope, yarn)")
+    import pycuda.driver as cuda
 
     up = _Uploader(weights, mem)
     d = cfg.head_dim

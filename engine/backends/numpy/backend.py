@@ -51,6 +51,7 @@ class NumpyBackend(Backend):
 
     name = "numpy"
     supports_prompt_logprobs = True
+    releases_window_pages = True  # no row gathers a slot behind its own window (_window_start)
 
     def __init__(self, *, blas_threads: int = 1) -> None:
         super().__init__()
@@ -99,7 +100,10 @@ class NumpyBackend(Backend):
         idx = positions // self.block_size
         if len(positions) and idx.max() >= len(bt):
             raise ValueError(f"block table of {len(bt)} blocks does not reach position {int(positions.max())}")
-        return bt[idx] * self.block_size + positions % self.block_size
+        blocks = bt[idx]
+        if len(blocks) and blocks.min() < 0:
+            raise ValueError(f"position {int(positions[blocks.argmin()])} lies in a block released behind the window")
+        return blocks * self.block_size + positions % self.block_size
 
     def prefill(self, span: PrefillSpan, out: StepOutput) -> None:
         """Run the chunk at ``start_pos``.. over everything earlier in its blocks, causally within."""
@@ -149,8 +153,10 @@ class NumpyBackend(Backend):
         span = np.arange(self._window_start(int(positions.min())), int(positions.max()) + 1, dtype=np.int64)
         ctx_slots = np.empty((len(lanes), len(span)), dtype=np.int64)
         for r, ln in enumerate(lanes):
-            # Padding past a lane's own position repeats its last slot; the mask removes it.
-            ctx_slots[r] = self._slots(ln.block_table, np.minimum(span, ln.position))
+            # Padding past a lane's own position repeats its last slot, and positions behind its
+            # own window (within another lane's) its first one: the mask removes both, and a
+            # page released behind the lane's window is never read.
+            ctx_slots[r] = self._slots(ln.block_table, np.clip(span, self._window_start(ln.position), ln.position))
         write = ctx_slots[np.arange(len(lanes)), positions - int(span[0])]
         tokens = [ln.token_id for ln in lanes]
         ctx = np.broadcast_to(span, ctx_slots.shape)
