@@ -3,7 +3,7 @@ from the same weights as llama.cpp lays them out in a GGUF; and what their parse
 
 The tiny checkpoints (``tests.models.tiny_gemma``) slide a window of 8 over prompts of up to 40
 tokens plus 32 generated ones, so the window, the soft-caps, the query scalar and gemma3's two
-ropes all change the logits (each, left out, moves them by 7-80%).
+ropes all change the logits (each, left out, moves them by 7% to 84%).
 """
 
 from __future__ import annotations
