@@ -15,6 +15,7 @@ from engine.models.ops import Attention, Block, GatedMLP, Head, RMSNorm
 HF = {
     "vocab_size": 320, "hidden_size": 96, "intermediate_size": 160, "num_hidden_layers": 3,
     "num_attention_heads": 6, "num_key_value_heads": 2, "max_position_embeddings": 512,
+    "head_dim": 16, "tie_word_embeddings": False,  # gemma's defaults are 256 and tied
 }  # fmt: skip
 
 
