@@ -13,6 +13,12 @@
 // the accumulator layout straight into A fragments, O += P V with V read through
 // ldmatrix.trans. The score matrix never leaves registers. Heaviest (last) query
 // tiles are launched first. Shared rows are padded by 8 bf16 (conflict-free ldmatrix).
+// Scores as attention_decode.cu's: q . k * scale_log2, or with cap_log2 > 0 cap_log2 *
+// tanh(q . k * scale_log2) (scale_log2 then holds scale / cap); with window > 0 query position p
+// sees keys p - window < key <= p, and the block starts at the first tile its lowest query
+// sees: keys before that (and their block-table entries) are never read. A row whose keys in a
+// tile are all masked keeps its running max (no NaN). sinks fp32 [H] or null: head h's sinks[h]
+// joins its softmax denominator (gpt-oss).
 // Compile-time: HEAD_DIM (64 or 128), GROUP (H / KVH), PREFILL_THREADS (from the wrapper).
 
 #ifndef HEAD_DIM
@@ -31,7 +37,7 @@ static_assert(PREFILL_THREADS == 128, "prefill_attn: 4 warps of 16 query rows ea
 extern "C" __global__ void __launch_bounds__(PREFILL_THREADS)
     prefill_attn(const bf16* __restrict__ q, const int* __restrict__ block_table, const bf16* __restrict__ cache,
                  long long block_stride, int block_size, int KVH, int n, int start, float scale_log2,
-                 bf16* __restrict__ out) {
+                 bf16* __restrict__ out, int window, float cap_log2, const float* __restrict__ sinks) {
     __shared__ __align__(16) bf16 sK[KT * LDK];
     __shared__ __align__(16) bf16 sV[KT * LDK];
     const int H = KVH * GROUP;
@@ -62,21 +68,22 @@ extern "C" __global__ void __launch_bounds__(PREFILL_THREADS)
     float mrow[2] = {-INFINITY, -INFINITY}, lrow[2] = {0.f, 0.f};
     const int qp0 = start + q0 + warp * 16 + (lane >> 2);  // this thread's rows: qp0, qp0 + 8
     const int nkeys = start + min(q0 + 64, n);
+    const int kfirst = window > 0 ? max(0, start + q0 - window + 1) : 0;  // the block's first visible key
     const size_t kv_half = (size_t)block_size * KVH * HEAD_DIM;
 
-    for (int k0 = 0; k0 < nkeys; k0 += KT) {
+    for (int k0 = kfirst / KT * KT; k0 < nkeys; k0 += KT) {
         for (int idx = tid; idx < KT * CH; idx += PREFILL_THREADS) {
             const int r = idx / CH, c = idx % CH, t = k0 + r;
-            const bool ok = t < nkeys;
-            const bf16* src = cache + (size_t)block_table[ok ? t / block_size : 0] * block_stride +
+            const bool ok = t < nkeys && t >= kfirst;
+            const bf16* src = cache + (size_t)(ok ? block_table[t / block_size] : 0) * block_stride +
                               ((size_t)(ok ? t % block_size : 0) * KVH + kh) * HEAD_DIM + c * 8;
             cp_async16(&sK[r * LDK + c * 8], src, ok ? 16 : 0);
         }
         cp_async_commit();
         for (int idx = tid; idx < KT * CH; idx += PREFILL_THREADS) {
             const int r = idx / CH, c = idx % CH, t = k0 + r;
-            const bool ok = t < nkeys;
-            const bf16* src = cache + (size_t)block_table[ok ? t / block_size : 0] * block_stride + kv_half +
+            const bool ok = t < nkeys && t >= kfirst;
+            const bf16* src = cache + (size_t)(ok ? block_table[t / block_size] : 0) * block_stride + kv_half +
                               ((size_t)(ok ? t % block_size : 0) * KVH + kh) * HEAD_DIM + c * 8;
             cp_async16(&sV[r * LDK + c * 8], src, ok ? 16 : 0);
         }
@@ -106,7 +113,10 @@ extern "C" __global__ void __launch_bounds__(PREFILL_THREADS)
             for (int e = 0; e < 4; e++) {
                 const int key = k0 + j * 8 + (lane & 3) * 2 + (e & 1);
                 const int qp = qp0 + (e >> 1) * 8;
-                const float v = key <= qp ? s[j][e] * scale_log2 : -INFINITY;
+                const bool seen = key <= qp && (window <= 0 || qp - key < window);
+                float v = s[j][e] * scale_log2;
+                if (cap_log2 > 0.f) v = cap_log2 * tanhf(v);
+                v = seen ? v : -INFINITY;
                 s[j][e] = v;
                 mnew[e >> 1] = fmaxf(mnew[e >> 1], v);
             }
@@ -115,8 +125,10 @@ extern "C" __global__ void __launch_bounds__(PREFILL_THREADS)
         for (int i = 0; i < 2; i++) {
             mnew[i] = fmaxf(mnew[i], __shfl_xor_sync(FULL_MASK, mnew[i], 1));
             mnew[i] = fmaxf(mnew[i], __shfl_xor_sync(FULL_MASK, mnew[i], 2));
-            corr[i] = exp2f(mrow[i] - mnew[i]);
+            const float mold = mrow[i];
             mrow[i] = mnew[i];
+            if (mnew[i] == -INFINITY) mnew[i] = 0.f;  // nothing seen yet: p = 0, corr = 0, no NaN
+            corr[i] = exp2f(mold - mnew[i]);
         }
         uint32_t pa[KT / 16][4];
 #pragma unroll
@@ -154,7 +166,12 @@ extern "C" __global__ void __launch_bounds__(PREFILL_THREADS)
     for (int i = 0; i < 2; i++) {
         lrow[i] += __shfl_xor_sync(FULL_MASK, lrow[i], 1);
         lrow[i] += __shfl_xor_sync(FULL_MASK, lrow[i], 2);
-        lrow[i] = 1.f / lrow[i];
+        if (sinks != nullptr) {  // rescale to max(running max, sink) and add the sink's term
+            const float sk = sinks[h] * 1.4426950408889634f, mx = fmaxf(mrow[i], sk), c = exp2f(mrow[i] - mx);
+            lrow[i] = c / (lrow[i] * c + exp2f(sk - mx));
+        } else {
+            lrow[i] = 1.f / lrow[i];
+        }
     }
 #pragma unroll
     for (int i = 0; i < 2; i++) {
