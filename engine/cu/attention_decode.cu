@@ -12,7 +12,7 @@
 //   blocks past the context return at once, so one fixed grid serves every round
 //   (CUDA-graph friendly) and short contexts use few blocks. The range is walked in
 //   sub-chunks of SUB keys with an online softmax (base 2):
-//   scores: warps take keys round-robin, UNROLL (16) keys' loads in flight at once, lanes hold
+//   scores: warps take keys round-robin, UNROLL (16; 8 at HEAD_DIM 256) keys' loads in flight at once, lanes hold
 //   D/32 dims (a coalesced K row per warp), warp-sum per head into shared memory; one warp per head updates the
 //   running max / sum; P.V: warps take keys, lanes hold D/32 dims in registers.
 //   Writes unnormalised o_part fp32 [M, H, NUM_SPLITS, D] and ml fp32 [M, H, NUM_SPLITS, 2].
@@ -25,7 +25,7 @@
 //   soft-cap) q . k * scale_log2 is scale / cap and the score is cap_log2 * tanh(that), cap_log2
 //   = cap * log2(e). sinks fp32 [H] or null: head h's sinks[h] joins its softmax denominator
 //   (gpt-oss), added once, after the splits are merged.
-// Compile-time: HEAD_DIM (64 or 128), GROUP (G <= 8), NUM_SPLITS, DECODE_THREADS (from the wrapper); SUB.
+// Compile-time: HEAD_DIM (64, 128 or 256), GROUP (G <= 8), NUM_SPLITS, DECODE_THREADS (from the wrapper); SUB.
 
 #ifndef HEAD_DIM
 #define HEAD_DIM 128
@@ -41,7 +41,11 @@
 #endif
 static_assert(DECODE_THREADS == 128, "decode_attn: 4 warps walk the keys and reduce in shared memory");
 #define SUB 64
+#if HEAD_DIM == 256
+#define UNROLL 8  // 8 values a lane per key: 8 keys in flight per warp (16 would spill registers)
+#else
 #define UNROLL 16  // keys in flight per warp: 4 warps x 16 = a whole SUB of 64 keys in one pass
+#endif
 #define E (HEAD_DIM / 32)
 
 __device__ __forceinline__ int split_chunk(int ctx) {
@@ -50,7 +54,11 @@ __device__ __forceinline__ int split_chunk(int ctx) {
 }
 
 __device__ __forceinline__ void load_row(const bf16* p, float* f) {
-#if E == 4
+#if E == 8
+    const uint4 v = *reinterpret_cast<const uint4*>(p);
+    f[0] = bf_lo(v.x); f[1] = bf_hi(v.x); f[2] = bf_lo(v.y); f[3] = bf_hi(v.y);
+    f[4] = bf_lo(v.z); f[5] = bf_hi(v.z); f[6] = bf_lo(v.w); f[7] = bf_hi(v.w);
+#elif E == 4
     const uint2 v = *reinterpret_cast<const uint2*>(p);
     f[0] = bf_lo(v.x); f[1] = bf_hi(v.x); f[2] = bf_lo(v.y); f[3] = bf_hi(v.y);
 #else

@@ -71,8 +71,8 @@ class Kernels:
     """
 
     def __init__(self, head_dim: int, group: int, *, u2_below: int = 40 << 20, cache_dir: str = "") -> None:
-        if head_dim not in (64, 128):
-            raise ValueError(f"head_dim {head_dim} not supported (64 or 128)")
+        if head_dim not in (64, 128, 256):
+            raise ValueError(f"head_dim {head_dim} not supported (64, 128 or 256)")
         if not 1 <= group <= 8:
             raise ValueError(f"query heads per KV head {group} not supported (1..8)")
         import pycuda.driver as cuda
@@ -258,7 +258,8 @@ class Kernels:
     def prefill_attention(self, s, q: int, block_table: int, cache: int, block_stride: int, block_size: int,
                           kv_heads: int, n: int, start: int, out: int, args: AttnArgs | None = None) -> None:  # fmt: skip
         a = args or self.plain
-        self._prefill_attn(s, ((n + 63) // 64, kv_heads * self.group), q=q, block_table=block_table, cache=cache,
+        halves = 2 if self.head_dim == 256 else 1  # attention_prefill.cu: HEAD_DIM 256 splits the output dims
+        self._prefill_attn(s, ((n + 63) // 64, kv_heads * self.group, halves), q=q, block_table=block_table, cache=cache,
                            block_stride=block_stride, block_size=block_size, KVH=kv_heads, n=n, start=start,
                            scale_log2=a.scale_log2, out=out, window=a.window, cap_log2=a.cap_log2,
                            sinks=a.sinks)  # fmt: skip

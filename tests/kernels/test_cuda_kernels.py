@@ -25,7 +25,9 @@ def dev():
 def kern(dev):
     from engine.cu.kernels import Kernels
 
-    return {(d, g): Kernels(d, g) for d in (64, 128) for g in (1, 4, 7)}
+    ks = {(d, g): Kernels(d, g) for d in (64, 128) for g in (1, 4, 7)}
+    ks[(256, 2)] = Kernels(256, 2)  # gemma's head size
+    return ks
 
 
 @pytest.fixture(scope="module")
@@ -397,7 +399,7 @@ def _ref_attention(q, keys, vals, qpos, scale):
     return np.einsum("hnt,thd->nhd", p, vv)
 
 
-@pytest.mark.parametrize("d,g", [(64, 4), (128, 1), (128, 7)])
+@pytest.mark.parametrize("d,g", [(64, 4), (128, 1), (128, 7), (256, 2)])
 def test_decode_attention(kern, stream, d, g):
     from engine.cu.kernels import DECODE_SPLITS
 
@@ -447,7 +449,7 @@ def test_decode_attention(kern, stream, d, g):
         assert rel_err(got[i], ref[0]) < 1e-2, f"lane {i} ctx {c}"
 
 
-@pytest.mark.parametrize("d,g", [(64, 4), (128, 1), (128, 7)])
+@pytest.mark.parametrize("d,g", [(64, 4), (128, 1), (128, 7), (256, 2)])
 @pytest.mark.parametrize("n,start", [(1, 0), (70, 0), (200, 333), (130, 4000)])
 def test_prefill_attention(kern, stream, d, g, n, start):
     k = kern[(d, g)]
@@ -603,7 +605,9 @@ def _np_rope(x, pos, inv, factor, rd):
     return ops.rope_neox(x, cos, sin)
 
 
-@pytest.mark.parametrize("d,g,rd,qk", [(64, 4, 32, True), (128, 1, 128, True), (128, 7, 96, False), (64, 1, 0, True)])
+@pytest.mark.parametrize(
+    "d,g,rd,qk", [(64, 4, 32, True), (128, 1, 128, True), (128, 7, 96, False), (64, 1, 0, True), (256, 2, 256, True)]
+)
 def test_rope_kv_write_qk_norm_partial_rotary(kern, stream, d, g, rd, qk):
     """rope_kv_write on the interleaved order with QKNorm (per-head RMSNorm of q and k), partial rotary
     (only the first rd dims rotate; 0: none) and an attention factor on cos / sin."""
@@ -639,15 +643,15 @@ def test_rope_kv_write_qk_norm_partial_rotary(kern, stream, d, g, rd, qk):
     assert rel_err(got[blk, layer, 1, off], x[:, h + kvh :]) < 8e-3
 
 
-@pytest.mark.parametrize("d,rd", [(64, 32), (128, 96), (128, 0)])
-def test_qkv_rope_partial_rotary_and_factor(kern, stream, d, rd):
+@pytest.mark.parametrize("d,g,rd", [(64, 4, 32), (128, 4, 96), (128, 4, 0), (256, 2, 256)])
+def test_qkv_rope_partial_rotary_and_factor(kern, stream, d, g, rd):
     """The decode q|k|v GEMV's rope epilogue with partial rotary and an attention factor; row 0 the same
     at widths 1 and 5."""
     from engine.backends.cuda.weights import interleave_rope
 
-    k = kern[(d, 4)]
+    k = kern[(d, g)]
     kvh, bs, L, nb, hid, factor = 2, 16, 2, 12, 256, 0.8
-    h = 4 * kvh
+    h = g * kvh
     n = (h + 2 * kvh) * d
     x = bf(rng.standard_normal((5, hid)).astype(np.float32))
     w = bf((rng.standard_normal((n, hid)) / np.sqrt(hid)).astype(np.float32))
@@ -701,7 +705,7 @@ OPTIONS = [  # (window, scale, softcap, sinks)
 
 
 @pytest.mark.parametrize("window,scale,softcap,sinks", OPTIONS)
-@pytest.mark.parametrize("d,g", [(64, 4), (128, 7)])
+@pytest.mark.parametrize("d,g", [(64, 4), (128, 7), (256, 2)])
 def test_decode_attention_options(kern, stream, d, g, window, scale, softcap, sinks):
     """Scale, soft-cap, sliding window and sinks in decode attention against numpy. Block-table entries
     wholly behind the window point at a block of NaNs: reading any of them would poison the output."""
@@ -749,12 +753,12 @@ def test_decode_attention_options(kern, stream, d, g, window, scale, softcap, si
 
 @pytest.mark.parametrize("window,scale,softcap,sinks", OPTIONS)
 @pytest.mark.parametrize("n,start", [(70, 0), (200, 333)])
-def test_prefill_attention_options(kern, stream, n, start, window, scale, softcap, sinks):
+@pytest.mark.parametrize("d,g", [(64, 4), (256, 2)])
+def test_prefill_attention_options(kern, stream, d, g, n, start, window, scale, softcap, sinks):
     """The same options in prefill attention (over a retained prefix), poisoned blocks behind the
     window of the chunk's first query."""
     from engine.cu.kernels import AttnArgs, attention_scales
 
-    d, g = 64, 4
     k = kern[(d, g)]
     kvh, bs, L = 2, 16, 2
     h = kvh * g
