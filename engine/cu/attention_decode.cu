@@ -6,11 +6,13 @@
 //   round's own token is already in the cache); block_tables int32 [M, bt_stride];
 //   cache bf16 [num_blocks][L][2][block_size][KVH][D], passed offset to the layer.
 //   A block handles one lane, one KV head with its G = H / KVH query heads, and one
-//   contiguous range of chunk = max(SUB, roundup(ceil(ctx / NUM_SPLITS), SUB)) keys;
+//   contiguous range of chunk = max(SUB, roundup(ceil(n / NUM_SPLITS), SUB)) of the lane's
+//   n visible keys [lo, ctx): lo = 0, or ctx - window with a sliding window (window > 0);
+//   keys (and block-table entries) before lo are never read, so their pages may be gone;
 //   blocks past the context return at once, so one fixed grid serves every round
 //   (CUDA-graph friendly) and short contexts use few blocks. The range is walked in
 //   sub-chunks of SUB keys with an online softmax (base 2):
-//   scores: warps take keys round-robin, UNROLL (16) keys' loads in flight at once, lanes hold
+//   scores: warps take keys round-robin, UNROLL (16; 8 at HEAD_DIM 256) keys' loads in flight at once, lanes hold
 //   D/32 dims (a coalesced K row per warp), warp-sum per head into shared memory; one warp per head updates the
 //   running max / sum; P.V: warps take keys, lanes hold D/32 dims in registers.
 //   Writes unnormalised o_part fp32 [M, H, NUM_SPLITS, D] and ml fp32 [M, H, NUM_SPLITS, 2].
@@ -19,7 +21,11 @@
 //   lane's splits to arrive merges all of them (in split order, so the result does not depend
 //   on which block is last) and resets the counter to 0 for the next call. counters int32
 //   [M * KVH] must start zeroed.
-// Compile-time: HEAD_DIM (64 or 128), GROUP (G <= 8), NUM_SPLITS, DECODE_THREADS (from the wrapper); SUB.
+// Scores: q . k * scale_log2 (the layer's scale times log2(e)); with cap_log2 > 0 (gemma2's
+//   soft-cap) q . k * scale_log2 is scale / cap and the score is cap_log2 * tanh(that), cap_log2
+//   = cap * log2(e). sinks fp32 [H] or null: head h's sinks[h] joins its softmax denominator
+//   (gpt-oss), added once, after the splits are merged.
+// Compile-time: HEAD_DIM (64, 128 or 256), GROUP (G <= 8), NUM_SPLITS, DECODE_THREADS (from the wrapper); SUB.
 
 #ifndef HEAD_DIM
 #define HEAD_DIM 128
@@ -35,7 +41,11 @@
 #endif
 static_assert(DECODE_THREADS == 128, "decode_attn: 4 warps walk the keys and reduce in shared memory");
 #define SUB 64
+#if HEAD_DIM == 256
+#define UNROLL 8  // 8 values a lane per key: 8 keys in flight per warp (16 would spill registers)
+#else
 #define UNROLL 16  // keys in flight per warp: 4 warps x 16 = a whole SUB of 64 keys in one pass
+#endif
 #define E (HEAD_DIM / 32)
 
 __device__ __forceinline__ int split_chunk(int ctx) {
@@ -44,7 +54,11 @@ __device__ __forceinline__ int split_chunk(int ctx) {
 }
 
 __device__ __forceinline__ void load_row(const bf16* p, float* f) {
-#if E == 4
+#if E == 8
+    const uint4 v = *reinterpret_cast<const uint4*>(p);
+    f[0] = bf_lo(v.x); f[1] = bf_hi(v.x); f[2] = bf_lo(v.y); f[3] = bf_hi(v.y);
+    f[4] = bf_lo(v.z); f[5] = bf_hi(v.z); f[6] = bf_lo(v.w); f[7] = bf_hi(v.w);
+#elif E == 4
     const uint2 v = *reinterpret_cast<const uint2*>(p);
     f[0] = bf_lo(v.x); f[1] = bf_hi(v.x); f[2] = bf_lo(v.y); f[3] = bf_hi(v.y);
 #else
@@ -57,11 +71,12 @@ extern "C" __global__ void __launch_bounds__(DECODE_THREADS)
     decode_attn(const bf16* __restrict__ q, const int* __restrict__ positions, const int* __restrict__ block_tables,
                 int bt_stride, const bf16* __restrict__ cache, long long block_stride, int block_size, int KVH,
                 float scale_log2, float* __restrict__ o_part, float* __restrict__ ml, int* __restrict__ counters,
-                bf16* __restrict__ out) {
+                bf16* __restrict__ out, int window, float cap_log2, const float* __restrict__ sinks) {
     const int kh = blockIdx.x, m = blockIdx.y, sp = blockIdx.z;
     const int ctx = positions[m] + 1;
-    const int chunk = split_chunk(ctx);
-    const int tb = sp * chunk;
+    const int lo = window > 0 ? max(0, ctx - window) : 0;
+    const int chunk = split_chunk(ctx - lo);
+    const int tb = lo + sp * chunk;
     if (tb >= ctx) return;
     const int te = min(ctx, tb + chunk);
     const int H = KVH * GROUP;
@@ -111,6 +126,9 @@ extern "C" __global__ void __launch_bounds__(DECODE_THREADS)
         }
         __syncthreads();
         for (int g = warp; g < GROUP; g += 4) {
+            // The soft-cap here, outside the unrolled score loop (inside, ptxas keeps fewer loads in flight).
+            if (cap_log2 > 0.f)
+                for (int i = lane; i < len; i += 32) sp_[g][i] = cap_log2 * tanhf(sp_[g][i]);
             float mx = smax[g];
             for (int i = lane; i < len; i += 32) mx = fmaxf(mx, sp_[g][i]);
             mx = warp_max(mx);
@@ -161,12 +179,18 @@ extern "C" __global__ void __launch_bounds__(DECODE_THREADS)
 #pragma unroll
         for (int e = 0; e < E; e++) sacc[warp][g][lane * E + e] = acc[g][e];
     __syncthreads();
-    const int ns = (ctx + chunk - 1) / chunk;
+    const int ns = (ctx - lo + chunk - 1) / chunk;
     if (ns == 1) {  // one split: normalise and write the output here
         for (int i = threadIdx.x; i < GROUP * HEAD_DIM; i += DECODE_THREADS) {
             const int g = i / HEAD_DIM, d = i % HEAD_DIM;
             const float v = sacc[0][g][d] + sacc[1][g][d] + sacc[2][g][d] + sacc[3][g][d];
-            out[((size_t)m * H + kh * GROUP + g) * HEAD_DIM + d] = __float2bfloat16(v / ssum[g]);
+            float o = v / ssum[g];
+            if (sinks != nullptr) {  // rescale to max(running max, sink) and add the sink's term
+                const float sk = sinks[kh * GROUP + g] * 1.4426950408889634f, mx = fmaxf(smax[g], sk);
+                const float c = exp2f(smax[g] - mx);
+                o = v * c / (ssum[g] * c + exp2f(sk - mx));
+            }
+            out[((size_t)m * H + kh * GROUP + g) * HEAD_DIM + d] = __float2bfloat16(o);
         }
         return;
     }
@@ -193,12 +217,15 @@ extern "C" __global__ void __launch_bounds__(DECODE_THREADS)
         const size_t base = ((size_t)m * H + kh * GROUP + g) * NUM_SPLITS;
         float mx = -INFINITY;
         for (int s2 = 0; s2 < ns; s2++) mx = fmaxf(mx, __ldcg(ml + (base + s2) * 2));
+        const float sk = sinks != nullptr ? sinks[kh * GROUP + g] * 1.4426950408889634f : -INFINITY;
+        mx = fmaxf(mx, sk);
         float l = 0.f, o = 0.f;
         for (int s2 = 0; s2 < ns; s2++) {
             const float w = exp2f(__ldcg(ml + (base + s2) * 2) - mx);
             l += w * __ldcg(ml + (base + s2) * 2 + 1);
             o += w * __ldcg(o_part + (base + s2) * HEAD_DIM + d);
         }
+        if (sinks != nullptr) l += exp2f(sk - mx);
         out[((size_t)m * H + kh * GROUP + g) * HEAD_DIM + d] = __float2bfloat16(o / l);
     }
 }

@@ -1,6 +1,6 @@
 // embed.cu: token embedding gather.
 //
-// x[row, :] = float(table[tokens[row], :])
+// x[row, :] = float(table[tokens[row], :]) * scale (gemma: sqrt(hidden); 1 otherwise)
 //   tokens int32 [rows]; table bf16 [vocab, H]; x fp32 [rows, H] (the residual stream).
 // With nw (decode rounds: the first layer's RMSNorm fused, see gemv.cu): also
 //   xw[row, :] = bf16(x[row, :] * nw) and ss_out[row] = sum(x[row, :]^2) (one partial per row).
@@ -9,7 +9,7 @@
 
 extern "C" __global__ void embed(const int* __restrict__ tokens, const bf16* __restrict__ table,
                                  float* __restrict__ x, int H, const bf16* __restrict__ nw, bf16* __restrict__ xw,
-                                 float* __restrict__ ss_out) {
+                                 float* __restrict__ ss_out, float scale) {
     __shared__ float scratch[32];
     const int row = blockIdx.x;
     const uint4* src = reinterpret_cast<const uint4*>(table + (size_t)tokens[row] * H);
@@ -17,8 +17,8 @@ extern "C" __global__ void embed(const int* __restrict__ tokens, const bf16* __r
     float ss = 0.f;
     for (int c = threadIdx.x; c < H / 8; c += blockDim.x) {
         uint4 v = src[c];
-        const float f[8] = {bf_lo(v.x), bf_hi(v.x), bf_lo(v.y), bf_hi(v.y),
-                            bf_lo(v.z), bf_hi(v.z), bf_lo(v.w), bf_hi(v.w)};
+        const float f[8] = {bf_lo(v.x) * scale, bf_hi(v.x) * scale, bf_lo(v.y) * scale, bf_hi(v.y) * scale,
+                            bf_lo(v.z) * scale, bf_hi(v.z) * scale, bf_lo(v.w) * scale, bf_hi(v.w) * scale};
         dst[2 * c] = make_float4(f[0], f[1], f[2], f[3]);
         dst[2 * c + 1] = make_float4(f[4], f[5], f[6], f[7]);
         if (nw != nullptr) {

@@ -28,11 +28,15 @@ static_assert(TC_THREADS == 256, "gemv_tc: 8 warps split K and reduce in shared 
 // swiglu (EPI_SWIGLU): W is the gate|up matrix interleaved in 8-row groups (rows
 //   16j..16j+7 = gate rows 8j..8j+7, rows 16j+8..16j+15 = up rows 8j..8j+7), out is
 //   bf16 act [M, ldo] and act[m, 8j + r] = bf16(silu(gate) * up); no bias.
+// geglu (EPI_GEGLU): the same with gelu_tanh(gate) * up (gemma's GeGLU).
 // rope (EPI_ROPE_KV, rope + KV write): W is the fused q|k|v matrix with each head's rows
 //   interleaved in 8-row groups (rows 16j..16j+7 of a head = dims 8j..8j+7, rows
 //   16j+8..16j+15 = dims D/2 + 8j..), so a block holds both members of 8 rotation pairs
 //   of one head. q heads are rotated into out = q bf16 [M, H, D]; k heads rotated and v
 //   heads copied into their KV-cache slots (layout and arithmetic as rope.cu's).
+//   Partial rotary (rotary_dim R < D, R % 16 == 0): only a head's first R rows are
+//   interleaved (pairs 8j + r, R/2 + 8j + r); rows R.. are in natural order and pass
+//   through unrotated. cos and sin are multiplied by rope_factor (yarn / longrope).
 // Fused RMSNorm (decode rounds). The norm of the activation rows is a per-row scalar, so
 //   it is applied to the accumulators: with ss_in, x holds bf16(h * w_norm) and the row
 //   sum is scaled by rsqrt(sum(ss_in[m, 0:ss_nparts]) / K + eps) before bias and
@@ -50,7 +54,11 @@ __device__ __forceinline__ void tc_step(float* c, const uint4& wa, const uint4& 
     mma_bf16(c, a1, xv.z, xv.w);
 }
 
-enum { EPI_STORE = 0, EPI_ACC = 1, EPI_SWIGLU = 2, EPI_ROPE_KV = 3 };
+enum { EPI_STORE = 0, EPI_ACC = 1, EPI_SWIGLU = 2, EPI_ROPE_KV = 3, EPI_GEGLU = 4 };
+
+__device__ __forceinline__ float gelu_tanh(float g) {  // HF's gelu_pytorch_tanh
+    return 0.5f * g * (1.f + tanhf(0.7978845608028654f * (g + 0.044715f * g * g * g)));
+}
 
 struct TcNorm {  // fused RMSNorm: ss_in for the input rows; nw, xw, ss_out (store / acc) for the next norm
     const float* ss_in;
@@ -68,6 +76,8 @@ struct TcRope {  // EPI_ROPE_KV only
     bf16* cache;
     int H, KVH, D, block_size;
     long long block_stride;
+    int rotary_dim;
+    float factor;
 };
 
 template <int U, int EPI>
@@ -124,7 +134,7 @@ __device__ __forceinline__ void gemv_tc_body(const bf16* __restrict__ x, const b
         if (lane == 0) rs[warp] = rsqrtf(ss / K + eps);
     }
     __syncthreads();
-    if constexpr (EPI == EPI_SWIGLU) {
+    if constexpr (EPI == EPI_SWIGLU || EPI == EPI_GEGLU) {
         if (threadIdx.x < 8 * 8) {
             const int r = threadIdx.x >> 3, m = threadIdx.x & 7;
             if (m < M && n0 + r + 8 < N) {
@@ -137,7 +147,8 @@ __device__ __forceinline__ void gemv_tc_body(const bf16* __restrict__ x, const b
                     gt *= rs[m];
                     up *= rs[m];
                 }
-                static_cast<bf16*>(out)[(size_t)m * ldo + (n0 >> 1) + r] = __float2bfloat16(gt / (1.f + expf(-gt)) * up);
+                const float a = EPI == EPI_SWIGLU ? gt / (1.f + expf(-gt)) : gelu_tanh(gt);
+                static_cast<bf16*>(out)[(size_t)m * ldo + (n0 >> 1) + r] = __float2bfloat16(a * up);
             }
         }
         return;
@@ -159,13 +170,22 @@ __device__ __forceinline__ void gemv_tc_body(const bf16* __restrict__ x, const b
                     a += bias[n0 + r];
                     b += bias[n0 + r + 8];
                 }
-                const int D = rp.D, half = D >> 1, hh = n0 / D, i = ((n0 % D) >> 1) + r;
-                float sn, cs;
-                sincosf((float)rp.positions[m] * rp.inv_freq[i], &sn, &cs);
+                // Rows r, r + 8 of this block are head dims ia, ib: a rotation pair inside the
+                // first rotary_dim dims, or two pass-through dims after them.
+                const int D = rp.D, hh = n0 / D, o = n0 % D, hr = rp.rotary_dim >> 1;
+                const bool rot = o < rp.rotary_dim;
+                const int ia = rot ? (o >> 1) + r : o + r, ib = rot ? ia + hr : ia + 8;
+                float sn = 0.f, cs = 1.f;
+                if (rot) {
+                    sincosf((float)rp.positions[m] * rp.inv_freq[ia], &sn, &cs);
+                    cs *= rp.factor;
+                    sn *= rp.factor;
+                }
+                const float ra = rot ? a * cs - b * sn : a, rb = rot ? b * cs + a * sn : b;
                 if (hh < rp.H) {
-                    bf16* o = static_cast<bf16*>(out) + ((size_t)m * rp.H + hh) * D;
-                    o[i] = __float2bfloat16(a * cs - b * sn);
-                    o[i + half] = __float2bfloat16(b * cs + a * sn);
+                    bf16* q = static_cast<bf16*>(out) + ((size_t)m * rp.H + hh) * D;
+                    q[ia] = __float2bfloat16(ra);
+                    q[ib] = __float2bfloat16(rb);
                 } else {
                     const bool is_v = hh >= rp.H + rp.KVH;
                     const int kh = hh - rp.H - (is_v ? rp.KVH : 0);
@@ -174,11 +194,11 @@ __device__ __forceinline__ void gemv_tc_body(const bf16* __restrict__ x, const b
                     bf16* d = rp.cache + (size_t)blk * rp.block_stride + ((size_t)off * rp.KVH + kh) * D;
                     if (is_v) {
                         d += (size_t)rp.block_size * rp.KVH * D;
-                        d[i] = __float2bfloat16(a);
-                        d[i + half] = __float2bfloat16(b);
+                        d[ia] = __float2bfloat16(a);
+                        d[ib] = __float2bfloat16(b);
                     } else {
-                        d[i] = __float2bfloat16(a * cs - b * sn);
-                        d[i + half] = __float2bfloat16(b * cs + a * sn);
+                        d[ia] = __float2bfloat16(ra);
+                        d[ib] = __float2bfloat16(rb);
                     }
                 }
             }
@@ -228,30 +248,34 @@ __device__ __forceinline__ void gemv_tc_body(const bf16* __restrict__ x, const b
         const TcRope rp{};                                                                                   \
         gemv_tc_body<U, EPI>(x, W, bias, out, M, N, K, ldo, nm, rp);                                          \
     }
-// swiglu: out bf16 act [M, ldo]; no bias, no next norm.
-#define GEMV_TC_SWIGLU(NAME, U, MINB)                                                                         \
+// swiglu / geglu: out bf16 act [M, ldo]; no bias, no next norm.
+#define GEMV_TC_SWIGLU(NAME, U, MINB, EPI)                                                                       \
     extern "C" __global__ void __launch_bounds__(TC_THREADS, MINB)                                          \
         NAME(const bf16* x, const bf16* W, bf16* out, int M, int N, int K, int ldo, const float* ss_in,       \
              int ss_nparts, float eps) {                                                                     \
         const TcNorm nm{ss_in, ss_nparts, eps, nullptr, nullptr, nullptr};                                   \
         const TcRope rp{};                                                                                   \
-        gemv_tc_body<U, EPI_SWIGLU>(x, W, nullptr, out, M, N, K, ldo, nm, rp);                               \
+        gemv_tc_body<U, EPI>(x, W, nullptr, out, M, N, K, ldo, nm, rp);                                      \
     }
 // rope: out bf16 q [M, H, D]; K and V into the cache.
 #define GEMV_TC_ROPE(NAME, U, MINB)                                                                           \
     extern "C" __global__ void __launch_bounds__(TC_THREADS, MINB)                                          \
         NAME(const bf16* x, const bf16* W, const float* bias, bf16* out, int M, int N, int K, int ldo,        \
              const float* ss_in, int ss_nparts, float eps, const int* positions, const int* slots,            \
-             const float* inv_freq, bf16* cache, int H, int KVH, int D, int block_size, long long block_stride) { \
+             const float* inv_freq, bf16* cache, int H, int KVH, int D, int block_size, long long block_stride, \
+             int rotary_dim, float rope_factor) {                                                             \
         const TcNorm nm{ss_in, ss_nparts, eps, nullptr, nullptr, nullptr};                                   \
-        const TcRope rp{positions, slots, inv_freq, cache, H, KVH, D, block_size, block_stride};             \
+        const TcRope rp{positions, slots, inv_freq, cache, H, KVH, D, block_size, block_stride, rotary_dim,  \
+                        rope_factor};                                                                        \
         gemv_tc_body<U, EPI_ROPE_KV>(x, W, bias, out, M, N, K, ldo, nm, rp);                                  \
     }
 GEMV_TC_LINEAR(gemv_tc_store, 4, 2, EPI_STORE)
 GEMV_TC_LINEAR(gemv_tc_store_u2, 2, 4, EPI_STORE)
 GEMV_TC_LINEAR(gemv_tc_acc, 4, 2, EPI_ACC)
 GEMV_TC_LINEAR(gemv_tc_acc_u2, 2, 4, EPI_ACC)
-GEMV_TC_SWIGLU(gemv_tc_swiglu, 4, 2)
-GEMV_TC_SWIGLU(gemv_tc_swiglu_u2, 2, 4)
+GEMV_TC_SWIGLU(gemv_tc_swiglu, 4, 2, EPI_SWIGLU)
+GEMV_TC_SWIGLU(gemv_tc_swiglu_u2, 2, 4, EPI_SWIGLU)
+GEMV_TC_SWIGLU(gemv_tc_geglu, 4, 2, EPI_GEGLU)
+GEMV_TC_SWIGLU(gemv_tc_geglu_u2, 2, 4, EPI_GEGLU)
 GEMV_TC_ROPE(gemv_tc_rope, 4, 2)
 GEMV_TC_ROPE(gemv_tc_rope_u2, 2, 4)

@@ -12,6 +12,8 @@ addresses).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from engine.cu.launch import Kernel, module
@@ -26,15 +28,38 @@ PF_BLOCKS = 16  # rmsnorm's L2-prefetch blocks
 TC_THREADS, GEMM_THREADS, DECODE_THREADS, PREFILL_THREADS, SAMPLE_THREADS = 256, 256, 128, 128, 1024
 
 # gemv_tc's epilogues, one compiled entry point each (and a 2-step "_u2" variant of each).
-STORE, ACC, SWIGLU, ROPE_KV = "store", "acc", "swiglu", "rope"
+STORE, ACC, SWIGLU, GEGLU, ROPE_KV = "store", "acc", "swiglu", "geglu", "rope"
+GATE_EPILOGUE = {"silu": SWIGLU, "gelu_tanh": GEGLU}  # GatedMLP.act -> its gemv_tc epilogue
+ACT_CODE = {"silu": 0, "gelu_tanh": 1}  # GatedMLP.act -> norm.cu swiglu's act
+LOG2E = float(np.log2(np.e))
 _TC_HEAD = "x:ptr W:ptr bias:ptr out:ptr M:i32 N:i32 K:i32 ldo:i32 ss_in:ptr ss_nparts:i32 eps:f32"
 TC_PARAMS = {
     STORE: _TC_HEAD + " nw:ptr xw:ptr ss_out:ptr",
     ACC: _TC_HEAD + " nw:ptr xw:ptr ss_out:ptr",
     SWIGLU: _TC_HEAD.replace(" bias:ptr", ""),
+    GEGLU: _TC_HEAD.replace(" bias:ptr", ""),
     ROPE_KV: _TC_HEAD + " positions:ptr slots:ptr inv_freq:ptr cache:ptr H:i32 KVH:i32 D:i32 block_size:i32"
-    " block_stride:i64",
+    " block_stride:i64 rotary_dim:i32 rope_factor:f32",
 }
+
+
+def attention_scales(head_dim: int, scale: float | None, softcap: float | None) -> tuple[np.float32, np.float32]:
+    """``(scale_log2, cap_log2)`` the attention kernels take: the score is q.k * scale_log2 in base 2,
+    or with a soft-cap cap_log2 * tanh(q.k * scale_log2) (scale_log2 then scale / cap)."""
+    scale = head_dim**-0.5 if scale is None else scale
+    if softcap:
+        return np.float32(scale / softcap), np.float32(softcap * LOG2E)
+    return np.float32(scale * np.log2(np.e)), np.float32(0.0)
+
+
+@dataclass(frozen=True)
+class AttnArgs:
+    """One layer's attention options as the kernels take them (``engine.models.ops.Attention``)."""
+
+    scale_log2: np.float32
+    cap_log2: np.float32 = np.float32(0.0)  # > 0: soft-capped scores
+    window: int = 0  # > 0: sliding window
+    sinks: int = 0  # fp32 [heads] or 0
 
 
 class Kernels:
@@ -46,8 +71,8 @@ class Kernels:
     """
 
     def __init__(self, head_dim: int, group: int, *, u2_below: int = 40 << 20, cache_dir: str = "") -> None:
-        if head_dim not in (64, 128):
-            raise ValueError(f"head_dim {head_dim} not supported (64 or 128)")
+        if head_dim not in (64, 128, 256):
+            raise ValueError(f"head_dim {head_dim} not supported (64, 128 or 256)")
         if not 1 <= group <= 8:
             raise ValueError(f"query heads per KV head {group} not supported (1..8)")
         import pycuda.driver as cuda
@@ -58,14 +83,18 @@ class Kernels:
             return module(name, tuple(defines), cache_dir)
 
         attn = (("HEAD_DIM", head_dim), ("GROUP", group))
-        self._embed = Kernel(mod("embed"), "embed", "tokens:ptr table:ptr x:ptr H:i32 nw:ptr xw:ptr ss_out:ptr", 128)
+        self._embed = Kernel(mod("embed"), "embed", "tokens:ptr table:ptr x:ptr H:i32 nw:ptr xw:ptr ss_out:ptr "
+                             "scale:f32", 128)  # fmt: skip
         norm = mod("norm")
         self._rmsnorm = Kernel(norm, "rmsnorm", "x:ptr w:ptr out:ptr H:i32 x_stride:i32 eps:f32 rows:i32 pf:ptr "
                                "pf_bytes:i64", 256)  # fmt: skip
-        self._swiglu = Kernel(norm, "swiglu", "gu:ptr out:ptr I:i32 rows:i32 interleaved:i32", 256)
+        self._swiglu = Kernel(norm, "swiglu", "gu:ptr out:ptr I:i32 rows:i32 interleaved:i32 act:i32", 256)
+        self._add_rmsnorm = Kernel(norm, "add_rmsnorm", "y:ptr w:ptr x:ptr H:i32 eps:f32 nw:ptr xw:ptr ss_out:ptr", 256)
+        self._softcap = Kernel(norm, "softcap", "x:ptr n:i64 cap:f32", 256)
         self._rope = Kernel(mod("rope"), "rope_kv_write", "qkv:ptr positions:ptr slots:ptr inv_freq:ptr q_out:ptr "
                             "cache:ptr H:i32 KVH:i32 D:i32 block_size:i32 block_stride:i64 rows:i32 pf:ptr "
-                            "pf_bytes:i64 interleaved:i32", head_dim // 2)  # fmt: skip
+                            "pf_bytes:i64 interleaved:i32 rotary_dim:i32 factor:f32 q_norm:ptr k_norm:ptr eps:f32",
+                            head_dim // 2)  # fmt: skip
         gemv = mod("gemv", ("TC_THREADS", TC_THREADS))
         self._tc = {
             (epi, u2): Kernel(gemv, f"gemv_tc_{epi}" + ("_u2" if u2 else ""), params, TC_THREADS)
@@ -78,10 +107,11 @@ class Kernels:
         dec = mod("attention_decode", *attn, ("NUM_SPLITS", DECODE_SPLITS), ("DECODE_THREADS", DECODE_THREADS))
         self._decode_attn = Kernel(dec, "decode_attn", "q:ptr positions:ptr block_tables:ptr bt_stride:i32 cache:ptr "
                                    "block_stride:i64 block_size:i32 KVH:i32 scale_log2:f32 o_part:ptr ml:ptr "
-                                   "counters:ptr out:ptr", DECODE_THREADS)  # fmt: skip
+                                   "counters:ptr out:ptr window:i32 cap_log2:f32 sinks:ptr", DECODE_THREADS)  # fmt: skip
         pre = mod("attention_prefill", *attn, ("PREFILL_THREADS", PREFILL_THREADS))
         self._prefill_attn = Kernel(pre, "prefill_attn", "q:ptr block_table:ptr cache:ptr block_stride:i64 "
-                                    "block_size:i32 KVH:i32 n:i32 start:i32 scale_log2:f32 out:ptr", PREFILL_THREADS)  # fmt: skip
+                                    "block_size:i32 KVH:i32 n:i32 start:i32 scale_log2:f32 out:ptr window:i32 "
+                                    "cap_log2:f32 sinks:ptr", PREFILL_THREADS)  # fmt: skip
         self._counters = cuda.mem_alloc(4 * MAX_COUNTERS)  # decode_attn's split counters, self-resetting
         cuda.memset_d32(self._counters, 0, MAX_COUNTERS)
         samp = mod("sample", ("SAMPLE_THREADS", SAMPLE_THREADS), ("MIN_TEMPERATURE", MIN_TEMPERATURE))
@@ -89,17 +119,29 @@ class Kernels:
                                  "pen_num:ptr pen_stride:i32", 256)  # fmt: skip
         self._sample = Kernel(samp, "sample", "logits:ptr V:i32 params:ptr seeds:ptr positions:ptr out_tokens:ptr",
                               SAMPLE_THREADS)  # fmt: skip
-        self._scale = np.float32(head_dim**-0.5 * np.log2(np.e))
+        self.plain = AttnArgs(*attention_scales(head_dim, None, None)[:1])  # llama's: head_dim^-0.5, nothing else
 
     # --- elementwise ---------------------------------------------------------------------
 
     def embed(self, s, tokens: int, table: int, x: int, rows: int, hidden: int,
-              norm_out: tuple[int, int, int] = (0, 0, 0)) -> int:  # fmt: skip
-        """x = table[tokens]. ``norm_out`` = (norm weight, xw, ss_out): also write the first RMSNorm's
+              norm_out: tuple[int, int, int] = (0, 0, 0), scale: float = 1.0) -> int:  # fmt: skip
+        """x = table[tokens] * scale. ``norm_out`` = (norm weight, xw, ss_out): also write the first RMSNorm's
         inputs for the fused decode GEMV (gemv.cu); returns the number of ss partials per row (1)."""
         nw, xw, ss = norm_out
-        self._embed(s, (rows,), tokens=tokens, table=table, x=x, H=hidden, nw=nw, xw=xw, ss_out=ss)
+        self._embed(s, (rows,), tokens=tokens, table=table, x=x, H=hidden, nw=nw, xw=xw, ss_out=ss, scale=scale)
         return 1
+
+    def add_rmsnorm(self, s, y: int, w: int, x: int, rows: int, hidden: int, eps: float,
+                    norm_out: tuple[int, int, int] = (0, 0, 0)) -> int:  # fmt: skip
+        """x += rmsnorm(y) * w (a post-norm before the residual add); ``norm_out`` as ``embed``'s
+        (returns 1 partial per row, or 0 without it)."""
+        nw, xw, ss = norm_out
+        self._add_rmsnorm(s, (rows,), y=y, w=w, x=x, H=hidden, eps=eps, nw=nw, xw=xw, ss_out=ss)
+        return 1 if nw else 0
+
+    def softcap(self, s, x: int, n: int, cap: float) -> None:
+        """x = cap * tanh(x / cap) in place over ``n`` fp32 values."""
+        self._softcap(s, (max(1, min(1024, (n + 255) // 256)),), x=x, n=n, cap=cap)
 
     def rmsnorm(self, s, x: int, w: int, out: int, rows: int, hidden: int, eps: float, x_stride: int | None = None,
                 prefetch: tuple[int, int] = (0, 0)) -> None:  # fmt: skip
@@ -108,20 +150,27 @@ class Kernels:
         self._rmsnorm(s, (rows + (PF_BLOCKS if nb > 0 else 0),), x=x, w=w, out=out, H=hidden,
                       x_stride=hidden if x_stride is None else x_stride, eps=eps, rows=rows, pf=pf, pf_bytes=nb)  # fmt: skip
 
-    def swiglu(self, s, gu: int, out: int, inter: int, rows: int, interleaved: bool = False) -> None:
+    def swiglu(self, s, gu: int, out: int, inter: int, rows: int, interleaved: bool = False, act: str = "silu") -> None:
+        """act(gate) * up from fp32 gate|up; ``act`` a GatedMLP activation ("silu", "gelu_tanh")."""
         blocks = max(1, min(4096, (rows * inter + 255) // 256))
-        self._swiglu(s, (blocks,), gu=gu, out=out, I=inter, rows=rows, interleaved=int(interleaved))
+        self._swiglu(s, (blocks,), gu=gu, out=out, I=inter, rows=rows, interleaved=int(interleaved),
+                     act=ACT_CODE[act])  # fmt: skip
 
     def rope_kv_write(self, s, qkv: int, positions: int, slots: int, inv_freq: int, q_out: int, cache: int, rows: int,
                       heads: int, kv_heads: int, block_size: int, block_stride: int,
-                      prefetch: tuple[int, int] = (0, 0), interleaved: bool = False) -> None:  # fmt: skip
+                      prefetch: tuple[int, int] = (0, 0), interleaved: bool = False, rotary_dim: int | None = None,
+                      factor: float = 1.0, qk_norm: tuple[int, int] = (0, 0), eps: float = 0.0) -> None:  # fmt: skip
         """Rope on q and k of fp32 ``qkv``, K and V into their cache slots. ``interleaved``: qkv's heads
-        are in the rope-interleaved row order (``weights.interleave_rope``)."""
+        are in the rope-interleaved row order (``weights.interleave_rope``). ``rotary_dim``: rotate
+        only a head's first dims (None: all; 0: no rope); cos and sin times ``factor``. ``qk_norm`` =
+        (q weight, k weight) bf16 [head_dim]: RMSNorm each q and k head first (eps)."""
         pf, nb = prefetch
+        rd = self.head_dim if rotary_dim is None else rotary_dim
         self._rope(s, (rows + (1 if nb > 0 else 0), heads + kv_heads), qkv=qkv, positions=positions, slots=slots,
                    inv_freq=inv_freq, q_out=q_out, cache=cache, H=heads, KVH=kv_heads, D=self.head_dim,
                    block_size=block_size, block_stride=block_stride, rows=rows, pf=pf, pf_bytes=nb,
-                   interleaved=int(interleaved))  # fmt: skip
+                   interleaved=int(interleaved), rotary_dim=rd, factor=factor, q_norm=qk_norm[0],
+                   k_norm=qk_norm[1], eps=eps)  # fmt: skip
 
     # --- matrix products -----------------------------------------------------------------
 
@@ -158,51 +207,62 @@ class Kernels:
 
     def qkv_rope(self, s, x: int, w: int, bias: int, q_out: int, rows: int, heads: int, kv_heads: int, k: int,
                  positions: int, slots: int, inv_freq: int, cache: int, block_size: int, block_stride: int,
-                 ss_in: tuple[int, int] = (0, 0), eps: float = 0.0) -> None:  # fmt: skip
+                 ss_in: tuple[int, int] = (0, 0), eps: float = 0.0, rotary_dim: int | None = None,
+                 factor: float = 1.0) -> None:  # fmt: skip
         """The q|k|v GEMV (``w`` rope-interleaved per head, ``weights.interleave_rope``) with rope and the
         KV write in its epilogue (gemv_tc_rope): q_out bf16 [rows, heads, D] rotated, K rotated and V
-        copied into their cache slots, as ``rope_kv_write`` does. ``ss_in``: fused RMSNorm as in ``linear``."""
+        copied into their cache slots, as ``rope_kv_write`` does (``rotary_dim``, ``factor`` as there).
+        ``ss_in``: fused RMSNorm as in ``linear``."""
         if not 1 <= rows <= GEMV_MAX_ROWS or k % 8:
             raise ValueError(f"qkv_rope needs 1..{GEMV_MAX_ROWS} rows and K % 8 == 0 (rows={rows}, K={k})")
         d = self.head_dim
+        rd = d if rotary_dim is None else rotary_dim
+        if rd % 16 or not 0 <= rd <= d:
+            raise ValueError(f"rotary_dim {rd} must be a multiple of 16 in 0..{d}")
         self._gemv_tc(s, ROPE_KV, x, w, q_out, rows, (heads + 2 * kv_heads) * d, k, heads * d, ss_in, eps, bias=bias,
                       positions=positions, slots=slots, inv_freq=inv_freq, cache=cache, H=heads, KVH=kv_heads, D=d,
-                      block_size=block_size, block_stride=block_stride)  # fmt: skip
+                      block_size=block_size, block_stride=block_stride, rotary_dim=rd, rope_factor=factor)  # fmt: skip
 
     def gate_up_act(self, s, x: int, w: int, gu: int, act: int, rows: int, inter: int, k: int,
-                    ss_in: tuple[int, int] = (0, 0), eps: float = 0.0) -> None:  # fmt: skip
-        """act[rows, inter] = bf16(silu(gate) * up) of x @ w.T, ``w`` the gate|up matrix interleaved in
-        8-row groups (``weights.interleave_gate_up``). Up to 8 rows the SwiGLU is the GEMV's epilogue (no
-        fp32 ``gu`` round trip, one launch); wider, the GEMM writes ``gu`` and ``swiglu`` reads it."""
+                    ss_in: tuple[int, int] = (0, 0), eps: float = 0.0, fn: str = "silu") -> None:  # fmt: skip
+        """act[rows, inter] = bf16(fn(gate) * up) of x @ w.T (``fn`` "silu": SwiGLU, "gelu_tanh": GeGLU),
+        ``w`` the gate|up matrix interleaved in 8-row groups (``weights.interleave_gate_up``). Up to 8 rows
+        the activation is the GEMV's epilogue (no fp32 ``gu`` round trip, one launch); wider, the GEMM
+        writes ``gu`` and ``swiglu`` reads it."""
         if k % 8 or inter % 8:
             raise ValueError(f"K={k} and I={inter} must be multiples of 8")
         if 1 <= rows <= GEMV_MAX_ROWS:
-            self._gemv_tc(s, SWIGLU, x, w, act, rows, 2 * inter, k, inter, ss_in, eps)
+            self._gemv_tc(s, GATE_EPILOGUE[fn], x, w, act, rows, 2 * inter, k, inter, ss_in, eps)
             return
         if ss_in[0]:
             raise ValueError(f"fused RMSNorm needs 1..{GEMV_MAX_ROWS} rows, got {rows}")
         self.linear(s, x, w, 0, gu, rows, 2 * inter, k)
-        self.swiglu(s, gu, act, inter, rows, interleaved=True)
+        self.swiglu(s, gu, act, inter, rows, interleaved=True, act=fn)
 
     # --- attention -----------------------------------------------------------------------
 
     def decode_attention(self, s, q: int, positions: int, block_tables: int, bt_stride: int, cache: int,
                          block_stride: int, block_size: int, kv_heads: int, o_part: int, ml: int, out: int,
-                         rows: int) -> None:  # fmt: skip
+                         rows: int, args: AttnArgs | None = None) -> None:  # fmt: skip
         """Split-K decode attention; the splits are merged inside the same kernel (last block per lane
-        and KV head), so this is one launch."""
+        and KV head), so this is one launch. ``args``: the layer's scale, soft-cap, window, sinks
+        (None: ``plain``)."""
         if rows * kv_heads > MAX_COUNTERS:
             raise ValueError(f"{rows} rows x {kv_heads} KV heads exceeds {MAX_COUNTERS} split counters")
+        a = args or self.plain
         self._decode_attn(s, (kv_heads, rows, DECODE_SPLITS), q=q, positions=positions, block_tables=block_tables,
                           bt_stride=bt_stride, cache=cache, block_stride=block_stride, block_size=block_size,
-                          KVH=kv_heads, scale_log2=self._scale, o_part=o_part, ml=ml, counters=self._counters,
-                          out=out)  # fmt: skip
+                          KVH=kv_heads, scale_log2=a.scale_log2, o_part=o_part, ml=ml, counters=self._counters,
+                          out=out, window=a.window, cap_log2=a.cap_log2, sinks=a.sinks)  # fmt: skip
 
     def prefill_attention(self, s, q: int, block_table: int, cache: int, block_stride: int, block_size: int,
-                          kv_heads: int, n: int, start: int, out: int) -> None:  # fmt: skip
-        self._prefill_attn(s, ((n + 63) // 64, kv_heads * self.group), q=q, block_table=block_table, cache=cache,
+                          kv_heads: int, n: int, start: int, out: int, args: AttnArgs | None = None) -> None:  # fmt: skip
+        a = args or self.plain
+        halves = 2 if self.head_dim == 256 else 1  # attention_prefill.cu: HEAD_DIM 256 splits the output dims
+        self._prefill_attn(s, ((n + 63) // 64, kv_heads * self.group, halves), q=q, block_table=block_table, cache=cache,
                            block_stride=block_stride, block_size=block_size, KVH=kv_heads, n=n, start=start,
-                           scale_log2=self._scale, out=out)  # fmt: skip
+                           scale_log2=a.scale_log2, out=out, window=a.window, cap_log2=a.cap_log2,
+                           sinks=a.sinks)  # fmt: skip
 
     # --- sampling ------------------------------------------------------------------------
 

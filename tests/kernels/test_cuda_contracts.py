@@ -8,10 +8,10 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from engine.backends.cuda.forward import check_supported
+from engine.backends.cuda.forward import check_model, check_supported
 from engine.cu.launch import Kernel
 from engine.models import definition
-from engine.models.ops import GatedMLP, RMSNorm, Rope
+from engine.models.ops import Attention, Embedding, GatedMLP, MoE, QKNorm, RMSNorm, Rope
 
 
 class _Fn:
@@ -85,13 +85,47 @@ def test_the_registered_definitions_are_supported(arch):
 
 
 @pytest.mark.parametrize(
+    "change",
+    [
+        lambda b, h: (replace(b, mlp_norm=RMSNorm("post_attention_layernorm", plus_one=True)), h),
+        lambda b, h: (b, replace(h, final_norm=RMSNorm("model.norm", plus_one=True), softcap=30.0)),
+        lambda b, h: (replace(b, attention=replace(b.attention, rope=None)), h),
+        lambda b, h: (
+            replace(
+                b,
+                attention=Attention(
+                    Rope(theta=1e6, rotary_dim=32),
+                    qk_norm=QKNorm(plus_one=True),
+                    scale=0.1,
+                    softcap=50.0,
+                    sliding_window=512,
+                    sinks=True,
+                    o_bias=True,
+                ),
+            ),
+            h,
+        ),  # fmt: skip
+        lambda b, h: (
+            replace(b, mlp=GatedMLP("gelu_tanh"), attn_post_norm=RMSNorm("a"), mlp_post_norm=RMSNorm("b")),
+            h,
+        ),
+    ],
+)
+def test_the_new_operations_are_supported(change):
+    d = definition("llama")
+    block, head = change(d.block(_cfg(), 0), d.head(_cfg()))
+    check_supported(block, head)
+    check_model([d.block(_cfg(), 0), block], head, Embedding(8.0))  # layers may differ
+
+
+@pytest.mark.parametrize(
     "change,named",
     [
-        (lambda b, h: (replace(b, mlp_norm=RMSNorm("post_attention_layernorm", plus_one=True)), h), "block.mlp_norm"),
-        (lambda b, h: (b, replace(h, final_norm=RMSNorm("model.norm", plus_one=True))), "head.final_norm"),
         (lambda b, h: (replace(b, attention=replace(b.attention, rope=Rope("gptj"))), h), "rope"),
-        (lambda b, h: (replace(b, attention=replace(b.attention, rope=None)), h), "rope"),
+        (lambda b, h: (replace(b, attention=replace(b.attention, rope=Rope(rotary_dim=24))), h), "rotary_dim"),
+        (lambda b, h: (replace(b, attention=replace(b.attention, sliding_window=0)), h), "sliding_window"),
         (lambda b, h: (replace(b, mlp=GatedMLP("gelu")), h), "block.mlp"),
+        (lambda b, h: (replace(b, mlp=MoE(num_experts=4, top_k=2)), h), "MoE"),
         (lambda b, h: (replace(b, residual="sandwich"), h), "residual"),
     ],
 )
@@ -100,3 +134,30 @@ def test_an_operation_without_kernels_is_refused_by_name(change, named):
     block, head = change(d.block(_cfg(), 0), d.head(_cfg()))
     with pytest.raises(ValueError, match=named):
         check_supported(block, head)
+    with pytest.raises(ValueError, match=f"layer 1: .*{named}"):
+        check_model([d.block(_cfg(), 0), block], head, Embedding())
+
+
+def test_partial_rotary_interleaves_only_the_rotated_dims():
+    """``interleave_rope`` with rotary_dim R: each head's first R rows in the 8-row pair groups the
+    rope epilogue reads, the rest in place; R = head_dim is the full interleave, R = 0 none."""
+    from engine.backends.cuda.weights import interleave_rope
+
+    w = np.arange(2 * 64, dtype=np.float32)[:, None]
+    full = interleave_rope(w, 64).ravel()
+    assert full[:24].tolist() == [*range(8), *range(32, 40), *range(8, 16)]
+    part = interleave_rope(w, 64, 32).ravel()
+    assert part[:32].tolist() == [*range(8), *range(16, 24), *range(8, 16), *range(24, 32)]
+    assert part[32:64].tolist() == list(range(32, 64)) and part[64:80].tolist() == [*range(64, 72), *range(80, 88)]
+    assert (interleave_rope(w, 64, 0) == w).all()
+    with pytest.raises(ValueError, match="multiples of 16"):
+        interleave_rope(w, 64, 24)
+
+
+def test_attention_scales():
+    """The attention kernels' score multipliers: scale * log2(e), or with a soft-cap scale / cap and cap * log2(e)."""
+    from engine.cu.kernels import attention_scales
+
+    assert attention_scales(64, None, None) == (np.float32(0.125 * np.log2(np.e)), 0.0)
+    s, c = attention_scales(128, 0.1, 50.0)
+    assert np.isclose(s, 0.1 / 50.0) and np.isclose(c, 50.0 * np.log2(np.e))

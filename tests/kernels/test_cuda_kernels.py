@@ -25,7 +25,9 @@ def dev():
 def kern(dev):
     from engine.cu.kernels import Kernels
 
-    return {(d, g): Kernels(d, g) for d in (64, 128) for g in (1, 4, 7)}
+    ks = {(d, g): Kernels(d, g) for d in (64, 128) for g in (1, 4, 7)}
+    ks[(256, 2)] = Kernels(256, 2)  # gemma's head size
+    return ks
 
 
 @pytest.fixture(scope="module")
@@ -397,7 +399,7 @@ def _ref_attention(q, keys, vals, qpos, scale):
     return np.einsum("hnt,thd->nhd", p, vv)
 
 
-@pytest.mark.parametrize("d,g", [(64, 4), (128, 1), (128, 7)])
+@pytest.mark.parametrize("d,g", [(64, 4), (128, 1), (128, 7), (256, 2)])
 def test_decode_attention(kern, stream, d, g):
     from engine.cu.kernels import DECODE_SPLITS
 
@@ -447,7 +449,7 @@ def test_decode_attention(kern, stream, d, g):
         assert rel_err(got[i], ref[0]) < 1e-2, f"lane {i} ctx {c}"
 
 
-@pytest.mark.parametrize("d,g", [(64, 4), (128, 1), (128, 7)])
+@pytest.mark.parametrize("d,g", [(64, 4), (128, 1), (128, 7), (256, 2)])
 @pytest.mark.parametrize("n,start", [(1, 0), (70, 0), (200, 333), (130, 4000)])
 def test_prefill_attention(kern, stream, d, g, n, start):
     k = kern[(d, g)]
@@ -536,3 +538,249 @@ def test_penalties_and_sampling(kern, stream):
             if not req.params.is_greedy:
                 assert np.isfinite(sampler.process_logits(x, req.params)[toks[i]])
     assert agree >= 0.9 * total, f"{agree}/{total} draws agree with engine.sampler"
+
+
+# --- the operations of the newer architectures (engine.models.ops), against engine/backends/numpy/ops.py ----
+
+
+def _np_ops():
+    from engine.backends.numpy import ops
+
+    return ops
+
+
+@pytest.mark.parametrize("rows,inter,k_", [(1, 1408, 512), (5, 64, 200), (12, 1536, 576)])
+def test_gate_up_geglu(kern, stream, rows, inter, k_):
+    """GeGLU (gelu_tanh(gate) * up): the GEMV epilogue (rows <= 8) and GEMM + swiglu(act) (wider)."""
+    from engine.backends.cuda.weights import interleave_gate_up
+
+    k = kern[(128, 4)]
+    x = bf(rng.standard_normal((rows, k_)).astype(np.float32))
+    gate = bf((rng.standard_normal((inter, k_)) / np.sqrt(k_)).astype(np.float32))
+    up = bf((rng.standard_normal((inter, k_)) / np.sqrt(k_)).astype(np.float32))
+    ref = _np_ops().gelu_tanh_gate(np.concatenate([x @ gate.T, x @ up.T], 1), inter)
+    g_act = put(np.full((rows, inter), 0x7FC0, np.uint16))
+    g_gu = put(np.full((rows, 2 * inter), np.nan, np.float32))
+    k.gate_up_act(stream, put(x, True).ptr, put(interleave_gate_up(gate, up), True).ptr, g_gu.ptr, g_act.ptr, rows,
+                  inter, k_, fn="gelu_tanh")  # fmt: skip
+    stream.synchronize()
+    assert rel_err(get(g_act, True, (rows, inter)), ref) < 8e-3
+
+
+@pytest.mark.parametrize("rows,hid", [(1, 576), (7, 1024), (300, 256)])
+def test_add_rmsnorm_softcap_and_embed_scale(kern, stream, rows, hid):
+    """Post-norm residual add (x += rmsnorm(y) * w, and the next norm's inputs), the logit
+    soft-cap, and the scaled embedding gather."""
+    ops = _np_ops()
+    k = kern[(128, 4)]
+    x = rng.standard_normal((rows, hid)).astype(np.float32)
+    y = (rng.standard_normal((rows, hid)) * 5).astype(np.float32)
+    w, nw = (bf((1 + 0.3 * rng.standard_normal(hid)).astype(np.float32)) for _ in range(2))
+    g_x, g_xw = put(x.copy()), put(np.full((rows, hid), 0x7FC0, np.uint16))
+    g_ss = put(np.full(rows, np.nan, np.float32))
+    assert k.add_rmsnorm(stream, put(y).ptr, put(w, True).ptr, g_x.ptr, rows, hid, 1e-6,
+                         norm_out=(put(nw, True).ptr, g_xw.ptr, g_ss.ptr)) == 1  # fmt: skip
+    stream.synchronize()
+    h = x + ops.rms_norm(y, w, 1e-6)
+    got = get(g_x, shape=(rows, hid))
+    assert rel_err(got, h) < 1e-5
+    np.testing.assert_array_equal(get(g_xw, True, (rows, hid)), bf(got * nw))
+    np.testing.assert_allclose(get(g_ss), (got.astype(np.float64) ** 2).sum(-1), rtol=1e-5)
+    logits = (rng.standard_normal((rows, hid)) * 40).astype(np.float32)
+    g_l = put(logits)
+    k.softcap(stream, g_l.ptr, logits.size, 30.0)
+    stream.synchronize()
+    np.testing.assert_allclose(get(g_l, shape=logits.shape), ops.tanh_softcap(logits, 30.0), rtol=2e-6, atol=2e-5)
+    table = bf(rng.standard_normal((50, hid)).astype(np.float32))
+    tok = rng.integers(0, 50, rows).astype(np.int32)
+    g_e = put(np.full((rows, hid), np.nan, np.float32))
+    k.embed(stream, put(tok).ptr, put(table, True).ptr, g_e.ptr, rows, hid, scale=np.sqrt(hid))
+    stream.synchronize()
+    np.testing.assert_array_equal(get(g_e, shape=(rows, hid)), table[tok] * np.float32(np.sqrt(hid)))
+
+
+def _np_rope(x, pos, inv, factor, rd):
+    ops = _np_ops()
+    cos, sin = ops.rope_cos_sin(pos, inv, factor)
+    return ops.rope_neox(x, cos, sin)
+
+
+@pytest.mark.parametrize(
+    "d,g,rd,qk", [(64, 4, 32, True), (128, 1, 128, True), (128, 7, 96, False), (64, 1, 0, True), (256, 2, 256, True)]
+)
+def test_rope_kv_write_qk_norm_partial_rotary(kern, stream, d, g, rd, qk):
+    """rope_kv_write on the interleaved order with QKNorm (per-head RMSNorm of q and k), partial rotary
+    (only the first rd dims rotate; 0: none) and an attention factor on cos / sin."""
+    from engine.backends.cuda.weights import interleave_rope
+
+    ops, k = _np_ops(), kern[(d, g)]
+    kvh, rows, bs, L, nb, eps, factor = 2, 6, 16, 3, 20, 1e-6, 1.3
+    h = kvh * g
+    qkv = (rng.standard_normal((rows, (h + 2 * kvh) * d)) * 3).astype(np.float32)
+    pos = rng.integers(0, 5000, rows).astype(np.int32)
+    slots = rng.choice(nb * bs, rows, replace=False).astype(np.int32)
+    inv = _inv_freq(rd) if rd else np.zeros(1, np.float32)
+    qn, kn = (bf((1 + 0.3 * rng.standard_normal(d)).astype(np.float32)) for _ in range(2))
+    cache = _cache_setup(nb, L, bs, kvh, d)
+    g_cache, g_q = put(cache, True), put(np.zeros((rows, h, d), np.uint16))
+    layer = 1
+    qkv_dev = np.ascontiguousarray(interleave_rope(qkv.T, d, rd).T)
+    k.rope_kv_write(stream, put(qkv_dev).ptr, put(pos).ptr, put(slots).ptr, put(inv).ptr, g_q.ptr,
+                    g_cache.ptr + layer * 2 * bs * kvh * d * 2, rows, h, kvh, bs, L * 2 * bs * kvh * d,
+                    interleaved=True, rotary_dim=rd, factor=factor,
+                    qk_norm=(put(qn, True).ptr, put(kn, True).ptr) if qk else (0, 0), eps=eps)  # fmt: skip
+    stream.synchronize()
+    x = qkv.reshape(rows, h + 2 * kvh, d)
+    q, kk = x[:, :h], x[:, h : h + kvh]
+    if qk:
+        q, kk = ops.rms_norm(q, qn, eps), ops.rms_norm(kk, kn, eps)
+    if rd:
+        q, kk = _np_rope(q, pos, inv, factor, rd), _np_rope(kk, pos, inv, factor, rd)
+    assert rel_err(get(g_q, True, (rows, h, d)), q) < 8e-3
+    got = get(g_cache, True, cache.shape)
+    blk, off = slots // bs, slots % bs
+    assert rel_err(got[blk, layer, 0, off], kk) < 8e-3
+    assert rel_err(got[blk, layer, 1, off], x[:, h + kvh :]) < 8e-3
+
+
+@pytest.mark.parametrize("d,g,rd", [(64, 4, 32), (128, 4, 96), (128, 4, 0), (256, 2, 256)])
+def test_qkv_rope_partial_rotary_and_factor(kern, stream, d, g, rd):
+    """The decode q|k|v GEMV's rope epilogue with partial rotary and an attention factor; row 0 the same
+    at widths 1 and 5."""
+    from engine.backends.cuda.weights import interleave_rope
+
+    k = kern[(d, g)]
+    kvh, bs, L, nb, hid, factor = 2, 16, 2, 12, 256, 0.8
+    h = g * kvh
+    n = (h + 2 * kvh) * d
+    x = bf(rng.standard_normal((5, hid)).astype(np.float32))
+    w = bf((rng.standard_normal((n, hid)) / np.sqrt(hid)).astype(np.float32))
+    b = rng.standard_normal(n).astype(np.float32)
+    pos = rng.integers(0, 3000, 5).astype(np.int32)
+    slots = rng.choice(nb * bs, 5, replace=False).astype(np.int32)
+    inv = _inv_freq(rd) if rd else np.zeros(1, np.float32)
+    g_w, g_b, g_x = put(interleave_rope(w, d, rd), True), put(interleave_rope(b, d, rd)), put(x, True)
+    qs = {}
+    for rows in (1, 5):
+        cache = _cache_setup(nb, L, bs, kvh, d)
+        g_cache, g_q = put(cache, True), put(np.full((rows, h, d), 0x7FC0, np.uint16))
+        k.qkv_rope(stream, g_x.ptr, g_w.ptr, g_b.ptr, g_q.ptr, rows, h, kvh, hid, put(pos).ptr, put(slots).ptr,
+                   put(inv).ptr, g_cache.ptr, bs, L * 2 * bs * kvh * d, rotary_dim=rd, factor=factor)  # fmt: skip
+        stream.synchronize()
+        qkv = (x[:rows] @ w.T + b).reshape(rows, h + 2 * kvh, d)
+        q, kk = qkv[:, :h], qkv[:, h : h + kvh]
+        if rd:
+            q, kk = _np_rope(q, pos[:rows], inv, factor, rd), _np_rope(kk, pos[:rows], inv, factor, rd)
+        qs[rows] = get(g_q, True, (rows, h, d))
+        assert rel_err(qs[rows], q) < 8e-3
+        got = get(g_cache, True, cache.shape)
+        blk, off = slots[:rows] // bs, slots[:rows] % bs
+        assert rel_err(got[blk, 0, 0, off], kk) < 8e-3
+        assert rel_err(got[blk, 0, 1, off], qkv[:, h + kvh :]) < 8e-3
+    np.testing.assert_array_equal(qs[1][0], qs[5][0])
+
+
+def _np_paged(q, cache, layer, tables, q_pos, ctxs, kvh, window, scale, softcap, sinks):
+    """engine/backends/numpy's paged_attention per sequence: q [n, T, h, d], tables of block ids."""
+    ops = _np_ops()
+    nb, _, _, bs, _, d = cache.shape
+    k_rows = cache[:, layer, 0].reshape(nb * bs, kvh * d)
+    v_rows = cache[:, layer, 1].reshape(nb * bs, kvh * d)
+    outs = []
+    for i, c in enumerate(ctxs):
+        t = np.arange(c)
+        ctx_slots = (np.asarray(tables[i])[t // bs] * bs + t % bs)[None]
+        mask = ops.attention_mask(np.asarray(q_pos[i])[None], t[None], window)
+        outs.append(ops.paged_attention(q[i], k_rows, v_rows, ctx_slots, mask, kvh, scale=scale, softcap=softcap,
+                                        sinks=sinks))  # fmt: skip
+    return outs
+
+
+OPTIONS = [  # (window, scale, softcap, sinks)
+    (None, 0.1, 50.0, False),
+    (100, None, None, True),
+    (40, 0.08, 20.0, True),
+    (1, None, None, False),
+]
+
+
+@pytest.mark.parametrize("window,scale,softcap,sinks", OPTIONS)
+@pytest.mark.parametrize("d,g", [(64, 4), (128, 7), (256, 2)])
+def test_decode_attention_options(kern, stream, d, g, window, scale, softcap, sinks):
+    """Scale, soft-cap, sliding window and sinks in decode attention against numpy. Block-table entries
+    wholly behind the window point at a block of NaNs: reading any of them would poison the output."""
+    from engine.cu.kernels import DECODE_SPLITS, AttnArgs, attention_scales
+
+    k = kern[(d, g)]
+    kvh, bs, L = 2, 16, 2
+    h = kvh * g
+    ctxs = [1, 37, 700, 3000]
+    need = [-(-c // bs) for c in ctxs]
+    nb = sum(need) + 1
+    poison = nb - 1
+    perm = rng.permutation(nb - 1)
+    tables, o = [], 0
+    for n in need:
+        tables.append(perm[o : o + n])
+        o += n
+    m, stride = len(ctxs), max(need)
+    bt = np.zeros((m, stride), np.int32)
+    for i, t in enumerate(tables):
+        bt[i, : len(t)] = t
+        if window:
+            bt[i, : max(0, ctxs[i] - window) // bs] = poison
+    cache = _cache_setup(nb, L, bs, kvh, d)
+    cache[poison] = np.nan
+    sink = (rng.standard_normal(h) * 2).astype(np.float32) if sinks else None
+    q = bf(rng.standard_normal((m, h, d)).astype(np.float32))
+    pos = np.array([c - 1 for c in ctxs], np.int32)
+    s_l2, c_l2 = attention_scales(d, scale, softcap)
+    args = AttnArgs(s_l2, c_l2, window or 0, put(sink).ptr if sinks else 0)
+    layer = 1
+    g_out = put(np.zeros((m, h * d), np.uint16))
+    o_part = put(np.zeros(m * h * DECODE_SPLITS * d, np.float32))
+    ml = put(np.zeros(m * h * DECODE_SPLITS * 2, np.float32))
+    k.decode_attention(stream, put(q, True).ptr, put(pos).ptr, put(bt).ptr, stride,
+                       put(cache, True).ptr + layer * 2 * bs * kvh * d * 2, L * 2 * bs * kvh * d, bs, kvh, o_part.ptr,
+                       ml.ptr, g_out.ptr, m, args=args)  # fmt: skip
+    stream.synchronize()
+    got = get(g_out, True, (m, h, d))
+    assert np.isfinite(got).all()
+    ref = _np_paged(q[:, None], cache, layer, tables, pos[:, None], ctxs, kvh, window, scale, softcap, sink)
+    for i, c in enumerate(ctxs):
+        assert rel_err(got[i], ref[i].reshape(h, d)) < 1e-2, f"lane {i} ctx {c}"
+
+
+@pytest.mark.parametrize("window,scale,softcap,sinks", OPTIONS)
+@pytest.mark.parametrize("n,start", [(70, 0), (200, 333)])
+@pytest.mark.parametrize("d,g", [(64, 4), (256, 2)])
+def test_prefill_attention_options(kern, stream, d, g, n, start, window, scale, softcap, sinks):
+    """The same options in prefill attention (over a retained prefix), poisoned blocks behind the
+    window of the chunk's first query."""
+    from engine.cu.kernels import AttnArgs, attention_scales
+
+    k = kern[(d, g)]
+    kvh, bs, L = 2, 16, 2
+    h = kvh * g
+    end = start + n
+    nblk = -(-end // bs)
+    nb = nblk + 2
+    poison = nb - 1
+    table = rng.permutation(nb - 1)[:nblk].astype(np.int32)
+    dev_table = table.copy()
+    if window:
+        dev_table[: max(0, start - window + 1) // bs] = poison
+    cache = _cache_setup(nb, L, bs, kvh, d)
+    cache[poison] = np.nan
+    sink = (rng.standard_normal(h) * 2).astype(np.float32) if sinks else None
+    q = bf(rng.standard_normal((n, h, d)).astype(np.float32))
+    s_l2, c_l2 = attention_scales(d, scale, softcap)
+    args = AttnArgs(s_l2, c_l2, window or 0, put(sink).ptr if sinks else 0)
+    g_out = put(np.zeros((n, h * d), np.uint16))
+    k.prefill_attention(stream, put(q, True).ptr, put(dev_table).ptr, put(cache, True).ptr, L * 2 * bs * kvh * d, bs,
+                        kvh, n, start, g_out.ptr, args=args)  # fmt: skip
+    stream.synchronize()
+    got = get(g_out, True, (n, h, d))
+    assert np.isfinite(got).all()
+    ref = _np_paged(q[None], cache, 0, [table], [np.arange(start, end)], [end], kvh, window, scale, softcap, sink)
+    assert rel_err(got, ref[0].reshape(n, h, d)) < 1.5e-2

@@ -195,15 +195,3 @@ def test_refusals_name_the_field():
     assert su.rope_scaling["rope_type"] == "longrope"
     with pytest.raises(ValueError, match="long_factor has 7 entries, the rope has 8 pairs"):
         rope_tables(su, Rope())
-
-
-def test_cuda_refuses_the_attention_factor_it_has_no_kernel_for(tmp_path):
-    """The CUDA backend rotates with rope_inv_freq only: a longrope load is refused there, not run
-    without its cos/sin factor (checked before anything touches a device)."""
-    from engine.backends.cuda.weights import upload
-
-    _phi3(tmp_path, rope_scaling=_factors(HEAD_DIM // 2, 0))
-    cfg, weights = load_artifact(tmp_path)
-    d = definition("phi3")
-    with pytest.raises(ValueError, match="no kernel for a rope attention factor"):
-        upload(cfg, d.block(cfg, 0), d.head(cfg), weights, mem=None)

@@ -17,7 +17,7 @@ import numpy as np
 
 from engine.backend import Backend, DecodeLane, PrefillSpan, StepOutput
 from engine.backends.cuda import sampling
-from engine.backends.cuda.forward import MAX_LANES, PREFILL_CHUNK, Forward, Workspace, uniform_block
+from engine.backends.cuda.forward import MAX_LANES, PREFILL_CHUNK, Forward, Workspace, check_model
 from engine.config import CudaTuning
 from engine.memory import MemoryPlan, workspace_bytes
 from engine.model_config import ModelConfig
@@ -25,6 +25,9 @@ from engine.model_config import ModelConfig
 
 class CudaBackend(Backend):
     name = "cuda"
+    # Decode and prefill attention never read a KV block before a sliding layer's window
+    # (attention_decode.cu / attention_prefill.cu), so the scheduler may release those pages.
+    releases_window_pages = True
 
     def __init__(self, tuning: CudaTuning | None = None) -> None:
         super().__init__()
@@ -56,8 +59,8 @@ class CudaBackend(Backend):
         from engine.models import definition
 
         defn = definition(cfg.arch)
-        head = defn.head(cfg)
-        block = uniform_block(defn.blocks(cfg), head, defn.embedding(cfg))
+        head, blocks, embedding = defn.head(cfg), defn.blocks(cfg), defn.embedding(cfg)
+        check_model(blocks, head, embedding)
         if cfg.num_heads % cfg.num_kv_heads:
             raise ValueError("num_heads must be a multiple of num_kv_heads")
         self.config = cfg
@@ -65,8 +68,9 @@ class CudaBackend(Backend):
         self.mem = Allocations()
         self.kern = self._kernels()  # compiles everything now
         self.stream = cuda.Stream()
-        self.weights = upload(cfg, block, head, weights, self.mem)
-        self.ws = Workspace.allocate(cfg, self.mem)
+        self.weights = upload(cfg, blocks, head, weights, self.mem, embed_scale=embedding.scale)
+        post_norms = any(b.attn_post_norm is not None or b.mlp_post_norm is not None for b in blocks)
+        self.ws = Workspace.allocate(cfg, self.mem, post_norms=post_norms)
         self.logits_host = cuda.pagelocked_empty((MAX_LANES, cfg.vocab_size), np.float32)
         self.bt_stride = -(-max_context // block_size)
         self.pen_stride = pen = min(cfg.vocab_size, max_context)

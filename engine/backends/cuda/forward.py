@@ -1,28 +1,36 @@
-"""The forward pass, built from the model definition's block and head.
+"""The forward pass, built from the model definition's blocks (one per layer) and head.
 
-Each operation of the block (``engine.models.ops``) maps to kernels; a decode round
-fuses them into 5 kernels a layer, a prefill chunk runs them one by one:
+Each operation of a block (``engine.models.ops``) maps to kernels; a llama decode round
+fuses them into 5 kernels a layer, a prefill chunk runs them one by one. Layers may
+differ (gemma3, gpt-oss: sliding and full attention, their own rope): every layer
+launches with its own weights and options (``weights.Layer``).
 
 | operation | decode round (1..8 rows) | prefill chunk |
 |---|---|---|
-| RMSNorm (attn_norm) | folded into its producer (embed, down GEMV: ``norm_out``) and the q|k|v GEMV (``ss_in``) | rmsnorm |
-| Attention: q|k|v (+ bias), Rope "neox", KV write | gemv_tc_rope | GEMM + rope_kv_write |
-| Attention: softmax(q k^T) v | decode_attn | prefill_attn |
-| Attention: o_proj, residual add | gemv_tc_acc | GEMM (accumulate) |
-| RMSNorm (mlp_norm) | folded into the o GEMV and the gate|up GEMV | rmsnorm |
-| GatedMLP "silu": gate|up, SwiGLU | gemv_tc_swiglu | GEMM + swiglu |
-| GatedMLP: down_proj, residual add | gemv_tc_acc | GEMM (accumulate) |
-| Head: final RMSNorm, LM head | folded into the last down GEMV, gemv_tc_store | rmsnorm + gemv_tc_store |
+| Embedding (scale) | embed, with the first RMSNorm's inputs | embed |
+| RMSNorm (attn_norm; plus_one folded at upload) | folded into its producer (embed, down GEMV or post-norm: ``norm_out``) and the q|k|v GEMV (``ss_in``) | rmsnorm |
+| Attention: q|k|v (+ bias), Rope "neox" (partial, factor), KV write | gemv_tc_rope | GEMM + rope_kv_write |
+| ... with QKNorm | gemv_tc_store + rope_kv_write (normalises each head) | GEMM + rope_kv_write |
+| Attention: softmax(q k^T * scale, soft-cap, window, sinks) v | decode_attn | prefill_attn |
+| Attention: o_proj (+ o bias), residual add | gemv_tc_acc | GEMM (accumulate) |
+| ... with attn_post_norm | gemv_tc_store + add_rmsnorm | GEMM + add_rmsnorm |
+| RMSNorm (mlp_norm) | folded into the o GEMV (or add_rmsnorm) and the gate|up GEMV | rmsnorm |
+| GatedMLP "silu" / "gelu_tanh": gate|up, activation | gemv_tc_swiglu / gemv_tc_geglu | GEMM + swiglu |
+| GatedMLP: down_proj, residual add (mlp_post_norm as o's) | gemv_tc_acc | GEMM (accumulate) |
+| Head: final RMSNorm, LM head, soft-cap | folded into the last down GEMV, gemv_tc_store, softcap | rmsnorm + gemv_tc_store + softcap |
 
-``check_supported`` refuses at load any operation (or option) without kernels here.
+The MLP slot is ``Forward._mlp`` (one method for decode rounds and prefill chunks), where
+a sparse MoE layer is routed. ``check_supported`` refuses at load any operation (or
+option) without kernels here.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine.cu.kernels import GATE_EPILOGUE
 from engine.model_config import ModelConfig
-from engine.models.ops import Attention, Block, Embedding, GatedMLP, Head, RMSNorm, Rope
+from engine.models.ops import Attention, Block, Embedding, GatedMLP, Head, QKNorm, RMSNorm, Rope
 
 MAX_LANES = 8  # rows of one decode round (one graph per width 1..8)
 PREFILL_CHUNK = 2048  # rows of one prefill chunk (activations are sized for it)
@@ -31,38 +39,43 @@ PREFILL_CHUNK = 2048  # rows of one prefill chunk (activations are sized for it)
 def check_supported(block: Block, head: Head) -> None:
     """Raise ValueError naming the first operation of ``block`` / ``head`` this backend has no kernels for."""
 
-    def norm(where: str, op: RMSNorm) -> None:
-        if not isinstance(op, RMSNorm) or op.plus_one:
-            raise ValueError(f"the CUDA backend has no kernel for {where} = {op!r} (RMSNorm without plus_one only)")
+    def refuse(what: str, why: str) -> None:
+        raise ValueError(f"the CUDA backend has no kernel for {what} ({why})")
 
-    norm("block.attn_norm", block.attn_norm)
-    norm("block.mlp_norm", block.mlp_norm)
-    norm("head.final_norm", head.final_norm)
-    rope = getattr(block.attention, "rope", None)
-    if not isinstance(rope, Rope) or rope != Rope("neox"):
-        raise ValueError(f"the CUDA backend has no kernel for attention rope {rope!r} (Rope 'neox' only)")
+    for where in ("attn_norm", "mlp_norm", "attn_post_norm", "mlp_post_norm"):
+        op = getattr(block, where)
+        if op is not None and not isinstance(op, RMSNorm):
+            refuse(f"block.{where} = {op!r}", "RMSNorm only")
+    if not isinstance(head.final_norm, RMSNorm):
+        refuse(f"head.final_norm = {head.final_norm!r}", "RMSNorm only")
     attn = block.attention
-    if attn != Attention(rope=rope, qkv_bias=attn.qkv_bias):
-        raise ValueError(f"the CUDA backend has no kernel for block.attention = {attn!r} (plain attention only)")
-    if not isinstance(block.mlp, GatedMLP) or block.mlp.act != "silu":
-        raise ValueError(f"the CUDA backend has no kernel for block.mlp = {block.mlp!r} (GatedMLP 'silu' only)")
-    if block.attn_post_norm is not None or block.mlp_post_norm is not None:
-        raise ValueError("the CUDA backend has no kernel for post-norms (block.attn_post_norm, block.mlp_post_norm)")
+    if not isinstance(attn, Attention):
+        refuse(f"block.attention = {attn!r}", "Attention only")
+    rope = attn.rope
+    if rope is not None and (not isinstance(rope, Rope) or rope.style != "neox"):
+        refuse(f"attention rope {rope!r}", "Rope 'neox' only")
+    if rope is not None and rope.rotary_dim is not None and (rope.rotary_dim <= 0 or rope.rotary_dim % 16):
+        refuse(f"attention rope rotary_dim = {rope.rotary_dim}", "a positive multiple of 16")
+    if attn.qk_norm is not None and not isinstance(attn.qk_norm, QKNorm):
+        refuse(f"attention qk_norm = {attn.qk_norm!r}", "QKNorm only")
+    if attn.sliding_window is not None and attn.sliding_window <= 0:
+        refuse(f"attention sliding_window = {attn.sliding_window}", "a positive window")
+    mlp = block.mlp
+    if not isinstance(mlp, GatedMLP) or mlp.act not in GATE_EPILOGUE:
+        refuse(f"block.mlp = {mlp!r}", f"GatedMLP {' / '.join(map(repr, GATE_EPILOGUE))} only; MoE is not merged yet")
     if block.residual != "pre_norm":
-        raise ValueError(f"the CUDA backend has no kernel for residual {block.residual!r} ('pre_norm' only)")
-    if head.softcap is not None:
-        raise ValueError(f"the CUDA backend has no kernel for head.softcap = {head.softcap}")
+        refuse(f"residual {block.residual!r}", "'pre_norm' only")
 
 
-def uniform_block(blocks: list[Block], head: Head, embedding: Embedding) -> Block:
-    """The one block every layer runs (refused, naming it, where layers differ or an op has no kernel)."""
+def check_model(blocks: list[Block], head: Head, embedding: Embedding) -> None:
+    """``check_supported`` for every layer (the message names the layer), and the embedding."""
+    if not isinstance(embedding, Embedding):
+        raise ValueError(f"the CUDA backend has no kernel for embedding = {embedding!r}")
     for i, b in enumerate(blocks):
-        if b != blocks[0]:
-            raise ValueError(f"the CUDA backend runs layers alike only (layer {i} differs from layer 0)")
-    if embedding != Embedding():
-        raise ValueError(f"the CUDA backend has no kernel for embedding = {embedding!r} (unscaled only)")
-    check_supported(blocks[0], head)
-    return blocks[0]
+        try:
+            check_supported(b, head)
+        except ValueError as e:
+            raise ValueError(f"layer {i}: {e}") from None
 
 
 @dataclass
@@ -71,7 +84,7 @@ class Workspace:
 
     x: int  # residual stream fp32 [rows, hidden]
     xn: int  # normed activations bf16 [rows, hidden]
-    qkv: int  # q|k|v fp32 [rows, (H + 2 KVH) D] (prefill)
+    qkv: int  # q|k|v fp32 [rows, (H + 2 KVH) D] (prefill; decode with QKNorm)
     q: int  # rotated q bf16 [rows, H, D]
     attn: int  # attention out bf16 [rows, H D]
     gu: int  # gate|up fp32 [rows, 2I] (prefill)
@@ -80,9 +93,10 @@ class Workspace:
     logits: int  # fp32 [MAX_LANES, vocab]
     o_part: int  # decode attention split partials
     ml: int
+    y: int = 0  # o / down output fp32 [rows, hidden] before its post-norm (0: no layer has one)
 
     @classmethod
-    def allocate(cls, cfg: ModelConfig, mem) -> Workspace:
+    def allocate(cls, cfg: ModelConfig, mem, post_norms: bool = False) -> Workspace:
         from engine.cu.kernels import DECODE_SPLITS
 
         T, hid, inter, H, D = PREFILL_CHUNK, cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.head_dim
@@ -93,6 +107,7 @@ class Workspace:
             act=mem.alloc(T * inter * 2), ss=mem.alloc(MAX_LANES * -(-hid // 16) * 4),
             logits=mem.alloc(MAX_LANES * cfg.vocab_size * 4),
             o_part=mem.alloc(MAX_LANES * H * DECODE_SPLITS * D * 4), ml=mem.alloc(MAX_LANES * H * DECODE_SPLITS * 2 * 4),
+            y=mem.alloc(T * hid * 4) if post_norms else 0,
         )  # fmt: skip
 
 
@@ -109,6 +124,9 @@ class KVLayout:
         return self.base + i * self.layer_stride * 2
 
 
+NO_NORM = (0, 0, 0)
+
+
 class Forward:
     """Launches a decode round's or a prefill chunk's kernels on ``stream`` (nothing synchronizes here)."""
 
@@ -116,55 +134,39 @@ class Forward:
         self.cfg, self.kern, self.stream, self.w, self.ws, self.kv = cfg, kern, stream, w, ws, kv
 
     def decode(self, rows: int, p: dict[str, int], bt_stride: int) -> None:
-        """A decode round's layers and LM head into ``ws.logits``, 5 kernels a layer: each residual
-        producer (embed, the o and down GEMVs) also writes the next RMSNorm's inputs into ``xn`` /
-        ``ss``, and its consumer scales its rows (gemv.cu). ``p``: the round's staging pointers."""
+        """A decode round's layers and LM head into ``ws.logits``, 5 kernels a llama layer: each residual
+        producer (embed, the o and down GEMVs, a post-norm) also writes the next RMSNorm's inputs into
+        ``xn`` / ``ss``, and its consumer scales its rows (gemv.cu). ``p``: the round's staging pointers."""
         c, k, s, w, ws, kv = self.cfg, self.kern, self.stream, self.w, self.ws, self.kv
-        hid, inter, H, KVH, D, eps = (c.hidden_size, c.intermediate_size, c.num_heads, c.num_kv_heads, c.head_dim,
-                                      c.rms_norm_eps)  # fmt: skip
+        hid, H, KVH, eps = c.hidden_size, c.num_heads, c.num_kv_heads, c.rms_norm_eps
         norms = [L.ln1 for L in w.layers[1:]] + [w.final_norm]
         first = w.layers[0].ln1 if w.layers else w.final_norm
-        nparts = k.embed(s, p["tokens"], w.embed, ws.x, rows, hid, norm_out=(first, ws.xn, ws.ss))
+        nparts = k.embed(s, p["tokens"], w.embed, ws.x, rows, hid, norm_out=(first, ws.xn, ws.ss), scale=w.embed_scale)
         for i, L in enumerate(w.layers):
             cache = kv.layer(i)
-            k.qkv_rope(s, ws.xn, L.qkv, L.qkv_bias, ws.q, rows, H, KVH, hid, p["positions"], p["slots"], w.inv_freq,
-                       cache, kv.block_size, kv.block_stride, ss_in=(ws.ss, nparts), eps=eps)  # fmt: skip
+            self._qkv(i, L, rows, p["positions"], p["slots"], ss_in=(ws.ss, nparts), fused=True)
             k.decode_attention(s, ws.q, p["positions"], p["block_tables"], bt_stride, cache, kv.block_stride,
-                               kv.block_size, KVH, ws.o_part, ws.ml, ws.attn, rows)  # fmt: skip
-            nparts = k.linear(s, ws.attn, L.o, 0, ws.x, rows, hid, H * D, accumulate=True,
-                              norm_out=(L.ln2, ws.xn, ws.ss))  # fmt: skip
-            if w.gate_up_interleaved:
-                k.gate_up_act(s, ws.xn, L.gate_up, ws.gu, ws.act, rows, inter, hid, ss_in=(ws.ss, nparts), eps=eps)
-            else:
-                k.linear(s, ws.xn, L.gate_up, 0, ws.gu, rows, 2 * inter, hid, ss_in=(ws.ss, nparts), eps=eps)
-                k.swiglu(s, ws.gu, ws.act, inter, rows)
-            nparts = k.linear(s, ws.act, L.down, 0, ws.x, rows, hid, inter, accumulate=True,
-                              norm_out=(norms[i], ws.xn, ws.ss))  # fmt: skip
+                               kv.block_size, KVH, ws.o_part, ws.ml, ws.attn, rows, args=L.attn)  # fmt: skip
+            nparts = self._residual(L.o, L.o_bias, ws.attn, H * c.head_dim, L.attn_post_norm, rows,
+                                    (L.ln2, ws.xn, ws.ss))  # fmt: skip
+            nparts = self._mlp(L, rows, ss_in=(ws.ss, nparts), norm_out=(norms[i], ws.xn, ws.ss))
         k.linear(s, ws.xn, w.lm_head, 0, ws.logits, rows, c.vocab_size, hid, ss_in=(ws.ss, nparts), eps=eps)
+        self._head_softcap(rows)
 
     def prefill_chunk(self, rows: int, tokens: int, positions: int, slots: int, block_table: int, start: int) -> None:
         """Embed ``rows`` tokens at positions ``start..`` and run every layer (K and V into their slots);
         leaves the residual stream in ``ws.x``."""
         c, k, s, w, ws, kv = self.cfg, self.kern, self.stream, self.w, self.ws, self.kv
-        hid, inter, H, KVH, D = c.hidden_size, c.intermediate_size, c.num_heads, c.num_kv_heads, c.head_dim
-        n_qkv = (H + 2 * KVH) * D
-        k.embed(s, tokens, w.embed, ws.x, rows, hid)
+        hid, H, KVH, eps = c.hidden_size, c.num_heads, c.num_kv_heads, c.rms_norm_eps
+        k.embed(s, tokens, w.embed, ws.x, rows, hid, scale=w.embed_scale)
         for i, L in enumerate(w.layers):
-            cache = kv.layer(i)
-            k.rmsnorm(s, ws.x, L.ln1, ws.xn, rows, hid, c.rms_norm_eps)
-            k.linear(s, ws.xn, L.qkv, L.qkv_bias, ws.qkv, rows, n_qkv, hid)
-            k.rope_kv_write(s, ws.qkv, positions, slots, w.inv_freq, ws.q, cache, rows, H, KVH, kv.block_size,
-                            kv.block_stride, interleaved=True)  # fmt: skip
-            k.prefill_attention(s, ws.q, block_table, cache, kv.block_stride, kv.block_size, KVH, rows, start,
-                                ws.attn)  # fmt: skip
-            k.linear(s, ws.attn, L.o, 0, ws.x, rows, hid, H * D, accumulate=True)
-            k.rmsnorm(s, ws.x, L.ln2, ws.xn, rows, hid, c.rms_norm_eps)
-            if w.gate_up_interleaved:
-                k.gate_up_act(s, ws.xn, L.gate_up, ws.gu, ws.act, rows, inter, hid)
-            else:
-                k.linear(s, ws.xn, L.gate_up, 0, ws.gu, rows, 2 * inter, hid)
-                k.swiglu(s, ws.gu, ws.act, inter, rows)
-            k.linear(s, ws.act, L.down, 0, ws.x, rows, hid, inter, accumulate=True)
+            k.rmsnorm(s, ws.x, L.ln1, ws.xn, rows, hid, eps)
+            self._qkv(i, L, rows, positions, slots, ss_in=(0, 0), fused=False)
+            k.prefill_attention(s, ws.q, block_table, kv.layer(i), kv.block_stride, kv.block_size, KVH, rows, start,
+                                ws.attn, args=L.attn)  # fmt: skip
+            self._residual(L.o, L.o_bias, ws.attn, H * c.head_dim, L.attn_post_norm, rows, NO_NORM)
+            k.rmsnorm(s, ws.x, L.ln2, ws.xn, rows, hid, eps)
+            self._mlp(L, rows)
 
     def head(self, rows: int, x_row: int) -> None:
         """Final norm of ``rows`` residual rows from row ``x_row``, then the LM head into ``ws.logits``."""
@@ -172,3 +174,50 @@ class Forward:
         x = ws.x + x_row * c.hidden_size * 4
         self.kern.rmsnorm(self.stream, x, self.w.final_norm, ws.xn, rows, c.hidden_size, c.rms_norm_eps)
         self.kern.linear(self.stream, ws.xn, self.w.lm_head, 0, ws.logits, rows, c.vocab_size, c.hidden_size)
+        self._head_softcap(rows)
+
+    # --- the pieces of a layer ---------------------------------------------------------------
+
+    def _qkv(self, i: int, L, rows: int, positions: int, slots: int, ss_in: tuple[int, int], fused: bool) -> None:
+        """q|k|v of ``ws.xn`` (+ bias), QKNorm, rope, K and V into their slots, rotated q into ``ws.q``.
+        ``fused`` (decode): rope and the KV write in the GEMV's epilogue, unless QKNorm needs whole heads."""
+        c, k, s, ws, kv = self.cfg, self.kern, self.stream, self.ws, self.kv
+        hid, H, KVH, eps = c.hidden_size, c.num_heads, c.num_kv_heads, c.rms_norm_eps
+        cache = kv.layer(i)
+        if fused and not L.q_norm:
+            k.qkv_rope(s, ws.xn, L.qkv, L.qkv_bias, ws.q, rows, H, KVH, hid, positions, slots, L.inv_freq, cache,
+                       kv.block_size, kv.block_stride, ss_in=ss_in, eps=eps, rotary_dim=L.rotary_dim,
+                       factor=L.rope_factor)  # fmt: skip
+            return
+        k.linear(s, ws.xn, L.qkv, L.qkv_bias, ws.qkv, rows, (H + 2 * KVH) * c.head_dim, hid, ss_in=ss_in, eps=eps)
+        k.rope_kv_write(s, ws.qkv, positions, slots, L.inv_freq, ws.q, cache, rows, H, KVH, kv.block_size,
+                        kv.block_stride, interleaved=True, rotary_dim=L.rotary_dim, factor=L.rope_factor,
+                        qk_norm=(L.q_norm, L.k_norm), eps=eps)  # fmt: skip
+
+    def _residual(self, weight: int, bias: int, src: int, k_dim: int, post_norm: int, rows: int,
+                  norm_out: tuple[int, int, int]) -> int:  # fmt: skip
+        """``x += src @ weight^T (+ bias)``, through the post-norm when the block has one; ``norm_out``
+        (decode) also writes the next RMSNorm's inputs. Returns the ss partials per row written."""
+        c, k, s, ws = self.cfg, self.kern, self.stream, self.ws
+        hid = c.hidden_size
+        if not post_norm:
+            return k.linear(s, src, weight, bias, ws.x, rows, hid, k_dim, accumulate=True, norm_out=norm_out)
+        k.linear(s, src, weight, bias, ws.y, rows, hid, k_dim)
+        return k.add_rmsnorm(s, ws.y, post_norm, ws.x, rows, hid, c.rms_norm_eps, norm_out=norm_out)
+
+    def _mlp(self, L, rows: int, ss_in: tuple[int, int] = (0, 0), norm_out: tuple[int, int, int] = NO_NORM) -> int:
+        """The MLP slot: reads the normed rows ``ws.xn`` (decode: with ``ss_in``, the fused RMSNorm's
+        partials, gemv.cu), adds the block's MLP output (post-normed where set) into ``ws.x``, and with
+        ``norm_out`` writes the next RMSNorm's inputs; returns their partials per row."""
+        c, k, s, w, ws = self.cfg, self.kern, self.stream, self.w, self.ws
+        hid, inter, eps, act = c.hidden_size, c.intermediate_size, c.rms_norm_eps, L.block.mlp.act
+        if w.gate_up_interleaved:
+            k.gate_up_act(s, ws.xn, L.gate_up, ws.gu, ws.act, rows, inter, hid, ss_in=ss_in, eps=eps, fn=act)
+        else:
+            k.linear(s, ws.xn, L.gate_up, 0, ws.gu, rows, 2 * inter, hid, ss_in=ss_in, eps=eps)
+            k.swiglu(s, ws.gu, ws.act, inter, rows, act=act)
+        return self._residual(L.down, 0, ws.act, inter, L.mlp_post_norm, rows, norm_out)
+
+    def _head_softcap(self, rows: int) -> None:
+        if self.w.head_softcap:
+            self.kern.softcap(self.stream, self.ws.logits, rows * self.cfg.vocab_size, self.w.head_softcap)

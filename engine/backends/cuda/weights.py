@@ -4,7 +4,11 @@ bf16 (biases fp32), torch ``[out, in]``. q|k|v are fused into one matrix with ea
 head's rows rope-interleaved in 8-row groups (``interleave_rope``) and gate|up into one
 matrix interleaved in 8-row groups (``interleave_gate_up``; plain gate-then-up when
 I % 8 != 0), so a decode GEMV block holds both members of its rope pairs or matching
-gate and up rows and applies rope or SwiGLU in its epilogue. A tied LM head is the
+gate and up rows and applies rope or SwiGLU in its epilogue (with partial rotary only a
+head's first ``rotary_dim`` rows are interleaved). RMSNorm weights with ``plus_one``
+(gemma) are uploaded as ``1 + w``, so every norm kernel reads a plain scale. Each layer
+carries what its ``Block`` needs (per-layer rope tables, q/k norms, post-norms, o bias,
+sinks); ropes shared by several layers are uploaded once. A tied LM head is the
 embedding. Weights arrive as the interface says: canonical (HF llama) names, float32
 numpy arrays; torch tensors are accepted too (already-on-GPU ones are copied device
 to device).
@@ -16,21 +20,32 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from engine.cu.kernels import AttnArgs, attention_scales
 from engine.model_config import ModelConfig
-from engine.models.ops import Block, Head
+from engine.models.ops import Block, Head, RMSNorm, Rope
 
 
 @dataclass
 class Layer:
-    """Device addresses of one decoder layer's tensors."""
+    """Device addresses of one decoder layer's tensors, and the options its kernels take."""
 
+    block: Block
     ln1: int
     ln2: int
     qkv: int
     qkv_bias: int  # 0 when the model has none
     o: int
+    o_bias: int  # fp32 [hidden] or 0
     gate_up: int
     down: int
+    inv_freq: int  # fp32 [rotary_dim / 2], this layer's rope (0 without rope)
+    rope_factor: float  # multiplies cos and sin (rope_tables' attention factor)
+    rotary_dim: int  # dims of each head rotated (0: no rope)
+    q_norm: int  # bf16 [head_dim] or 0 (QKNorm)
+    k_norm: int
+    attn_post_norm: int  # bf16 [hidden] or 0
+    mlp_post_norm: int
+    attn: AttnArgs  # scale, soft-cap, window, sinks
 
 
 @dataclass
@@ -38,62 +53,93 @@ class DeviceWeights:
     embed: int
     lm_head: int
     final_norm: int
-    inv_freq: int  # fp32 [head_dim / 2], rope frequencies with the model's scaling
     layers: list[Layer]
     gate_up_interleaved: bool
     nbytes: int  # weight bytes uploaded (a tied head counts once)
+    embed_scale: float = 1.0
+    head_softcap: float | None = None
 
 
-def upload(cfg: ModelConfig, block: Block, head: Head, weights, mem) -> DeviceWeights:
-    """Copy ``weights`` to the device through ``mem`` (``runtime.Allocations``); the norms' tensor
-    names and whether q|k|v carry biases come from the definition's ``block`` and ``head``."""
-    from engine.models.rope import rope_inv_freq, rope_tables
-
-    if rope_tables(cfg, block.attention.rope)[1] != 1.0:  # longrope / yarn scale cos and sin too
-        raise ValueError("the CUDA backend has no kernel for a rope attention factor (longrope, yarn)")
-    import pycuda.driver as cuda
-
+def upload(cfg: ModelConfig, blocks: list[Block], head: Head, weights, mem, embed_scale: float = 1.0) -> DeviceWeights:
+    """Copy ``weights`` to the device through ``mem`` (``runtime.Allocations``); every layer's tensor
+    names and options come from the definition's ``blocks`` (one per layer) and ``head``."""
     up = _Uploader(weights, mem)
-    d = cfg.head_dim
     interleaved = cfg.intermediate_size % 8 == 0
     embed = up(["model.embed_tokens.weight"])
     lm_head = embed if cfg.tie_word_embeddings else up(["lm_head.weight"])
-    final_norm = up([head.final_norm.weight + ".weight"])
-    layers = []
-    for i in range(cfg.num_layers):
-        p = f"model.layers.{i}."
-        proj = [p + f"self_attn.{x}_proj." for x in "qkv"]
-        layers.append(
-            Layer(
-                ln1=up([p + block.attn_norm.weight + ".weight"]),
-                ln2=up([p + block.mlp_norm.weight + ".weight"]),
-                qkv=up([x + "weight" for x in proj], rope_dim=d),
-                qkv_bias=up([x + "bias" for x in proj], fp32=True, rope_dim=d) if block.attention.qkv_bias else 0,
-                o=up([p + "self_attn.o_proj.weight"]),
-                gate_up=up([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"], interleave=interleaved),
-                down=up([p + "mlp.down_proj.weight"]),
-            )
-        )
-    inv = np.ascontiguousarray(rope_inv_freq(cfg), dtype=np.float32)
-    inv_freq = mem.alloc(inv.nbytes)
-    cuda.memcpy_htod(inv_freq, inv)
-    return DeviceWeights(embed=embed, lm_head=lm_head, final_norm=final_norm, inv_freq=inv_freq, layers=layers,
-                         gate_up_interleaved=interleaved, nbytes=up.nbytes)  # fmt: skip
+    final_norm = up.norm(head.final_norm)
+    ropes: dict[Rope, tuple[int, float]] = {}
+    layers = [_layer(cfg, i, b, up, ropes, interleaved) for i, b in enumerate(blocks)]
+    return DeviceWeights(embed=embed, lm_head=lm_head, final_norm=final_norm, layers=layers,
+                         gate_up_interleaved=interleaved, nbytes=up.nbytes, embed_scale=embed_scale,
+                         head_softcap=head.softcap)  # fmt: skip
+
+
+def _layer(cfg: ModelConfig, i: int, block: Block, up, ropes: dict, interleaved: bool) -> Layer:
+    import pycuda.driver as cuda
+
+    from engine.models.rope import rope_tables
+
+    p, d, attn = f"model.layers.{i}.", cfg.head_dim, block.attention
+    rope = attn.rope
+    rd = 0 if rope is None else rope.rotary_dim or d
+    if rope is not None and rope not in ropes:
+        inv, factor = rope_tables(cfg, rope)
+        inv = np.ascontiguousarray(inv, dtype=np.float32)
+        ptr = up.mem.alloc(inv.nbytes)
+        cuda.memcpy_htod(ptr, inv)
+        ropes[rope] = (ptr, float(factor))
+    inv_freq, factor = ropes[rope] if rope is not None else (0, 1.0)
+    proj = [p + f"self_attn.{x}_proj." for x in "qkv"]
+    qk = attn.qk_norm
+
+    def norm(op: RMSNorm | None) -> int:
+        return 0 if op is None else up.norm(op, p)
+
+    scale_log2, cap_log2 = attention_scales(d, attn.scale, attn.softcap)
+    sinks = up([p + "self_attn.sinks"], fp32=True) if attn.sinks else 0
+    return Layer(
+        block=block,
+        ln1=norm(block.attn_norm),
+        ln2=norm(block.mlp_norm),
+        qkv=up([x + "weight" for x in proj], rope_dim=d, rotary_dim=rd),
+        qkv_bias=up([x + "bias" for x in proj], fp32=True, rope_dim=d, rotary_dim=rd) if attn.qkv_bias else 0,
+        o=up([p + "self_attn.o_proj.weight"]),
+        o_bias=up([p + "self_attn.o_proj.bias"], fp32=True) if attn.o_bias else 0,
+        gate_up=up([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"], interleave=interleaved),
+        down=up([p + "mlp.down_proj.weight"]),
+        inv_freq=inv_freq,
+        rope_factor=factor,
+        rotary_dim=rd,
+        q_norm=norm(None if qk is None else RMSNorm(qk.q_weight, qk.plus_one)),
+        k_norm=norm(None if qk is None else RMSNorm(qk.k_weight, qk.plus_one)),
+        attn_post_norm=norm(block.attn_post_norm),
+        mlp_post_norm=norm(block.mlp_post_norm),
+        attn=AttnArgs(scale_log2, cap_log2, attn.sliding_window or 0, sinks),
+    )
 
 
 class _Uploader:
     def __init__(self, weights, mem) -> None:
         self.weights, self.mem, self.nbytes = weights, mem, 0
 
-    def __call__(self, names: list[str], fp32: bool = False, interleave: bool = False, rope_dim: int = 0) -> int:
+    def norm(self, op: RMSNorm, prefix: str = "") -> int:
+        """An RMSNorm's weight (bf16), ``1 + w`` for ``plus_one``."""
+        return self([prefix + op.weight + ".weight"], plus_one=op.plus_one)
+
+    def __call__(self, names: list[str], fp32: bool = False, interleave: bool = False, rope_dim: int = 0,
+                 rotary_dim: int | None = None, plus_one: bool = False) -> int:  # fmt: skip
         """Upload tensors ``names`` concatenated along dim 0 as bf16 (fp32 for biases); with
         ``interleave`` the two (gate, up) are interleaved in 8-row groups instead; with ``rope_dim``
-        each part's heads are rope-interleaved."""
+        each part's heads (of ``rope_dim`` rows) are rope-interleaved over their first ``rotary_dim``
+        rows (None: all); ``plus_one``: upload ``1 + w`` (computed in float32)."""
         import pycuda.driver as cuda
 
         parts = [self.weights[n] for n in names]
+        if plus_one:
+            parts = [(p.float() if _is_torch(p) else np.asarray(p, np.float32)) + 1.0 for p in parts]
         if rope_dim:
-            parts = [interleave_rope(p, rope_dim) for p in parts]
+            parts = [interleave_rope(p, rope_dim, rotary_dim) for p in parts]
         if interleave:
             parts = [interleave_gate_up(*parts)]
         nbytes = sum(int(np.prod(p.shape)) for p in parts) * (4 if fp32 else 2)
@@ -133,16 +179,29 @@ def interleave_gate_up(gate, up):
     return np.stack([gate.reshape(i // 8, 8, k), up.reshape(i // 8, 8, k)], 1).reshape(2 * i, k)
 
 
-def interleave_rope(w, head_dim: int):
+def interleave_rope(w, head_dim: int, rotary_dim: int | None = None):
     """Rows (dim 0) of stacked heads of ``head_dim`` -> each head in the rope-interleaved order
-    gemv_tc_rope and ``rope_kv_write(interleaved=True)`` read: position 16j + r holds dim 8j + r,
-    position 16j + 8 + r dim head_dim/2 + 8j + r. Works on numpy arrays and torch tensors (weights
+    gemv_tc_rope and ``rope_kv_write(interleaved=True)`` read: over the first R = ``rotary_dim``
+    rows (None: all), position 16j + r holds dim 8j + r, position 16j + 8 + r dim R/2 + 8j + r;
+    rows R.. stay in place (partial rotary). Works on numpy arrays and torch tensors (weights
     [rows, K] or biases [rows])."""
     n, rest = w.shape[0], tuple(w.shape[1:])
-    if head_dim % 16 or n % head_dim:
-        raise ValueError(f"{n} rows are not whole heads of {head_dim} (a multiple of 16)")
+    rd = head_dim if rotary_dim is None else rotary_dim
+    if head_dim % 16 or n % head_dim or rd % 16 or not 0 <= rd <= head_dim:
+        raise ValueError(f"{n} rows are not whole heads of {head_dim} rotating {rd} (multiples of 16)")
+    torch_in = _is_torch(w)
+    if rd == 0:
+        return w
+    if rd < head_dim:
+        heads = w.reshape((n // head_dim, head_dim) + rest)
+        rot = interleave_rope(heads[:, :rd].reshape((-1,) + rest), rd).reshape((n // head_dim, rd) + rest)
+        if torch_in:
+            import torch
+
+            return torch.cat([rot, heads[:, rd:]], 1).reshape(w.shape)
+        return np.concatenate([rot, heads[:, rd:]], 1).reshape(w.shape)
     v = w.reshape((n // head_dim, 2, head_dim // 16, 8) + rest)
-    return (v.transpose(1, 2) if _is_torch(w) else v.swapaxes(1, 2)).reshape(w.shape)
+    return (v.transpose(1, 2) if torch_in else v.swapaxes(1, 2)).reshape(w.shape)
 
 
 def to_bf16(a: np.ndarray) -> np.ndarray:
