@@ -9,11 +9,12 @@ and their shapes. Loaders find the definition for a checkpoint with
 from __future__ import annotations
 
 from engine.models.base import ModelDefinition
+from engine.models.gpt_oss import GPT_OSS
 from engine.models.llama import LLAMA, MISTRAL
 from engine.models.phi3 import PHI3
 from engine.models.qwen2 import QWEN2
 
-DEFINITIONS: dict[str, ModelDefinition] = {d.name: d for d in (LLAMA, MISTRAL, QWEN2, PHI3)}
+DEFINITIONS: dict[str, ModelDefinition] = {d.name: d for d in (LLAMA, MISTRAL, QWEN2, PHI3, GPT_OSS)}
 
 
 def definition(arch: str) -> ModelDefinition:
