@@ -2,7 +2,8 @@
 
 ``write_checkpoint`` is the model alone (any vocabulary); ``write_tiny_gpt_oss`` adds the
 default GGUF's tokenizer and chat template, as ``tests/models/tiny.py`` does for llama, so the
-server can load and serve it. ``quantize_experts_mxfp4`` turns a written checkpoint's experts
+server can load and serve it (``harmony=True``: with harmony's special tokens added to that
+tokenizer and ``HARMONY_TEMPLATE``, so the server treats it as gpt-oss: harmony split, stops). ``quantize_experts_mxfp4`` turns a written checkpoint's experts
 into MXFP4 blocks and scales (random bytes: the float weights are replaced, not rounded), the
 way real gpt-oss checkpoints store them.
 """
@@ -23,6 +24,28 @@ TINY = dict(
     rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
                      "original_max_position_embeddings": 64, "rope_theta": 150000.0},
 )  # fmt: skip
+
+
+HARMONY_TOKENS = ("<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>", "<|return|>", "<|call|>")
+# A minimal harmony chat template (gpt-oss's own also renders tools, developer instructions and
+# past reasoning): each message a header and a body; the generation prompt opens an assistant message.
+HARMONY_TEMPLATE = (
+    "{%- for m in messages -%}"
+    "<|start|>{{ m.role }}{% if m.role == 'assistant' %}<|channel|>final{% endif %}<|message|>{{ m.content }}<|end|>"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}<|start|>assistant{%- endif -%}"
+)
+
+
+def harmony_tokenizer(default_gguf: Path):
+    """The default GGUF's tokenizer bundle with harmony's markers added as special tokens."""
+    from tokenizers import AddedToken
+
+    from engine.tokenizer import load_tokenizer
+
+    bundle = load_tokenizer(default_gguf)
+    bundle.tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in HARMONY_TOKENS])
+    return bundle
 
 
 def write_checkpoint(target: Path, *, vocab_size: int = 256, seed: int = 0, **overrides) -> Path:
@@ -66,20 +89,20 @@ def quantize_experts_mxfp4(target: Path, *, seed: int = 0, scales: tuple[int, in
     (target / "config.json").write_text(json.dumps(config, indent=2))
 
 
-def write_tiny_gpt_oss(target: Path, default_gguf: Path, *, seed: int = 0) -> Path:
+def write_tiny_gpt_oss(target: Path, default_gguf: Path, *, seed: int = 0, harmony: bool = False) -> Path:
     """config.json, model.safetensors, tokenizer.json and tokenizer_config.json in ``target``: the
-    tiny gpt-oss over the default GGUF's vocabulary, with its tokenizer and chat template."""
+    tiny gpt-oss over the default GGUF's vocabulary, with its tokenizer and chat template (or, with
+    ``harmony``, harmony's tokens and template)."""
     from engine.tokenizer import load_tokenizer
 
-    bundle = load_tokenizer(default_gguf)
+    bundle = harmony_tokenizer(default_gguf) if harmony else load_tokenizer(default_gguf)
+    template = HARMONY_TEMPLATE if harmony else bundle.chat_template
+    eos = "<|return|>" if harmony else bundle.eos_token
     write_checkpoint(
         target, vocab_size=bundle.vocab_size, seed=seed, bos_token_id=bundle.bos_token_id,
-        eos_token_id=list(bundle.eos_token_ids) or None,
+        eos_token_id=bundle.tokenizer.token_to_id(eos) if eos else None,
     )  # fmt: skip
     bundle.tokenizer.save(str(target / "tokenizer.json"))
-    (target / "tokenizer_config.json").write_text(
-        json.dumps(
-            {"chat_template": bundle.chat_template, "bos_token": bundle.bos_token, "eos_token": bundle.eos_token}
-        )
-    )
+    config = {"chat_template": template, "bos_token": bundle.bos_token, "eos_token": eos}
+    (target / "tokenizer_config.json").write_text(json.dumps(config))
     return target
