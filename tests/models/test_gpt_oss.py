@@ -249,3 +249,53 @@ def test_unsupported_fields_are_refused_by_name(tiny):
         config_from_hf(_config(tiny, rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}))
     with pytest.raises(ValueError, match=r"layer_types .* one of"):
         config_from_hf(_config(tiny, layer_types=["sliding_attention", "chunked_attention"] * 2))
+
+
+# --- the real checkpoints' shape -------------------------------------------------------------
+
+# openai/gpt-oss-20b's config.json (transformers 4.55 era: rope_scaling and rope_theta at the top).
+GPT_OSS_20B = {
+    "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "attention_bias": True, "eos_token_id": 200002,
+    "experts_per_token": 4, "head_dim": 64, "hidden_act": "silu", "hidden_size": 2880,
+    "initial_context_length": 4096, "intermediate_size": 2880,
+    "layer_types": ["sliding_attention", "full_attention"] * 12, "max_position_embeddings": 131072,
+    "num_attention_heads": 64, "num_experts_per_tok": 4, "num_hidden_layers": 24, "num_key_value_heads": 8,
+    "num_local_experts": 32, "pad_token_id": 199999, "rms_norm_eps": 1e-05, "rope_theta": 150000,
+    "quantization_config": {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]},
+    "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0, "original_max_position_embeddings": 4096,
+                     "rope_type": "yarn", "truncate": False},
+    "sliding_window": 128, "swiglu_limit": 7.0, "tie_word_embeddings": False, "vocab_size": 201088,
+}  # fmt: skip
+
+
+def test_gpt_oss_20b_config():
+    cfg = config_from_hf(GPT_OSS_20B, {"eos_token_id": [200002, 199999, 200012]})
+    assert (cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (24, 64, 8, 64)
+    assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size) == (32, 4, 2880)
+    assert cfg.sliding_window == 128 and cfg.layer_window(0) == 128 and cfg.layer_window(1) is None
+    assert cfg.rope_theta == 150000.0 and cfg.rope_scaling["factor"] == 32.0 and not cfg.rope_scaling["truncate"]
+    assert cfg.eos_token_ids == (200002, 199999, 200012) and cfg.params == {"swiglu_limit": 7.0}
+    inv, factor = rope_tables(cfg, Rope())
+    assert inv.shape == (32,) and factor == pytest.approx(0.1 * np.log(32.0) + 1.0)
+    shapes = definition("gpt_oss").tensors(cfg)
+    assert shapes["model.layers.23.mlp.experts.31.gate_proj.weight"] == (2880, 2880)
+    assert shapes["model.layers.0.self_attn.q_proj.weight"] == (4096, 2880)  # 64 heads of 64 > hidden
+    assert shapes["model.layers.0.self_attn.o_proj.bias"] == (2880,) and shapes["model.layers.0.self_attn.sinks"] == (
+        64,
+    )
+    total = sum(int(np.prod(s)) for s in shapes.values())
+    assert 20.5e9 < total < 21.5e9  # "gpt-oss-20b": 20.9 billion parameters
+
+
+def test_mxfp4_pairs_split_across_shards_are_joined():
+    from engine.loaders.mxfp4 import join_pairs
+
+    rng = np.random.default_rng(3)
+    blocks = rng.integers(0, 256, (2, 6, 1, 16), dtype=np.uint8)
+    scales = rng.integers(120, 130, (2, 6, 1), dtype=np.uint8)
+    halves: dict = {}
+    first = join_pairs({"a.down_proj_blocks": blocks, "a.norm.weight": np.ones(3, np.float32)}, halves)
+    assert set(first) == {"a.norm.weight"} and set(halves) == {"a.down_proj_blocks"}
+    second = join_pairs({"a.down_proj_scales": scales}, halves)
+    assert not halves and second["a.down_proj"].shape == (2, 32, 6)
+    np.testing.assert_array_equal(second["a.down_proj"], dequantize_hf(blocks, scales))
