@@ -12,7 +12,8 @@ or ``<|call|>`` (a tool call: the caller answers). The prompt ends with
   header before or after the channel): the body is the call's JSON arguments,
   held to its end and sent as one ``tool_call_start`` / ``tool_call_args`` /
   ``tool_call`` group (arguments re-serialised when they parse, else verbatim);
-* anything else (``final``, a ``commentary`` preamble to the user): content.
+* anything else (``final``, a ``commentary`` preamble to the user, a message to
+  a built-in tool such as ``python``, which this server does not run): content.
 
 The markers are special tokens, so the text must be decoded with them kept
 (``OutputParsers.keep_special_tokens``). Like the tag splitter, text is emitted
@@ -62,7 +63,7 @@ class HarmonySplitter(OutputSplitter):
     def _step(self, events: list[Event]) -> bool:
         """Consume what is certain in the buffer; True when the mode changed and there may be more."""
         if self.mode == "plain":
-            self._emit_until(len(self._buf), MARKERS, "content", events, drop=MARKERS)
+            self._emit_held(MARKERS, "content", events, drop=MARKERS)
             return False
         if self.mode == "header":
             i = self._buf.find(MESSAGE)
@@ -86,7 +87,7 @@ class HarmonySplitter(OutputSplitter):
         hits = [(i, tag) for tag in BODY_ENDS if (i := self._buf.find(tag)) >= 0]
         if not hits:
             if self.mode != "tool":
-                self._emit_until(len(self._buf), BODY_ENDS, self.mode, events)
+                self._emit_held(BODY_ENDS, self.mode, events)
             return False
         i, tag = min(hits)
         body, self._buf = self._buf[:i], self._buf[i + (0 if tag == START else len(tag)) :]
@@ -110,15 +111,14 @@ class HarmonySplitter(OutputSplitter):
         else:
             self.mode = "content"
 
-    def _emit_until(self, end: int, tags: tuple[str, ...], kind: str, events: list[Event], drop=()) -> None:
-        """Emit ``_buf[:end]`` as ``kind``, holding back what may begin one of ``tags``; ``drop`` markers vanish."""
-        text = self._buf[:end]
-        keep = _partial_tag(text, tags)
-        shown = text[: len(text) - keep]
+    def _emit_held(self, tags: tuple[str, ...], kind: str, events: list[Event], drop: tuple[str, ...] = ()) -> None:
+        """Emit the buffer as ``kind`` but for what may begin one of ``tags`` (kept); ``drop`` markers vanish."""
+        keep = _partial_tag(self._buf, tags)
+        shown = self._buf[: len(self._buf) - keep]
         for marker in drop:
             shown = shown.replace(marker, "")
         self._emit(kind, shown, events)
-        self._buf = self._buf[len(text) - keep :]
+        self._buf = self._buf[len(self._buf) - keep :]
 
     def _call_done(self, body: str, events: list[Event], *, closed: bool = True) -> None:
         args = body.strip()
