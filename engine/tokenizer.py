@@ -35,6 +35,9 @@ PRE_SPLITS = {
 }
 # Tokens that end a turn in common chat templates; they stop generation when the template uses them.
 END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>", "<|end_of_text|>")
+# Harmony (gpt-oss): a turn ends with <|return|> or a tool call's <|call|>; its <|end|> only closes one
+# message (the reasoning), after which the answer follows, so it must not stop generation.
+HARMONY_END_OF_TURN = ("<|return|>", "<|call|>")
 _CONTROL, _USER_DEFINED = 3, 4
 
 
@@ -204,7 +207,11 @@ def _bundle(tok, bos, eos, bos_id, extra_eos, template, add_bos, pad) -> Tokeniz
     specials = tuple(t.content for t in tok.get_added_tokens_decoder().values() if t.special)
     eos_ids: list[int] = []
     candidates = [tok.token_to_id(eos) if eos else None, *extra_eos]
-    candidates += [tok.token_to_id(t) for t in END_OF_TURN if template and t in template]
+    if template and "<|channel|>" in template:
+        candidates = [i for i in candidates if i != tok.token_to_id("<|end|>")]
+        candidates += [tok.token_to_id(t) for t in HARMONY_END_OF_TURN]
+    else:
+        candidates += [tok.token_to_id(t) for t in END_OF_TURN if template and t in template]
     for i in candidates:
         if i is not None and i not in eos_ids:
             eos_ids.append(int(i))

@@ -7,6 +7,13 @@ family's pair from the model's chat template: the first family whose tags the
 template writes, else ``DEFAULT`` (the Hermes / Qwen tags). The splitter
 (output_split.py) reads only these, so a family with other tags is one entry in
 ``FAMILIES``.
+
+gpt-oss writes no tags but OpenAI's *harmony* messages
+(``<|channel|>analysis<|message|>...<|end|><|start|>assistant<|channel|>final<|message|>...<|return|>``),
+whose markers are special tokens: ``HARMONY`` is chosen when the template or the
+tokenizer's special tokens carry ``<|channel|>``; its splitter is
+``harmony_split.HarmonySplitter`` and its text must be decoded with the special
+tokens kept (``keep_special_tokens``).
 """
 
 from __future__ import annotations
@@ -63,20 +70,38 @@ class OutputParsers:
     family: str
     reasoning: ReasoningParser
     tools: ToolParser
+    harmony: bool = False  # messages on channels (gpt-oss), not tags: harmony_split.HarmonySplitter
+
+    @property
+    def keep_special_tokens(self) -> bool:
+        """Decode generated ids with special tokens kept: harmony's markers are special tokens."""
+        return self.harmony
 
 
 DEFAULT = OutputParsers("hermes", ReasoningParser(), ToolParser())
+HARMONY_CHANNEL = "<|channel|>"
+# The reasoning tags are what a prompt ends with when it opens the analysis message itself.
+HARMONY = OutputParsers(
+    "harmony",
+    ReasoningParser(start="<|channel|>analysis<|message|>", end="<|end|>"),
+    ToolParser(start=" to=functions.", end="<|call|>"),
+    harmony=True,
+)
 # Checked in order before the default; a family is chosen when its template writes its tool tag.
 FAMILIES: dict[str, OutputParsers] = {DEFAULT.family: DEFAULT}
 
 
 def output_parsers_for(tokenizer) -> OutputParsers:
-    """The parsers for the model behind ``tokenizer`` (chosen from its chat template)."""
+    """The parsers for the model behind ``tokenizer`` (chosen from its chat template and special tokens)."""
+    if HARMONY_CHANNEL in (getattr(tokenizer, "special_tokens", None) or ()):
+        return HARMONY
     return _for_template(getattr(tokenizer, "chat_template", None) or "")
 
 
 @functools.lru_cache(maxsize=32)
 def _for_template(template: str) -> OutputParsers:
+    if HARMONY_CHANNEL in template:
+        return HARMONY
     for parsers in FAMILIES.values():
         if parsers is not DEFAULT and parsers.tools.start in template:
             return parsers

@@ -12,10 +12,11 @@ import time
 
 
 class TextStream:
-    def __init__(self, bundle, stop: list[str], prompt_ids: list[int] = ()):
+    def __init__(self, bundle, stop: list[str], prompt_ids: list[int] = (), *, skip_special_tokens: bool = True):
         from engine.tokenizer import IncrementalDetokenizer
 
-        self._detok = IncrementalDetokenizer(bundle, prompt_ids)
+        # skip_special_tokens False: the output splitter reads special tokens (harmony's markers).
+        self._detok = IncrementalDetokenizer(bundle, prompt_ids, skip_special_tokens=skip_special_tokens)
         self._stop = stop
         self._held = ""  # text withheld because it could begin a stop string
         self.text = ""  # everything emitted so far

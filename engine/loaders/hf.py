@@ -7,7 +7,12 @@ Weights come back as float32 in canonical naming and ``[out, in]`` layout.
 
 ``safetensors.numpy`` cannot produce bfloat16 arrays, so bf16 tensors are read
 raw from the file (the header gives each tensor's byte range) and widened with
-a uint16 -> float32 shift: bf16 is the top half of an IEEE float32.
+a uint16 -> float32 shift: bf16 is the top half of an IEEE float32. uint8
+tensors come through raw: they are quantized data, not values. The one
+quantization read is MXFP4 (``quantization_config.quant_method == "mxfp4"``,
+gpt-oss's experts): each ``X_blocks`` / ``X_scales`` pair is dequantized to
+float32 ``X`` before the definition maps names (``engine.loaders.mxfp4``);
+any other quantization method is refused at load.
 """
 
 from __future__ import annotations
@@ -20,13 +25,26 @@ from pathlib import Path
 
 import numpy as np
 
+from engine.loaders import mxfp4
 from engine.model_config import ModelConfig
 from engine.models import definition, for_hf
+
+QUANT_METHODS = ("mxfp4",)  # quantization_config.quant_method values the loader dequantizes
 
 
 def config_from_hf(config: dict, generation: dict | None = None) -> ModelConfig:
     """``ModelConfig`` from a parsed config.json (and generation_config.json), by its model_type's definition."""
+    method = quant_method(config)
+    if method is not None and method not in QUANT_METHODS:
+        raise ValueError(
+            f"quantization_config.quant_method {method!r} is not supported (supported: {list(QUANT_METHODS)})"
+        )
     return for_hf(config.get("model_type", "llama")).config_from_hf(config, generation)
+
+
+def quant_method(config: dict) -> str | None:
+    """config.json's ``quantization_config.quant_method`` (None: not quantized)."""
+    return (config.get("quantization_config") or {}).get("quant_method")
 
 
 def read_config(root: Path) -> ModelConfig:
@@ -37,7 +55,7 @@ def read_config(root: Path) -> ModelConfig:
 
 
 def read_safetensors(path: Path) -> dict[str, np.ndarray]:
-    """Every tensor of one .safetensors file as a float32 numpy array."""
+    """Every tensor of one .safetensors file as a float32 numpy array (uint8 ones raw)."""
     from safetensors import safe_open
 
     with open(path, "rb") as f:
@@ -53,7 +71,8 @@ def read_safetensors(path: Path) -> dict[str, np.ndarray]:
         with safe_open(str(path), framework="numpy") as st:
             for name in st.keys():
                 if name not in raw_names:
-                    out[name] = np.asarray(st.get_tensor(name), dtype=np.float32)
+                    t = st.get_tensor(name)
+                    out[name] = t if t.dtype == np.uint8 else np.asarray(t, dtype=np.float32)
     if raw_names:
         mm = np.memmap(path, dtype=np.uint8, mode="r")
         for name in raw_names:
@@ -78,11 +97,18 @@ def load_hf(
     if not files:
         raise FileNotFoundError(f"no .safetensors files in {root}")
     model = definition(cfg.arch)
+    is_mxfp4 = quant_method(json.loads((root / "config.json").read_text())) == "mxfp4"
     weights: dict[str, np.ndarray] = {}
+    halves: dict[str, np.ndarray] = {}  # MXFP4 blocks or scales whose partner is in a later shard
     for done, name in enumerate(files, 1):
-        weights.update(model.from_hf(cfg, read_safetensors(root / name)))
+        tensors = read_safetensors(root / name)
+        if is_mxfp4:
+            tensors = mxfp4.join_pairs(tensors, halves)
+        weights.update(model.from_hf(cfg, tensors))
         if progress:
             progress(done, len(files))
+    if halves:
+        raise ValueError(f"{root}: MXFP4 tensors without their blocks or scales: {sorted(halves)[:4]}")
     if "lm_head.weight" not in weights and not cfg.tie_word_embeddings:
         # Some checkpoints drop the head while config says untied; the head is the embedding then.
         cfg = dataclasses.replace(cfg, tie_word_embeddings=True)

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 from engine.models.base import ModelDefinition
 from engine.models.gemma import GEMMA2, GEMMA3
+from engine.models.gpt_oss import GPT_OSS
 from engine.models.llama import LLAMA, MISTRAL
 from engine.models.phi3 import PHI3
 from engine.models.qwen2 import QWEN2
 
-DEFINITIONS: dict[str, ModelDefinition] = {d.name: d for d in (LLAMA, MISTRAL, QWEN2, PHI3, GEMMA2, GEMMA3)}
+DEFINITIONS: dict[str, ModelDefinition] = {d.name: d for d in (LLAMA, MISTRAL, QWEN2, PHI3, GEMMA2, GEMMA3, GPT_OSS)}
 
 
 def definition(arch: str) -> ModelDefinition:

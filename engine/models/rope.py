@@ -41,8 +41,12 @@ def rope_tables(cfg: ModelConfig, rope: Rope) -> tuple[np.ndarray, float]:
     inv = (1.0 / (np.float32(theta) ** (np.arange(0, d, 2, dtype=np.int64).astype(np.float32) / d))).astype(np.float32)
     if not rope.scaled:
         return inv, 1.0
-    if (cfg.rope_scaling or {}).get("rope_type") == "longrope":
+    rs = cfg.rope_scaling or {}
+    kind = rs.get("rope_type", rs.get("type"))
+    if kind == "longrope":
         return _longrope(cfg, theta, d)
+    if kind == "yarn":
+        return _yarn(rs, theta, d, cfg.max_position)
     return _scaled(cfg, inv), 1.0
 
 
@@ -90,3 +94,40 @@ def _longrope(cfg: ModelConfig, theta: float, d: int) -> tuple[np.ndarray, float
         scale = rs.get("factor") or cfg.max_position / original
         attention = 1.0 if scale <= 1.0 else math.sqrt(1 + math.log(scale) / math.log(original))
     return inv, float(attention)
+
+
+def _yarn(rs: dict, theta: float, d: int, max_position: int) -> tuple[np.ndarray, float]:
+    """YaRN (HF's ``_compute_yarn_parameters``): each frequency blends its extrapolated value
+    (unchanged) and its interpolated one (divided by ``factor``) by a ramp over the dims whose
+    wavelengths fall between ``beta_fast`` and ``beta_slow`` rotations of the original context;
+    cos and sin are scaled by ``attention_factor`` (default ``0.1 ln(factor) + 1``, or the mscale
+    ratio when ``mscale`` and ``mscale_all_dim`` are given). ``truncate`` (default True) rounds
+    the ramp's ends outward to whole dims; gpt-oss sets it False."""
+    orig = rs["original_max_position_embeddings"]
+    factor = rs.get("factor") or max_position / orig
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention = rs.get("attention_factor")
+    if attention is None:
+        m, m_all = rs.get("mscale"), rs.get("mscale_all_dim")
+        attention = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+    beta_fast, beta_slow = rs.get("beta_fast") or 32, rs.get("beta_slow") or 1
+
+    def dim_of(rotations: float) -> float:  # the dim whose wavelength fits ``rotations`` times in ``orig``
+        return d * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dim_of(beta_fast), dim_of(beta_slow)
+    if rs.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, d - 1)
+    if low == high:
+        high += 0.001  # HF's guard against a zero-width ramp
+    pos = np.float32(theta) ** (np.arange(0, d, 2, dtype=np.int64).astype(np.float32) / np.float32(d))
+    extrapolated = (np.float32(1.0) / pos).astype(np.float32)
+    interpolated = (np.float32(1.0) / (np.float32(factor) * pos)).astype(np.float32)
+    ramp = np.clip((np.arange(d // 2, dtype=np.float32) - np.float32(low)) / np.float32(high - low), 0, 1)
+    keep = (np.float32(1.0) - ramp).astype(np.float32)  # the extrapolated share of each frequency
+    inv = interpolated * (np.float32(1.0) - keep) + extrapolated * keep
+    return inv.astype(np.float32), float(attention)

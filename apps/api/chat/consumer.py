@@ -22,7 +22,9 @@ class ChatCompletionsConsumer(MultiRequestConsumer):
             Choice(
                 i,
                 add,
-                TextStream(tok, req.stop, add.prompt_token_ids),
+                TextStream(
+                    tok, req.stop, add.prompt_token_ids, skip_special_tokens=not prep.parsers.keep_special_tokens
+                ),
                 OutputSplitter(in_reasoning=prep.in_reasoning, parse_tools=prep.parse_tools, parsers=prep.parsers),
             )
             for i, add in enumerate(prep.adds)

@@ -280,13 +280,16 @@ class ResponseRun:
 
         self.prep = prep
         req = prep.request
+        parsers = output_parsers_for(prep.served.tokenizer)
         self.events = ResponseEvents(
             json.loads(json.dumps(prep.base)),
             tools=req.tool_choice != "none",
             in_reasoning=prep.in_reasoning,
-            parsers=output_parsers_for(prep.served.tokenizer),
+            parsers=parsers,
         )
-        self.text = TextStream(prep.served.tokenizer, [], prep.add.prompt_token_ids)
+        self.text = TextStream(
+            prep.served.tokenizer, [], prep.add.prompt_token_ids, skip_special_tokens=not parsers.keep_special_tokens
+        )
         self.cached_tokens = 0
         self.num_tokens = 0
         self.done = False
