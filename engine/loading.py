@@ -98,6 +98,7 @@ def load_model(
             KVManager(plan.num_blocks, plan.block_size, plan.num_host_blocks),
             constraints=constraints,
             supports_prompt_logprobs=backend.supports_prompt_logprobs,
+            max_round_rows=backend.max_round_rows,
         )
     except BaseException:
         backend.unload()

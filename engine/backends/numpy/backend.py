@@ -51,6 +51,7 @@ class NumpyBackend(Backend):
 
     name = "numpy"
     supports_prompt_logprobs = True
+    max_round_rows = 16  # each row is a product row on the CPU: more costs time (docs/SPECULATION.md)
 
     def __init__(self, *, blas_threads: int = 1) -> None:
         super().__init__()
