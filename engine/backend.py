@@ -68,7 +68,12 @@ class PrefillSpan:
 
 @dataclass
 class DecodeLane:
-    """One row of a decode round: feed ``token_id`` at ``position``."""
+    """One row of a decode round: feed ``token_id`` at ``position``.
+
+    A speculating lane is several consecutive rows of one sequence (its last token,
+    then its drafts, at consecutive positions): each row writes its K/V and attends
+    up to its own position, so a row sees the drafts before it (engine/spec).
+    """
 
     seq_id: int
     token_id: int
@@ -87,6 +92,8 @@ class StepPlan:
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
     prefill: PrefillSpan | None = None
     decode: list[DecodeLane] = field(default_factory=list)
+    # seq_id -> the drafts its rows verify (its rows: 1 + len(drafts) consecutive ones in ``decode``).
+    drafts: dict[int, list[int]] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
@@ -121,6 +128,9 @@ class Backend(abc.ABC):
     # entry behind the window: the scheduler may then release those pages, leaving -1 there
     # (engine.kv_manager.RELEASED), which this backend must never dereference.
     releases_window_pages: bool = False
+    # Most rows one decode round may carry (lanes plus their drafts); a backend that cannot
+    # run several rows of one sequence in a round keeps this at 0 (no speculation).
+    max_round_rows: int = 0
     # How far the last step got: "plan" (nothing ran yet; the worker sets it), "swaps" (the
     # page copies ran or raised), "rows" (the swaps are done; the prefill or decode ran).
     step_stage: str = "plan"

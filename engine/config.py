@@ -32,6 +32,9 @@ class EngineConfig:
     host_kv_budget: int = 2048 * MiB  # the host-RAM tier for swapped pages
     retry_after_floor: float = 1.0  # seconds; the least Retry-After an engine_full gets
     blas_threads: int = 1  # model.blas_threads: numpy backend's BLAS threads (0 = leave BLAS as it is)
+    spec_enabled: bool = True  # spec.enabled: speculative rounds (prompt lookup, Predicted Outputs)
+    spec_max_draft: int = 8  # spec.max_draft: drafts a lane proposes at most in one round
+    spec_ngram: int = 4  # spec.ngram: longest n-gram prompt lookup matches (down to 2)
     cuda: CudaTuning = field(default_factory=CudaTuning)
 
     def to_dict(self) -> dict:

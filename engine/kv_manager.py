@@ -238,6 +238,13 @@ class KVManager:
                     self.evictable.move_to_end(b)
         return max(0, end - n)
 
+    def trim(self, seq: Sequence, num_tokens: int) -> None:
+        """Give back ``seq``'s table blocks past those ``num_tokens`` positions need (blocks a
+        verify round took for drafts that were rejected)."""
+        keep = self.blocks_for(num_tokens)
+        while len(seq.block_table) > keep:
+            self._release(seq.block_table.pop())
+
     def free(self, seq: Sequence) -> None:
         """Drop ``seq``'s device and host blocks; hashed (prompt) blocks stay retained.
         Released tail-first so the LRU evicts a prompt's tail before its head."""

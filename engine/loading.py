@@ -99,6 +99,7 @@ def load_model(
             constraints=constraints,
             supports_prompt_logprobs=backend.supports_prompt_logprobs,
             kv_window=release_window(model_cfg, backend.releases_window_pages),
+            max_round_rows=backend.max_round_rows,
         )
     except BaseException:
         backend.unload()

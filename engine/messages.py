@@ -53,6 +53,8 @@ class AddRequest(_Msg):
     # A decide request naming these ids gets back only their log-softmax values (over the whole
     # last-position row, computed in the engine) instead of the full logits row.
     decide_token_ids: list[int] | None = None
+    # OpenAI Predicted Outputs: the tokens the client expects the answer to contain (drafts).
+    prediction_token_ids: list[int] | None = None
 
 
 @dataclass
@@ -92,6 +94,9 @@ class RequestFinished(_Msg):
     prompt_logprobs: list[dict] | None = None  # see TokenEvent.prompt_logprobs
     # Decide requests with decide_token_ids: log-softmax per id, in that order (None: id out of range).
     decide_logprobs: list[float | None] | None = None
+    # Predicted Outputs (AddRequest.prediction_token_ids): prediction tokens drafted and kept / rejected.
+    accepted_prediction_tokens: int = 0
+    rejected_prediction_tokens: int = 0
 
 
 @dataclass

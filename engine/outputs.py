@@ -52,6 +52,9 @@ def request_finished(seq: Sequence, logits: np.ndarray | None = None) -> Request
         None,
         take_prompt_logprobs(seq),
     )
+    if getattr(seq.drafter, "name", None) == "prediction":
+        done.accepted_prediction_tokens = seq.num_accepted
+        done.rejected_prediction_tokens = seq.num_drafted - seq.num_accepted
     if logits is not None and seq.decide_token_ids is not None:
         lp, vocab = log_softmax(logits), len(logits)
         done.decide_logprobs = [float(lp[t]) if 0 <= t < vocab else None for t in seq.decide_token_ids]

@@ -32,7 +32,7 @@ from collections.abc import Callable, Iterable
 import numpy as np
 
 from engine import admission
-from engine.backend import DecodeLane, PrefillSpan, StepOutput, StepPlan, TokenLogprob
+from engine.backend import PrefillSpan, StepOutput, StepPlan, TokenLogprob
 from engine.config import EngineConfig
 from engine.kv_manager import KVManager
 from engine.messages import AddRequest, RequestFailed, RequestFinished
@@ -40,6 +40,7 @@ from engine.outputs import EngineOutput, logprob_item, request_finished, token_e
 from engine.pacing import PrefillPacer
 from engine.refusals import refusal
 from engine.sequence import Sequence, SequenceStatus
+from engine.spec import rounds as spec
 from engine.status import SchedulerStats
 
 S = SequenceStatus
@@ -68,6 +69,7 @@ class Scheduler:
         constraints=None,
         supports_prompt_logprobs: bool = True,
         kv_window: int | None = None,
+        max_round_rows: int = 0,
     ) -> None:
         self.cfg = cfg
         self.kv = kv
@@ -76,6 +78,7 @@ class Scheduler:
         self.constraints = constraints
         self.supports_prompt_logprobs = supports_prompt_logprobs
         self.kv_window = kv_window
+        self.max_round_rows = max_round_rows  # Backend.max_round_rows: 0 = no speculation
         self.seqs: dict[str, Sequence] = {}  # live, by request_id
         self.by_seq_id: dict[int, Sequence] = {}
         self.waiting: list[Sequence] = []  # rank order
@@ -87,6 +90,9 @@ class Scheduler:
         names = ("admitted", "refused", "finished", "aborted", "preempted", "recomputed")
         names += ("decoded_tokens", "prefilled_tokens", "decode_rounds", "prefill_chunks")
         self.counters = dict.fromkeys(names, 0)
+        # Speculation, by drafter name: drafts proposed and accepted; verify rounds and their tokens.
+        self.spec_drafted: dict[str, int] = {}
+        self.spec_accepted: dict[str, int] = {}
 
     # -- requests in and out -------------------------------------------------
 
@@ -113,6 +119,7 @@ class Scheduler:
         if isinstance(seq, RequestFailed):
             self.counters["refused"] += 1
             return seq
+        spec.attach_drafter(seq, self.cfg, msg.prediction_token_ids)
         self.next_seq_id += 1
         self.seqs[seq.request_id] = self.by_seq_id[seq.seq_id] = seq
         _insort(self.waiting, seq)
@@ -148,11 +155,21 @@ class Scheduler:
             self._start_prefill(plan, protected=swapped_in)
         if self.prefilling is not None and self.pacer.may_run_chunk(self.clock(), bool(self.running)):
             plan.prefill = self._next_chunk(self.prefilling)
-        plan.decode = [
-            DecodeLane(seq.seq_id, seq.last_token_id, seq.num_tokens - 1, list(seq.block_table), seq.sample_request())
-            for seq in self.running
-        ]
+        self._plan_rows(plan)
         return plan
+
+    def _plan_rows(self, plan: StepPlan) -> None:
+        """Every decoding lane's rows: one, plus its drafts while the round has rows to spare
+        (better-ranked lanes first) and the pool has pages for them without preempting."""
+        spare = self.max_round_rows - len(self.running) if self.cfg.spec_enabled else 0
+        for seq in self.running:
+            drafts = spec.drafts_for(seq, min(spare, self.cfg.spec_max_draft))
+            if drafts and not self.kv.append_slots(seq, seq.num_tokens + len(drafts)):
+                drafts = []
+            if drafts:
+                plan.drafts[seq.seq_id] = drafts
+                spare -= len(drafts)
+            plan.decode += spec.lane_rows(seq, drafts)
 
     def _grow_running(self, plan: StepPlan) -> None:
         """Give every decoding lane a slot for the token it feeds; preempt the
@@ -237,12 +254,28 @@ class Scheduler:
             self.counters["decode_rounds"] += 1
             self.pacer.round_ran(out.decode_seconds)
         logprobs = out.decode_logprobs or [None] * len(out.decode_tokens)
-        for lane, token, lp in zip(plan.decode, out.decode_tokens, logprobs):
+        i = 0
+        while i < len(plan.decode):
+            lane = plan.decode[i]
+            drafts = plan.drafts.get(lane.seq_id, [])
+            rows = slice(i, i + len(drafts) + 1)
+            i = rows.stop
             seq = self.by_seq_id.get(lane.seq_id)
             if seq is None or seq.status != S.DECODING:
                 continue  # finished while the round ran
-            self.kv.mark_computed(seq, lane.position + 1)
-            self._append_token(seq, token, lp, now, outputs)
+            kept = spec.accepted(seq, drafts, out.decode_tokens[rows])
+            if drafts:
+                name = seq.drafter.name
+                self.spec_drafted[name] = self.spec_drafted.get(name, 0) + len(drafts)
+                self.spec_accepted[name] = self.spec_accepted.get(name, 0) + len(kept) - 1
+            # Rows whose input was committed hold valid K/V: the lane's token and the kept drafts.
+            self.kv.mark_computed(seq, lane.position + len(kept))
+            for token, lp in zip(kept, logprobs[rows]):
+                self._append_token(seq, token, lp, now, outputs)
+                if seq.status != S.DECODING:
+                    break  # a stop or the length cap inside the kept run: the rest is dropped
+            if drafts and seq.status == S.DECODING:
+                self.kv.trim(seq, seq.num_tokens)  # pages taken only for rejected drafts go back
         return outputs
 
     def _prefill_done(self, span: PrefillSpan, out: StepOutput, now: float, outputs: list[EngineOutput]) -> None:
@@ -275,6 +308,8 @@ class Scheduler:
         seq.output_token_ids.append(int(token))
         if seq.constraint is not None:
             seq.constraint.consume(token)
+        if seq.drafter is not None:
+            seq.drafter.commit((int(token),))
         self.counters["decoded_tokens"] += 1
         ttft = None
         if seq.first_token_time is None:
@@ -334,5 +369,7 @@ class Scheduler:
             prefix_hits=self.kv.num_prefix_hits,
             cached_tokens=self.kv.num_cached_tokens,
             round_seconds=self.pacer.round_seconds,
+            spec_drafted=dict(self.spec_drafted),
+            spec_accepted=dict(self.spec_accepted),
             **self.counters,
         )

@@ -65,6 +65,12 @@ class Sequence:
     num_released_blocks: int = 0  # leading block_table entries released behind the window (KVManager.RELEASED)
     num_computed_tokens: int = 0  # positions whose K/V are written
     num_cached_tokens: int = 0  # prompt tokens claimed from retained state
+    # Speculation (engine/spec): the drafter that proposes this sequence's next tokens (None:
+    # it never speculates), its k controller, and drafts proposed / accepted so far.
+    drafter: object | None = None
+    k_control: object | None = None
+    num_drafted: int = 0
+    num_accepted: int = 0
 
     @property
     def rank(self) -> tuple[int, int]:
@@ -99,16 +105,17 @@ class Sequence:
         """Counts against the decode lanes (a decide request never does)."""
         return not self.is_decide and not self.is_finished
 
-    def sample_request(self) -> SampleRequest:
+    def sample_request(self, drafts: list[int] | tuple[int, ...] = ()) -> SampleRequest:
+        """What the next row samples with; ``drafts``: tokens assumed to follow the output (a verify
+        row after them counts them for the penalties and ``min_tokens``)."""
+        output = self.output_token_ids + list(drafts) if drafts else self.output_token_ids
         return SampleRequest(
             params=self.sampling,
             seed=self.seed,
             prompt_token_ids=self.prompt_token_ids,
-            output_token_ids=self.output_token_ids,
+            output_token_ids=output,
             num_logprobs=self.num_logprobs,
             want_logprobs=self.want_logprobs,
             constraint=self.constraint,
-            suppress_token_ids=(
-                sorted(self.stop_token_ids) if len(self.output_token_ids) < self.sampling.min_tokens else ()
-            ),
+            suppress_token_ids=sorted(self.stop_token_ids) if len(output) < self.sampling.min_tokens else (),
         )

@@ -45,6 +45,8 @@ class SchedulerStats:
     prefilled_tokens: int = 0
     decode_rounds: int = 0
     prefill_chunks: int = 0
+    spec_drafted: dict[str, int] = field(default_factory=dict)  # by drafter: drafts proposed
+    spec_accepted: dict[str, int] = field(default_factory=dict)  # ... and accepted
 
 
 @dataclass

@@ -18,7 +18,7 @@ from engine.messages import SwitchModel
 from engine.model_config import ModelConfig
 
 # Live engine fields (applied without a reload) and the worker's own timings.
-LIVE_FIELDS = ("prefill_chunk", "decode_share", "default_max_tokens")
+LIVE_FIELDS = ("prefill_chunk", "decode_share", "default_max_tokens", "spec_enabled", "spec_max_draft")
 
 
 class SwitchRefused(Exception):

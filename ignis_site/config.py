@@ -179,6 +179,9 @@ FIELDS: dict[str, Field] = {
             "serve starts an embedded Celery worker (--pool=solo); default off with server.redis_url",
         ),
         Field("spec.decode_lanes", int, 8, "decode lanes (rows of one round)", 1, 64),
+        Field("spec.enabled", bool, True, "speculative rounds: drafts (prompt lookup, prediction) verified per round"),
+        Field("spec.max_draft", int, 8, "drafts a lane proposes at most in one round (0 = none)", 0, 63),
+        Field("spec.ngram", int, 4, "longest n-gram prompt lookup matches (down to 2)", 1, 16),
         Field(
             "cuda.gemv_u2_below",
             int,
@@ -256,6 +259,8 @@ LIVE_KEYS = frozenset(
         "model.decode_share",
         "model.default_max_tokens",
         "model.idle_unload",
+        "spec.enabled",
+        "spec.max_draft",
         "switch.allow_implicit",
         "switch.known_models",
         "switch.drain_timeout",
@@ -315,6 +320,9 @@ def engine_config_dict(values: dict[str, Any]) -> dict[str, Any]:
         "kv_ram_budget": values["model.kv_ram_budget"],
         "host_kv_budget": values["model.host_kv_budget"],
         "blas_threads": values["model.blas_threads"],
+        "spec_enabled": values["spec.enabled"],
+        "spec_max_draft": values["spec.max_draft"],
+        "spec_ngram": values["spec.ngram"],
         "cuda": cuda_tuning_dict(values),
     }
 

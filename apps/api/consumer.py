@@ -226,6 +226,7 @@ class Choice:
         self.num_tokens = 0
         self.reasoning_tokens = 0
         self.cached_tokens = 0
+        self.prediction_tokens = (0, 0)  # Predicted Outputs: (accepted, rejected), from RequestFinished
         self.finish_reason: str | None = None
         self.logprobs: list[dict] = []  # engine items, all of them
         self.pending_logprobs: list[dict] = []  # not yet attached to a streamed chunk
@@ -282,6 +283,7 @@ class MultiRequestConsumer(OpenAIHttpConsumer):
             return
         choice.num_tokens = msg.get("completion_tokens", choice.num_tokens)
         choice.cached_tokens = msg.get("cached_tokens", choice.cached_tokens)
+        choice.prediction_tokens = (msg.get("accepted_prediction_tokens", 0), msg.get("rejected_prediction_tokens", 0))
         await self._finish_choice(choice, "length" if msg["finish_reason"] == "length" else "stop")
 
     async def engine_failed(self, msg: dict) -> None:
@@ -312,7 +314,16 @@ class MultiRequestConsumer(OpenAIHttpConsumer):
             sum(c.num_tokens for c in self.order),
             max(c.cached_tokens for c in self.order),
             reasoning_tokens=sum(c.reasoning_tokens for c in self.order),
+            prediction=(
+                (sum(c.prediction_tokens[0] for c in self.order), sum(c.prediction_tokens[1] for c in self.order))
+                if self.prep_has_prediction
+                else None
+            ),
         )
+
+    @property
+    def prep_has_prediction(self) -> bool:
+        return any(c.add.prediction_token_ids is not None for c in self.order)
 
     def whole_body(self, object_: str, choices: list[dict]) -> dict:
         """The non-streamed answer of chat and text completions."""

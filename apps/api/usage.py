@@ -9,9 +9,15 @@ from __future__ import annotations
 
 
 def usage_block(
-    prompt_tokens: int, completion_tokens: int, cached_tokens: int, *, reasoning_tokens: int | None = 0
+    prompt_tokens: int,
+    completion_tokens: int,
+    cached_tokens: int,
+    *,
+    reasoning_tokens: int | None = 0,
+    prediction: tuple[int, int] | None = None,
 ) -> dict:
-    """``reasoning_tokens=None``: a route that decodes nothing (/v1/decide) has no completion details."""
+    """``reasoning_tokens=None``: a route that decodes nothing (/v1/decide) has no completion details.
+    ``prediction``: a request with Predicted Outputs, its (accepted, rejected) prediction tokens."""
     usage = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
@@ -20,6 +26,9 @@ def usage_block(
     }
     if reasoning_tokens is not None:
         usage["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
+        if prediction is not None:
+            details = usage["completion_tokens_details"]
+            details["accepted_prediction_tokens"], details["rejected_prediction_tokens"] = prediction
     return usage
 
 

@@ -56,6 +56,7 @@ class ChatRequest:
     min_tokens: int = 0
     logit_bias: dict[int, float] = field(default_factory=dict)
     reasoning_effort: str | None = None  # mapped to the template's enable_thinking (apps.api.chat.service)
+    prediction: str | None = None  # Predicted Outputs' content (drafts for speculative rounds)
 
 
 def _common(data: dict) -> dict:
@@ -140,6 +141,7 @@ def parse_chat_request(body: dict) -> ChatRequest:
         grammar=grammar or fmt_grammar,
         response_format=fmt,
         reasoning_effort=data.get("reasoning_effort"),
+        prediction=(data.get("prediction") or {}).get("content"),
         **common,
     )
 

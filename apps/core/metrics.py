@@ -109,6 +109,15 @@ def engine_families(status: EngineStatus | None) -> list[Metric]:
     out.append(fam)
     for key, (name, doc) in SCHEDULER_COUNTERS.items():
         out.append(CounterMetricFamily(name, doc, value=getattr(stats, key)))
+    for key, name, doc in (
+        ("spec_drafted", "ignis_spec_drafted_tokens", "Draft tokens proposed to verify rounds, by drafter."),
+        ("spec_accepted", "ignis_spec_accepted_tokens", "Draft tokens the model agreed with, by drafter."),
+    ):
+        fam = CounterMetricFamily(name, doc, labels=["drafter"])
+        counts = getattr(stats, key) or {}
+        for drafter in dict.fromkeys(("prompt_lookup", "prediction", *counts)):
+            fam.add_metric([drafter], counts.get(drafter, 0))
+        out.append(fam)
     fam = CounterMetricFamily("ignis_requests_completed", "Finished requests by finish reason.", labels=["reason"])
     for reason in dict.fromkeys(("stop", "length", "abort", *(tele.get("finish_reasons") or {}))):
         fam.add_metric([reason], (tele.get("finish_reasons") or {}).get(reason, 0))

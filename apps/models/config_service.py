@@ -36,6 +36,8 @@ ENGINE_LIVE = {
     "model.prefill_chunk": "prefill_chunk",
     "model.decode_share": "decode_share",
     "model.default_max_tokens": "default_max_tokens",
+    "spec.enabled": "spec_enabled",
+    "spec.max_draft": "spec_max_draft",
     "model.idle_unload": "idle_unload",
     "switch.drain_timeout": "drain_timeout",
 }

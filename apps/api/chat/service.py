@@ -162,6 +162,7 @@ def _adds(
     logprobs: bool,
     top: int,
     shared_prefix_len: int = 0,
+    prediction_token_ids: list[int] | None = None,
 ) -> list[AddRequest]:
     adds = []
     for p, ids in enumerate(prompts):
@@ -181,6 +182,7 @@ def _adds(
                     num_logprobs=top,
                     grammar=grammar,
                     shared_prefix_len=shared_prefix_len,
+                    prediction_token_ids=prediction_token_ids,
                 )
             )
     return adds
@@ -204,6 +206,7 @@ def chat_prepare(body: dict) -> PreparedChat:
         logprobs=req.logprobs,
         top=req.top_logprobs,
         shared_prefix_len=system_len,
+        prediction_token_ids=served.tokenizer.encode(req.prediction) if req.prediction is not None else None,
     )
     parsers = output_parsers_for(served.tokenizer)
     return PreparedChat(

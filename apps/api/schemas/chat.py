@@ -236,6 +236,13 @@ class Messages(Strict):
         return out
 
 
+class Prediction(serializers.Serializer):
+    """OpenAI Predicted Outputs: text the answer is expected to repeat, proposed as drafts."""
+
+    type = Enum("content", required=True, message="Only 'content' predictions are supported.")
+    content = Content(required=True)
+
+
 class ChatBody(SamplingBody):
     messages = Messages(required=True)
     chat_template_kwargs = Object(description="extension: variables for the chat template")
@@ -245,6 +252,7 @@ class ChatBody(SamplingBody):
     tool_choice = Custom(TOOL_CHOICE_SCHEMA)
     parallel_tool_calls = Bool()
     reasoning_effort = Enum(*REASONING_EFFORTS, description="mapped to the chat template's enable_thinking")
+    prediction = Prediction(required=False, allow_null=True)
 
     def validate(self, data):
         if data.get("top_logprobs") is not None and not data.get("logprobs"):

@@ -1,0 +1,60 @@
+"""Speculation as the scheduler runs it: drafts into rows, rows back into committed tokens.
+
+``lane_rows`` turns a decoding sequence and its drafts into the round's rows
+(its last token and each draft at consecutive positions, each row's sampling
+request counting the drafts before it); ``accepted`` turns the rows' sampled
+tokens back into the tokens to commit. ``attach_drafter`` gives a new
+sequence its drafter at admission: the request's ``prediction`` when it has
+one, else prompt lookup; never for a grammar-constrained or decide request.
+"""
+
+from __future__ import annotations
+
+from engine.backend import DecodeLane
+from engine.config import EngineConfig
+from engine.sequence import Sequence
+from engine.spec.adaptive import AdaptiveK
+from engine.spec.drafters import PredictionDrafter, PromptLookup
+from engine.spec.verify import accept_sampled
+
+
+def attach_drafter(seq: Sequence, cfg: EngineConfig, prediction_token_ids: list[int] | None) -> None:
+    """Give ``seq`` a drafter fed with its prompt (none for constrained or decide requests)."""
+    if seq.is_decide or seq.constraint is not None:
+        return
+    if prediction_token_ids:
+        seq.drafter = PredictionDrafter(prediction_token_ids, prompt_len=seq.num_prompt_tokens)
+    else:
+        seq.drafter = PromptLookup(min_n=min(2, cfg.spec_ngram), max_n=max(1, cfg.spec_ngram))
+    seq.drafter.commit(seq.prompt_token_ids)
+    seq.drafter.commit(seq.output_token_ids)  # a recompute keeps its output
+    seq.k_control = AdaptiveK(max_k=cfg.spec_max_draft)
+
+
+def drafts_for(seq: Sequence, budget: int) -> list[int]:
+    """The drafts ``seq`` proposes this round: at most ``budget``, none past its max_tokens."""
+    if seq.drafter is None or budget <= 0:
+        return []
+    room = min(budget, seq.num_remaining_tokens - 1)  # the round commits one more than it keeps
+    offered = seq.drafter.propose(min(room, seq.k_control.max_k)) if room > 0 else []
+    k = seq.k_control.next_k(len(offered))
+    return offered[:k]
+
+
+def lane_rows(seq: Sequence, drafts: list[int]) -> list[DecodeLane]:
+    """The rows of ``seq``'s lane: its last token, then each draft, at consecutive positions."""
+    tokens = [seq.last_token_id, *drafts]
+    start = seq.num_tokens - 1
+    table = list(seq.block_table)
+    return [DecodeLane(seq.seq_id, t, start + j, table, seq.sample_request(drafts[:j])) for j, t in enumerate(tokens)]
+
+
+def accepted(seq: Sequence, drafts: list[int], sampled: list[int]) -> list[int]:
+    """The tokens ``seq`` commits from its rows' samples; the k controller and counters learn."""
+    if not drafts:
+        return list(sampled)
+    kept = accept_sampled(drafts, sampled)
+    seq.num_drafted += len(drafts)
+    seq.num_accepted += len(kept) - 1
+    seq.k_control.update(len(drafts), len(kept) - 1)
+    return kept
