@@ -170,6 +170,19 @@ def time_graph(stream, body, reps: int = 30) -> float:
     return b.time_since(a) / reps / 1e3
 
 
+def breakdown(m: Model, rows: int) -> list[tuple[str, float]]:
+    """The MoE part (48 layers, one graph) with its later launches left out: cumulative times."""
+    kern = m.moe.kern
+    saved = kern.gate_up, kern.down
+    out = []
+    for name, skip in (("router + route", ("gate_up", "down")), ("+ gate|up", ("down",)), ("+ down + combine", ())):
+        for n in skip:
+            setattr(kern, n, lambda *a, **kw: None)
+        out.append((name, time_graph(m.s, lambda: m.round(rows, "moe"))))
+        kern.gate_up, kern.down = saved
+    return out
+
+
 def scripted_routing(tokens: int, lanes: int, reuse: float, seed: int = 0) -> np.ndarray:
     """ids [tokens, L, lanes, K]: per layer a Zipf(1) popularity over a random expert order; each token
     keeps each of its lane's previous choices with probability ``reuse``, the rest drawn fresh."""
@@ -273,6 +286,11 @@ def main() -> None:
                 d = m.distinct_experts(rows).mean() if parts != "attn" else 0
                 lines.append(f"| {rows} | {parts} | {t * 1e3:.3f} | {nbytes / 1e9:.2f} | {nbytes / BW * 1e3:.3f} | "
                              f"{t / (nbytes / BW):.2f} | {d:.1f} |")  # fmt: skip
+        lines += ["", "The MoE part by launch (48 layers, one graph; each row adds a launch a layer):", "",
+                  "| width | launches | ms | us / layer |", "|---|---|---|---|"]  # fmt: skip
+        for rows in (1, 8):
+            for name, t in breakdown(m, rows):
+                lines.append(f"| {rows} | {name} | {t * 1e3:.3f} | {t / L * 1e6:.1f} |")
         if not args.no_cache:
             lines += ["", f"Expert cache: {L * E // 2} of {L * E} experts on the card, the rest in pinned host RAM; "
                       f"scripted routing (Zipf over experts, each previous choice kept with p = {args.reuse}), "

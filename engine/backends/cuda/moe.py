@@ -2,9 +2,10 @@
 
 ``DeviceMoE`` owns a model's MoE weights, its kernels (engine/cu/moe.cu, moe_gemm.cu) and their
 workspace, and runs one layer's MLP slot per call: ``decode`` for a decode round of 1..64 rows
-(router GEMV, route + group, grouped gate|up and down GEMVs that stream each chosen expert once,
-combine into the fp32 residual stream with the next RMSNorm's inputs: 5 launches, no host
-decision, so it can be captured in a round's graph) and ``prefill`` for a chunk (the same router
+(3 launches, no host decision, so it can be captured in a round's graph: the router GEMV whose
+last block routes and groups; the grouped gate|up GEMV with the activation epilogue; the
+grouped down GEMV whose last block per column tile adds the k weighted experts into the fp32
+residual stream and writes the next RMSNorm's inputs; each chosen expert streamed once) and ``prefill`` for a chunk (the same router
 and grouping, then grouped tensor-core GEMMs over 128-pair tiles of one expert). Routing and
 grouping never leave the device; with an expert cache (``expert_cache.ExpertCache``) the active
 experts are read back after routing and misses copied in first (one sync a layer), so cached
@@ -25,7 +26,7 @@ MOE_THREADS = 256
 MOE_GEMM_SMEM = 3 * (128 + 128) * 40 * 2  # STAGES * (BM + BN) * LDS * sizeof(bf16)
 MAX_EXPERTS, MAX_TOP_K = 256, 16  # moe.cu's MAX_E, MAX_K
 MAX_DECODE_ROWS = 64  # decode rounds (speculative rounds included) up to this many rows
-COMBINE_COLS = MOE_THREADS  # moe_combine's columns a block: ss partials per row = ceil(H / 256)
+COMBINE_COLS = MOE_THREADS  # moe_combine's (prefill) columns a block
 ACTS = {"silu": 0, "swiglu_oai": 1}
 
 
@@ -57,6 +58,13 @@ class MoEWorkspace:
         self.pairs = self.tiles + 3 * self.tmax * 4
         self.act = mem.alloc(P * inter * 2)  # bf16 [P, I], a row per (row, slot) pair
         self.y = mem.alloc(P * hidden * 4)  # fp32 [P, H]
+        # self-resetting counters (zeroed here): the fused router's blocks, moe_down's column tiles
+        n_done = 1 + -(-hidden // 16)
+        self.done = mem.alloc(n_done * 4)
+        import pycuda.driver as cuda
+
+        cuda.memset_d32(self.done, 0, n_done)
+        self.tile_done = self.done + 4
 
 
 class MoEKernels:
@@ -66,17 +74,17 @@ class MoEKernels:
         import pycuda.driver as cuda
 
         d = (("MOE_THREADS", MOE_THREADS),)
-        m, g = module("moe", d, cache_dir), module("moe_gemm", d, cache_dir)
+        m, v, g = module("moe", d, cache_dir), module("moe_gemv", d, cache_dir), module("moe_gemm", d, cache_dir)
         T = MOE_THREADS
         self.router = Kernel(m, "moe_router", "x:ptr ss_in:ptr ss_nparts:i32 eps:f32 W:ptr bias:ptr bias_ld:i32 logits:ptr "
-                             "M:i32 E:i32 K:i32", T)  # fmt: skip
+                             "M:i32 E:i32 K:i32 done:ptr k:i32 normalize:i32 ids:ptr weights:ptr grp:ptr tmax:i32", T)  # fmt: skip
         self.route = Kernel(m, "moe_route", "logits:ptr M:i32 E:i32 k:i32 normalize:i32 ids:ptr weights:ptr grp:ptr "
                             "tmax:i32", 1024)  # fmt: skip
-        self.gate_up = Kernel(m, "moe_gate_up", "x:ptr ss_in:ptr ss_nparts:i32 eps:f32 pool:ptr stride:i64 "
+        self.gate_up = Kernel(v, "moe_gate_up", "x:ptr ss_in:ptr ss_nparts:i32 eps:f32 pool:ptr stride:i64 "
                               "slot_of:ptr bias:ptr grp:ptr E:i32 tmax:i32 k:i32 N:i32 K:i32 act:ptr oai:i32 "
-                              "limit:f32", T)  # fmt: skip
-        self.down = Kernel(m, "moe_down", "act:ptr pool:ptr stride:i64 slot_of:ptr bias:ptr grp:ptr E:i32 tmax:i32 "
-                           "N:i32 K:i32 y:ptr", T)  # fmt: skip
+                              "limit:f32 down_pool:ptr down_stride:i64", T)  # fmt: skip
+        self.down = Kernel(v, "moe_down", "act:ptr pool:ptr stride:i64 slot_of:ptr bias:ptr grp:ptr E:i32 tmax:i32 "
+                           "N:i32 K:i32 y:ptr done:ptr weights:ptr k:i32 M:i32 x:ptr nw:ptr xw:ptr ss_out:ptr", T)  # fmt: skip
         self.combine = Kernel(m, "moe_combine", "y:ptr weights:ptr k:i32 x:ptr H:i32 nw:ptr xw:ptr ss_out:ptr", T)
         head = "A:ptr a_div:i32 pool:ptr stride:i64 slot_of:ptr bias:ptr grp:ptr tiles:ptr pairs:ptr N:i32 K:i32 "
         self.gemm_gu = Kernel(g, "moe_gemm_gu", head + "act:ptr oai:i32 limit:f32", T, shared=MOE_GEMM_SMEM)
@@ -118,13 +126,19 @@ class DeviceMoE:
         return self.cache is None
 
     def _route(self, s, i: int, x: int, rows: int, ss_in: tuple[int, int], eps: float) -> None:
-        k, ws, L, E = self.kern, self.ws, self.layers[i], self.op.num_experts
+        """Router GEMV, then routing and grouping: in the router's last block for decode rounds (one
+        launch), a 1024-thread moe_route for prefill chunks (rows spread over 32 warps)."""
+        k, ws, L, E, op = self.kern, self.ws, self.layers[i], self.op.num_experts, self.op
         if not 1 <= rows <= ws.max_rows:
             raise ValueError(f"{rows} rows: the MoE workspace holds 1..{ws.max_rows}")
+        fused = rows <= MAX_DECODE_ROWS
+        route = dict(k=op.top_k, normalize=int(op.norm_topk_prob), ids=ws.ids, weights=ws.weights, grp=ws.grp,
+                     tmax=ws.tmax)  # fmt: skip
         k.router(s, (-(-E // 8), -(-rows // 8)), x=x, ss_in=ss_in[0], ss_nparts=ss_in[1], eps=eps, W=L.router,
-                 bias=L.router_bias, bias_ld=L.router_bias_ld, logits=ws.logits, M=rows, E=E, K=self.hidden)  # fmt: skip
-        k.route(s, (1,), logits=ws.logits, M=rows, E=E, k=self.op.top_k, normalize=int(self.op.norm_topk_prob),
-                ids=ws.ids, weights=ws.weights, grp=ws.grp, tmax=ws.tmax)  # fmt: skip
+                 bias=L.router_bias, bias_ld=L.router_bias_ld, logits=ws.logits, M=rows, E=E, K=self.hidden,
+                 done=ws.done if fused else 0, **route)  # fmt: skip
+        if not fused:
+            k.route(s, (1,), logits=ws.logits, M=rows, E=E, **route)
         if self.cache is not None:  # the one sync: which experts this layer's round needs
             import pycuda.driver as cuda
 
@@ -138,7 +152,7 @@ class DeviceMoE:
         """x[rows, H] += MoE(xn) for a decode round (1..64 rows). ``xn`` bf16 [rows, H]; with ``ss_in``
         = (partials, count per row) it holds bf16(h * norm weight) and each row is scaled by its RMSNorm
         (gemv.cu's fused norm). ``norm_out`` = (next norm weight, xw, ss_out): also writes the next
-        RMSNorm's inputs. Returns the ss partials per row written (ceil(H / 256)) or 0."""
+        RMSNorm's inputs. Returns the ss partials per row written (ceil(H / 16), as gemv.cu's) or 0."""
         k, ws, L, op, E, H, inter = self.kern, self.ws, self.layers[i], self.op, self.op.num_experts, self.hidden, self.inter  # fmt: skip
         if rows > MAX_DECODE_ROWS:
             raise ValueError(f"decode rounds of 1..{MAX_DECODE_ROWS} rows, got {rows}")
@@ -146,10 +160,13 @@ class DeviceMoE:
         groups = min(E, rows * op.top_k)
         k.gate_up(s, (2 * inter // 16, groups), x=xn, ss_in=ss_in[0], ss_nparts=ss_in[1], eps=eps, pool=L.gu_pool,
                   stride=2 * inter * H, slot_of=L.slot_of, bias=L.gu_bias, grp=ws.grp, E=E, tmax=ws.tmax,
-                  k=op.top_k, N=2 * inter, K=H, act=ws.act, oai=self.oai, limit=self.limit)  # fmt: skip
+                  k=op.top_k, N=2 * inter, K=H, act=ws.act, oai=self.oai, limit=self.limit, down_pool=L.down_pool,
+                  down_stride=H * inter)  # fmt: skip
+        nw, xw, ss = norm_out
         k.down(s, (-(-H // 16), groups), act=ws.act, pool=L.down_pool, stride=H * inter, slot_of=L.slot_of,
-               bias=L.down_bias, grp=ws.grp, E=E, tmax=ws.tmax, N=H, K=inter, y=ws.y)  # fmt: skip
-        return self._combine(s, x, rows, norm_out)
+               bias=L.down_bias, grp=ws.grp, E=E, tmax=ws.tmax, N=H, K=inter, y=ws.y, done=ws.tile_done,
+               weights=ws.weights, k=op.top_k, M=rows, x=x, nw=nw, xw=xw, ss_out=ss)  # fmt: skip
+        return -(-H // 16) if nw else 0
 
     def prefill(self, s, i: int, xn: int, x: int, rows: int) -> None:
         """x[rows, H] += MoE(xn) for a prefill chunk, ``xn`` bf16 [rows, H] already normalised."""
@@ -162,11 +179,5 @@ class DeviceMoE:
                   bias=L.gu_bias, N=2 * inter, K=H, act=ws.act, oai=self.oai, limit=self.limit, **common)  # fmt: skip
         k.gemm_down(s, (tiles, -(-H // 128)), A=ws.act, a_div=1, pool=L.down_pool, stride=H * inter,
                     bias=L.down_bias, N=H, K=inter, y=ws.y, **common)  # fmt: skip
-        self._combine(s, x, rows, (0, 0, 0))
-
-    def _combine(self, s, x: int, rows: int, norm_out: tuple[int, int, int]) -> int:
-        nw, xw, ss = norm_out
-        blocks = -(-self.hidden // COMBINE_COLS)
-        self.kern.combine(s, (blocks, rows), y=self.ws.y, weights=self.ws.weights, k=self.op.top_k, x=x,
-                          H=self.hidden, nw=nw, xw=xw, ss_out=ss)  # fmt: skip
-        return blocks if nw else 0
+        self.kern.combine(s, (-(-H // COMBINE_COLS), rows), y=ws.y, weights=ws.weights, k=op.top_k, x=x, H=H, nw=0,
+                          xw=0, ss_out=0)  # fmt: skip
