@@ -37,10 +37,12 @@ static_assert(MOE_THREADS == 256, "moe: 8 warps");
 #define ROUTE_THREADS 1024
 #define MAX_E 256
 #define MAX_K 16
+#define ROUTER_CHUNKS 16
 
 // ---- router -----------------------------------------------------------------------------------
-// Grid (ceil(E / 8), ceil(M / 8)); warp w owns expert 8 * blockIdx.x + w and 8 rows. A lane
-// takes 16-byte chunks lane, lane + 32, ... of K; rows are summed by the butterfly (fixed order).
+// Grid (ceil(E / 8), M); warp w owns expert 8 * blockIdx.x + w of row blockIdx.y. A lane takes
+// 16-byte chunks lane, lane + 32, ... of K (K <= 32 * 8 * ROUTER_CHUNKS), all loads in flight at
+// once; the lanes are summed by the butterfly (fixed order).
 // bias_ld: 0 = one bias vector (the model's), E = a bias row per row (tests and benchmarks script
 // the routing with it).
 __device__ __forceinline__ void router_body(const bf16* __restrict__ x, const float* __restrict__ ss_in,
@@ -48,42 +50,38 @@ __device__ __forceinline__ void router_body(const bf16* __restrict__ x, const fl
                                             const float* __restrict__ bias, int bias_ld, float* __restrict__ logits,
                                             int M, int E, int K) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int e = blockIdx.x * 8 + warp, m0 = blockIdx.y * 8;
+    const int e = blockIdx.x * 8 + warp, m = blockIdx.y;
     if (e >= E) return;
-    const int K8 = K >> 3, rows = min(8, M - m0);
+    const int K8 = K >> 3;
     const uint4* w4 = reinterpret_cast<const uint4*>(W) + (size_t)e * K8;
-    float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-    for (int ch = lane; ch < K8; ch += 32) {
-        const uint4 wv = ld_stream(w4 + ch);
+    const uint4* x4 = reinterpret_cast<const uint4*>(x) + (size_t)m * K8;
+    uint4 wv[ROUTER_CHUNKS], xv[ROUTER_CHUNKS];
 #pragma unroll
-        for (int r = 0; r < 8; r++) {
-            if (r < rows) {
-                const uint4 xv = reinterpret_cast<const uint4*>(x)[(size_t)(m0 + r) * K8 + ch];
-                float a = acc[r];
-                a = fmaf(bf_lo(wv.x), bf_lo(xv.x), a); a = fmaf(bf_hi(wv.x), bf_hi(xv.x), a);
-                a = fmaf(bf_lo(wv.y), bf_lo(xv.y), a); a = fmaf(bf_hi(wv.y), bf_hi(xv.y), a);
-                a = fmaf(bf_lo(wv.z), bf_lo(xv.z), a); a = fmaf(bf_hi(wv.z), bf_hi(xv.z), a);
-                a = fmaf(bf_lo(wv.w), bf_lo(xv.w), a); a = fmaf(bf_hi(wv.w), bf_hi(xv.w), a);
-                acc[r] = a;
-            }
-        }
+    for (int c = 0; c < ROUTER_CHUNKS; c++) {  // every load of the warp in flight at once
+        const int ch = lane + 32 * c;
+        wv[c] = ld_stream_if(w4 + ch, ch < K8);
+        xv[c] = ldg_if(x4 + ch, ch < K8);
     }
+    float a = 0.f;
 #pragma unroll
-    for (int r = 0; r < 8; r++) {
-        if (r >= rows) break;
-        float v = warp_sum(acc[r]);
-        if (ss_in != nullptr) {
-            float ss = 0.f;
-            for (int p = lane; p < ss_nparts; p += 32) ss += ss_in[(size_t)(m0 + r) * ss_nparts + p];
-            v *= rsqrtf(warp_sum(ss) / K + eps);
-        }
-        if (lane == 0) logits[(size_t)(m0 + r) * E + e] = v + (bias ? bias[(size_t)(m0 + r) * bias_ld + e] : 0.f);
+    for (int c = 0; c < ROUTER_CHUNKS; c++) {
+        a = fmaf(bf_lo(wv[c].x), bf_lo(xv[c].x), a); a = fmaf(bf_hi(wv[c].x), bf_hi(xv[c].x), a);
+        a = fmaf(bf_lo(wv[c].y), bf_lo(xv[c].y), a); a = fmaf(bf_hi(wv[c].y), bf_hi(xv[c].y), a);
+        a = fmaf(bf_lo(wv[c].z), bf_lo(xv[c].z), a); a = fmaf(bf_hi(wv[c].z), bf_hi(xv[c].z), a);
+        a = fmaf(bf_lo(wv[c].w), bf_lo(xv[c].w), a); a = fmaf(bf_hi(wv[c].w), bf_hi(xv[c].w), a);
     }
+    float v = warp_sum(a);
+    if (ss_in != nullptr) {
+        float ss = 0.f;
+        for (int p = lane; p < ss_nparts; p += 32) ss += ss_in[(size_t)m * ss_nparts + p];
+        v *= rsqrtf(warp_sum(ss) / K + eps);
+    }
+    if (lane == 0) logits[(size_t)m * E + e] = v + (bias ? bias[(size_t)m * bias_ld + e] : 0.f);
 }
 
 // ---- routing and grouping (one block) --------------------------------------------------------
-// Any block size (a multiple of 32): a warp per row for softmax and top-k, then thread 0 lists
-// the active experts and tiles, then every thread places pairs. logits are read through L2 (the
+// Any block size (a multiple of 32): a warp per row for softmax and top-k, then warp 0 lists
+// the active experts and tiles (a warp scan), then every thread places pairs. logits are read through L2 (the
 // fused router's last block reads what other blocks wrote).
 __device__ void route_body(const float* logits, int M, int E, int k, int normalize, int* __restrict__ ids,
                            float* __restrict__ weights, int* __restrict__ grp, int tmax) {
@@ -144,28 +142,45 @@ __device__ void route_body(const float* logits, int M, int E, int k, int normali
         }
     }
     __syncthreads();
-    if (threadIdx.x == 0) {  // active experts in id order, their offsets, prefill tiles
+    if (warp == 0) {  // active experts in id order, their offsets, prefill tiles: lane l scans a run of experts
         int* active = grp + 2;
         int* off = active + E;
         int* tiles = off + E + 1;
-        int na = 0, nt = 0, o = 0;
-        for (int e = 0; e < E; e++) {
-            cursor[e] = o;
-            if (cnt[e] == 0) continue;
-            active[na] = e;
-            off[na] = o;
-            for (int t = 0; t < cnt[e]; t += 128) {
-                tiles[3 * nt] = e;
-                tiles[3 * nt + 1] = o + t;
-                tiles[3 * nt + 2] = min(128, cnt[e] - t);
-                nt++;
-            }
-            o += cnt[e];
-            na++;
+        const int per = (E + 31) / 32, e0 = min(E, lane * per), e1 = min(E, e0 + per);
+        int na = 0, np = 0, nt = 0;
+        for (int e = e0; e < e1; e++) {
+            na += cnt[e] > 0;
+            np += cnt[e];
+            nt += (cnt[e] + 127) / 128;
         }
-        off[na] = o;
-        grp[0] = na;
-        grp[1] = nt;
+        int sa = na, sp = np, st = nt;  // inclusive scans over lanes, then exclusive
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            const int a = __shfl_up_sync(FULL_MASK, sa, o), b = __shfl_up_sync(FULL_MASK, sp, o),
+                      c = __shfl_up_sync(FULL_MASK, st, o);
+            if (lane >= o) { sa += a; sp += b; st += c; }
+        }
+        sa -= na; sp -= np; st -= nt;
+        for (int e = e0; e < e1; e++) {
+            const int c = cnt[e];
+            cursor[e] = sp;
+            if (c == 0) continue;
+            active[sa] = e;
+            off[sa] = sp;
+            for (int t = 0; t < c; t += 128) {
+                tiles[3 * st] = e;
+                tiles[3 * st + 1] = sp + t;
+                tiles[3 * st + 2] = min(128, c - t);
+                st++;
+            }
+            sp += c;
+            sa++;
+        }
+        if (lane == 31) {
+            off[sa] = sp;
+            grp[0] = sa;
+            grp[1] = st;
+        }
     }
     __syncthreads();
     int* pairs = grp + 3 + 2 * E + 3 * tmax;
@@ -174,7 +189,7 @@ __device__ void route_body(const float* logits, int M, int E, int k, int normali
 
 // done != null (decode rounds): the last block to finish also routes and groups (route_body), so
 // routing costs no launch of its own; done is a zeroed counter it resets.
-extern "C" __global__ void __launch_bounds__(MOE_THREADS)
+extern "C" __global__ void __launch_bounds__(MOE_THREADS, 2)
     moe_router(const bf16* __restrict__ x, const float* __restrict__ ss_in, int ss_nparts, float eps,
                const bf16* __restrict__ W, const float* __restrict__ bias, int bias_ld, float* __restrict__ logits,
                int M, int E, int K, int* __restrict__ done, int k, int normalize, int* __restrict__ ids,

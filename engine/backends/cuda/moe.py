@@ -25,6 +25,7 @@ from engine.models.ops import MoE
 MOE_THREADS = 256
 MOE_GEMM_SMEM = 3 * (128 + 128) * 40 * 2  # STAGES * (BM + BN) * LDS * sizeof(bf16)
 MAX_EXPERTS, MAX_TOP_K = 256, 16  # moe.cu's MAX_E, MAX_K
+DOWN_ROWS = 128  # moe_gemv.cu's output columns a moe_down block (and a combine tile)
 MAX_DECODE_ROWS = 64  # decode rounds (speculative rounds included) up to this many rows
 COMBINE_COLS = MOE_THREADS  # moe_combine's (prefill) columns a block
 ACTS = {"silu": 0, "swiglu_oai": 1}
@@ -82,7 +83,7 @@ class MoEKernels:
                             "tmax:i32", 1024)  # fmt: skip
         self.gate_up = Kernel(v, "moe_gate_up", "x:ptr ss_in:ptr ss_nparts:i32 eps:f32 pool:ptr stride:i64 "
                               "slot_of:ptr bias:ptr grp:ptr E:i32 tmax:i32 k:i32 N:i32 K:i32 act:ptr oai:i32 "
-                              "limit:f32 down_pool:ptr down_stride:i64", T)  # fmt: skip
+                              "limit:f32", T)  # fmt: skip
         self.down = Kernel(v, "moe_down", "act:ptr pool:ptr stride:i64 slot_of:ptr bias:ptr grp:ptr E:i32 tmax:i32 "
                            "N:i32 K:i32 y:ptr done:ptr weights:ptr k:i32 M:i32 x:ptr nw:ptr xw:ptr ss_out:ptr", T)  # fmt: skip
         self.combine = Kernel(m, "moe_combine", "y:ptr weights:ptr k:i32 x:ptr H:i32 nw:ptr xw:ptr ss_out:ptr", T)
@@ -152,7 +153,7 @@ class DeviceMoE:
         """x[rows, H] += MoE(xn) for a decode round (1..64 rows). ``xn`` bf16 [rows, H]; with ``ss_in``
         = (partials, count per row) it holds bf16(h * norm weight) and each row is scaled by its RMSNorm
         (gemv.cu's fused norm). ``norm_out`` = (next norm weight, xw, ss_out): also writes the next
-        RMSNorm's inputs. Returns the ss partials per row written (ceil(H / 16), as gemv.cu's) or 0."""
+        RMSNorm's inputs. Returns the ss partials per row written (ceil(H / 128)) or 0."""
         k, ws, L, op, E, H, inter = self.kern, self.ws, self.layers[i], self.op, self.op.num_experts, self.hidden, self.inter  # fmt: skip
         if rows > MAX_DECODE_ROWS:
             raise ValueError(f"decode rounds of 1..{MAX_DECODE_ROWS} rows, got {rows}")
@@ -160,13 +161,12 @@ class DeviceMoE:
         groups = min(E, rows * op.top_k)
         k.gate_up(s, (2 * inter // 16, groups), x=xn, ss_in=ss_in[0], ss_nparts=ss_in[1], eps=eps, pool=L.gu_pool,
                   stride=2 * inter * H, slot_of=L.slot_of, bias=L.gu_bias, grp=ws.grp, E=E, tmax=ws.tmax,
-                  k=op.top_k, N=2 * inter, K=H, act=ws.act, oai=self.oai, limit=self.limit, down_pool=L.down_pool,
-                  down_stride=H * inter)  # fmt: skip
+                  k=op.top_k, N=2 * inter, K=H, act=ws.act, oai=self.oai, limit=self.limit)  # fmt: skip
         nw, xw, ss = norm_out
-        k.down(s, (-(-H // 16), groups), act=ws.act, pool=L.down_pool, stride=H * inter, slot_of=L.slot_of,
+        k.down(s, (-(-H // DOWN_ROWS), groups), act=ws.act, pool=L.down_pool, stride=H * inter, slot_of=L.slot_of,
                bias=L.down_bias, grp=ws.grp, E=E, tmax=ws.tmax, N=H, K=inter, y=ws.y, done=ws.tile_done,
                weights=ws.weights, k=op.top_k, M=rows, x=x, nw=nw, xw=xw, ss_out=ss)  # fmt: skip
-        return -(-H // 16) if nw else 0
+        return -(-H // DOWN_ROWS) if nw else 0
 
     def prefill(self, s, i: int, xn: int, x: int, rows: int) -> None:
         """x[rows, H] += MoE(xn) for a prefill chunk, ``xn`` bf16 [rows, H] already normalised."""
