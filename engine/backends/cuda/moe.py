@@ -26,6 +26,7 @@ MOE_THREADS = 256
 MOE_GEMM_SMEM = 3 * (128 + 128) * 40 * 2  # STAGES * (BM + BN) * LDS * sizeof(bf16)
 MAX_EXPERTS, MAX_TOP_K = 256, 16  # moe.cu's MAX_E, MAX_K
 DOWN_ROWS = 128  # moe_gemv.cu's output columns a moe_down block (and a combine tile)
+MAX_ROUTER_K = 32 * 16 * 8  # moe.cu's router: 32 lanes x ROUTER_CHUNKS 16-byte chunks
 MAX_DECODE_ROWS = 64  # decode rounds (speculative rounds included) up to this many rows
 COMBINE_COLS = MOE_THREADS  # moe_combine's (prefill) columns a block
 ACTS = {"silu": 0, "swiglu_oai": 1}
@@ -104,6 +105,8 @@ def check_moe(op: MoE, cfg: ModelConfig) -> None:
         raise ValueError(f"MoE act {op.act!r} not supported ({', '.join(ACTS)})")
     if cfg.hidden_size % 8 or cfg.moe_intermediate_size % 8:
         raise ValueError("hidden_size and moe_intermediate_size must be multiples of 8")
+    if cfg.hidden_size > MAX_ROUTER_K:
+        raise ValueError(f"hidden_size {cfg.hidden_size} not supported by the router GEMV (<= {MAX_ROUTER_K})")
 
 
 class DeviceMoE:
@@ -135,7 +138,7 @@ class DeviceMoE:
         fused = rows <= MAX_DECODE_ROWS
         route = dict(k=op.top_k, normalize=int(op.norm_topk_prob), ids=ws.ids, weights=ws.weights, grp=ws.grp,
                      tmax=ws.tmax)  # fmt: skip
-        k.router(s, (-(-E // 8), -(-rows // 8)), x=x, ss_in=ss_in[0], ss_nparts=ss_in[1], eps=eps, W=L.router,
+        k.router(s, (-(-E // 8), rows), x=x, ss_in=ss_in[0], ss_nparts=ss_in[1], eps=eps, W=L.router,
                  bias=L.router_bias, bias_ld=L.router_bias_ld, logits=ws.logits, M=rows, E=E, K=self.hidden,
                  done=ws.done if fused else 0, **route)  # fmt: skip
         if not fused:
