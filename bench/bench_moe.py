@@ -175,7 +175,7 @@ def breakdown(m: Model, rows: int) -> list[tuple[str, float]]:
     kern = m.moe.kern
     saved = kern.gate_up, kern.down
     out = []
-    for name, skip in (("router + route", ("gate_up", "down")), ("+ gate|up", ("down",)), ("+ down + combine", ())):
+    for name, skip in (("router + route", ("gate_up", "down")), ("+ gate,up", ("down",)), ("+ down + combine", ())):
         for n in skip:
             setattr(kern, n, lambda *a, **kw: None)
         out.append((name, time_graph(m.s, lambda: m.round(rows, "moe"))))
@@ -294,8 +294,8 @@ def main() -> None:
         if not args.no_cache:
             lines += ["", f"Expert cache: {L * E // 2} of {L * E} experts on the card, the rest in pinned host RAM; "
                       f"scripted routing (Zipf over experts, each previous choice kept with p = {args.reuse}), "
-                      f"{args.tokens} tokens after 8 warm-up, rounds uncaptured (one routing readback a layer):", "",
-                      "| lanes | resident tok/s | cached tok/s | hit rate | misses / token | MB moved / token |",
+                      f"{args.tokens} rounds after 8 warm-up, uncaptured (one routing readback a layer):", "",
+                      "| lanes | resident tok/s (uncaptured) | cached tok/s | hit rate | misses / round | MB moved / round |",
                       "|---|---|---|---|---|---|"]  # fmt: skip
             bench_cache(m, args, lines)
         name = cuda.Device(0).name()

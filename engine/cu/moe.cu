@@ -1,18 +1,16 @@
-// moe.cu: sparse mixture-of-experts layer (engine.models.ops.MoE) on the device.
+// moe.cu: sparse mixture-of-experts layer (engine.models.ops.MoE): routing, grouping, combine.
 //
-// A MoE layer is 5 launches, the same in a decode round (graph-captured: nothing here reads
-// a host decision) and in a prefill chunk, except for the expert products:
+// A layer's MoE, decode round (3 launches, graph-captured: nothing reads a host decision):
 //   moe_router   logits fp32 [M, E] = x @ Wr^T (+ br), Wr bf16 [E, K]; decode rounds pass the
-//                fused-RMSNorm partials (ss_in) as gemv.cu does.
-//   moe_route    softmax fp32 over E, top-k (ties: lower id), optional renormalisation, into
-//                ids int [M, k] / weights fp32 [M, k]; then groups the M*k (row, slot) "pairs"
-//                by expert id: the groups table below. One block, so it runs entirely on the
-//                device and the next kernels read the grouping from memory.
-//   experts      decode: moe_gate_up + moe_down, grouped GEMVs that stream each expert chosen
-//                by any row of the round once. Prefill: moe_gemm_gu + moe_gemm_down, tensor-core
-//                GEMMs over 128-pair tiles of one expert each (rows gathered through the group).
-//   moe_combine  x[m] += sum over slots s in order 0..k-1 of weights[m, s] * y[m*k + s]; in a
-//                decode round also the next RMSNorm's inputs (xn, ss partials), as gemv.cu's acc.
+//                fused-RMSNorm partials (ss_in) as gemv.cu does. With `done`, its last block also
+//                routes (route_body): softmax fp32 over E, top-k (ties: lower id), optional
+//                renormalisation into ids int [M, k] / weights fp32 [M, k], then groups the M*k
+//                (row, slot) "pairs" by expert id into the groups table below.
+//   moe_gate_up, moe_down   moe_gemv.cu: grouped GEMVs streaming each chosen expert once; the
+//                down kernel's last block per column tile does the combine.
+// Prefill chunk: moe_router (no `done`), moe_route (route_body in one 1024-thread block), the
+// grouped GEMMs of moe_gemm.cu, then moe_combine: x[m] += sum over slots s in order 0..k-1 of
+// weights[m, s] * y[m*k + s].
 //
 // Groups (int32, written by moe_route): [0] n_active, [1] n_tiles, active[E] (the experts chosen
 // by some row, ascending id), off[E + 1] (their first pair in `pairs`), tiles[3 * tmax] (prefill:
