@@ -1,0 +1,237 @@
+// moe_gemv.cu: a decode round's expert products (1..64 rows), grouped by expert (moe.cu routes
+// and groups; its header describes the groups table, the slot table and the weight layouts).
+//
+// Grid (ceil(N / 16) for gate|up, max active experts = min(E, M * k)); block (bx, j) owns 16 weight rows of
+// active expert j and every pair of its group, 8 at a time as the mma's 8 columns; blocks past
+// n_active return. The load pattern and k order are gemv.cu's (gemv_tc), so each chosen expert is
+// streamed from HBM once per round (a group of more than 8 pairs reads it again, from L2) and a
+// pair's result does not depend on the other rows of the round.
+//   moe_gate_up: act bf16 [M*k, N/2] per pair = act(gate, up) of x[m] @ Wgu^T (+ bias); ss_in: the
+//                fused RMSNorm (gemv.cu).
+//   moe_down:    grid (ceil(N / 128), ...): y fp32 [M*k, N] per pair = act[pair] @ Wd^T (+ bias); then
+//                the last block of each 128-column tile to finish (a per-tile counter it resets)
+//                combines those columns: x[m] += sum over slots s = 0..k-1 of weights[m, s] *
+//                y[m*k + s] (fixed order), and with nw the next norm's xw = bf16(h * nw) and
+//                ss_out[m, bx] = sum of h^2 over the tile (ss_nparts = ceil(N / 128)).
+// Preconditions (wrapper): N % 8 == 0 (float4 / 4-column combine), M <= 64.
+// Compile-time: MOE_THREADS (256).
+
+#ifndef MOE_THREADS
+#error "MOE_THREADS is defined by engine/backends/cuda/moe.py"
+#endif
+static_assert(MOE_THREADS == 256, "moe_gemv: 8 warps");
+#define EX_ROWS 16
+#define EX_U 4
+#define DOWN_ROWS 128
+#define DOWN_MAX_K 16
+
+struct Groups {
+    int n_active, n_tiles;
+    const int *active, *off, *tiles, *pairs;
+};
+
+__device__ __forceinline__ Groups groups(const int* g, int E, int tmax) {
+    return Groups{g[0], g[1], g + 2, g + 2 + E, g + 3 + 2 * E, g + 3 + 2 * E + 3 * tmax};
+}
+
+__device__ __forceinline__ float act_fn(float g, float u, int oai, float limit) {
+    if (oai) {
+        g = fminf(g, limit);
+        u = fminf(fmaxf(u, -limit), limit);
+        return (u + 1.f) * (g / (1.f + expf(-1.702f * g)));
+    }
+    return g / (1.f + expf(-g)) * u;
+}
+
+__device__ __forceinline__ void ex_step(float* c, const uint4& wa, const uint4& wb, const uint4& xv) {
+    const uint32_t a0[4] = {wa.x, wb.x, wa.y, wb.y};
+    const uint32_t a1[4] = {wa.z, wb.z, wa.w, wb.w};
+    mma_bf16(c, a0, xv.x, xv.y);
+    mma_bf16(c, a1, xv.z, xv.w);
+}
+
+// This warp's partial of W rows n0 + g, n0 + g + 8 times column g's activation row, into red.
+__device__ __forceinline__ void ex_accumulate(const bf16* W, const bf16* xrow, bool rx, int n0, int N, int K,
+                                              float (*red)[EX_ROWS][8]) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int K8 = K >> 3;
+    const bool ra = n0 + g < N, rb = n0 + g + 8 < N;
+    const uint4* wa_p = reinterpret_cast<const uint4*>(W) + (size_t)(ra ? n0 + g : 0) * K8;
+    const uint4* wb_p = reinterpret_cast<const uint4*>(W) + (size_t)(rb ? n0 + g + 8 : 0) * K8;
+    const uint4* x_p = reinterpret_cast<const uint4*>(xrow);
+    float c[4] = {0.f, 0.f, 0.f, 0.f};
+    const int steps = (K8 + 7) / 8;
+    for (int s0 = warp; s0 < steps; s0 += 8 * EX_U) {
+        uint4 wa[EX_U][2], wb[EX_U][2], xv[EX_U][2];
+#pragma unroll
+        for (int u = 0; u < EX_U; u++) {
+            const int s = s0 + u * 8;
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                const int ch = s * 8 + t + 4 * h;
+                const bool ok = s < steps && ch < K8;
+                wa[u][h] = ld_stream_if(wa_p + ch, ok && ra);
+                wb[u][h] = ld_stream_if(wb_p + ch, ok && rb);
+                xv[u][h] = ldg_if(x_p + ch, ok && rx);
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < EX_U; u++)
+#pragma unroll
+            for (int h = 0; h < 2; h++) ex_step(c, wa[u][h], wb[u][h], xv[u][h]);
+    }
+    red[warp][g][2 * t] = c[0];
+    red[warp][g][2 * t + 1] = c[1];
+    red[warp][g + 8][2 * t] = c[2];
+    red[warp][g + 8][2 * t + 1] = c[3];
+}
+
+// act bf16 [M*k, N/2] per pair = act(gate, up) of x[m] @ Wgu^T (+ bias); ss_in: fused RMSNorm.
+extern "C" __global__ void __launch_bounds__(MOE_THREADS, 2)
+    moe_gate_up(const bf16* __restrict__ x, const float* __restrict__ ss_in, int ss_nparts, float eps,
+                const bf16* __restrict__ pool, long long stride, const int* __restrict__ slot_of,
+                const float* __restrict__ bias, const int* __restrict__ grp, int E, int tmax, int k, int N,
+                int K, bf16* __restrict__ act, int oai, float limit) {
+    const Groups G = groups(grp, E, tmax);
+    const int j = blockIdx.y;
+    if (j >= G.n_active) return;
+    const int e = G.active[j], p0 = G.off[j], cnt = G.off[j + 1] - p0;
+    const bf16* W = pool + (size_t)slot_of[e] * stride;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, n0 = blockIdx.x * EX_ROWS;
+    __shared__ float red[8][EX_ROWS][8];
+    __shared__ float rs[8];
+    for (int c0 = 0; c0 < cnt; c0 += 8) {
+        const bool rx = c0 + g < cnt;
+        const int m = rx ? G.pairs[p0 + c0 + g] / k : 0;
+        __syncthreads();  // the previous column group's epilogue is done with red / rs
+        ex_accumulate(W, x + (size_t)m * K, rx, n0, N, K, red);
+        if (ss_in != nullptr && c0 + warp < cnt) {  // warp w: column w's row scale
+            const int mw = G.pairs[p0 + c0 + warp] / k;
+            float ss = 0.f;
+            for (int q = lane; q < ss_nparts; q += 32) ss += ss_in[(size_t)mw * ss_nparts + q];
+            ss = warp_sum(ss);
+            if (lane == 0) rs[warp] = rsqrtf(ss / K + eps);
+        }
+        __syncthreads();
+        if (threadIdx.x < 64) {
+            const int r = threadIdx.x >> 3, cc = threadIdx.x & 7;
+            if (c0 + cc < cnt && n0 + r + 8 < N) {
+                float gt = 0.f, up = 0.f;
+#pragma unroll
+                for (int w = 0; w < 8; w++) gt += red[w][r][cc];
+#pragma unroll
+                for (int w = 0; w < 8; w++) up += red[w][r + 8][cc];
+                if (ss_in != nullptr) {
+                    gt *= rs[cc];
+                    up *= rs[cc];
+                }
+                if (bias != nullptr) {
+                    gt += bias[(size_t)e * N + n0 + r];
+                    up += bias[(size_t)e * N + n0 + r + 8];
+                }
+                const int p = G.pairs[p0 + c0 + cc];
+                act[(size_t)p * (N >> 1) + (n0 >> 1) + r] = __float2bfloat16(act_fn(gt, up, oai, limit));
+            }
+        }
+    }
+}
+
+// moe_down: a warp owns 16 weight rows over all of K (K is short: I), so a block covers DOWN_ROWS
+// = 128 output columns and needs no cross-warp reduction; the pair's result goes straight to y.
+extern "C" __global__ void __launch_bounds__(MOE_THREADS, 2)
+    moe_down(const bf16* __restrict__ act, const bf16* __restrict__ pool, long long stride,
+             const int* __restrict__ slot_of, const float* __restrict__ bias, const int* __restrict__ grp, int E,
+             int tmax, int N, int K, float* __restrict__ y, int* __restrict__ done, const float* __restrict__ weights,
+             int k, int M, float* __restrict__ x, const bf16* __restrict__ nw, bf16* __restrict__ xw,
+             float* __restrict__ ss_out) {
+    const Groups G = groups(grp, E, tmax);
+    const int j = blockIdx.y;
+    if (j >= G.n_active) return;
+    const int e = G.active[j], p0 = G.off[j], cnt = G.off[j + 1] - p0;
+    const bf16* W = pool + (size_t)slot_of[e] * stride;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int n0 = blockIdx.x * DOWN_ROWS, nb = n0 + warp * 16, K8 = K >> 3, steps = (K8 + 7) / 8;
+    const bool ra = nb + g < N, rb = nb + g + 8 < N;
+    const uint4* wa_p = reinterpret_cast<const uint4*>(W) + (size_t)(ra ? nb + g : 0) * K8;
+    const uint4* wb_p = reinterpret_cast<const uint4*>(W) + (size_t)(rb ? nb + g + 8 : 0) * K8;
+    for (int c0 = 0; c0 < cnt; c0 += 8) {
+        const bool rx = c0 + g < cnt;
+        const uint4* x_p = reinterpret_cast<const uint4*>(act + (size_t)(rx ? G.pairs[p0 + c0 + g] : 0) * K);
+        float c[4] = {0.f, 0.f, 0.f, 0.f};
+        for (int s0 = 0; s0 < steps; s0 += EX_U) {
+            uint4 wa[EX_U][2], wb[EX_U][2], xv[EX_U][2];
+#pragma unroll
+            for (int u = 0; u < EX_U; u++) {
+                const int s = s0 + u;
+#pragma unroll
+                for (int h = 0; h < 2; h++) {
+                    const int ch = s * 8 + t + 4 * h;
+                    const bool ok = s < steps && ch < K8;
+                    wa[u][h] = ld_stream_if(wa_p + ch, ok && ra);
+                    wb[u][h] = ld_stream_if(wb_p + ch, ok && rb);
+                    xv[u][h] = ldg_if(x_p + ch, ok && rx);
+                }
+            }
+#pragma unroll
+            for (int u = 0; u < EX_U; u++)
+#pragma unroll
+                for (int h = 0; h < 2; h++) ex_step(c, wa[u][h], wb[u][h], xv[u][h]);
+        }
+#pragma unroll
+        for (int h = 0; h < 2; h++) {  // c[h]: row nb + g, column 2t + h; c[2 + h]: row nb + g + 8
+            const int col = c0 + 2 * t + h;
+            if (col >= cnt) continue;
+            float* yp = y + (size_t)G.pairs[p0 + col] * N;
+            if (ra) yp[nb + g] = c[h] + (bias ? bias[(size_t)e * N + nb + g] : 0.f);
+            if (rb) yp[nb + g + 8] = c[2 + h] + (bias ? bias[(size_t)e * N + nb + g + 8] : 0.f);
+        }
+    }
+    // The last expert block of this column tile combines it: warp per row, 4 columns a lane.
+    __shared__ bool last;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        last = atomicAdd(done + blockIdx.x, 1) == G.n_active - 1;
+        if (last) done[blockIdx.x] = 0;
+    }
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    const int n = n0 + lane * 4;
+    for (int m = warp; m < M; m += 8) {
+        float q = 0.f;
+        if (n < N) {
+            float4 yv[DOWN_MAX_K];
+            float wv[DOWN_MAX_K];
+#pragma unroll
+            for (int s = 0; s < DOWN_MAX_K; s++) {  // every slot's load in flight, then a fixed-order sum
+                if (s < k) {
+                    yv[s] = __ldcg(reinterpret_cast<const float4*>(y + ((size_t)m * k + s) * N + n));
+                    wv[s] = __ldcg(weights + (size_t)m * k + s);
+                }
+            }
+            float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+            for (int s = 0; s < DOWN_MAX_K; s++) {
+                if (s < k) {
+                    acc.x += wv[s] * yv[s].x;
+                    acc.y += wv[s] * yv[s].y;
+                    acc.z += wv[s] * yv[s].z;
+                    acc.w += wv[s] * yv[s].w;
+                }
+            }
+            float4* xp = reinterpret_cast<float4*>(x + (size_t)m * N + n);
+            float4 h = *xp;
+            h.x += acc.x; h.y += acc.y; h.z += acc.z; h.w += acc.w;
+            *xp = h;
+            if (nw != nullptr) {
+                const uint2 wn = *reinterpret_cast<const uint2*>(nw + n);
+                *reinterpret_cast<uint2*>(xw + (size_t)m * N + n) =
+                    make_uint2(pack_bf162(h.x * bf_lo(wn.x), h.y * bf_hi(wn.x)), pack_bf162(h.z * bf_lo(wn.y), h.w * bf_hi(wn.y)));
+                q = h.x * h.x + h.y * h.y + h.z * h.z + h.w * h.w;
+            }
+        }
+        q = warp_sum(q);
+        if (nw != nullptr && lane == 0) ss_out[(size_t)m * gridDim.x + blockIdx.x] = q;
+    }
+}
