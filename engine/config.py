@@ -17,6 +17,7 @@ class CudaTuning:
 
     gemv_u2_below: int = 40 << 20  # cuda.gemv_u2_below: matrices under this many weights use gemv_tc's 2-step variant
     kernel_cache_dir: str = ""  # compiled kernels (PyCUDA's cache); "" = <models dir>/.cache/pycuda
+    expert_budget: int = 0  # cuda.expert_budget: device bytes for MoE experts (0 = all resident); beyond: cache
 
 
 @dataclass

@@ -191,6 +191,14 @@ FIELDS: dict[str, Field] = {
             1 << 62,
         ),
         Field("cuda.kernel_cache_dir", str, "", "CUDA backend: compiled kernels (default: <models dir>/.cache/pycuda)"),
+        Field(
+            "cuda.expert_budget",
+            int,
+            0,
+            "CUDA backend: device bytes for MoE experts (0 = all resident); fewer: the rest in pinned host RAM",
+            0,
+            1 << 44,
+        ),
     ]
 }
 
@@ -333,4 +341,5 @@ def cuda_tuning_dict(values: dict[str, Any]) -> dict[str, Any]:
     return {
         "gemv_u2_below": values["cuda.gemv_u2_below"],
         "kernel_cache_dir": values["cuda.kernel_cache_dir"] or os.path.join(models, ".cache", "pycuda"),
+        "expert_budget": values["cuda.expert_budget"],
     }

@@ -28,7 +28,7 @@ pytestmark = [*requires_cuda, pytest.mark.slow]
 from engine.model_config import ModelConfig  # noqa: E402
 from engine.models import DEFINITIONS  # noqa: E402
 from engine.models.llama import Llama  # noqa: E402
-from engine.models.ops import Attention, Block, Embedding, GatedMLP, Head, QKNorm, RMSNorm, Rope  # noqa: E402
+from engine.models.ops import Attention, Block, Embedding, GatedMLP, Head, MoE, QKNorm, RMSNorm, Rope  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -63,6 +63,20 @@ class Synthetic(Llama):
                 out[p + "self_attn.o_proj.bias"] = (h,)
             if b.attention.sinks:
                 out[p + "self_attn.sinks"] = (cfg.num_heads,)
+            if isinstance(b.mlp, MoE):
+                for n in ("gate_proj", "up_proj", "down_proj"):
+                    del out[p + f"mlp.{n}.weight"]
+                i_moe, op = cfg.moe_intermediate_size, b.mlp
+                out[p + "mlp.gate.weight"] = (op.num_experts, h)
+                if op.router_bias:
+                    out[p + "mlp.gate.bias"] = (op.num_experts,)
+                for e in range(op.num_experts):
+                    x = p + f"mlp.experts.{e}."
+                    out[x + "gate_proj.weight"] = out[x + "up_proj.weight"] = (i_moe, h)
+                    out[x + "down_proj.weight"] = (h, i_moe)
+                    if op.expert_bias:
+                        out[x + "gate_proj.bias"] = out[x + "up_proj.bias"] = (i_moe,)
+                        out[x + "down_proj.bias"] = (h,)
         return out
 
 
@@ -108,6 +122,20 @@ def phi_block(cfg, i):
                  GatedMLP())  # fmt: skip
 
 
+def qwen3_moe_block(cfg, i):
+    return Block(RMSNorm("input_layernorm"), Attention(Rope(theta=1e6), qk_norm=QKNorm()),
+                 RMSNorm("post_attention_layernorm"), MoE(num_experts=8, top_k=2, norm_topk_prob=True))  # fmt: skip
+
+
+def gptoss_moe_block(cfg, i):
+    attn = Attention(qkv_bias=True, o_bias=True, sinks=True, sliding_window=16 if i % 2 == 0 else None)
+    moe = MoE(num_experts=8, top_k=4, router_bias=True, expert_bias=True, act="swiglu_oai", swiglu_limit=7.0)
+    return Block(RMSNorm("input_layernorm"), attn, RMSNorm("post_attention_layernorm"), moe)
+
+
+MOE_CFG = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=128)
+
+
 def sliding_block(cfg, i):
     return Block(RMSNorm("input_layernorm"), Attention(sliding_window=40), RMSNorm("post_attention_layernorm"),
                  GatedMLP())  # fmt: skip
@@ -122,7 +150,12 @@ MODELS = {
     "gpt_oss": (gptoss_block, {}, dict(attention_bias=True, num_heads=8, head_dim=64, tie_word_embeddings=False)),
     "phi": (phi_block, {}, dict(head_dim=128, num_heads=2, num_kv_heads=1)),
     "sliding": (sliding_block, {}, {}),
+    "qwen3_moe": (qwen3_moe_block, {}, MOE_CFG),
+    "gpt_oss_moe": (gptoss_moe_block, {}, dict(MOE_CFG, num_experts_per_tok=4, attention_bias=True)),
+    # The same model with room on the card for 10 of its 32 experts: the rest come from pinned host RAM.
+    "moe_cached": (gptoss_moe_block, {}, dict(MOE_CFG, num_experts_per_tok=4, attention_bias=True)),
 }  # fmt: skip
+EXPERT_BYTES = 3 * 128 * 256 * 2  # one expert's bf16 gate, up and down at MOE_CFG's shape
 
 
 def bf(a):
@@ -185,9 +218,19 @@ def model(request):
     weights = random_weights(d, cfg)
     ref = create_backend("numpy")
     ref.load(cfg, weights, block_size=16, kv_budget_bytes=64 << 20, host_kv_budget_bytes=0, max_context=1024)
-    be = create_backend("cuda")
+    if kind == "moe_cached":
+        from engine.backends.cuda import CudaBackend
+        from engine.config import CudaTuning
+
+        be = CudaBackend(CudaTuning(expert_budget=10 * EXPERT_BYTES))
+    else:
+        be = create_backend("cuda")
     be.load(cfg, weights, block_size=16, kv_budget_bytes=256 << 20, host_kv_budget_bytes=0, max_context=1024)
+    if kind == "moe_cached":
+        assert be.moe.cache is not None and not be.moe.graph_safe
     yield kind, cfg, ref, be
+    if kind == "moe_cached":
+        assert be.moe.cache.misses > 0 and be.moe.cache.hits > 0  # the cache was exercised both ways
     be.unload()
     ref.unload()
     mp.undo()

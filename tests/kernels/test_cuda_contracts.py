@@ -125,7 +125,7 @@ def test_the_new_operations_are_supported(change):
         (lambda b, h: (replace(b, attention=replace(b.attention, rope=Rope(rotary_dim=24))), h), "rotary_dim"),
         (lambda b, h: (replace(b, attention=replace(b.attention, sliding_window=0)), h), "sliding_window"),
         (lambda b, h: (replace(b, mlp=GatedMLP("gelu")), h), "block.mlp"),
-        (lambda b, h: (replace(b, mlp=MoE(num_experts=4, top_k=2)), h), "MoE"),
+        (lambda b, h: (replace(b, mlp=MoE(num_experts=4, top_k=2, act="gelu")), h), "MoE act"),
         (lambda b, h: (replace(b, residual="sandwich"), h), "residual"),
     ],
 )
@@ -161,3 +161,14 @@ def test_attention_scales():
     assert attention_scales(64, None, None) == (np.float32(0.125 * np.log2(np.e)), 0.0)
     s, c = attention_scales(128, 0.1, 50.0)
     assert np.isclose(s, 0.1 / 50.0) and np.isclose(c, 50.0 * np.log2(np.e))
+
+
+def test_a_model_mixing_dense_and_sparse_layers_is_refused_by_name():
+    from engine.backends.cuda.forward import check_model
+
+    d = definition("llama")
+    dense = d.block(_cfg(), 0)
+    sparse = replace(dense, mlp=MoE(num_experts=4, top_k=2))
+    check_model([sparse, sparse], d.head(_cfg()), Embedding())
+    with pytest.raises(ValueError, match="every layer is sparse"):
+        check_model([sparse, dense], d.head(_cfg()), Embedding())

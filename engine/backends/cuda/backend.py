@@ -11,6 +11,7 @@ may call from its step thread. Nothing here imports PyCUDA at module import time
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
 import numpy as np
@@ -69,6 +70,7 @@ class CudaBackend(Backend):
         self.kern = self._kernels()  # compiles everything now
         self.stream = cuda.Stream()
         self.weights = upload(cfg, blocks, head, weights, self.mem, embed_scale=embedding.scale)
+        self.moe, moe_bytes = self._upload_moe(cfg, blocks, weights)
         post_norms = any(b.attn_post_norm is not None or b.mlp_post_norm is not None for b in blocks)
         self.ws = Workspace.allocate(cfg, self.mem, post_norms=post_norms)
         self.logits_host = cuda.pagelocked_empty((MAX_LANES, cfg.vocab_size), np.float32)
@@ -82,16 +84,18 @@ class CudaBackend(Backend):
             "pen_tokens": (np.int32, pen), "pen_counts": (np.int32, pen),
         })  # fmt: skip
         self.kv = KVPool(cfg, block_size, self.mem, kv_budget_bytes, host_kv_budget_bytes)
-        self.forward = Forward(cfg, self.kern, self.stream, self.weights, self.ws, self.kv.layout)
-        self.graphs = GraphRunner(self.stream, self.dstage, self._decode_body, MAX_LANES)
+        self.forward = Forward(cfg, self.kern, self.stream, self.weights, self.ws, self.kv.layout, moe=self.moe)
+        eager = self.moe is not None and not self.moe.graph_safe  # the expert cache reads routing back
+        self.graphs = GraphRunner(self.stream, self.dstage, self._decode_body, MAX_LANES, eager=eager)
         self.graphs.capture()
         # The workspace figure is engine.memory's formula (the same one the switch precheck uses):
         # activations of PREFILL_CHUNK rows plus MAX_LANES rows of logits.
         work = workspace_bytes(cfg, rows=PREFILL_CHUNK, logit_rows=MAX_LANES)
         kv_bytes = self.kv.num_blocks * self.kv.block_bytes
+        weight_bytes = self.weights.nbytes + moe_bytes
         self.plan = MemoryPlan(
-            budget_bytes=self.weights.nbytes + work + kv_bytes,
-            weights_bytes=self.weights.nbytes,
+            budget_bytes=weight_bytes + work + kv_bytes,
+            weights_bytes=weight_bytes,
             workspace_bytes=work,
             kv_bytes=kv_bytes,
             block_size=block_size,
@@ -100,6 +104,29 @@ class CudaBackend(Backend):
             num_host_blocks=self.kv.num_host_blocks,
         )
         return self.plan
+
+    def _upload_moe(self, cfg, blocks, weights):
+        """A sparse model's experts (every layer's, engine/backends/cuda/moe.py): resident, or behind
+        the expert cache when ``cuda.expert_budget`` is smaller than all of them. Returns the
+        ``DeviceMoE`` (None for a dense model) and the device bytes its experts and routers take."""
+        from engine.models.ops import MoE
+
+        if not blocks or not isinstance(blocks[0].mlp, MoE):
+            return None, 0
+        from engine.backends.cuda.expert_cache import expert_nbytes, upload_moe
+        from engine.backends.cuda.moe import DeviceMoE, MoEKernels, MoEWorkspace
+
+        op, budget = blocks[0].mlp, self.tuning.expert_budget or None
+        layers, cache = upload_moe(cfg, op, weights, self.mem, gpu_budget=budget)  # (primes the cache)
+        ws = MoEWorkspace(op.num_experts, op.top_k, cfg.hidden_size, cfg.moe_intermediate_size, PREFILL_CHUNK,
+                          self.mem)  # fmt: skip
+        resident = cfg.num_layers * op.num_experts if cache is None else cache.slots
+        logging.getLogger("ignis.engine").info(
+            "ignis.runtime.experts", extra={"resident": resident, "total": cfg.num_layers * op.num_experts}
+        )
+        return DeviceMoE(
+            cfg, op, MoEKernels(self.tuning.kernel_cache_dir), layers, ws, cache
+        ), resident * expert_nbytes(cfg)
 
     def _kernels(self):
         from engine.cu.kernels import Kernels

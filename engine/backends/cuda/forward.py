@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 from engine.cu.kernels import GATE_EPILOGUE
 from engine.model_config import ModelConfig
-from engine.models.ops import Attention, Block, Embedding, GatedMLP, Head, QKNorm, RMSNorm, Rope
+from engine.models.ops import Attention, Block, Embedding, GatedMLP, Head, MoE, QKNorm, RMSNorm, Rope
 
 MAX_LANES = 8  # rows of one decode round (one graph per width 1..8)
 PREFILL_CHUNK = 2048  # rows of one prefill chunk (activations are sized for it)
@@ -61,8 +61,15 @@ def check_supported(block: Block, head: Head) -> None:
     if attn.sliding_window is not None and attn.sliding_window <= 0:
         refuse(f"attention sliding_window = {attn.sliding_window}", "a positive window")
     mlp = block.mlp
-    if not isinstance(mlp, GatedMLP) or mlp.act not in GATE_EPILOGUE:
-        refuse(f"block.mlp = {mlp!r}", f"GatedMLP {' / '.join(map(repr, GATE_EPILOGUE))} only; MoE is not merged yet")
+    if isinstance(mlp, MoE):
+        from engine.backends.cuda.moe import ACTS
+
+        if mlp.act not in ACTS:
+            refuse(f"block.mlp = {mlp!r}", f"MoE act {' / '.join(map(repr, ACTS))} only")
+        if block.mlp_post_norm is not None:
+            refuse("block.mlp_post_norm after a MoE", "the expert kernels add into the residual stream")
+    elif not isinstance(mlp, GatedMLP) or mlp.act not in GATE_EPILOGUE:
+        refuse(f"block.mlp = {mlp!r}", f"GatedMLP {' / '.join(map(repr, GATE_EPILOGUE))} or MoE only")
     if block.residual != "pre_norm":
         refuse(f"residual {block.residual!r}", "'pre_norm' only")
 
@@ -76,6 +83,14 @@ def check_model(blocks: list[Block], head: Head, embedding: Embedding) -> None:
             check_supported(b, head)
         except ValueError as e:
             raise ValueError(f"layer {i}: {e}") from None
+    sparse = [isinstance(b.mlp, MoE) for b in blocks]
+    if any(sparse) and not all(sparse):
+        raise ValueError(
+            f"the CUDA backend runs MoE models whose every layer is sparse (layer {sparse.index(not sparse[0])} "
+            f"differs from layer 0: mlp_only_layers / decoder_sparse_step)"
+        )
+    if any(sparse) and len({b.mlp for b in blocks}) > 1:
+        raise ValueError("the CUDA backend runs MoE layers alike only (one MoE op for every layer)")
 
 
 @dataclass
@@ -130,8 +145,9 @@ NO_NORM = (0, 0, 0)
 class Forward:
     """Launches a decode round's or a prefill chunk's kernels on ``stream`` (nothing synchronizes here)."""
 
-    def __init__(self, cfg: ModelConfig, kern, stream, w, ws: Workspace, kv: KVLayout) -> None:
+    def __init__(self, cfg: ModelConfig, kern, stream, w, ws: Workspace, kv: KVLayout, moe=None) -> None:
         self.cfg, self.kern, self.stream, self.w, self.ws, self.kv = cfg, kern, stream, w, ws, kv
+        self.moe = moe  # moe.DeviceMoE of a sparse model (every layer's MLP slot), or None
 
     def decode(self, rows: int, p: dict[str, int], bt_stride: int) -> None:
         """A decode round's layers and LM head into ``ws.logits``, 5 kernels a llama layer: each residual
@@ -149,7 +165,7 @@ class Forward:
                                kv.block_size, KVH, ws.o_part, ws.ml, ws.attn, rows, args=L.attn)  # fmt: skip
             nparts = self._residual(L.o, L.o_bias, ws.attn, H * c.head_dim, L.attn_post_norm, rows,
                                     (L.ln2, ws.xn, ws.ss))  # fmt: skip
-            nparts = self._mlp(L, rows, ss_in=(ws.ss, nparts), norm_out=(norms[i], ws.xn, ws.ss))
+            nparts = self._mlp(i, L, rows, ss_in=(ws.ss, nparts), norm_out=(norms[i], ws.xn, ws.ss))
         k.linear(s, ws.xn, w.lm_head, 0, ws.logits, rows, c.vocab_size, hid, ss_in=(ws.ss, nparts), eps=eps)
         self._head_softcap(rows)
 
@@ -166,7 +182,7 @@ class Forward:
                                 ws.attn, args=L.attn)  # fmt: skip
             self._residual(L.o, L.o_bias, ws.attn, H * c.head_dim, L.attn_post_norm, rows, NO_NORM)
             k.rmsnorm(s, ws.x, L.ln2, ws.xn, rows, hid, eps)
-            self._mlp(L, rows)
+            self._mlp(i, L, rows, prefill=True)
 
     def head(self, rows: int, x_row: int) -> None:
         """Final norm of ``rows`` residual rows from row ``x_row``, then the LM head into ``ws.logits``."""
@@ -205,12 +221,19 @@ class Forward:
         k.linear(s, src, weight, bias, ws.y, rows, hid, k_dim)
         return k.add_rmsnorm(s, ws.y, post_norm, ws.x, rows, hid, c.rms_norm_eps, norm_out=norm_out)
 
-    def _mlp(self, L, rows: int, ss_in: tuple[int, int] = (0, 0), norm_out: tuple[int, int, int] = NO_NORM) -> int:
+    def _mlp(self, i: int, L, rows: int, ss_in: tuple[int, int] = (0, 0), norm_out: tuple[int, int, int] = NO_NORM,
+             prefill: bool = False) -> int:  # fmt: skip
         """The MLP slot: reads the normed rows ``ws.xn`` (decode: with ``ss_in``, the fused RMSNorm's
         partials, gemv.cu), adds the block's MLP output (post-normed where set) into ``ws.x``, and with
-        ``norm_out`` writes the next RMSNorm's inputs; returns their partials per row."""
+        ``norm_out`` writes the next RMSNorm's inputs; returns their partials per row. A sparse layer
+        runs the grouped expert kernels (moe.DeviceMoE) in its place."""
         c, k, s, w, ws = self.cfg, self.kern, self.stream, self.w, self.ws
         hid, inter, eps, act = c.hidden_size, c.intermediate_size, c.rms_norm_eps, L.block.mlp.act
+        if isinstance(L.block.mlp, MoE):
+            if prefill:
+                self.moe.prefill(s, i, ws.xn, ws.x, rows)
+                return 0
+            return self.moe.decode(s, i, ws.xn, ws.x, rows, ss_in=ss_in, eps=eps, norm_out=norm_out)
         if w.gate_up_interleaved:
             k.gate_up_act(s, ws.xn, L.gate_up, ws.gu, ws.act, rows, inter, hid, ss_in=ss_in, eps=eps, fn=act)
         else:

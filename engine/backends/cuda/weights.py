@@ -22,7 +22,7 @@ import numpy as np
 
 from engine.cu.kernels import AttnArgs, attention_scales
 from engine.model_config import ModelConfig
-from engine.models.ops import Block, Head, RMSNorm, Rope
+from engine.models.ops import Block, Head, MoE, RMSNorm, Rope
 
 
 @dataclass
@@ -98,6 +98,7 @@ def _layer(cfg: ModelConfig, i: int, block: Block, up, ropes: dict, interleaved:
 
     scale_log2, cap_log2 = attention_scales(d, attn.scale, attn.softcap)
     sinks = up([p + "self_attn.sinks"], fp32=True) if attn.sinks else 0
+    sparse = isinstance(block.mlp, MoE)
     return Layer(
         block=block,
         ln1=norm(block.attn_norm),
@@ -106,8 +107,9 @@ def _layer(cfg: ModelConfig, i: int, block: Block, up, ropes: dict, interleaved:
         qkv_bias=up([x + "bias" for x in proj], fp32=True, rope_dim=d, rotary_dim=rd) if attn.qkv_bias else 0,
         o=up([p + "self_attn.o_proj.weight"]),
         o_bias=up([p + "self_attn.o_proj.bias"], fp32=True) if attn.o_bias else 0,
-        gate_up=up([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"], interleave=interleaved),
-        down=up([p + "mlp.down_proj.weight"]),
+        # A sparse layer's experts are uploaded by expert_cache.upload_moe.
+        gate_up=0 if sparse else up([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"], interleave=interleaved),
+        down=0 if sparse else up([p + "mlp.down_proj.weight"]),
         inv_freq=inv_freq,
         rope_factor=factor,
         rotary_dim=rd,
