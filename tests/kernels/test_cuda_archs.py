@@ -179,7 +179,11 @@ def random_weights(d, cfg, seed=0) -> dict[str, np.ndarray]:
         plus_one.add("model.norm.weight")
     out = {}
     for name, shape in d.tensors(cfg).items():
-        if len(shape) == 2:
+        if name.endswith("mlp.gate.weight"):
+            # Router logits spread wide: a route decided by a bf16 rounding (a near-tie among the
+            # experts, not among the tokens) would make greedy diverge where no logit is near a tie.
+            w = rng.standard_normal(shape) / math.sqrt(shape[1]) * 12.0
+        elif len(shape) == 2:
             w = rng.standard_normal(shape) / math.sqrt(shape[1]) * (1.0 if "embed" in name else 1.5)
         elif name.endswith("sinks"):
             w = rng.standard_normal(shape) * 1.5

@@ -29,6 +29,9 @@ class CudaBackend(Backend):
     # Decode and prefill attention never read a KV block before a sliding layer's window
     # (attention_decode.cu / attention_prefill.cu), so the scheduler may release those pages.
     releases_window_pages = True
+    # A speculating lane's rows are rows of the round (tests/kernels/test_cuda_spec.py): up to the
+    # widest decode graph.
+    max_round_rows = MAX_LANES
 
     def __init__(self, tuning: CudaTuning | None = None) -> None:
         super().__init__()
