@@ -20,6 +20,7 @@ ways, all split here into per-expert views (no copy):
 from __future__ import annotations
 
 import re
+
 import numpy as np
 
 from engine.model_config import ModelConfig
@@ -102,4 +103,3 @@ def check_routing(arch: str, num_experts: int, top_k: int) -> None:
         raise ValueError(f"{arch}: num_experts {num_experts} (a sparse model needs at least one expert)")
     if not 1 <= top_k <= num_experts:
         raise ValueError(f"{arch}: num_experts_per_tok {top_k} is not between 1 and num_experts ({num_experts})")
-

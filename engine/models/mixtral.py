@@ -84,9 +84,7 @@ class Mixtral(Llama):
 
     def _with_experts(self, cfg: ModelConfig, num_experts: int, top_k: int, width: int) -> ModelConfig:
         experts.check_routing(self.name, num_experts, top_k)
-        return dataclasses.replace(
-            cfg, num_experts=num_experts, num_experts_per_tok=top_k, moe_intermediate_size=width
-        )
+        return dataclasses.replace(cfg, num_experts=num_experts, num_experts_per_tok=top_k, moe_intermediate_size=width)
 
     def block(self, cfg: ModelConfig, layer: int) -> Block:
         return dataclasses.replace(super().block(cfg, layer), mlp=MoE(cfg.num_experts, cfg.num_experts_per_tok))

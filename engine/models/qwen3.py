@@ -102,9 +102,7 @@ class Qwen3(Llama):
         bias = cfg.attention_bias
         return Block(
             attn_norm=RMSNorm("input_layernorm"),
-            attention=Attention(
-                qkv_bias=bias, o_bias=bias, qk_norm=QKNorm(), sliding_window=cfg.layer_window(layer)
-            ),
+            attention=Attention(qkv_bias=bias, o_bias=bias, qk_norm=QKNorm(), sliding_window=cfg.layer_window(layer)),
             mlp_norm=RMSNorm("post_attention_layernorm"),
             mlp=GatedMLP("silu"),
         )
@@ -128,12 +126,11 @@ class Qwen3Moe(Qwen3):
             raise ValueError(f"{self.name}: shared_expert_intermediate_size (shared experts) is not supported")
         cfg = super().config_from_hf(config, generation)
         # transformers' Qwen3MoeConfig defaults where a field is absent.
-        num_experts = int(config.get("num_experts", config.get("num_local_experts", 128)))
+        num_experts = config.get("num_experts")
+        num_experts = int(config.get("num_local_experts", 128) if num_experts is None else num_experts)
         step = int(config.get("decoder_sparse_step", 1))
         mlp_only = {int(i) for i in config.get("mlp_only_layers") or ()}
-        dense = tuple(
-            i for i in range(cfg.num_layers) if i in mlp_only or num_experts == 0 or (i + 1) % step != 0
-        )  # fmt: skip
+        dense = tuple(i for i in range(cfg.num_layers) if i in mlp_only or num_experts == 0 or (i + 1) % step)
         return self._with_experts(
             cfg, num_experts, int(config.get("num_experts_per_tok", 8)), int(config.get("moe_intermediate_size", 768)),
             dense, bool(config.get("norm_topk_prob", False)),
@@ -157,7 +154,9 @@ class Qwen3Moe(Qwen3):
             int(key("expert_feed_forward_length", 0)), dense, bool(key("expert_weights_norm", True)),
         )  # fmt: skip
 
-    def _with_experts(self, cfg, num_experts, top_k, width, dense, norm_topk_prob) -> ModelConfig:
+    def _with_experts(
+        self, cfg: ModelConfig, num_experts: int, top_k: int, width: int, dense: tuple[int, ...], norm_topk_prob: bool
+    ) -> ModelConfig:
         if len(dense) < cfg.num_layers:
             experts.check_routing(self.name, num_experts, top_k)
         params = {**cfg.params, "mlp_only_layers": dense, "norm_topk_prob": norm_topk_prob}

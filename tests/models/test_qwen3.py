@@ -64,7 +64,7 @@ def test_tiny_qwen3_matches_hf(kind, tmp_path):
     assert {n: w.shape for n, w in weights.items()} == d.tensors(cfg)  # every tensor, and nothing else
     if kind == "window":
         assert cfg.attention_bias and not cfg.tie_word_embeddings
-        assert (cfg.sliding_window, cfg.layer_types) == (8, ("full_attention", "sliding_attention", "sliding_attention"))
+        assert (cfg.sliding_window, cfg.layer_types) == (8, ("full_attention",) + ("sliding_attention",) * 2)
         assert [d.block(cfg, i).attention.sliding_window for i in range(3)] == [None, 8, 8]
         assert d.block(cfg, 0).attention.o_bias
     else:
@@ -130,5 +130,28 @@ def test_qwen3_gguf_keeps_q_k_rows_in_hf_order(tmp_path):
     assert name == "model.layers.1.self_attn.k_proj.weight"
     np.testing.assert_array_equal(out, w)
     norm = np.ones(32, dtype=np.float32)
-    assert [n for n, _ in d.from_gguf(cfg, "blk.0.attn_q_norm.weight", norm)] == ["model.layers.0.self_attn.q_norm.weight"]
+    ((name, _),) = d.from_gguf(cfg, "blk.0.attn_q_norm.weight", norm)
+    assert name == "model.layers.0.self_attn.q_norm.weight"
     assert sum(n.endswith("self_attn.k_norm.weight") for n in d.tensors(cfg)) == 4
+
+
+@pytest.mark.slow
+def test_tiny_servable_checkpoints_load_with_the_default_tokenizer(default_gguf_path, tmp_path):
+    """``tiny_qwen``'s servable directories: the default GGUF's vocabulary, template and end token,
+    and a model that loads and generates."""
+    from engine.chat_template import render_chat
+    from engine.tokenizer import load_tokenizer
+    from tests.models.tiny_qwen import write_tiny_qwen3, write_tiny_qwen3_moe
+
+    default = load_tokenizer(default_gguf_path)
+    for write, arch in ((write_tiny_qwen3, "qwen3"), (write_tiny_qwen3_moe, "qwen3_moe")):
+        target = write(tmp_path / arch, default_gguf_path)
+        cfg, weights = load_artifact(target)
+        tok = load_tokenizer(target)
+        assert cfg.arch == arch and cfg.vocab_size == tok.vocab_size == default.vocab_size
+        assert tok.chat_template == default.chat_template and tok.eos_token == default.eos_token
+        assert cfg.eos_token_ids == (tok.tokenizer.token_to_id(tok.eos_token),)
+        prompt = render_chat(tok.chat_template, [{"role": "user", "content": "Hi"}], bos_token=tok.bos_token,
+                             eos_token=tok.eos_token)  # fmt: skip
+        _, tokens = greedy(load_backend(cfg, weights), tok.encode(prompt), 4, list(range(8)))
+        assert len(tokens) == 4 and all(0 <= t < cfg.vocab_size for t in tokens)

@@ -147,7 +147,9 @@ def write_gguf_twin(hf_dir: Path, path: Path, *, stacked: bool = True) -> Path:
         writer.add_tensor(f"blk.{layer}.{_LAYER[suffix]}", np.ascontiguousarray(t))
     for (layer, kind), per_expert in experts.items():
         if stacked:
-            writer.add_tensor(f"blk.{layer}.ffn_{kind}_exps.weight", np.stack([per_expert[e] for e in sorted(per_expert)]))
+            writer.add_tensor(
+                f"blk.{layer}.ffn_{kind}_exps.weight", np.stack([per_expert[e] for e in sorted(per_expert)])
+            )
         else:
             for e, t in per_expert.items():
                 writer.add_tensor(f"blk.{layer}.ffn_{kind}.{e}.weight", t)
