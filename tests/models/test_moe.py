@@ -2,8 +2,8 @@
 and stacked experts) and from llama.cpp GGUFs; the router and expert reference against torch.
 
 The tiny checkpoints have 8 experts, 2 chosen per token, random norm weights;
-qwen3_moe's layer 1 is dense (``mlp_only_layers``) and its routing runs with and
-without ``norm_topk_prob``; mixtral runs with and without a sliding window of 8.
+qwen3_moe's layer 1 is dense (``mlp_only_layers``); each family runs once with a
+sliding window of 8 (qwen3_moe's also without ``norm_topk_prob``), once without.
 """
 
 from __future__ import annotations
@@ -55,14 +55,17 @@ def assert_same_weights(weights: dict, expected: dict) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("norm_topk_prob", [True, False])
-def test_tiny_qwen3_moe_matches_hf(norm_topk_prob, tmp_path):
-    hf = tiny(tmp_path, "qwen3_moe", norm_topk_prob=norm_topk_prob)
+@pytest.mark.parametrize("norm_topk_prob, window", [(True, None), (False, 8)])
+def test_tiny_qwen3_moe_matches_hf(norm_topk_prob, window, tmp_path):
+    hf = tiny(
+        tmp_path, "qwen3_moe", norm_topk_prob=norm_topk_prob, use_sliding_window=bool(window), sliding_window=window
+    )
     cfg, weights = load_artifact(tmp_path)
     d = definition(cfg.arch)
     assert (cfg.arch, cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size) == ("qwen3_moe", 8, 2, 32)
     blocks = d.blocks(cfg)
     assert [type(b.mlp) for b in blocks] == [MoE, GatedMLP, MoE]
+    assert all(b.attention.sliding_window == window for b in blocks)  # qwen3_moe: every layer or none
     assert blocks[0].mlp == MoE(8, 2, norm_topk_prob=norm_topk_prob)
     assert {n: w.shape for n, w in weights.items()} == d.tensors(cfg)  # experts and the dense layer's MLP
     assert "model.layers.1.mlp.gate_proj.weight" in weights and "model.layers.1.mlp.gate.weight" not in weights
