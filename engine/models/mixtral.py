@@ -18,8 +18,8 @@ GGUF: llama.cpp converts mixtral as architecture "llama" (q/k rows permuted
 as for llama) with ``llama.expert_count`` / ``expert_used_count`` metadata and
 ``blk.N.ffn_gate_inp`` plus ``ffn_{gate,up,down}_exps`` (or, in old files, one
 ``ffn_{gate,up,down}.{e}`` per expert); llama's definition hands such a file to
-this one (``Llama.gguf_moe``). llama.cpp's llama graph has no sliding window,
-so a GGUF's attention is full.
+this one (``Llama.gguf_moe``). A window is read as for mistral: config.json's
+``sliding_window``, a GGUF's ``llama.attention.sliding_window`` (``llama.with_window``).
 """
 
 from __future__ import annotations
@@ -63,9 +63,7 @@ class Mixtral(Llama):
         check_hidden_act(self.name, config)
         if "rope_theta" not in config and "rope_theta" not in (config.get("rope_parameters") or {}):
             config = {**config, "rope_theta": 1e6}
-        cfg = super().config_from_hf(config, generation)
-        window = config.get("sliding_window")
-        cfg = dataclasses.replace(cfg, sliding_window=int(window) if window else None)
+        cfg = super().config_from_hf(config, generation)  # with its window (hf_sliding_window, as mistral)
         return self._with_experts(
             cfg, int(config.get("num_local_experts", 8)), int(config.get("num_experts_per_tok", 2)), cfg.intermediate_size
         )  # fmt: skip
@@ -114,4 +112,4 @@ class Mixtral(Llama):
         return experts.is_gguf_experts(name) or super().is_known_gguf(name)
 
 
-MIXTRAL = Mixtral("mixtral", ("mixtral",), ())
+MIXTRAL = Mixtral("mixtral", ("mixtral",), (), hf_sliding_window=True, gguf_sliding_window=True)

@@ -5,7 +5,10 @@ Config: HF ``Qwen3Config`` / ``Qwen3MoeConfig``. ``head_dim`` is its own field
 qwen3_moe); ``attention_bias`` puts biases on q, k, v *and* o. Sliding-window
 attention only when ``use_sliding_window``: qwen3 then slides the layers
 ``layer_types`` names (absent: those from ``max_window_layers`` on), qwen3_moe
-slides every layer. ``hidden_act`` other than silu is refused.
+slides every layer. ``rope_scaling`` as llama's (Qwen3's long-context recipe is
+yarn, ``engine.models.rope``); a GGUF's yarn is ``rope.scaling.type`` /
+``factor`` / ``original_context_length``, any type but none, linear and yarn is
+refused. ``hidden_act`` other than silu is refused.
 
 qwen3_moe's layer i is sparse (``MoE``: ``num_experts`` of width
 ``moe_intermediate_size``, top ``num_experts_per_tok``, renormalised when
@@ -54,7 +57,19 @@ QWEN3_GGUF = TensorMap(
 QWEN3_MOE_GGUF = dataclasses.replace(QWEN3_GGUF, layer={**QWEN3_GGUF.layer, experts.GGUF_ROUTER: ("mlp.gate.weight",)})
 
 _LAYER_TYPES = ("full_attention", "sliding_attention")
-_GGUF_ROPE_SCALINGS = (None, "none", "linear")  # what llama's GGUF parsing carries into rope_scaling
+_GGUF_ROPE_SCALINGS = (None, "none", "linear")  # llama's GGUF parsing reads these; yarn is read here
+
+
+def gguf_yarn(meta: dict, arch: str) -> dict:
+    """A GGUF's yarn keys as HF's ``rope_scaling`` (llama.cpp's defaults where a key is absent are HF's:
+    beta_fast 32, beta_slow 1, attention factor ``0.1 ln(factor) + 1``, dims rounded outwards)."""
+    key = f"{arch}.rope.scaling."
+    scaling = {"rope_type": "yarn", "factor": float(meta[key + "factor"]),
+               "original_max_position_embeddings": int(meta[key + "original_context_length"])}  # fmt: skip
+    for gguf_key, hf_key in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow")):
+        if meta.get(key + gguf_key) is not None:
+            scaling[hf_key] = float(meta[key + gguf_key])
+    return scaling
 
 
 def check_hidden_act(arch: str, config: dict) -> None:
@@ -92,11 +107,14 @@ class Qwen3(Llama):
         return int(window), tuple(types)
 
     def config_from_gguf(self, meta: dict, tensor_names: set[str]) -> ModelConfig:
+        cfg = super().config_from_gguf(meta, tensor_names)
         arch = meta["general.architecture"]
-        scaling = meta.get(f"{arch}.rope.scaling.type")
-        if scaling not in _GGUF_ROPE_SCALINGS:
-            raise ValueError(f"{self.name}: {arch}.rope.scaling.type {scaling!r} is not supported")
-        return super().config_from_gguf(meta, tensor_names)
+        kind = meta.get(f"{arch}.rope.scaling.type")
+        if kind == "yarn":
+            return dataclasses.replace(cfg, rope_scaling=gguf_yarn(meta, arch))
+        if kind not in _GGUF_ROPE_SCALINGS:
+            raise ValueError(f"{self.name}: {arch}.rope.scaling.type {kind!r} is not supported (yarn, linear)")
+        return cfg
 
     def block(self, cfg: ModelConfig, layer: int) -> Block:
         bias = cfg.attention_bias

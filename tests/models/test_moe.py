@@ -119,15 +119,16 @@ def test_qwen3_moe_gguf_loads_as_its_hf_checkpoint(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stacked", [True, False])
-def test_mixtral_gguf_is_a_llama_gguf_with_experts(stacked, tmp_path):
+@pytest.mark.parametrize("stacked, window", [(True, 8), (False, None)])
+def test_mixtral_gguf_is_a_llama_gguf_with_experts(stacked, window, tmp_path):
     """llama.cpp writes mixtral as arch "llama" (q/k rows permuted) with expert tensors, stacked
-    ``ffn_*_exps`` or, in old files, ``ffn_*.{e}``; it loads as mixtral, bit for bit."""
-    hf = tiny(tmp_path / "hf", "mixtral")
+    ``ffn_*_exps`` or, in old files, ``ffn_*.{e}``, and a window as ``llama.attention.sliding_window``;
+    it loads as mixtral, bit for bit."""
+    hf = tiny(tmp_path / "hf", "mixtral", sliding_window=window)
     write_gguf_twin(tmp_path / "hf", tmp_path / "tiny.gguf", stacked=stacked)
     hf_cfg, hf_weights = load_artifact(tmp_path / "hf")
     cfg, weights = load_artifact(tmp_path / "tiny.gguf")
-    assert cfg.arch == "mixtral"
+    assert (cfg.arch, cfg.sliding_window) == ("mixtral", window)
     assert dataclasses.replace(cfg, rms_norm_eps=hf_cfg.rms_norm_eps) == hf_cfg
     assert_same_weights(weights, hf_weights)
     assert_matches_hf(load_backend(cfg, weights), hf, cfg.vocab_size, n_tokens=1)

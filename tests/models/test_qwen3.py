@@ -4,7 +4,8 @@ The tiny checkpoints carry what distinguishes qwen3 from llama: q/k RMSNorms wit
 random (not unit) weights, a head_dim (32) other than hidden / heads (16), and,
 in the "window" variant, biases on q, k, v and o plus a sliding window on the
 layers from ``max_window_layers`` on, short enough (8) that the prompts and the
-32-token continuations run far past it.
+32-token continuations run far past it; the "yarn" variant scales rope as Qwen3's
+long-context recipe does.
 """
 
 from __future__ import annotations
@@ -27,12 +28,15 @@ def tiny_qwen3(path, kind: str):
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     extra = {}
+    rope = {"rope_type": "default", "rope_theta": 1e6}
     if kind == "window":
         extra = dict(attention_bias=True, use_sliding_window=True, sliding_window=8, max_window_layers=1)
+    elif kind == "yarn":  # Qwen3's long-context recipe, scaled down: factor 4 over an original 64 positions
+        rope = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "rope_theta": 1e6}
     cfg = transformers.Qwen3Config(
         vocab_size=256, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
         head_dim=32, num_hidden_layers=3, max_position_embeddings=256, initializer_range=0.2,
-        rope_parameters={"rope_type": "default", "rope_theta": 1e6}, tie_word_embeddings=kind == "tied", **extra,
+        rope_parameters=rope, tie_word_embeddings=kind == "tied", **extra,
     )  # fmt: skip
     model = transformers.Qwen3ForCausalLM(cfg)
     randomize_norms(model)
@@ -55,7 +59,7 @@ def assert_matches_hf(backend, hf, vocab: int, n_tokens: int = 32) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["tied", "window"])
+@pytest.mark.parametrize("kind", ["tied", "window", "yarn"])
 def test_tiny_qwen3_matches_hf(kind, tmp_path):
     hf = tiny_qwen3(tmp_path, kind)
     cfg, weights = load_artifact(tmp_path)
@@ -68,15 +72,18 @@ def test_tiny_qwen3_matches_hf(kind, tmp_path):
         assert [d.block(cfg, i).attention.sliding_window for i in range(3)] == [None, 8, 8]
         assert d.block(cfg, 0).attention.o_bias
     else:
-        assert cfg.tie_word_embeddings and cfg.sliding_window is None
+        assert cfg.sliding_window is None and cfg.tie_word_embeddings == (kind == "tied")
+        assert (cfg.rope_scaling or {}).get("rope_type") == ("yarn" if kind == "yarn" else None)
     assert_matches_hf(load_backend(cfg, weights), hf, cfg.vocab_size)
 
 
 @pytest.mark.slow
-def test_qwen3_gguf_loads_as_its_hf_checkpoint(tmp_path):
+@pytest.mark.parametrize("kind", ["tied", "yarn"])
+def test_qwen3_gguf_loads_as_its_hf_checkpoint(kind, tmp_path):
     """llama.cpp's qwen3 layout (attn_q_norm / attn_k_norm, q/k rows in HF order, a tied head
-    left out) gives the same config and tensors, bit for bit, and transformers' logits."""
-    hf = tiny_qwen3(tmp_path / "hf", "tied")
+    left out, yarn as rope.scaling.* keys) gives the same config and tensors, bit for bit,
+    and transformers' logits."""
+    hf = tiny_qwen3(tmp_path / "hf", kind)
     write_gguf_twin(tmp_path / "hf", tmp_path / "tiny.gguf")
     hf_cfg, hf_weights = load_artifact(tmp_path / "hf")
     cfg, weights = load_artifact(tmp_path / "tiny.gguf")
@@ -116,8 +123,8 @@ def test_qwen3_refuses_what_it_does_not_support():
         d.config_from_hf({**HF, "use_sliding_window": True, "sliding_window": 8,
                           "layer_types": ["chunked_attention"] * 4})  # fmt: skip
     meta = {"general.architecture": "qwen3", "qwen3.embedding_length": 64, "qwen3.attention.head_count": 4,
-            "qwen3.feed_forward_length": 128, "qwen3.block_count": 2, "qwen3.rope.scaling.type": "yarn"}  # fmt: skip
-    with pytest.raises(ValueError, match="qwen3: qwen3.rope.scaling.type 'yarn' is not supported"):
+            "qwen3.feed_forward_length": 128, "qwen3.block_count": 2, "qwen3.rope.scaling.type": "longrope"}  # fmt: skip
+    with pytest.raises(ValueError, match="qwen3: qwen3.rope.scaling.type 'longrope' is not supported"):
         d.config_from_gguf(meta, set())
 
 

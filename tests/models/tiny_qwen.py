@@ -121,7 +121,14 @@ def write_gguf_twin(hf_dir: Path, path: Path, *, stacked: bool = True) -> Path:
         writer.add_key_length(hf["head_dim"])
         writer.add_value_length(hf["head_dim"])
     writer.add_layer_norm_rms_eps(hf["rms_norm_eps"])
-    writer.add_rope_freq_base(hf["rope_parameters"]["rope_theta"])
+    rope = hf["rope_parameters"]
+    writer.add_rope_freq_base(rope["rope_theta"])
+    if rope.get("rope_type") == "yarn":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(rope["factor"])
+        writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+    if arch == "llama" and hf.get("sliding_window"):  # as for mistral, converted to "llama" too
+        writer.add_sliding_window(hf["sliding_window"])
     num_experts = hf.get("num_experts") or hf.get("num_local_experts")
     if num_experts:
         writer.add_expert_count(num_experts)
