@@ -160,6 +160,8 @@ def test_qwen3_moe_sparse_layers_follow_decoder_sparse_step_and_mlp_only_layers(
     assert cfg.num_experts == 4  # transformers 5 saves the count as num_local_experts
     assert d.config_from_hf({k: v for k, v in QWEN3_MOE.items() if k != "head_dim"}).head_dim == 16
     assert d.config_from_hf({**QWEN3_MOE, "use_sliding_window": True, "sliding_window": 8}).all_layers_slide
+    m = definition("mixtral").config_from_hf(MIXTRAL)  # MixtralConfig's defaults: theta 1e6, 8 experts, top 2
+    assert (m.rope_theta, m.num_experts, m.num_experts_per_tok, m.moe_intermediate_size) == (1e6, 8, 2, 48)
 
 
 def test_moe_definitions_refuse_what_they_do_not_support():
