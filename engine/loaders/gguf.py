@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from engine.model_config import ModelConfig
-from engine.models import for_gguf
+from engine.models import definition, for_gguf
 
 
 def read_metadata(reader) -> dict:
@@ -71,6 +71,7 @@ def load_gguf(
     meta = read_metadata(reader)
     model = for_gguf(meta["general.architecture"])
     cfg = model.config_from_gguf(meta, names)
+    model = definition(cfg.arch)  # a llama GGUF with experts is mixtral's
     weights: dict[str, np.ndarray] = {}
     total = len(reader.tensors)
     for done, t in enumerate(reader.tensors, 1):

@@ -12,10 +12,14 @@ from engine.models.base import ModelDefinition
 from engine.models.gemma import GEMMA2, GEMMA3
 from engine.models.gpt_oss import GPT_OSS
 from engine.models.llama import LLAMA, MISTRAL
+from engine.models.mixtral import MIXTRAL
 from engine.models.phi3 import PHI3
 from engine.models.qwen2 import QWEN2
+from engine.models.qwen3 import QWEN3, QWEN3_MOE
 
 DEFINITIONS: dict[str, ModelDefinition] = {d.name: d for d in (LLAMA, MISTRAL, QWEN2, PHI3, GEMMA2, GEMMA3, GPT_OSS)}
+DEFINITIONS.update({d.name: d for d in (QWEN3, QWEN3_MOE)})
+DEFINITIONS.update({d.name: d for d in (MIXTRAL,)})
 
 
 def definition(arch: str) -> ModelDefinition:

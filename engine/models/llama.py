@@ -63,6 +63,7 @@ class Llama(ModelDefinition):
     gguf_permuted_qk: bool = True  # llama.cpp's converter permutes q/k rows for this arch
     hf_sliding_window: bool = False  # config.json's sliding_window windows every layer (mistral)
     gguf_sliding_window: bool = False  # {arch}.attention.sliding_window windows every layer (llama, mistral)
+    gguf_moe: str | None = None  # the definition of a GGUF of this arch with experts (mixtral's say "llama")
 
     def config_from_hf(self, config: dict, generation: dict | None = None) -> ModelConfig:
         num_heads = int(config["num_attention_heads"])
@@ -96,6 +97,10 @@ class Llama(ModelDefinition):
 
     def config_from_gguf(self, meta: dict, tensor_names: set[str]) -> ModelConfig:
         arch = meta["general.architecture"]
+        if self.gguf_moe and meta.get(f"{arch}.expert_count"):
+            from engine.models import definition  # here: engine.models imports this module
+
+            return definition(self.gguf_moe).config_from_gguf(meta, tensor_names)
 
         def key(name, default=None):
             return meta.get(f"{arch}.{name}", default)
@@ -175,5 +180,5 @@ def with_window(cfg: ModelConfig, window: int | None) -> ModelConfig:
     return cfg
 
 
-LLAMA = Llama("llama", ("llama",), ("llama",), gguf_sliding_window=True)
+LLAMA = Llama("llama", ("llama",), ("llama",), gguf_sliding_window=True, gguf_moe="mixtral")
 MISTRAL = Llama("mistral", ("mistral",), ("mistral",), hf_sliding_window=True, gguf_sliding_window=True)

@@ -10,7 +10,7 @@ from engine.backends.numpy.forward import check_supported
 from engine.loaders.hf import config_from_hf
 from engine.model_config import ModelConfig
 from engine.models import DEFINITIONS, definition, for_gguf, for_hf
-from engine.models.ops import Attention, Block, GatedMLP, Head, RMSNorm
+from engine.models.ops import Attention, Block, GatedMLP, Head, MoE, RMSNorm
 
 HF = {
     "vocab_size": 320, "hidden_size": 96, "intermediate_size": 160, "num_hidden_layers": 3,
@@ -23,17 +23,17 @@ def config(arch: str, **extra) -> ModelConfig:
     return definition(arch).config_from_hf({"model_type": arch, **HF, **extra})
 
 
-# Dense llama-like definitions; gpt_oss (sparse MoE, sinks) is covered by tests/models/test_gpt_oss.py.
+# Llama-like definitions (qwen3_moe and mixtral sparse); gpt_oss (sinks) is covered by tests/models/test_gpt_oss.py.
 @pytest.mark.parametrize("arch", sorted(a for a in DEFINITIONS if a != "gpt_oss"))
 def test_each_definition_describes_its_block_and_tensors(arch):
     d = definition(arch)
-    assert for_hf(arch) is d and for_gguf(arch) is d
+    assert for_hf(arch) is d and all(for_gguf(a) is d for a in d.gguf_archs)
     cfg = config(arch)
     assert cfg.arch == arch and cfg.head_dim == 16
     block, head = d.block(cfg, 0), d.head(cfg)
     assert isinstance(block, Block) and isinstance(head, Head)
     assert isinstance(block.attn_norm, RMSNorm) and isinstance(block.mlp_norm, RMSNorm)
-    assert isinstance(block.attention, Attention) and isinstance(block.mlp, GatedMLP)
+    assert isinstance(block.attention, Attention) and isinstance(block.mlp, GatedMLP | MoE)
     assert block.attention.qkv_bias == (arch == "qwen2")
     check_supported(d.blocks(cfg), head)  # the numpy backend has a reference for every operation named
 
@@ -43,8 +43,14 @@ def test_each_definition_describes_its_block_and_tensors(arch):
     assert shapes[p + "self_attn.q_proj.weight"] == (96, 96)  # 6 heads of 16
     assert shapes[p + "self_attn.k_proj.weight"] == shapes[p + "self_attn.v_proj.weight"] == (32, 96)
     assert shapes[p + "self_attn.o_proj.weight"] == (96, 96)
-    assert shapes[p + "mlp.gate_proj.weight"] == shapes[p + "mlp.up_proj.weight"] == (160, 96)
-    assert shapes[p + "mlp.down_proj.weight"] == (96, 160)
+    if isinstance(d.block(cfg, 2).mlp, MoE):  # the router and each expert (tests/models/test_moe.py)
+        e, width = p + "mlp.experts.0.", cfg.moe_intermediate_size
+        assert shapes[p + "mlp.gate.weight"] == (cfg.num_experts, 96)
+        assert shapes[e + "gate_proj.weight"] == shapes[e + "up_proj.weight"] == (width, 96)
+        assert shapes[e + "down_proj.weight"] == (96, width)
+    else:
+        assert shapes[p + "mlp.gate_proj.weight"] == shapes[p + "mlp.up_proj.weight"] == (160, 96)
+        assert shapes[p + "mlp.down_proj.weight"] == (96, 160)
     for op in (block.attn_norm, block.mlp_norm):
         assert shapes[p + op.weight + ".weight"] == (96,)
     assert shapes[head.final_norm.weight + ".weight"] == (96,)
