@@ -83,3 +83,75 @@ def test_incremental_detokenizer_rounds_and_prompt_context(gguf_bundle):
     # Several ids per round, as the engine sends them.
     out = "".join(detok.feed(ids[i : i + 3]) for i in range(0, len(ids), 3)) + detok.flush()
     assert out == " Hello there, 👋 friend"
+
+
+# --- split regexes by tokenizer.ggml.pre -------------------------------------------------
+
+# Hand-derived splits where the families disagree: digit runs, case changes, contractions.
+EXPECTED_SPLITS = {
+    "12345": {"llama-bpe": ["123", "45"], "gpt-4o": ["123", "45"], "qwen2": list("12345"), "tekken": list("12345")},
+    "helloWorld": {
+        "llama-bpe": ["helloWorld"],
+        "qwen2": ["helloWorld"],
+        "gpt-4o": ["hello", "World"],
+        "tekken": ["hello", "World"],
+    },
+    "don't": {
+        "llama-bpe": ["don", "'t"],
+        "qwen2": ["don", "'t"],
+        "gpt-4o": ["don't"],
+        "tekken": ["don", "'t"],  # the apostrophe is the optional lead of the next word
+    },
+    "it'S": {"llama-bpe": ["it", "'S"], "qwen2": ["it", "'S"], "gpt-4o": ["it'S"], "tekken": ["it", "'S"]},
+    "HTTPServer": {name: ["HTTPServer"] for name in ("llama-bpe", "qwen2", "gpt-4o", "tekken")},
+    "x\n\n  y": {name: ["x", "\n\n", " ", " y"] for name in ("llama-bpe", "qwen2", "gpt-4o", "tekken")},
+}
+SPLIT_SAMPLE = (
+    "I'm HTTPServer's helloWorld; DON'T stop 1234567 3.14\n\n  indented\tTab  spaces   end "
+    "naïve Ünïcode ΣΊΣΥΦΟΣ 日本語 🎉👍🏽 a/b//c?!/ x--y\r\n"
+)
+
+
+def _gpt2_vocab_tokenizer(pre: str):
+    """A byte-level tokenizer with only the 256 byte tokens, as a GGUF with ``pre`` would build it."""
+    from engine.tokenizer_gguf import GGUFVocab, build_gguf_tokenizer, byte_alphabet
+
+    tokens = list(byte_alphabet().values())
+    return build_gguf_tokenizer(GGUFVocab(model="gpt2", tokens=tokens, types=[1] * 256, merges=[], pre=pre))
+
+
+def _splits(tok, text: str) -> list[str]:
+    from engine.tokenizer_gguf import byte_alphabet
+
+    unspell = {c: b for b, c in byte_alphabet().items()}
+    return [bytes(unspell[c] for c in piece).decode() for piece, _ in tok.pre_tokenizer.pre_tokenize_str(text)]
+
+
+@pytest.mark.parametrize("pre", ["llama-bpe", "qwen2", "gpt-4o", "tekken"])
+def test_pre_name_picks_its_split(pre):
+    tok = _gpt2_vocab_tokenizer(pre)
+    for text, by_name in EXPECTED_SPLITS.items():
+        assert _splits(tok, text) == by_name[pre], (pre, text)
+    # The tokenizers engine and Python's regex module read the pattern alike, and no byte is lost.
+    regex = pytest.importorskip("regex")
+    from engine.tokenizer_gguf import PRE_SPLITS
+
+    assert _splits(tok, SPLIT_SAMPLE) == regex.findall(PRE_SPLITS[pre], SPLIT_SAMPLE)
+    assert "".join(_splits(tok, SPLIT_SAMPLE)) == SPLIT_SAMPLE
+
+
+def test_new_models_pre_names_are_mapped():
+    from engine.tokenizer_gguf import PRE_SPLITS
+
+    # qwen3 (qwen2), gpt-oss and llama 4 (gpt-4o, o200k), mistral nemo (tekken), llama 3 / phi4 via dbrx.
+    assert PRE_SPLITS["qwen2"] != PRE_SPLITS["gpt-4o"] != PRE_SPLITS["tekken"]
+    assert PRE_SPLITS["llama4"] == PRE_SPLITS["gpt-4o"] and PRE_SPLITS["dbrx"] == PRE_SPLITS["llama-bpe"]
+    # A name with no entry splits as GPT-2 does (smollm's default model relies on it).
+    assert _splits(_gpt2_vocab_tokenizer("smollm"), "12345 don't") == ["12345", " don", "'t"]
+
+
+def test_unsupported_tokenizer_model_is_refused():
+    from engine.tokenizer_gguf import GGUFVocab, build_gguf_tokenizer
+
+    with pytest.raises(ValueError, match="tokenizer.ggml.model 'bert'"):
+        build_gguf_tokenizer(GGUFVocab(model="bert", tokens=["a"], types=[1]))
