@@ -12,6 +12,8 @@ tie) is a third opinion on text without special tokens.
 
 from __future__ import annotations
 
+import random
+
 import pytest
 from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
@@ -89,6 +91,18 @@ def _vocab(pieces, *, control, extra=()):
     return tokens, types, scores
 
 
+def _shuffled(tokens, types, scores, seed=0):
+    """The pieces in another order in the file, each keeping its score: the score, not the id, must rank merges."""
+    at = [i for i, ty in enumerate(types) if ty == NORMAL]
+    order = at[:]
+    random.Random(seed).shuffle(order)
+    tokens, scores = list(tokens), list(scores)
+    moved = [(tokens[j], scores[j]) for j in order]
+    for i, (t, sc) in zip(at, moved):
+        tokens[i], scores[i] = t, sc
+    return tokens, list(types), scores
+
+
 def _source(tokens, types, scores, *, prefix: bool) -> Tokenizer:
     """The model's own tokenizer.json: llama 2's layout (``prefix``) or gemma's (no prefix space)."""
     ids = {t: i for i, t in enumerate(tokens)}
@@ -152,7 +166,7 @@ def spm_reference(text: str, tokens, types, scores, *, prefix: bool) -> list[int
 
 @pytest.fixture(scope="module")
 def llama_vocab():
-    return _vocab(_pieces(), control=["[INST]", "[/INST]"], extra=[("<tool>", USER_DEFINED)])
+    return _shuffled(*_vocab(_pieces(), control=["[INST]", "[/INST]"], extra=[("<tool>", USER_DEFINED)]))
 
 
 @pytest.fixture(scope="module")
