@@ -155,3 +155,66 @@ def test_unsupported_tokenizer_model_is_refused():
 
     with pytest.raises(ValueError, match="tokenizer.ggml.model 'bert'"):
         build_gguf_tokenizer(GGUFVocab(model="bert", tokens=["a"], types=[1]))
+
+
+# --- stop tokens and Hugging Face directories ----------------------------------------------
+
+
+def _word_tokenizer(specials: list[str]):
+    from tokenizers import AddedToken, Tokenizer, models
+
+    tok = Tokenizer(models.WordLevel({"<unk>": 0, "hi": 1}, unk_token="<unk>"))
+    tok.add_special_tokens([AddedToken(t, special=True) for t in specials])
+    return tok
+
+
+def test_harmony_stops_at_return_and_call_never_end():
+    from engine.tokenizer import stop_token_ids
+
+    tok = _word_tokenizer(
+        ["<|endoftext|>", "<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>", "<|call|>"]
+    )
+    ids = {t: tok.token_to_id(t) for t in ("<|endoftext|>", "<|end|>", "<|return|>", "<|call|>")}
+    template = "<|start|>assistant<|channel|>final<|message|>{{ m.content }}<|end|>"  # past turns end in <|end|>
+    # Even a file naming <|end|> its EOS does not stop the analysis channel from handing over to the final one.
+    stops = stop_token_ids(tok, [ids["<|end|>"], ids["<|endoftext|>"]], template)
+    assert set(stops) == {ids["<|endoftext|>"], ids["<|return|>"], ids["<|call|>"]}
+
+
+@pytest.mark.parametrize(
+    "end, template",
+    [
+        ("<|end|>", "<|user|>\n{{ m.content }}<|end|>\n<|assistant|>\n"),  # phi3
+        ("<|im_end|>", "<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"),  # qwen2/3
+        ("<end_of_turn>", "<start_of_turn>user\n{{ m.content }}<end_of_turn>\n"),  # gemma
+    ],
+)
+def test_end_of_turn_tokens_the_template_uses_stop(end, template):
+    from engine.tokenizer import stop_token_ids
+
+    tok = _word_tokenizer(["</s>", end])
+    eos = tok.token_to_id("</s>")
+    assert stop_token_ids(tok, [eos, None, eos], template) == (eos, tok.token_to_id(end))
+    assert stop_token_ids(tok, [eos], "{{ m.content }}") == (eos,)  # a template without it: EOS only
+
+
+def test_directory_named_templates_and_generation_config(tmp_path):
+    import json
+
+    tok = _word_tokenizer(["<s>", "</s>", "<|im_end|>", "<|return|>"])
+    tok.save(str(tmp_path / "tokenizer.json"))
+    named = [
+        {"name": "default", "template": "{{ bos_token }}{% for m in messages %}{{ m.content }}<|im_end|>{% endfor %}"},
+        {"name": "tool_use", "template": "{{ tools | tojson }}{% for m in messages %}{{ m.content }}{% endfor %}"},
+    ]
+    config = {"bos_token": "<s>", "eos_token": {"content": "</s>"}, "chat_template": named, "add_bos_token": True}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 4]}))
+    bundle = load_tokenizer(tmp_path)
+    assert bundle.chat_template == named[0]["template"] and bundle.template_for(tools=False) == named[0]["template"]
+    assert bundle.template_for(tools=True) == named[1]["template"]
+    # </s>, generation_config's ids, then <|im_end|> because the default template uses it.
+    assert bundle.eos_token_ids == (3, 2, 4) and bundle.add_bos and not bundle.add_eos
+    assert bundle.encode("hi", add_special_tokens=True) == [2, 1]
+    (tmp_path / "chat_template.jinja").write_text("{{ messages[0].content }}")  # the file wins over the config
+    assert load_tokenizer(tmp_path).chat_template == "{{ messages[0].content }}"
