@@ -18,7 +18,8 @@ we build the ``tokenizers.Tokenizer`` those describe. Two vocabulary kinds:
   token, as llama.cpp and SentencePiece do.
 
 In both, control and unknown tokens become special added tokens and
-user-defined ones plain added tokens, so text naming them is never cut up.
+user-defined ones plain added tokens, so text naming them is never cut up
+(phi3's also take the whitespace after them, as its own tokenizer does).
 """
 
 from __future__ import annotations
@@ -64,6 +65,7 @@ NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 # Architectures whose pieces merge in file order rather than by score (transformers found the same).
 _RANK_BY_POSITION = ("gemma", "gemma2", "gemma3")
 SPACE = "\u2581"
+_PHI3_NO_RSTRIP = ("<unk>", "<s>", "<|endoftext|>")
 
 
 @dataclass(frozen=True)
@@ -183,15 +185,22 @@ def spm_merges(tokens: Sequence[str], types: Sequence[int], ranks: Sequence[floa
 
 
 def _add_special(tok: Tokenizer, vocab: GGUFVocab, spelled: list[str | None]) -> None:
-    """Control and unknown tokens as special added tokens, user-defined ones as plain added tokens."""
+    """Control and unknown tokens as special added tokens, user-defined ones as plain added tokens.
+
+    Phi-3's own ``tokenizer.json`` strips the whitespace after its chat tokens (``<|user|>\n`` is one
+    token), and llama.cpp does the same for a phi3 SentencePiece vocabulary: so do we, sparing
+    :data:`_PHI3_NO_RSTRIP`.
+    """
     known = tok.get_vocab()
+    rstrip = vocab.model == "llama" and vocab.architecture == "phi3"
     special, plain = [], []
     for t, ty in zip(spelled, vocab.types):
         if t is None or t not in known:
             continue
+        strip = rstrip and t not in _PHI3_NO_RSTRIP
         if ty in (CONTROL, UNKNOWN):
-            special.append(AddedToken(t, normalized=False, special=True))
+            special.append(AddedToken(t, normalized=False, special=True, rstrip=strip))
         elif ty == USER_DEFINED:
-            plain.append(AddedToken(t, normalized=False, special=False))
+            plain.append(AddedToken(t, normalized=False, special=False, rstrip=strip))
     tok.add_special_tokens(special)
     tok.add_tokens(plain)
