@@ -216,12 +216,12 @@ def _bundle(tok, bos, eos, bos_id, extra_eos, template, add_bos, pad, add_eos=Fa
 def stop_token_ids(tok: Tokenizer, eos_ids: Sequence[int | None], template: str) -> tuple[int, ...]:
     """The ids that end a turn: the artifact's EOS ids, then each :data:`END_OF_TURN` token the template uses.
 
-    A harmony vocabulary (gpt-oss: ``<|return|>`` and ``<|call|>``) always stops at those two and never at
-    ``<|end|>``, even where the file names it EOS: there it only closes a message (the analysis channel)
-    and the assistant's next message follows.
+    Harmony (gpt-oss: a vocabulary with ``<|return|>`` and ``<|call|>``, or a template with ``<|channel|>``)
+    always stops at those two and never at ``<|end|>``, even where the file names it EOS: there it only
+    closes a message (the analysis channel) and the assistant's next message follows.
     """
     ids = [*eos_ids, *(tok.token_to_id(t) for t in END_OF_TURN if t in template)]
-    if all(tok.token_to_id(t) is not None for t in HARMONY_TURN_ENDS):
+    if "<|channel|>" in template or all(tok.token_to_id(t) is not None for t in HARMONY_TURN_ENDS):
         # Harmony templates write past turns with <|end|>, so <|return|> may not appear in the text.
         ids = [*ids, *(tok.token_to_id(t) for t in HARMONY_TURN_ENDS)]
         ids = [i for i in ids if i != tok.token_to_id(HARMONY_MESSAGE_END)]

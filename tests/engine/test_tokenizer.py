@@ -218,3 +218,12 @@ def test_directory_named_templates_and_generation_config(tmp_path):
     assert bundle.encode("hi", add_special_tokens=True) == [2, 1]
     (tmp_path / "chat_template.jinja").write_text("{{ messages[0].content }}")  # the file wins over the config
     assert load_tokenizer(tmp_path).chat_template == "{{ messages[0].content }}"
+
+
+def test_harmony_template_alone_marks_harmony():
+    from engine.tokenizer import stop_token_ids
+
+    tok = _word_tokenizer(["<|end|>", "<|return|>"])  # a vocabulary without <|call|>
+    template = "<|start|>{{ m.role }}<|channel|>final<|message|>{{ m.content }}<|end|>"
+    assert stop_token_ids(tok, [], template) == (tok.token_to_id("<|return|>"),)
+    assert stop_token_ids(tok, [], "<|user|>{{ m.content }}<|end|>") == (tok.token_to_id("<|end|>"),)
