@@ -172,6 +172,7 @@ def _from_gguf(path: Path) -> TokenizerBundle:
         pre=get("tokenizer.ggml.pre"),
         add_space_prefix=bool(get("tokenizer.ggml.add_space_prefix", True)),
         architecture=get("general.architecture", ""),
+        unk_id=get("tokenizer.ggml.unknown_token_id"),
     )
     try:
         tok = build_gguf_tokenizer(vocab)

@@ -80,6 +80,7 @@ class GGUFVocab:
     pre: str | None = None
     add_space_prefix: bool = True
     architecture: str = ""
+    unk_id: int | None = None  # ``tokenizer.ggml.unknown_token_id``; else the first token typed unknown
 
 
 def build_gguf_tokenizer(vocab: GGUFVocab) -> Tokenizer:
@@ -151,6 +152,8 @@ def _sentencepiece(vocab: GGUFVocab) -> tuple[Tokenizer, list[str | None]]:
     for i, t in enumerate(tokens):
         ids.setdefault(t, i)
     unk = next((t for t, ty in zip(tokens, vocab.types) if ty == UNKNOWN), None)
+    if vocab.unk_id is not None and 0 <= vocab.unk_id < len(tokens):
+        unk = tokens[vocab.unk_id]
     tok = Tokenizer(
         models.BPE(vocab=ids, merges=spm_merges(tokens, types, ranks), unk_token=unk, fuse_unk=True, byte_fallback=True)
     )

@@ -296,6 +296,9 @@ def test_gemma_gguf_no_prefix_space_and_file_order(tmp_path):
             assert ids == spm_reference(text, tokens, types, scores, prefix=False), repr(text)
             assert ours.decode(ids) == text
     assert ours.encode("a    b") == [tokens.index("a"), tokens.index(SPACE * 4), tokens.index("b")]
+    ids = ours.encode(" lead, 🎉 and  runs")  # no prefix space to strip: the stream keeps the leading one
+    detok = IncrementalDetokenizer(ours)
+    assert "".join([detok.feed([i]) for i in ids] + [detok.flush()]) == " lead, 🎉 and  runs"
     assert ours.tokenizer.token_to_id("<end_of_turn>") in ours.eos_token_ids
 
 
