@@ -10,8 +10,10 @@ we build the ``tokenizers.Tokenizer`` those describe. Two vocabulary kinds:
 * ``llama``: SentencePiece BPE with byte fallback (llama 2, mistral v0.1-v0.3,
   mixtral, phi3, gemma 1-3). The file has pieces and scores but no merges:
   a pair merges when both halves and their concatenation are normal pieces,
-  the merged piece's score ranking it (gemma: its position in the file), as
-  SentencePiece and llama.cpp merge. ``▁`` stands for a space, ``<0xXX>``
+  the merged piece's score ranking it (gemma: its position in the file; equal
+  scores: the lower id first, so a file whose scores are all alike -- llama.cpp
+  writes -1000 for models it converts from tokenizer.json alone -- ranks by
+  position too), as SentencePiece and llama.cpp merge. ``▁`` stands for a space, ``<0xXX>``
   pieces spell bytes no piece covers, and with ``add_space_prefix`` (on unless
   the file says otherwise; gemma's says off) every stretch of text gets a
   leading ``▁`` -- the one at the start and each one following a special

@@ -247,6 +247,16 @@ def test_phi3_chat_tokens_swallow_the_whitespace_after_them(tmp_path):
     assert ours.encode("<|endoftext|> x")[1:] == ours.encode(" x")
 
 
+def test_constant_scores_rank_by_position(tmp_path):
+    """llama.cpp's converter scores every piece -1000 when a model has only tokenizer.json: file order decides."""
+    tokens, types, scores = _vocab(_pieces(), control=["[INST]", "[/INST]"])
+    source = _source(tokens, types, scores, prefix=True)
+    flat = [-1000.0 if ty == NORMAL else 0.0 for ty in types]
+    ours = load_tokenizer(_write_gguf(tmp_path / "hf_only.gguf", "llama", tokens, types, flat, prefix=True))
+    for text in TEXTS + WITH_SPECIALS[:2]:
+        assert ours.encode(text) == source.encode(text, add_special_tokens=False).ids, repr(text)
+
+
 def test_incremental_detokenizer_on_sentencepiece(llama_pair):
     ours, source = llama_pair
     prompt = ours.encode("<s>[INST] hi [/INST]")
