@@ -4,8 +4,14 @@ Templates come from model artifacts, i.e. from strangers: they run in
 ``jinja2.sandbox.ImmutableSandboxedEnvironment`` (no ``''.__class__`` escapes,
 no mutation of what we pass in), with the environment options and globals HF's
 ``apply_chat_template`` offers (``trim_blocks``, ``lstrip_blocks``,
-``loopcontrols``, a non-HTML-escaping ``tojson``, ``raise_exception``,
-``strftime_now``), so a template renders to the same prompt here as there.
+``loopcontrols``, the ``{% generation %}`` tag, a non-HTML-escaping ``tojson``,
+``raise_exception``, ``strftime_now``, ``dict``), and the messages prepared as
+it prepares them (keys holding None dropped; a message's reasoning, given as
+``reasoning_content``, ``thinking`` or ``reasoning``, under both
+``reasoning_content``, which qwen3 reads, and ``thinking``, which gpt-oss reads), so a template renders to the same prompt
+here as there. Model-specific variables (qwen3's ``enable_thinking``, gpt-oss's
+``reasoning_effort`` / ``builtin_tools`` / ``model_identity``) are plain
+template kwargs; :func:`template_variables` says which ones a template reads.
 """
 
 from __future__ import annotations
@@ -16,7 +22,11 @@ from functools import lru_cache
 
 import jinja2
 import jinja2.ext
+import jinja2.meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+# Names a message's reasoning may come under; each template reads one of them.
+REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 
 
 class ChatTemplateError(ValueError):
@@ -60,13 +70,40 @@ class _Namespace(jinja2.utils.Namespace):
             raise jinja2.exceptions.SecurityError(f"namespace attribute {name!r} is not allowed")
 
 
+class _Dict:
+    """``dict(...)`` for templates, without handing them the ``dict`` type itself."""
+
+    def __call__(self, *args, **kwargs):
+        return dict(*args, **kwargs)
+
+    def fromkeys(self, *args, **kwargs):
+        return dict.fromkeys(*args, **kwargs)
+
+
+class _Generation(jinja2.ext.Extension):
+    """``{% generation %}...{% endgeneration %}`` (marks assistant text for training masks): renders its body."""
+
+    tags = {"generation"}
+
+    def parse(self, parser):
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+    def _body(self, caller):
+        return caller()
+
+
 @lru_cache(maxsize=1)
 def _environment() -> ImmutableSandboxedEnvironment:
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols, _Generation]
+    )
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
     env.globals["namespace"] = _Namespace
+    env.globals["dict"] = _Dict()
     return env
 
 
@@ -77,6 +114,28 @@ def compile_template(template: str) -> jinja2.Template:
         return _environment().from_string(template)
     except jinja2.exceptions.TemplateSyntaxError as e:
         raise ChatTemplateError(f"chat template syntax error (line {e.lineno}): {e.message}") from None
+
+
+@lru_cache(maxsize=16)
+def template_variables(template: str) -> frozenset[str]:
+    """The variables ``template`` reads that it does not set itself (e.g. ``enable_thinking``, ``reasoning_effort``)."""
+    try:
+        return frozenset(jinja2.meta.find_undeclared_variables(_environment().parse(template)))
+    except jinja2.exceptions.TemplateSyntaxError as e:
+        raise ChatTemplateError(f"chat template syntax error (line {e.lineno}): {e.message}") from None
+
+
+def prepare_messages(messages: list[dict]) -> list[dict]:
+    """Copies of ``messages`` as templates expect them: no None values, reasoning under both names templates read."""
+    prepared = []
+    for message in messages:
+        m = {k: v for k, v in message.items() if v is not None} if isinstance(message, dict) else message
+        if isinstance(m, dict):
+            reasoning = next((m[k] for k in REASONING_FIELDS if m.get(k) is not None), None)
+            if reasoning is not None:
+                m = {"thinking": reasoning, **m, "reasoning_content": reasoning}
+        prepared.append(m)
+    return prepared
 
 
 def render_chat(
@@ -98,7 +157,7 @@ def render_chat(
     compiled = compile_template(template)
     try:
         return compiled.render(
-            messages=messages,
+            messages=prepare_messages(messages),
             tools=tools,
             add_generation_prompt=add_generation_prompt,
             bos_token=bos_token or "",

@@ -1,12 +1,10 @@
-"""Tokenizers for both artifact formats, and incremental detokenization.
+"""Tokenizers for both artifact formats, the tokens that stop a turn, and incremental detokenization.
 
 A Hugging Face directory carries ``tokenizer.json`` (used as is) plus
-``tokenizer_config.json`` / ``chat_template.jinja``. A GGUF file carries only
-metadata (``tokenizer.ggml.*``), from which we rebuild a byte-level BPE
-``tokenizers.Tokenizer`` the same way transformers does for ``gguf_file=``:
-the file's vocabulary and merges, the split regex its ``pre`` name implies
-(GPT-2's for names transformers has no table entry for, e.g. ``smollm``), and
-control tokens as special added tokens so they are never cut into pieces.
+``tokenizer_config.json`` / ``chat_template.jinja`` / ``generation_config.json``.
+A GGUF file carries only metadata (``tokenizer.ggml.*``), from which
+:mod:`engine.tokenizer_gguf` rebuilds the tokenizer (byte-level BPE or
+SentencePiece), with the chat template and special token ids beside it.
 """
 
 from __future__ import annotations
@@ -15,35 +13,41 @@ import json
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from functools import lru_cache
 from pathlib import Path
 
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer
 
-_LLAMA3_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_QWEN2_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-# GGUF ``tokenizer.ggml.pre`` names whose split differs from GPT-2's (as transformers maps them).
-PRE_SPLITS = {
-    **dict.fromkeys(["llama3", "llama-v3", "llama-bpe", "falcon3", "pixtral", "dbrx", "smaug-bpe"], _LLAMA3_SPLIT),
-    **dict.fromkeys(["qwen2", "deepseek-r1-qwen", "megrez"], _QWEN2_SPLIT),
-}
+from engine.tokenizer_gguf import GGUFVocab, build_gguf_tokenizer
+
 # Tokens that end a turn in common chat templates; they stop generation when the template uses them.
-END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>", "<|end_of_text|>")
-# Harmony (gpt-oss): a turn ends with <|return|> or a tool call's <|call|>; its <|end|> only closes one
-# message (the reasoning), after which the answer follows, so it must not stop generation.
-HARMONY_END_OF_TURN = ("<|return|>", "<|call|>")
-_CONTROL, _USER_DEFINED = 3, 4
+END_OF_TURN = (
+    "<|im_end|>",  # ChatML: qwen2/3, smollm, phi4
+    "<|eot_id|>",  # llama 3
+    "<|eom_id|>",
+    "<|end|>",  # phi3 (not gpt-oss: see HARMONY_MESSAGE_END)
+    "<end_of_turn>",  # gemma
+    "<|end_of_text|>",
+    "<|return|>",  # gpt-oss (harmony): the final answer is done
+    "<|call|>",  # gpt-oss: a tool call is done, the caller runs it
+)
+# In OpenAI's harmony format ``<|end|>`` closes one message (e.g. the analysis channel) and the
+# assistant goes on with the next; the turn ends at ``<|return|>`` or ``<|call|>``. So a vocabulary
+# with those never stops at ``<|end|>`` (llama.cpp drops it from its end-of-generation set too).
+HARMONY_MESSAGE_END, HARMONY_TURN_ENDS = "<|end|>", ("<|return|>", "<|call|>")
 
 
 @dataclass
 class TokenizerBundle:
-    """A tokenizer plus what the chat path needs around it."""
+    """A tokenizer plus what the chat path needs around it.
+
+    ``encode`` never lets ``tokenizer.json``'s post-processor add anything:
+    with ``add_special_tokens`` it adds BOS (``add_bos``, unless the text
+    already starts with it, as a chat template writing ``<s>`` itself does)
+    and EOS (``add_eos``) on its own terms, the same for both formats.
+    ``eos_token_ids`` are every id that ends a turn (EOS, the file's other
+    end ids, the end-of-turn tokens the template uses); ``chat_templates``
+    holds a directory's named templates when it has several.
+    """
 
     tokenizer: Tokenizer
     bos_token: str | None = None
@@ -54,16 +58,28 @@ class TokenizerBundle:
     add_bos: bool = False
     special_tokens: tuple[str, ...] = field(default_factory=tuple)
     pad_token: str | None = None
+    add_eos: bool = False
+    eos_token_id: int | None = None
+    chat_templates: dict[str, str] = field(default_factory=dict)
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         ids = self.tokenizer.encode(text, add_special_tokens=False).ids
         if add_special_tokens and self.add_bos and self.bos_token_id is not None:
             if not ids or ids[0] != self.bos_token_id:
                 ids = [self.bos_token_id, *ids]
+        if add_special_tokens and self.add_eos and self.eos_token_id is not None:
+            if not ids or ids[-1] != self.eos_token_id:
+                ids = [*ids, self.eos_token_id]
         return ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def template_for(self, *, tools: bool) -> str | None:
+        """The chat template to render with: a ``tool_use`` named template when there are tools (as transformers picks)."""
+        if tools and "tool_use" in self.chat_templates:
+            return self.chat_templates["tool_use"]
+        return self.chat_template
 
     @property
     def vocab_size(self) -> int:
@@ -111,7 +127,8 @@ def _from_directory(root: Path) -> TokenizerBundle:
         template = json.loads((root / "chat_template.json").read_text()).get("chat_template")
     else:
         template = cfg.get("chat_template")
-    if isinstance(template, list):  # named templates: take the default one
+    named: dict[str, str] = {}
+    if isinstance(template, list):  # named templates: "default" (else the first) unless a caller picks another
         named = {t["name"]: t["template"] for t in template}
         template = named.get("default", next(iter(named.values()), None))
     bos, eos = _token_str(cfg.get("bos_token")), _token_str(cfg.get("eos_token"))
@@ -121,28 +138,16 @@ def _from_directory(root: Path) -> TokenizerBundle:
     if gen_path.exists():
         e = json.loads(gen_path.read_text()).get("eos_token_id")
         extra_eos = list(e) if isinstance(e, list) else ([e] if e is not None else [])
-    # tokenizer.json's post-processor tells whether BOS is added (llama's adds it, qwen2's does not).
-    add_bos = bool(cfg.get("add_bos_token", False))
-    if bos_id is not None and "add_bos_token" not in cfg:
-        add_bos = tok.encode("a", add_special_tokens=True).ids[:1] == [bos_id]
-    return _bundle(tok, bos, eos, bos_id, extra_eos, template, add_bos, _token_str(cfg.get("pad_token")))
+    # Without a flag, tokenizer.json's post-processor tells whether BOS / EOS are added (llama's adds BOS).
+    probe = tok.encode("a", add_special_tokens=True).ids
+    add_bos = bool(cfg.get("add_bos_token", bos_id is not None and probe[:1] == [bos_id]))
+    eos_id = tok.token_to_id(eos) if eos else None
+    add_eos = bool(cfg.get("add_eos_token", eos_id is not None and probe[-1:] == [eos_id]))
+    pad = _token_str(cfg.get("pad_token"))
+    return _bundle(tok, bos, eos, bos_id, extra_eos, template, add_bos, pad, add_eos, named)
 
 
 # --- GGUF metadata ------------------------------------------------------------------------
-
-
-@lru_cache(maxsize=1)
-def _byte_alphabet() -> dict[int, str]:
-    """GPT-2's reversible byte -> printable character table."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return dict(zip(bs, (chr(c) for c in cs)))
 
 
 def _from_gguf(path: Path) -> TokenizerBundle:
@@ -151,81 +156,81 @@ def _from_gguf(path: Path) -> TokenizerBundle:
     fields = gguf.GGUFReader(str(path)).fields
 
     def get(key, default=None):
-        f = fields.get(f"tokenizer.{key}")
+        f = fields.get(key)
         return f.contents() if f is not None else default
 
-    kind = get("ggml.model")
-    if kind != "gpt2":
-        raise ValueError(f"{path.name}: tokenizer model {kind!r} is not supported (byte-level BPE 'gpt2' only)")
-    tokens: list[str] = get("ggml.tokens")
-    types: list[int] = get("ggml.token_type") or [1] * len(tokens)
-    merges = [tuple(m.split(" ", 1)) for m in get("ggml.merges") or []]
-    alphabet = set(_byte_alphabet().values())
-    spell = _byte_alphabet()
-    # A token outside the byte alphabet is written in plain UTF-8; re-spell it (as transformers does).
-    vocab = {t if set(t) <= alphabet else "".join(spell[b] for b in t.encode("utf-8")): i for i, t in enumerate(tokens)}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
-    split = PRE_SPLITS.get(get("ggml.pre"))
-    if split is None:
-        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    else:
-        tok.pre_tokenizer = pre_tokenizers.Sequence(
-            [
-                pre_tokenizers.Split(Regex(split), behavior="isolated"),
-                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-            ]
-        )
-    tok.decoder = decoders.ByteLevel()
-    # Control tokens outside the byte alphabet are llama.cpp mislabels; adding them would grow the vocab.
-    tok.add_special_tokens(
-        [
-            AddedToken(t, normalized=False, special=True)
-            for t, ty in zip(tokens, types)
-            if ty == _CONTROL and set(t) <= alphabet
-        ]
+    kind = get("tokenizer.ggml.model")
+    tokens = get("tokenizer.ggml.tokens")
+    if not tokens:
+        raise ValueError(f"{path.name}: tokenizer.ggml.tokens is missing (the file carries no vocabulary)")
+    vocab = GGUFVocab(
+        model=kind,
+        tokens=tokens,
+        types=get("tokenizer.ggml.token_type") or [1] * len(tokens),
+        scores=get("tokenizer.ggml.scores"),
+        merges=get("tokenizer.ggml.merges"),
+        pre=get("tokenizer.ggml.pre"),
+        add_space_prefix=bool(get("tokenizer.ggml.add_space_prefix", True)),
+        architecture=get("general.architecture", ""),
+        unk_id=get("tokenizer.ggml.unknown_token_id"),
     )
-    tok.add_tokens(
-        [
-            AddedToken(t, normalized=False, special=False)
-            for t, ty in zip(tokens, types)
-            if ty == _USER_DEFINED and t in vocab
-        ]
-    )
+    try:
+        tok = build_gguf_tokenizer(vocab)
+    except ValueError as e:
+        raise ValueError(f"{path.name}: {e}") from None
 
     def token_at(key):
-        i = get(key)
+        i = get(f"tokenizer.ggml.{key}")
         return (tokens[i], int(i)) if i is not None and 0 <= i < len(tokens) else (None, None)
 
-    bos, bos_id = token_at("ggml.bos_token_id")
-    eos, eos_id = token_at("ggml.eos_token_id")
-    pad, _ = token_at("ggml.padding_token_id")
-    extra = [eos_id] if eos_id is not None else []
-    return _bundle(tok, bos, eos, bos_id, extra, get("chat_template"), bool(get("ggml.add_bos_token", False)), pad)
+    bos, bos_id = token_at("bos_token_id")
+    eos, eos_id = token_at("eos_token_id")
+    pad, _ = token_at("padding_token_id")
+    # End-of-turn / end-of-message ids llama.cpp's converter records beside EOS.
+    stops = [i for _, i in (token_at("eos_token_id"), token_at("eot_token_id"), token_at("eom_token_id"))]
+    # llama.cpp adds BOS to a SentencePiece vocabulary whose file does not say otherwise.
+    add_bos = bool(get("tokenizer.ggml.add_bos_token", kind == "llama"))
+    add_eos = bool(get("tokenizer.ggml.add_eos_token", False))
+    template = get("tokenizer.chat_template")
+    return _bundle(tok, bos, eos, bos_id, [i for i in stops if i is not None], template, add_bos, pad, add_eos)
 
 
-def _bundle(tok, bos, eos, bos_id, extra_eos, template, add_bos, pad) -> TokenizerBundle:
+def _bundle(tok, bos, eos, bos_id, extra_eos, template, add_bos, pad, add_eos=False, named=None) -> TokenizerBundle:
     specials = tuple(t.content for t in tok.get_added_tokens_decoder().values() if t.special)
-    eos_ids: list[int] = []
-    candidates = [tok.token_to_id(eos) if eos else None, *extra_eos]
-    if template and "<|channel|>" in template:
-        candidates = [i for i in candidates if i != tok.token_to_id("<|end|>")]
-        candidates += [tok.token_to_id(t) for t in HARMONY_END_OF_TURN]
-    else:
-        candidates += [tok.token_to_id(t) for t in END_OF_TURN if template and t in template]
-    for i in candidates:
-        if i is not None and i not in eos_ids:
-            eos_ids.append(int(i))
+    eos_id = tok.token_to_id(eos) if eos else None
     return TokenizerBundle(
         tokenizer=tok,
         bos_token=bos,
         eos_token=eos,
         bos_token_id=bos_id,
-        eos_token_ids=tuple(eos_ids),
+        eos_token_ids=stop_token_ids(tok, [eos_id, *extra_eos], " ".join([template or "", *(named or {}).values()])),
         chat_template=template,
         add_bos=add_bos,
         special_tokens=specials,
         pad_token=pad,
+        add_eos=add_eos,
+        eos_token_id=eos_id,
+        chat_templates=dict(named or {}),
     )
+
+
+def stop_token_ids(tok: Tokenizer, eos_ids: Sequence[int | None], template: str) -> tuple[int, ...]:
+    """The ids that end a turn: the artifact's EOS ids, then each :data:`END_OF_TURN` token the template uses.
+
+    Harmony (gpt-oss: a vocabulary with ``<|return|>`` and ``<|call|>``, or a template with ``<|channel|>``)
+    always stops at those two and never at ``<|end|>``, even where the file names it EOS: there it only
+    closes a message (the analysis channel) and the assistant's next message follows.
+    """
+    ids = [*eos_ids, *(tok.token_to_id(t) for t in END_OF_TURN if t in template)]
+    if "<|channel|>" in template or all(tok.token_to_id(t) is not None for t in HARMONY_TURN_ENDS):
+        # Harmony templates write past turns with <|end|>, so <|return|> may not appear in the text.
+        ids = [*ids, *(tok.token_to_id(t) for t in HARMONY_TURN_ENDS)]
+        ids = [i for i in ids if i != tok.token_to_id(HARMONY_MESSAGE_END)]
+    stops: list[int] = []
+    for i in ids:
+        if i is not None and int(i) not in stops:
+            stops.append(int(i))
+    return tuple(stops)
 
 
 # --- incremental detokenization -----------------------------------------------------------

@@ -141,3 +141,12 @@ def test_responses_reasoning_effort_is_echoed_and_refused_without_a_switch(token
     assert (info.value.param, info.value.code) == ("reasoning.effort", "unsupported")
     prep = response_prepare(response_parse({"input": "x", "reasoning": {"effort": "none"}}), None)
     assert prep.base["reasoning"]["effort"] == "none"
+
+
+def test_reasoning_effort_reaches_a_template_that_reads_it():
+    served = _served("Reasoning: {{ reasoning_effort | default('medium') }}")  # gpt-oss's harmony
+    for effort, shown in (("high", "high"), ("low", "low"), ("none", "low"), (None, "medium")):
+        body = {"messages": MSG, **({"reasoning_effort": effort} if effort else {})}
+        assert chat_prompt(parse_chat_request(body), served)[0] == f"Reasoning: {shown}"
+    body = {"messages": MSG, "reasoning_effort": "high", "chat_template_kwargs": {"reasoning_effort": "low"}}
+    assert chat_prompt(parse_chat_request(body), served)[0] == "Reasoning: low"
