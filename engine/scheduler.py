@@ -265,7 +265,7 @@ class Scheduler:
                 continue  # finished while the round ran
             kept = spec.accepted(seq, drafts, out.decode_tokens[rows])
             if drafts:
-                name = seq.drafter.name
+                name = spec.source(seq)
                 self.spec_drafted[name] = self.spec_drafted.get(name, 0) + len(drafts)
                 self.spec_accepted[name] = self.spec_accepted.get(name, 0) + len(kept) - 1
             # Rows whose input was committed hold valid K/V: the lane's token and the kept drafts.

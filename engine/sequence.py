@@ -66,7 +66,8 @@ class Sequence:
     num_computed_tokens: int = 0  # positions whose K/V are written
     num_cached_tokens: int = 0  # prompt tokens claimed from retained state
     # Speculation (engine/spec): the drafter that proposes this sequence's next tokens (None:
-    # it never speculates), its k controller, and drafts proposed / accepted so far.
+    # it never speculates), its k controller, and the request's prediction tokens drafted /
+    # accepted so far (Predicted Outputs' usage).
     drafter: object | None = None
     k_control: object | None = None
     num_drafted: int = 0

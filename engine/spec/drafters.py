@@ -95,12 +95,17 @@ class PredictionDrafter:
     ``cursor`` is the prediction index the next output token is expected to match
     (None: lost). A committed token equal to ``prediction[cursor]`` advances it; any
     other loses it, and the output's last n tokens are then looked up in the
-    prediction (its own n-gram index) to find the place again.
+    prediction (its own n-gram index) to find the place again. While lost (or past
+    its end) it proposes what ``fallback`` does (prompt lookup over the sequence),
+    and ``source`` says which of the two the last proposal came from.
     """
 
     name = "prediction"
 
-    def __init__(self, prediction: Sequence[int], prompt_len: int, min_n: int = 2, max_n: int = 6) -> None:
+    def __init__(self, prediction: Sequence[int], prompt_len: int, min_n: int = 2, max_n: int = 6,
+                 fallback: PromptLookup | None = None) -> None:  # fmt: skip
+        self.fallback = fallback
+        self.source = self.name
         self.prediction = [int(t) for t in prediction]
         self.index = NgramIndex(min_n, max_n)
         self.index.extend(self.prediction)
@@ -109,6 +114,8 @@ class PredictionDrafter:
         self._prompt_left = prompt_len  # the first tokens committed are the prompt's: not followed
 
     def commit(self, tokens: Sequence[int]) -> None:
+        if self.fallback is not None:
+            self.fallback.commit(tokens)
         skip = min(self._prompt_left, len(tokens))
         self._prompt_left -= skip
         for t in tokens[skip:]:
@@ -121,6 +128,12 @@ class PredictionDrafter:
             self.cursor = self.index.continuation(self._recent)
 
     def propose(self, k: int) -> list[int]:
-        if k <= 0 or self.cursor is None:
+        if k <= 0:
             return []
-        return self.prediction[self.cursor : self.cursor + k]
+        if self.cursor is not None and self.cursor < len(self.prediction):
+            self.source = self.name
+            return self.prediction[self.cursor : self.cursor + k]
+        if self.fallback is None:
+            return []
+        self.source = self.fallback.name
+        return self.fallback.propose(k)

@@ -22,10 +22,11 @@ def attach_drafter(seq: Sequence, cfg: EngineConfig, prediction_token_ids: list[
     """Give ``seq`` a drafter fed with its prompt (none for constrained or decide requests)."""
     if seq.is_decide or seq.constraint is not None:
         return
+    lookup = PromptLookup(min_n=min(2, cfg.spec_ngram), max_n=max(1, cfg.spec_ngram))
     if prediction_token_ids:
-        seq.drafter = PredictionDrafter(prediction_token_ids, prompt_len=seq.num_prompt_tokens)
+        seq.drafter = PredictionDrafter(prediction_token_ids, prompt_len=seq.num_prompt_tokens, fallback=lookup)
     else:
-        seq.drafter = PromptLookup(min_n=min(2, cfg.spec_ngram), max_n=max(1, cfg.spec_ngram))
+        seq.drafter = lookup
     seq.drafter.commit(seq.prompt_token_ids)
     seq.drafter.commit(seq.output_token_ids)  # a recompute keeps its output
     seq.k_control = AdaptiveK(max_k=cfg.spec_max_draft)
@@ -50,11 +51,18 @@ def lane_rows(seq: Sequence, drafts: list[int]) -> list[DecodeLane]:
 
 
 def accepted(seq: Sequence, drafts: list[int], sampled: list[int]) -> list[int]:
-    """The tokens ``seq`` commits from its rows' samples; the k controller and counters learn."""
+    """The tokens ``seq`` commits from its rows' samples; the k controller and, for drafts from the
+    request's prediction, its counters learn."""
     if not drafts:
         return list(sampled)
     kept = accept_sampled(drafts, sampled)
-    seq.num_drafted += len(drafts)
-    seq.num_accepted += len(kept) - 1
+    if source(seq) == "prediction":
+        seq.num_drafted += len(drafts)
+        seq.num_accepted += len(kept) - 1
     seq.k_control.update(len(drafts), len(kept) - 1)
     return kept
+
+
+def source(seq: Sequence) -> str:
+    """Which drafter proposed ``seq``'s last drafts (a prediction falls back to prompt lookup)."""
+    return getattr(seq.drafter, "source", seq.drafter.name)

@@ -226,3 +226,13 @@ def test_truncate_forgets_the_loop():
     assert g.tokens[:keep] == [9] + span
     g.truncate(keep)
     assert all(g.push(t) is None for t in [42, 43])
+
+
+def test_a_lost_prediction_falls_back_to_prompt_lookup():
+    d = PredictionDrafter([50, 51, 52], prompt_len=4, fallback=PromptLookup(2, 3))
+    d.commit([1, 2, 3, 4])
+    assert d.propose(2) == [50, 51] and d.source == "prediction"
+    d.commit([1, 2])  # not the prediction: lost; "1 2" was followed by 3 in the prompt
+    assert d.propose(2) == [3, 4] and d.source == "prompt_lookup"
+    d.commit([50, 51])  # back on the prediction
+    assert d.propose(2) == [52] and d.source == "prediction"
