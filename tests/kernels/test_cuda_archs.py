@@ -179,11 +179,7 @@ def random_weights(d, cfg, seed=0) -> dict[str, np.ndarray]:
         plus_one.add("model.norm.weight")
     out = {}
     for name, shape in d.tensors(cfg).items():
-        if name.endswith("mlp.gate.weight"):
-            # Router logits spread wide: a route decided by a bf16 rounding (a near-tie among the
-            # experts, not among the tokens) would make greedy diverge where no logit is near a tie.
-            w = rng.standard_normal(shape) / math.sqrt(shape[1]) * 12.0
-        elif len(shape) == 2:
+        if len(shape) == 2:
             w = rng.standard_normal(shape) / math.sqrt(shape[1]) * (1.0 if "embed" in name else 1.5)
         elif name.endswith("sinks"):
             w = rng.standard_normal(shape) * 1.5
@@ -257,7 +253,7 @@ def test_prefill_logits_match_numpy(model):
 
 
 def test_greedy_matches_numpy_and_is_width_invariant(model):
-    from tests.kernels.test_cuda_model import _run_lanes, prefill_logits
+    from tests.kernels.test_cuda_model import _run_lanes
 
     kind, cfg, ref, be = model
     rng = np.random.default_rng(2)
@@ -276,9 +272,32 @@ def test_greedy_matches_numpy_and_is_width_invariant(model):
             continue
         j = next(k for k in range(len(a)) if a[k] != b[k])
         seq = prompts[i] + a[:j]
+        assert near_tie(ref, seq), f"{kind}: lane {i} diverged at {j}"
+
+
+def near_tie(ref, seq: list[int]) -> bool:
+    """Whether the next token after ``seq`` hangs on a rounding (the numpy reference's view): its two
+    best logits within 2% of the largest, or, in a MoE model, a route at the last position that a
+    rounding could flip (the k-th and (k+1)-th experts' router probabilities within 0.01)."""
+    import engine.backends.numpy.ops as ops
+    from tests.kernels.test_cuda_model import prefill_logits
+
+    gaps = []
+    real = ops.route
+
+    def watched(logits, top_k, normalize):
+        p = np.sort(ops.softmax_inplace(np.array(logits[-1:], dtype=np.float32))[0])[::-1]
+        if top_k < len(p):
+            gaps.append(float(p[top_k - 1] - p[top_k]))
+        return real(logits, top_k, normalize)
+
+    ops.route = watched
+    try:
         logits = prefill_logits(ref, seq, list(range(100, 100 + -(-len(seq) // 16))))
-        top2 = np.sort(logits)[-2:]
-        assert top2[1] - top2[0] < 0.02 * (np.abs(logits).max() + 1e-6), f"{kind}: lane {i} diverged at {j}"
+    finally:
+        ops.route = real
+    top2 = np.sort(logits)[-2:]
+    return bool(top2[1] - top2[0] < 0.02 * (np.abs(logits).max() + 1e-6) or (gaps and min(gaps) < 0.01))
 
 
 def test_released_window_pages_are_never_read(model):

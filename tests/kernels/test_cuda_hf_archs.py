@@ -16,9 +16,8 @@ from tests.kernels.gpu import requires_cuda
 pytestmark = [*requires_cuda, pytest.mark.slow]
 
 DIMS = dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
-            head_dim=64, max_position_embeddings=2048, initializer_range=0.05, pad_token_id=0, bos_token_id=1,
+            head_dim=64, max_position_embeddings=2048, initializer_range=0.02, pad_token_id=0, bos_token_id=1,
             eos_token_id=2)  # fmt: skip
-ROUTERS = ("mlp.gate.weight", "block_sparse_moe.gate.weight", "mlp.router.weight")
 
 
 def build(arch: str, path):
@@ -49,7 +48,7 @@ def build(arch: str, path):
     elif arch in ("gemma2", "gemma3"):
         from tests.models.tiny_gemma import tiny_gemma
 
-        model = tiny_gemma(arch, **{**DIMS, "query_pre_attn_scalar": 64, "initializer_range": 0.05})
+        model = tiny_gemma(arch, **{**DIMS, "query_pre_attn_scalar": 64})
     elif arch == "gpt_oss":
         from tests.models.tiny_gpt_oss import write_checkpoint
 
@@ -57,12 +56,11 @@ def build(arch: str, path):
         model = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     else:
         raise ValueError(arch)
-    with torch.no_grad():
+    with torch.no_grad():  # norms off their initial constant, so a wrong one shows
         for name, p in model.named_parameters():
-            if name.endswith("norm.weight") and arch not in ("gemma2", "gemma3"):
-                p.normal_(1.0, 0.2)
-            if name.endswith(ROUTERS):  # wide router margins: a route must not hang on a bf16 rounding
-                p.mul_(10.0)
+            if name.endswith("norm.weight"):
+                p.normal_(0.0 if arch in ("gemma2", "gemma3") else 1.0, 0.1)
+            p.copy_(p.to(torch.bfloat16).float())  # the weights a bf16 checkpoint holds, on both sides
     model.save_pretrained(path)
     (path / "generation_config.json").unlink(missing_ok=True)
     return model.eval()
@@ -74,6 +72,7 @@ def test_the_cuda_backend_matches_transformers_and_numpy(arch, tmp_path):
 
     from engine.backends import create_backend
     from engine.loaders import load_artifact
+    from tests.kernels.test_cuda_archs import near_tie
     from tests.kernels.test_cuda_model import _run_lanes, cosine, prefill_logits
 
     model = build(arch, tmp_path)
@@ -98,9 +97,7 @@ def test_the_cuda_backend_matches_transformers_and_numpy(arch, tmp_path):
             if a == b:
                 continue
             j = next(k for k in range(len(a)) if a[k] != b[k])
-            logits = prefill_logits(ref, prompts[i] + a[:j], list(range(100, 100 + -(-(len(prompts[i]) + j) // 16))))
-            top2 = np.sort(logits)[-2:]
-            assert top2[1] - top2[0] < 0.02 * (np.abs(logits).max() + 1e-6), f"{arch}: lane {i} diverged at {j}"
+            assert near_tie(ref, prompts[i] + a[:j]), f"{arch}: lane {i} diverged at {j}"
     finally:
         be.unload()
         ref.unload()
