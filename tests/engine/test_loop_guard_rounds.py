@@ -1,0 +1,213 @@
+"""The loop guard and the thinking budget through the scheduler: a scripted model that loops inside
+its reasoning, taken back between rounds, the end of the thinking forced and fed, exact books."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+
+import pytest
+
+from engine.config import EngineConfig
+from engine.kv_manager import KVManager
+from engine.messages import AddRequest, RequestFinished, TokenEvent
+from engine.scheduler import Scheduler
+from tests.engine.fake_backend import FakeBackend, FakeClock
+
+START, END, CLOSE = [3, 4], [5, 6], [5, 6, 7]  # <think>, </think>, "</think>\n\n"
+STOP = 2
+PREAMBLE = [40, 41, 42, 43, 44]
+LOOP = list(range(10, 20))  # a 10-token span the model repeats forever
+ANSWER = [30, 31, 32, 33]
+
+
+def _find(context: Sequence[int], tag: list[int]) -> int:
+    """Where the last occurrence of ``tag`` in ``context`` ends (-1: none)."""
+    for i in range(len(context) - len(tag), -1, -1):
+        if list(context[i : i + len(tag)]) == tag:
+            return i + len(tag)
+    return -1
+
+
+class ThinkingBackend(FakeBackend):
+    """The fake's KV books (every token read back from the slots its table names) with a scripted
+    model: inside ``<think>`` a preamble, then LOOP forever (or, ``distinct``, never repeating); after
+    the close, the answer and a stop. Outside any reasoning it loops too."""
+
+    distinct = False
+
+    def next_token(self, context: Sequence[int]) -> int:
+        closed, opened = _find(context, CLOSE), _find(context, START)
+        if closed > opened >= 0:
+            n = len(context) - closed
+            return ANSWER[n] if n < len(ANSWER) else STOP
+        n = len(context) - max(opened, 0)
+        if self.distinct:
+            return 100 + n
+        return PREAMBLE[n] if n < len(PREAMBLE) else LOOP[(n - len(PREAMBLE)) % len(LOOP)]
+
+
+def reasoning(open_: bool = True, budget: int | None = None, guard: bool = True) -> dict:
+    return {"start_ids": [START], "end_ids": [END], "close_ids": CLOSE, "open": open_, "max_tokens": budget,
+            "guard": guard}  # fmt: skip
+
+
+def run(reqs: list[AddRequest], *, rows: int = 0, distinct: bool = False, num_blocks: int = 64, check=None, **cfg):
+    cfg = EngineConfig(decode_lanes=4, prefill_chunk=16, max_context=512, block_size=4, **cfg)
+    kv = KVManager(num_blocks, 4, 64)
+    sched = Scheduler(cfg, kv, clock=FakeClock(), seed_rng=random.Random(0), max_round_rows=rows)
+    backend = ThinkingBackend(num_blocks, 4, 64)
+    backend.distinct = distinct
+    backend.load(None, {}, block_size=4, kv_budget_bytes=None, host_kv_budget_bytes=0, max_context=512)
+    for r in reqs:
+        assert sched.add_request(r) is None
+    events: dict[str, list] = {r.request_id: [] for r in reqs}
+    while sched.has_work:
+        plan = sched.schedule()
+        assert len(plan.decode) <= max(rows, len(sched.running))
+        for out in sched.update_from_output(plan, backend.step(plan)):
+            events[out.request_id].append(out)
+        for seq in sched.running:  # the books: no page past the tokens held, none missing behind the K/V
+            assert kv.blocks_for(seq.num_computed_tokens) <= len(seq.block_table) <= kv.blocks_for(seq.num_tokens)
+            assert seq.num_computed_tokens <= seq.num_tokens - 1
+        if check:
+            check(sched, backend)
+    assert kv.usage()["used"] == 0 and kv.num_available_blocks == num_blocks
+    return events, sched, backend
+
+
+def request(rid: str = "r0", *, max_tokens: int = 80, prompt: list[int] | None = None, **kw) -> AddRequest:
+    prompt = prompt if prompt is not None else [1, 50, 51, 52, *START]
+    return AddRequest(rid, "c", prompt, max_tokens, sampling={"temperature": 0}, stop_token_ids=[STOP], **kw)
+
+
+def streamed(events: list) -> list[int]:
+    return [t for e in events if isinstance(e, TokenEvent) for t in e.token_ids]
+
+
+def finished(events: list) -> RequestFinished:
+    (done,) = [e for e in events if isinstance(e, RequestFinished)]
+    return done
+
+
+@pytest.mark.parametrize("rows", [0, 16])
+def test_a_loop_is_taken_back_and_the_answer_follows(rows):
+    (events,), sched, backend = (lambda e, s, b: (list(e.values()), s, b))(
+        *run([request(reasoning=reasoning())], rows=rows)
+    )
+    # The guard fires when the span has occurred three times: 5 + 30 reasoning tokens streamed.
+    fired = [i for i, e in enumerate(events) if isinstance(e, TokenEvent) and e.taken_back_reason]
+    assert len(fired) == 1
+    marker = events[fired[0]]
+    assert (marker.taken_back, marker.taken_back_reason, marker.token_ids) == (20, "loop", CLOSE)
+    before = streamed(events[: fired[0]])
+    assert before == PREAMBLE + LOOP * 3
+    # The forced close was fed (the model saw it in its KV slots), so the answer follows, then the stop.
+    assert streamed(events[fired[0] + 1 :]) == ANSWER
+    done = finished(events)
+    assert done.finish_reason == "stop"
+    assert done.completion_tokens == 35 + len(CLOSE) + len(ANSWER) + 1  # every generated token, the stop too
+    assert done.taken_back_tokens == 20
+    stats = sched.make_stats()
+    assert stats.loop_guard_fired == {"loop": 1} and stats.loop_guard_taken_back == 20
+    # The slots of the last round hold the kept reasoning, then the forced close where the loop was.
+    table = backend.plans[-1].decode[0].block_table
+    kept = [1, 50, 51, 52, *START, *PREAMBLE, *LOOP, *CLOSE, *ANSWER]
+    assert backend._read(table, len(kept)) == kept
+
+
+def test_books_right_after_the_take_back():
+    seen = []
+
+    def check(sched, backend):
+        for seq in sched.running:
+            if seq.num_taken_back and not seen:
+                seen.append((list(seq.output_token_ids), seq.num_computed_tokens, len(seq.block_table)))
+
+    run([request(reasoning=reasoning())], check=check)
+    output, computed, blocks = seen[0]
+    assert output == PREAMBLE + LOOP + CLOSE
+    assert computed == 6 + 15  # the prompt and the kept reasoning: the forced tokens are still to feed
+    assert blocks == -(-(6 + 15 + 3) // 4)  # pages for exactly the new length
+
+
+def test_forced_rows_and_drafts_stay_within_the_round():
+    counts = []
+    reqs = [request(f"r{i}", reasoning=reasoning()) for i in range(4)]
+    run(reqs, rows=5, check=lambda s, b: counts.append(len(b.plans[-1].decode)))
+    assert max(counts) <= 5
+
+
+@pytest.mark.parametrize("budget", [1, 7, 12])
+def test_the_budget_closes_the_thinking_at_exactly_n_tokens(budget):
+    events, sched, _ = run([request(reasoning=reasoning(budget=budget))], distinct=True)
+    events = events["r0"]
+    (i,) = [i for i, e in enumerate(events) if isinstance(e, TokenEvent) and e.taken_back_reason]
+    assert (events[i].taken_back, events[i].taken_back_reason) == (0, "budget")
+    assert streamed(events[:i]) == [100 + n for n in range(budget)]
+    assert streamed(events[i:]) == CLOSE + ANSWER
+    assert finished(events).completion_tokens == budget + len(CLOSE) + len(ANSWER) + 1
+    assert sched.make_stats().loop_guard_fired == {"budget": 1}
+
+
+def test_a_budget_of_zero_closes_before_the_first_token():
+    events = run([request(reasoning=reasoning(budget=0))], distinct=True)[0]["r0"]
+    assert streamed(events) == CLOSE + ANSWER
+    assert events[0].taken_back_reason == "budget" and events[0].ttft is not None
+
+
+def test_no_take_back_outside_the_reasoning():
+    # No start tag in the prompt, and the model's loop is its answer: nothing is taken back.
+    events, sched, _ = run([request(prompt=[1, 50, 51, 52], max_tokens=60, reasoning=reasoning(open_=False))])
+    assert all(not e.taken_back_reason for e in events["r0"] if isinstance(e, TokenEvent))
+    assert len(streamed(events["r0"])) == 60 and finished(events["r0"]).finish_reason == "length"
+    assert sched.make_stats().loop_guard_fired == {}
+
+
+def test_the_watch_opens_on_a_start_tag_in_the_output_and_shuts_on_the_end_tag():
+    from engine.spec.reasoning import ReasoningWatch
+
+    watch = ReasoningWatch.from_request(reasoning(open_=False), EngineConfig())
+    output: list[int] = []
+
+    def commit(tokens):
+        due = None
+        for t in tokens:
+            output.append(t)
+            due = due or watch.commit(output)
+        return due
+
+    assert commit(LOOP * 3) is None  # outside the channel a loop is the answer's business
+    assert commit(START) is None and watch.inside and watch.begin == len(output)
+    assert commit([60, 61, *END]) is None and not watch.inside and watch.count == 4  # closed by the model
+    assert commit(LOOP * 3) is None
+    assert commit([*START, *PREAMBLE]) is None
+    reason, keep, span = commit(LOOP * 3)
+    assert (reason, span) == ("loop", 10) and output[:keep] == output[: watch.begin] + PREAMBLE + LOOP
+
+
+def test_turned_off_the_guard_lets_the_loop_run_to_the_length_cap():
+    events, sched, _ = run([request(max_tokens=50, reasoning=reasoning())], loop_guard=False)
+    assert len(streamed(events["r0"])) == 50 and finished(events["r0"]).finish_reason == "length"
+    assert sched.make_stats().loop_guard_fired == {}
+
+
+@pytest.mark.parametrize("max_tokens", [35, 36, 37, 38, 40])
+def test_the_length_cap_counts_every_generated_token(max_tokens):
+    events = run([request(max_tokens=max_tokens, reasoning=reasoning())], rows=16)[0]["r0"]
+    done = finished(events)
+    assert done.finish_reason == "length" and done.completion_tokens == max_tokens
+    assert len(streamed(events)) == max_tokens
+
+
+def test_a_stop_token_in_the_answer_ends_it_exactly():
+    events = run([request(reasoning=reasoning())], rows=16)[0]["r0"]
+    assert finished(events).finish_reason == "stop" and streamed(events)[-len(ANSWER) :] == ANSWER
+
+
+def test_preempted_lanes_still_feed_their_forced_tokens():
+    reqs = [request(f"r{i}", reasoning=reasoning()) for i in range(4)]
+    alone = streamed(run([request(reasoning=reasoning())])[0]["r0"])
+    events, sched, _ = run(reqs, num_blocks=24, rows=16)
+    assert sched.counters["preempted"] > 0
+    assert all(streamed(e) == alone for e in events.values())
