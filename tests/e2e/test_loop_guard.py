@@ -9,6 +9,7 @@ SmolLM2 loops inside that reasoning, and the guard takes the loop back.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +19,7 @@ import pytest
 
 from tests.e2e.server import free_port, start_server
 from tests.e2e.test_metrics import Scrape
+from tests.models.tiny import link_default_gguf
 
 pytestmark = pytest.mark.e2e
 MODEL = "smollm2-think"
@@ -49,11 +51,19 @@ def thinking_gguf(default_gguf: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory, default_gguf_path):
-    path = thinking_gguf(default_gguf_path)
+    root = tmp_path_factory.mktemp("loop-guard")
+    models = root / "models"
+    link_default_gguf(models, default_gguf_path)
+    path = models / MODEL / "model.gguf"  # artifacts must lie inside the models directory
+    path.parent.mkdir()
+    try:
+        os.link(thinking_gguf(default_gguf_path), path)
+    except OSError:
+        shutil.copy2(thinking_gguf(default_gguf_path), path)
     metrics_port = free_port()
     flags = ("--model-id", MODEL, "--model-path", str(path), "--model-idle-unload", "0",
              "--server-metrics-bind", f"127.0.0.1:{metrics_port}")  # fmt: skip
-    proc, base = start_server(tmp_path_factory.mktemp("loop-guard"), *flags)
+    proc, base = start_server(root, *flags, env_extra={"IGNIS_SERVER_MODELS_DIR": str(models)})
     client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=120)
     yield proc, client, f"http://127.0.0.1:{metrics_port}/metrics"
     proc.stop()
