@@ -97,6 +97,7 @@ def test_a_reasoning_loop_is_taken_back_and_the_answer_follows(served):
     assert "reasoning" not in order[first_marker:] and "content" not in order[:first_marker]
     taken = markers[0]["tokens"]
     assert usage.completion_tokens_details.model_extra["taken_back_tokens"] == taken
+    assert usage.completion_tokens == 48  # max_tokens caps every generated token, the taken-back ones too
     after = Scrape(metrics)
     assert (
         after.value("ignis_loop_guard_fired_total", reason="loop")

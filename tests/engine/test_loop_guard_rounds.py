@@ -138,9 +138,10 @@ def test_forced_rows_and_drafts_stay_within_the_round():
     assert max(counts) <= 5
 
 
+@pytest.mark.parametrize("rows", [0, 16])
 @pytest.mark.parametrize("budget", [1, 7, 12])
-def test_the_budget_closes_the_thinking_at_exactly_n_tokens(budget):
-    events, sched, _ = run([request(reasoning=reasoning(budget=budget))], distinct=True)
+def test_the_budget_closes_the_thinking_at_exactly_n_tokens(budget, rows):
+    events, sched, _ = run([request(reasoning=reasoning(budget=budget))], distinct=True, rows=rows)
     events = events["r0"]
     (i,) = [i for i, e in enumerate(events) if isinstance(e, TokenEvent) and e.taken_back_reason]
     assert (events[i].taken_back, events[i].taken_back_reason) == (0, "budget")
@@ -211,3 +212,50 @@ def test_preempted_lanes_still_feed_their_forced_tokens():
     events, sched, _ = run(reqs, num_blocks=24, rows=16)
     assert sched.counters["preempted"] > 0
     assert all(streamed(e) == alone for e in events.values())
+
+
+# -- a real backend: the forced rows write the K/V a plain prefill would -------------------------------
+
+
+@pytest.mark.parametrize("rows", [0, 16])
+@pytest.mark.parametrize("cut", ["loop", "budget"])
+def test_numpy_backend_continues_as_if_the_kept_output_and_the_forced_close_were_the_prompt(rows, cut):
+    """After a take-back the numpy backend's next tokens are the ones a fresh prefill of prompt + kept
+    output + forced close gives: the forced rows wrote the right K/V over the loop's."""
+    from engine.backend import DecodeLane, PrefillSpan, StepOutput
+    from tests.engine.test_hf_parity import BLOCK, GREEDY, load_backend, random_model
+
+    model = random_model()
+    backend = load_backend(*model)
+    cfg = EngineConfig(decode_lanes=2, prefill_chunk=16, max_context=256, block_size=BLOCK, loop_guard_min_span=64)
+    sched = Scheduler(cfg, KVManager(48, BLOCK, 8), seed_rng=random.Random(0), max_round_rows=rows)
+    prompt, close = [5, 9, 17, 33, 2, 71, 3, 4], [120, 121, 122]
+    spec = {"start_ids": [[3, 4]], "end_ids": [[120, 121]], "close_ids": close, "open": True,
+            "max_tokens": 20 if cut == "budget" else None}  # fmt: skip
+    assert sched.add_request(AddRequest("r", "c", prompt, 40, sampling={"temperature": 0}, reasoning=spec)) is None
+    seq = sched.seqs["r"]
+    context, answer = None, []
+    while sched.has_work:
+        plan = sched.schedule()
+        outs = sched.update_from_output(plan, backend.step(plan))
+        if cut == "loop" and context is None and len(seq.output_token_ids) >= 24:  # between rounds, as on a loop
+            sched._take_back(seq, "loop", 11, 6, 0.0, outs)
+        for o in outs:
+            if isinstance(o, TokenEvent) and context is not None:
+                answer += o.token_ids
+            if isinstance(o, TokenEvent) and o.taken_back_reason:
+                context = prompt + list(seq.output_token_ids)
+                assert o.token_ids == close and seq.num_computed_tokens < len(context) - 1
+    assert context[-len(close) :] == close and len(answer) >= 6
+    assert len(context) - len(prompt) - len(close) == (11 if cut == "loop" else 20)
+    # The reference: a fresh cache, prompt + the kept output + the forced close prefilled, then greedy.
+    ref = load_backend(*model)
+    out = StepOutput()
+    ref.prefill(PrefillSpan(0, context, 0, list(range(8)), sample=GREEDY), out)
+    expected = [out.prefill_token]
+    while len(expected) < 6:
+        step_out = StepOutput()
+        lane = DecodeLane(0, expected[-1], len(context) + len(expected) - 1, list(range(8)), GREEDY)
+        ref.decode_round([lane], step_out)
+        expected.append(step_out.decode_tokens[0])
+    assert answer[:6] == expected
