@@ -377,7 +377,6 @@ class Scheduler:
         seq.reasoning.closed(reason, dropped)
         self.kv.rewind(seq, seq.num_prompt_tokens + keep)
         spec.reattach_drafter(seq, self.cfg)
-        self.counters["decoded_tokens"] += len(forced)
         self.loop_guard_fired[reason] = self.loop_guard_fired.get(reason, 0) + 1
         self.loop_guard_taken_back += dropped
         extra = {"request_id": seq.request_id, "reason": reason, "span": span, "taken_back": dropped}

@@ -259,3 +259,59 @@ def test_numpy_backend_continues_as_if_the_kept_output_and_the_forced_close_were
         ref.decode_round([lane], step_out)
         expected.append(step_out.decode_tokens[0])
     assert answer[:6] == expected
+
+
+def _cuda_take_back_stream(be, plan, rows: int) -> tuple[list[int], list[int]]:
+    """One reasoning request on ``be``: taken back between rounds after 40 tokens, to 13 kept."""
+    cfg = EngineConfig(decode_lanes=2, prefill_chunk=256, max_context=1024, block_size=16, loop_guard_min_span=64)
+    sched = Scheduler(cfg, KVManager(plan.num_blocks, 16, 0), seed_rng=random.Random(0), max_round_rows=rows)
+    prompt = [5, 9, 17, 33, 2, 71, 30, 40] * 3
+    spec = {"start_ids": [[3, 4]], "end_ids": [[300, 301]], "close_ids": [300, 301, 302], "open": True}
+    assert sched.add_request(AddRequest("r", "c", prompt, 80, sampling={"temperature": 0}, reasoning=spec)) is None
+    seq, stream, context = sched.seqs["r"], [], None
+    while sched.has_work:
+        step = sched.schedule()
+        assert len(step.decode) <= max(rows, len(sched.running))
+        outs = sched.update_from_output(step, be.step(step))
+        if context is None and seq.status.name == "DECODING" and len(seq.output_token_ids) >= 40:
+            sched._take_back(seq, "loop", 13, 9, 0.0, outs)
+            context = prompt + list(seq.output_token_ids)
+        stream += [t for o in outs if isinstance(o, TokenEvent) for t in o.token_ids]
+    return stream, context
+
+
+@pytest.mark.slow
+@pytest.mark.gpu
+def test_cuda_backend_feeds_the_forced_rows_as_a_fresh_prefill_would():
+    """The CUDA backend after a take-back: the same stream whether the forced tokens go one a round or
+    as rows of one round, and the answer a fresh prefill of the kept output and the close gives."""
+    from tests.kernels.gpu import cuda_available
+
+    if not cuda_available():
+        pytest.skip("needs PyCUDA and a CUDA device")
+    from engine.backends import create_backend
+    from engine.model_config import ModelConfig
+    from engine.models import definition
+    from tests.kernels.test_cuda_archs import random_weights
+
+    cfg = ModelConfig(arch="llama", vocab_size=384, hidden_size=256, intermediate_size=512, num_layers=3,
+                      num_heads=4, num_kv_heads=2, head_dim=64, max_position=2048, tie_word_embeddings=True)  # fmt: skip
+    be = create_backend("cuda")
+    plan = be.load(cfg, random_weights(definition("llama"), cfg, seed=3), block_size=16, kv_budget_bytes=64 << 20,
+                   host_kv_budget_bytes=0, max_context=1024)  # fmt: skip
+    try:
+        one, context = _cuda_take_back_stream(be, plan, 0)
+        many, _ = _cuda_take_back_stream(be, plan, be.max_round_rows)
+        assert many == one and len(one) == 80 + 40 - 13
+        answer = one[40 + 3 :]  # after the 40 streamed and the forced close
+        # The reference: the kept context as a prompt, prefilled, then greedy.
+        ref_cfg = EngineConfig(decode_lanes=2, prefill_chunk=256, max_context=1024, block_size=16, loop_guard=False)
+        sched = Scheduler(ref_cfg, KVManager(plan.num_blocks, 16, 0), seed_rng=random.Random(0))
+        assert sched.add_request(AddRequest("ref", "c", context, 8, sampling={"temperature": 0})) is None
+        ref = []
+        while sched.has_work:
+            step = sched.schedule()
+            ref += [t for o in sched.update_from_output(step, be.step(step)) if isinstance(o, TokenEvent) for t in o.token_ids]  # fmt: skip
+        assert answer[:8] == ref
+    finally:
+        be.unload()
