@@ -315,3 +315,39 @@ def test_cuda_backend_feeds_the_forced_rows_as_a_fresh_prefill_would():
         assert answer[:8] == ref
     finally:
         be.unload()
+
+
+def test_under_a_released_window_the_cut_never_goes_behind_the_released_pages():
+    from engine.kv_manager import RELEASED
+
+    class Windowed(ThinkingBackend):
+        releases_window_pages = True
+        window = 12
+
+        def _read(self, table, n):
+            lo = max(0, n - self.window)
+            assert all(table[p // self.block_size] != RELEASED for p in range(lo, n)), "read a released block"
+            return [self.device[table[p // self.block_size]][p % self.block_size] for p in range(lo, n)]
+
+    cfg = EngineConfig(decode_lanes=2, prefill_chunk=16, max_context=512, block_size=4, loop_guard_min_span=4)
+    kv = KVManager(64, 4, 16)
+    sched = Scheduler(cfg, kv, clock=FakeClock(), seed_rng=random.Random(0), kv_window=12, max_round_rows=8)
+    backend = Windowed(64, 4, 16)
+    assert sched.add_request(request(max_tokens=60, reasoning=reasoning())) is None
+    seq, events, released_at_cut = sched.seqs["r0"], [], []
+    while sched.has_work:
+        plan = sched.schedule()
+        before = seq.num_released_blocks
+        for out in sched.update_from_output(plan, backend.step(plan)):
+            events.append(out)
+            if isinstance(out, TokenEvent) and out.taken_back_reason:
+                released_at_cut.append((before, seq.num_prompt_tokens + len(seq.output_token_ids) - len(CLOSE)))
+    (marker,) = [e for e in events if isinstance(e, TokenEvent) and e.taken_back_reason]
+    assert marker.taken_back > 0
+    released, kept_end = released_at_cut[0]
+    assert kept_end >= released * 4 + 12  # the forced rows read only pages still held
+    done = finished(events)
+    assert done.completion_tokens == len([t for e in events if isinstance(e, TokenEvent) for t in e.token_ids]) + (
+        done.finish_reason == "stop"
+    )
+    assert kv.usage()["used"] == 0
