@@ -229,6 +229,7 @@ class Choice:
         self.prediction_tokens = (0, 0)  # Predicted Outputs: (accepted, rejected), from RequestFinished
         self.taken_back: list[dict] = []  # take-backs (loop guard, thinking budget): {tokens, reason}
         self.taken_back_tokens = 0  # from RequestFinished
+        self.forcing = False  # the token being fed was forced (a take-back's end of thinking): not reasoning
         self.finish_reason: str | None = None
         self.logprobs: list[dict] = []  # engine items, all of them
         self.pending_logprobs: list[dict] = []  # not yet attached to a streamed chunk
@@ -275,6 +276,7 @@ class MultiRequestConsumer(OpenAIHttpConsumer):
         lps = msg.get("logprobs") or []
         for i, token_id in enumerate(msg["token_ids"]):
             choice.num_tokens += 1
+            choice.forcing = bool(msg.get("taken_back_reason"))
             if i < len(lps):
                 choice.logprobs.append(lps[i])
                 choice.pending_logprobs.append(lps[i])

@@ -83,6 +83,10 @@ def test_the_marker_streams_between_the_reasoning_and_the_answer(offline, tokeni
     usage = parsed[-1].usage
     assert usage.completion_tokens_details.model_extra["taken_back_tokens"] == 3
     assert usage.completion_tokens == len(tokenizer.encode(LOOP)) + len(add.reasoning["close_ids"]) + 3
+    # The reasoning the model wrote, after its opening tag; the forced close is not counted.
+    assert usage.completion_tokens_details.reasoning_tokens == len(tokenizer.encode(LOOP)) - len(
+        tokenizer.encode("<think>")
+    )
 
 
 def test_the_whole_message_lists_its_take_backs(offline, tokenizer):  # noqa: F811

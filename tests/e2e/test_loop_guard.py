@@ -123,6 +123,7 @@ def test_a_thinking_budget_closes_the_reasoning_in_responses(served):
     reasoning = resp.output[0]
     assert reasoning.model_extra["taken_back"] == [{"tokens": 0, "reason": "budget"}]
     assert resp.output_text
+    assert resp.usage.output_tokens_details.reasoning_tokens == 4  # the forced end tag is not the model's reasoning
     assert resp.usage.output_tokens_details.model_extra.get("taken_back_tokens") is None  # nothing taken back
 
 

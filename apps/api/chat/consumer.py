@@ -74,7 +74,7 @@ class ChatCompletionsConsumer(MultiRequestConsumer):
             await self.write(self._chunk(choice, {"role": "assistant", "content": ""}))
 
     async def on_token(self, choice: Choice, token_id: int) -> None:
-        if choice.splitter.mode == "reasoning":
+        if choice.splitter.mode == "reasoning" and not choice.forcing:
             choice.reasoning_tokens += 1
         events = choice.splitter.feed(choice.text.feed([token_id]))
         if self.prep.request.stream:

@@ -334,9 +334,10 @@ class ResponseRun:
         events: list[dict] = []
         if msg.get("taken_back_reason"):
             events += self.events.take_back({"tokens": msg.get("taken_back", 0), "reason": msg["taken_back_reason"]})
+        forced = bool(msg.get("taken_back_reason"))  # the end of thinking a take-back forced: not reasoning
         for token_id in msg["token_ids"]:
             self.num_tokens += 1
-            events += self.events.feed(self.text.feed([token_id]), 1)
+            events += self.events.feed(self.text.feed([token_id]), 0 if forced else 1)
         return events
 
     def finished(self, msg: dict) -> list[dict]:
