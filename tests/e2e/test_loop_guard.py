@@ -108,8 +108,8 @@ def test_a_reasoning_loop_is_taken_back_and_the_answer_follows(served):
         - before.value("ignis_loop_guard_taken_back_tokens_total")
         == taken
     )
-    (event,) = [e for e in proc.events() if e.get("event") == "ignis.loop_guard.taken_back"]
-    assert event["reason"] == "loop" and event["taken_back"] == taken and event["span"] > 0
+    events = [e for e in proc.events() if e.get("event") == "ignis.loop_guard.taken_back" and e["reason"] == "loop"]
+    assert events[-1]["taken_back"] == taken and events[-1]["span"] > 0 and events[-1]["request_id"]
 
 
 def test_a_thinking_budget_closes_the_reasoning_in_responses(served):
@@ -137,3 +137,25 @@ def test_bad_budget_fields_are_refused_naming_them(served):
     with pytest.raises(openai.BadRequestError) as err:
         client.responses.create(model=MODEL, input="hi", extra_body={"reasoning": {"effort": "huge"}})
     assert err.value.body["param"] == "reasoning.effort"
+
+
+def test_the_guard_turns_off_live(served):
+    import httpx
+
+    _, client, metrics = served
+    base = str(client.base_url).rstrip("/").removesuffix("/v1")
+
+    def patch(on: bool) -> None:
+        r = httpx.patch(base + "/v1/config", json={"spec.loop_guard": on}, timeout=60)
+        assert r.status_code == 200, r.text
+
+    patch(False)
+    try:
+        before = Scrape(metrics).value("ignis_loop_guard_fired_total", reason="loop")
+        resp = client.chat.completions.create(model=MODEL, messages=LOOPY, max_completion_tokens=36, temperature=0)
+        msg = resp.choices[0].message
+        assert "taken_back" not in (msg.model_extra or {}) and resp.choices[0].finish_reason == "length"
+        assert not msg.content  # still looping inside the reasoning when the cap came
+        assert Scrape(metrics).value("ignis_loop_guard_fired_total", reason="loop") == before
+    finally:
+        patch(True)
