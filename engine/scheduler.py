@@ -48,7 +48,7 @@ from engine.pacing import PrefillPacer
 from engine.refusals import refusal
 from engine.sequence import Sequence, SequenceStatus
 from engine.spec import rounds as spec
-from engine.spec.reasoning import ReasoningWatch
+from engine.spec.reasoning import ReasoningWatch, cut_back
 from engine.status import SchedulerStats
 
 S = SequenceStatus
@@ -362,21 +362,9 @@ class Scheduler:
         return seq.status != S.DECODING
 
     def _take_back(self, seq: Sequence, reason: str, keep: int, span: int, now: float, outputs: list) -> None:
-        """Cut ``seq``'s output back to ``keep`` tokens and force the end of its thinking: the
-        output, the computed tokens and the pages past the new length all go, the drafter
-        forgets, and the forced tokens wait as rows of the lane's next rounds. Never behind
-        pages already released behind a sliding window (the new rows would read them)."""
-        if self.kv_window is not None:
-            floor = seq.num_released_blocks * self.kv.block_size + self.kv_window - seq.num_prompt_tokens
-            keep = max(keep, min(floor, len(seq.output_token_ids)))
-        dropped = len(seq.output_token_ids) - keep
-        del seq.output_token_ids[keep:]
-        seq.num_taken_back += dropped
-        forced = seq.reasoning.close_ids[: seq.num_remaining_tokens]
-        seq.output_token_ids += forced
-        seq.reasoning.closed(reason, dropped)
-        self.kv.rewind(seq, seq.num_prompt_tokens + keep)
-        spec.reattach_drafter(seq, self.cfg)
+        """Cut ``seq``'s output back to ``keep`` tokens and force the end of its thinking
+        (engine.spec.reasoning.cut_back); count, log and tell the client."""
+        forced, dropped = cut_back(seq, self.kv, self.cfg, reason, keep, self.kv_window)
         self.loop_guard_fired[reason] = self.loop_guard_fired.get(reason, 0) + 1
         self.loop_guard_taken_back += dropped
         extra = {"request_id": seq.request_id, "reason": reason, "span": span, "taken_back": dropped}

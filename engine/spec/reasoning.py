@@ -14,8 +14,9 @@ output token by token and answers when a take-back is due:
   tokens inside the channel count; the start tag's, committed outside, do not);
   keep everything.
 
-The scheduler then cuts the output back, appends ``close_ids`` as forced
-tokens and tells the watch (``closed``). A later start tag opens the channel
+The scheduler then cuts the output back and appends ``close_ids`` as forced
+tokens (``cut_back``: the output, the computed tokens, the pages past the new
+length and the drafter's index all follow), and the watch is shut (``closed``). A later start tag opens the channel
 again (with a fresh guard); the budget counts every reasoning token so far, so a
 reopened channel past it closes at once.
 """
@@ -26,6 +27,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
+from engine.kv_manager import KVManager
+from engine.sequence import Sequence as Seq
+from engine.spec import rounds
 from engine.spec.loop_guard import LoopGuard
 
 LOOP, BUDGET = "loop", "budget"
@@ -101,3 +105,25 @@ class ReasoningWatch:
         self.take_backs.append((reason, taken_back))
         if self.guard is not None:
             self.guard.truncate(0)
+
+
+def cut_back(
+    seq: Seq, kv: KVManager, cfg: EngineConfig, reason: str, keep: int, kv_window: int | None
+) -> tuple[list[int], int]:
+    """Keep ``seq``'s first ``keep`` output tokens and force the end of its thinking after them;
+    returns (the forced tokens, how many were taken back). Only positions before the cut keep their
+    K/V; the pages past the new length go back and the drafter forgets what was cut. The forced
+    tokens wait as known tokens: the lane feeds them as rows of its next rounds (rounds.lane_rows).
+    Never behind pages already released behind a sliding window (the new rows would read them)."""
+    if kv_window is not None:
+        floor = seq.num_released_blocks * kv.block_size + kv_window - seq.num_prompt_tokens
+        keep = max(keep, min(floor, len(seq.output_token_ids)))
+    dropped = len(seq.output_token_ids) - keep
+    del seq.output_token_ids[keep:]
+    seq.num_taken_back += dropped
+    forced = seq.reasoning.close_ids[: seq.num_remaining_tokens]
+    seq.output_token_ids += forced
+    seq.reasoning.closed(reason, dropped)
+    kv.rewind(seq, seq.num_prompt_tokens + keep)
+    rounds.reattach_drafter(seq, cfg)
+    return forced, dropped
