@@ -36,6 +36,11 @@ class EngineConfig:
     spec_enabled: bool = True  # spec.enabled: speculative rounds (prompt lookup, Predicted Outputs)
     spec_max_draft: int = 8  # spec.max_draft: drafts a lane proposes at most in one round
     spec_ngram: int = 4  # spec.ngram: longest n-gram prompt lookup matches (down to 2)
+    # The reasoning loop guard (engine/spec/loop_guard.py, spec.loop_guard*): read at admission.
+    loop_guard: bool = True  # spec.loop_guard
+    loop_guard_min_span: int = 8  # spec.loop_guard_min_span: shortest repeating span that counts
+    loop_guard_max_span: int = 256  # spec.loop_guard_max_span: longest span watched
+    loop_guard_count: int = 3  # spec.loop_guard_count: back-to-back occurrences that fire it
     cuda: CudaTuning = field(default_factory=CudaTuning)
 
     def to_dict(self) -> dict:

@@ -245,6 +245,12 @@ class KVManager:
         while len(seq.block_table) > keep:
             self._release(seq.block_table.pop())
 
+    def rewind(self, seq: Sequence, num_valid: int) -> None:
+        """``seq``'s output was cut back (a take-back): only positions < ``num_valid`` keep their
+        K/V; blocks past ``seq.num_tokens`` go back. Output positions are never hashed."""
+        seq.num_computed_tokens = min(seq.num_computed_tokens, num_valid)
+        self.trim(seq, seq.num_tokens)
+
     def free(self, seq: Sequence) -> None:
         """Drop ``seq``'s device and host blocks; hashed (prompt) blocks stay retained.
         Released tail-first so the LRU evicts a prompt's tail before its head."""

@@ -55,6 +55,11 @@ class AddRequest(_Msg):
     decide_token_ids: list[int] | None = None
     # OpenAI Predicted Outputs: the tokens the client expects the answer to contain (drafts).
     prediction_token_ids: list[int] | None = None
+    # The reasoning channel (engine/spec/reasoning.py), None: not watched. Keys: ``start_ids`` and
+    # ``end_ids`` (lists of alternative tokenizations of the start and end tags), ``close_ids`` (forced
+    # to end the thinking: the end tag and what follows it), ``open`` (the prompt opened the channel),
+    # ``max_tokens`` (the thinking budget, None: none), ``guard`` (the loop guard may watch).
+    reasoning: dict | None = None
 
 
 @dataclass
@@ -78,6 +83,11 @@ class TokenEvent(_Msg):
     # AddRequest.prompt_logprobs: on the first event (or RequestFinished when none was sent),
     # one item per prompt position after the first, shaped as ``logprobs``.
     prompt_logprobs: list[dict] | None = None
+    # A take-back (the loop guard or the thinking budget): before ``token_ids`` (the forced end of the
+    # thinking), this many already-streamed tokens were taken back, for ``taken_back_reason``
+    # (loop | budget; None: no take-back in this event).
+    taken_back: int = 0
+    taken_back_reason: str | None = None
 
 
 @dataclass
@@ -97,6 +107,8 @@ class RequestFinished(_Msg):
     # Predicted Outputs (AddRequest.prediction_token_ids): prediction tokens drafted and kept / rejected.
     accepted_prediction_tokens: int = 0
     rejected_prediction_tokens: int = 0
+    # Tokens taken back by the loop guard (counted in completion_tokens: they were generated and sent).
+    taken_back_tokens: int = 0
 
 
 @dataclass

@@ -39,6 +39,16 @@ def token_event(seq: Sequence, token: int, lp: TokenLogprob | None, ttft: float 
     return event
 
 
+def take_back_event(seq: Sequence, forced: list[int], taken_back: int, reason: str, ttft: float | None) -> TokenEvent:
+    """The event of a take-back: ``taken_back`` streamed tokens are gone, ``forced`` end the thinking."""
+    event = TokenEvent(seq.request_id, [int(t) for t in forced], None, seq.num_cached_tokens, ttft)
+    if seq.want_logprobs:  # forced, not sampled: no alternatives, certain
+        event.logprobs = [{"token_id": int(t), "logprob": 0.0, "top": []} for t in forced]
+    event.taken_back, event.taken_back_reason = taken_back, reason
+    event.prompt_logprobs = take_prompt_logprobs(seq)
+    return event
+
+
 def request_finished(seq: Sequence, logits: np.ndarray | None = None) -> RequestFinished:
     """The last message of a finished ``seq``. A decide request passes its last-position
     ``logits``: back come the log-softmax values of its ``decide_token_ids`` when it named
@@ -47,11 +57,12 @@ def request_finished(seq: Sequence, logits: np.ndarray | None = None) -> Request
         seq.request_id,
         seq.finish_reason or "stop",
         seq.num_prompt_tokens,
-        len(seq.output_token_ids),
+        seq.num_generated,
         seq.num_cached_tokens,
         None,
         take_prompt_logprobs(seq),
     )
+    done.taken_back_tokens = seq.num_taken_back
     if getattr(seq.drafter, "name", None) == "prediction":
         done.accepted_prediction_tokens = seq.num_accepted
         done.rejected_prediction_tokens = seq.num_drafted - seq.num_accepted

@@ -19,12 +19,19 @@ Invariants:
 * with ``kv_window`` (engine.kv_manager.release_window: every layer slides and
   the backend never reads behind the window), each round first gives back a
   decoding sequence's blocks wholly behind the window of the position it
-  feeds, so its pages stay bounded by the window however long it generates.
+  feeds, so its pages stay bounded by the window however long it generates;
+* a request's reasoning (AddRequest.reasoning) is watched as it commits
+  (engine/spec/reasoning.py): when the loop guard fires or the thinking budget
+  is spent, the output is cut back between rounds (``_take_back``: output,
+  computed tokens and pages), the end of the thinking is appended as forced
+  tokens, and the lane feeds them as rows of its next rounds
+  (engine/spec/rounds.lane_rows) before it samples again.
 """
 
 from __future__ import annotations
 
 import bisect
+import logging
 import random
 import time
 from collections.abc import Callable, Iterable
@@ -36,14 +43,16 @@ from engine.backend import PrefillSpan, StepOutput, StepPlan, TokenLogprob
 from engine.config import EngineConfig
 from engine.kv_manager import KVManager
 from engine.messages import AddRequest, RequestFailed, RequestFinished
-from engine.outputs import EngineOutput, logprob_item, request_finished, token_event
+from engine.outputs import EngineOutput, logprob_item, request_finished, take_back_event, token_event
 from engine.pacing import PrefillPacer
 from engine.refusals import refusal
 from engine.sequence import Sequence, SequenceStatus
 from engine.spec import rounds as spec
+from engine.spec.reasoning import ReasoningWatch, cut_back
 from engine.status import SchedulerStats
 
 S = SequenceStatus
+log = logging.getLogger("ignis.engine")
 
 
 def _insort(queue: list[Sequence], seq: Sequence) -> None:
@@ -93,6 +102,9 @@ class Scheduler:
         # Speculation, by drafter name: drafts proposed and accepted; verify rounds and their tokens.
         self.spec_drafted: dict[str, int] = {}
         self.spec_accepted: dict[str, int] = {}
+        # The loop guard and the thinking budget: take-backs by reason, and the tokens taken back.
+        self.loop_guard_fired: dict[str, int] = {}
+        self.loop_guard_taken_back = 0
 
     # -- requests in and out -------------------------------------------------
 
@@ -120,6 +132,8 @@ class Scheduler:
             self.counters["refused"] += 1
             return seq
         spec.attach_drafter(seq, self.cfg, msg.prediction_token_ids)
+        if seq.constraint is None and not seq.is_decide:  # a grammar's state cannot be cut back
+            seq.reasoning = ReasoningWatch.from_request(msg.reasoning, self.cfg)
         self.next_seq_id += 1
         self.seqs[seq.request_id] = self.by_seq_id[seq.seq_id] = seq
         _insort(self.waiting, seq)
@@ -159,11 +173,20 @@ class Scheduler:
         return plan
 
     def _plan_rows(self, plan: StepPlan) -> None:
-        """Every decoding lane's rows: one, plus its drafts while the round has rows to spare
-        (better-ranked lanes first) and the pool has pages for them without preempting."""
-        spare = self.max_round_rows - len(self.running) if self.cfg.spec_enabled else 0
+        """Every decoding lane's rows: one, plus (better-ranked lanes first, while the round has rows
+        to spare) the forced tokens it is behind on after a take-back, or else its drafts when the
+        pool has pages for them without preempting. A backend of one row a lane feeds forced
+        tokens one a round."""
+        spare = max(0, self.max_round_rows - len(self.running))
         for seq in self.running:
-            drafts = spec.drafts_for(seq, min(spare, self.cfg.spec_max_draft))
+            behind = spec.num_behind(seq)
+            if behind:
+                known = 1 + min(behind, spare)
+                spare -= known - 1
+                plan.decode += spec.lane_rows(seq, [], known)
+                continue
+            budget = min(spare, self.cfg.spec_max_draft) if self.cfg.spec_enabled else 0
+            drafts = spec.drafts_for(seq, budget)
             if drafts and not self.kv.append_slots(seq, seq.num_tokens + len(drafts)):
                 drafts = []
             if drafts:
@@ -176,8 +199,8 @@ class Scheduler:
         lowest-ranked lanes while the pool is dry. Pages behind the window go back
         first, so the round's growth can reuse them."""
         if self.kv_window is not None:
-            for seq in self.running:  # feeding position num_tokens - 1 reads from num_tokens - window on
-                self.kv.release_behind(seq, seq.num_tokens - self.kv_window)
+            for seq in self.running:  # feeding position p (its first without K/V) reads from p + 1 - window on
+                self.kv.release_behind(seq, seq.num_computed_tokens + 1 - self.kv_window)
         for seq in list(self.running):
             while seq.status == S.DECODING and not self.kv.append_slots(seq, seq.num_tokens):
                 self._preempt(self.running[-1], plan)
@@ -257,12 +280,20 @@ class Scheduler:
         i = 0
         while i < len(plan.decode):
             lane = plan.decode[i]
+            end = i + 1  # a lane's rows are consecutive
+            while end < len(plan.decode) and plan.decode[end].seq_id == lane.seq_id:
+                end += 1
             drafts = plan.drafts.get(lane.seq_id, [])
-            rows = slice(i, i + len(drafts) + 1)
-            i = rows.stop
+            last_known = lane.position + (end - i) - len(drafts) - 1  # the last row feeding a known token
+            rows = slice(end - len(drafts) - 1, end)
+            i = end
             seq = self.by_seq_id.get(lane.seq_id)
             if seq is None or seq.status != S.DECODING:
                 continue  # finished while the round ran
+            if last_known < seq.num_tokens - 1:  # still behind on forced tokens: nothing to sample yet
+                self.kv.mark_computed(seq, last_known + 1)
+                continue
+            lane = plan.decode[rows.start]
             kept = spec.accepted(seq, drafts, out.decode_tokens[rows])
             if drafts:
                 name = spec.source(seq)
@@ -271,9 +302,8 @@ class Scheduler:
             # Rows whose input was committed hold valid K/V: the lane's token and the kept drafts.
             self.kv.mark_computed(seq, lane.position + len(kept))
             for token, lp in zip(kept, logprobs[rows]):
-                self._append_token(seq, token, lp, now, outputs)
-                if seq.status != S.DECODING:
-                    break  # a stop or the length cap inside the kept run: the rest is dropped
+                if self._append_token(seq, token, lp, now, outputs):
+                    break  # a stop, the length cap or a take-back inside the kept run: the rest is dropped
             if drafts and seq.status == S.DECODING:
                 self.kv.trim(seq, seq.num_tokens)  # pages taken only for rejected drafts go back
         return outputs
@@ -300,11 +330,15 @@ class Scheduler:
         seq.status = S.DECODING
         _insort(self.running, seq)
         assert out.prefill_token is not None, "the last prefill chunk carried a SampleRequest"
+        if seq.reasoning is not None and not seq.output_token_ids and seq.reasoning.due_now():
+            self._take_back(seq, "budget", 0, 0, now, outputs)  # a budget of 0: the sample is not used
+            return
         self._append_token(seq, out.prefill_token, out.prefill_logprob, now, outputs)
 
     def _append_token(
         self, seq: Sequence, token: int, lp: TokenLogprob | None, now: float, outputs: list[EngineOutput]
-    ) -> None:
+    ) -> bool:
+        """Commit ``token``; True when the lane's round ends here (it finished, or took back)."""
         seq.output_token_ids.append(int(token))
         if seq.constraint is not None:
             seq.constraint.consume(token)
@@ -320,7 +354,27 @@ class Scheduler:
             outputs.append(token_event(seq, token, lp, ttft))
         if stopped:
             outputs.append(self._finish(seq, S.FINISHED_STOPPED))
-        elif len(seq.output_token_ids) >= seq.max_tokens:
+        elif seq.num_generated >= seq.max_tokens:
+            outputs.append(self._finish(seq, S.FINISHED_LENGTH))
+        elif seq.reasoning is not None and (due := seq.reasoning.commit(seq.output_token_ids)) is not None:
+            self._take_back(seq, *due, now, outputs)
+            return True
+        return seq.status != S.DECODING
+
+    def _take_back(self, seq: Sequence, reason: str, keep: int, span: int, now: float, outputs: list) -> None:
+        """Cut ``seq``'s output back to ``keep`` tokens and force the end of its thinking
+        (engine.spec.reasoning.cut_back); count, log and tell the client."""
+        forced, dropped = cut_back(seq, self.kv, self.cfg, reason, keep, self.kv_window)
+        self.loop_guard_fired[reason] = self.loop_guard_fired.get(reason, 0) + 1
+        self.loop_guard_taken_back += dropped
+        extra = {"request_id": seq.request_id, "reason": reason, "span": span, "taken_back": dropped}
+        log.info("ignis.loop_guard.taken_back", extra=extra)
+        ttft = None
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+            ttft = now - seq.arrival_time
+        outputs.append(take_back_event(seq, forced, dropped, reason, ttft))
+        if seq.num_generated >= seq.max_tokens:
             outputs.append(self._finish(seq, S.FINISHED_LENGTH))
 
     def _finish(self, seq: Sequence, status: SequenceStatus, logits: np.ndarray | None = None) -> RequestFinished:
@@ -371,5 +425,7 @@ class Scheduler:
             round_seconds=self.pacer.round_seconds,
             spec_drafted=dict(self.spec_drafted),
             spec_accepted=dict(self.spec_accepted),
+            loop_guard_fired=dict(self.loop_guard_fired),
+            loop_guard_taken_back=self.loop_guard_taken_back,
             **self.counters,
         )

@@ -72,6 +72,10 @@ class Sequence:
     k_control: object | None = None
     num_drafted: int = 0
     num_accepted: int = 0
+    # The reasoning channel (engine.spec.reasoning.ReasoningWatch; None: not watched) and the output
+    # tokens taken back from the books so far (they were generated and streamed: they count).
+    reasoning: object | None = None
+    num_taken_back: int = 0
 
     @property
     def rank(self) -> tuple[int, int]:
@@ -98,8 +102,20 @@ class Sequence:
         return FINISH_REASON.get(self.status)
 
     @property
+    def num_generated(self) -> int:
+        """Tokens generated so far: the output plus those taken back (what max_tokens caps)."""
+        return len(self.output_token_ids) + self.num_taken_back
+
+    @property
     def num_remaining_tokens(self) -> int:
-        return max(0, self.max_tokens - len(self.output_token_ids))
+        return max(0, self.max_tokens - self.num_generated)
+
+    def token_ids_at(self, start: int, end: int) -> list[int]:
+        """The sequence's tokens at positions ``start`` to ``end`` (prompt, then output)."""
+        p = self.num_prompt_tokens
+        if start >= p:
+            return self.output_token_ids[start - p : end - p]
+        return self.prompt_token_ids[start:end] + self.output_token_ids[: max(0, end - p)]
 
     @property
     def holds_lane(self) -> bool:

@@ -47,6 +47,8 @@ class SchedulerStats:
     prefill_chunks: int = 0
     spec_drafted: dict[str, int] = field(default_factory=dict)  # by drafter: drafts proposed
     spec_accepted: dict[str, int] = field(default_factory=dict)  # ... and accepted
+    loop_guard_fired: dict[str, int] = field(default_factory=dict)  # take-backs by reason: loop | budget
+    loop_guard_taken_back: int = 0  # output tokens those take-backs took back
 
 
 @dataclass

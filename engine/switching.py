@@ -18,7 +18,17 @@ from engine.messages import SwitchModel
 from engine.model_config import ModelConfig
 
 # Live engine fields (applied without a reload) and the worker's own timings.
-LIVE_FIELDS = ("prefill_chunk", "decode_share", "default_max_tokens", "spec_enabled", "spec_max_draft")
+LIVE_FIELDS = (
+    "prefill_chunk",
+    "decode_share",
+    "default_max_tokens",
+    "spec_enabled",
+    "spec_max_draft",
+    "loop_guard",
+    "loop_guard_min_span",
+    "loop_guard_max_span",
+    "loop_guard_count",
+)
 
 
 class SwitchRefused(Exception):

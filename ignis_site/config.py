@@ -182,6 +182,10 @@ FIELDS: dict[str, Field] = {
         Field("spec.enabled", bool, True, "speculative rounds: drafts (prompt lookup, prediction) verified per round"),
         Field("spec.max_draft", int, 8, "drafts a lane proposes at most in one round (0 = none)", 0, 63),
         Field("spec.ngram", int, 4, "longest n-gram prompt lookup matches (down to 2)", 1, 16),
+        Field("spec.loop_guard", bool, True, "take back reasoning that loops and force the end of the thinking"),
+        Field("spec.loop_guard_min_span", int, 8, "loop guard: shortest repeating span (tokens) that counts", 1, 4096),
+        Field("spec.loop_guard_max_span", int, 256, "loop guard: longest repeating span (tokens) watched", 1, 4096),
+        Field("spec.loop_guard_count", int, 3, "loop guard: back-to-back occurrences of a span that fire it", 2, 64),
         Field(
             "cuda.gemv_u2_below",
             int,
@@ -269,6 +273,10 @@ LIVE_KEYS = frozenset(
         "model.idle_unload",
         "spec.enabled",
         "spec.max_draft",
+        "spec.loop_guard",
+        "spec.loop_guard_min_span",
+        "spec.loop_guard_max_span",
+        "spec.loop_guard_count",
         "switch.allow_implicit",
         "switch.known_models",
         "switch.drain_timeout",
@@ -331,6 +339,10 @@ def engine_config_dict(values: dict[str, Any]) -> dict[str, Any]:
         "spec_enabled": values["spec.enabled"],
         "spec_max_draft": values["spec.max_draft"],
         "spec_ngram": values["spec.ngram"],
+        "loop_guard": values["spec.loop_guard"],
+        "loop_guard_min_span": values["spec.loop_guard_min_span"],
+        "loop_guard_max_span": values["spec.loop_guard_max_span"],
+        "loop_guard_count": values["spec.loop_guard_count"],
         "cuda": cuda_tuning_dict(values),
     }
 

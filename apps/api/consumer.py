@@ -227,6 +227,9 @@ class Choice:
         self.reasoning_tokens = 0
         self.cached_tokens = 0
         self.prediction_tokens = (0, 0)  # Predicted Outputs: (accepted, rejected), from RequestFinished
+        self.taken_back: list[dict] = []  # take-backs (loop guard, thinking budget): {tokens, reason}
+        self.taken_back_tokens = 0  # from RequestFinished
+        self.forcing = False  # the token being fed was forced (a take-back's end of thinking): not reasoning
         self.finish_reason: str | None = None
         self.logprobs: list[dict] = []  # engine items, all of them
         self.pending_logprobs: list[dict] = []  # not yet attached to a streamed chunk
@@ -266,9 +269,14 @@ class MultiRequestConsumer(OpenAIHttpConsumer):
         if choice is None:
             return
         choice.cached_tokens = msg.get("cached_tokens", choice.cached_tokens)
+        if msg.get("taken_back_reason"):  # before the forced end of the thinking these tokens are
+            marker = {"tokens": msg.get("taken_back", 0), "reason": msg["taken_back_reason"]}
+            choice.taken_back.append(marker)
+            await self.on_take_back(choice, marker)
         lps = msg.get("logprobs") or []
         for i, token_id in enumerate(msg["token_ids"]):
             choice.num_tokens += 1
+            choice.forcing = bool(msg.get("taken_back_reason"))
             if i < len(lps):
                 choice.logprobs.append(lps[i])
                 choice.pending_logprobs.append(lps[i])
@@ -284,6 +292,7 @@ class MultiRequestConsumer(OpenAIHttpConsumer):
         choice.num_tokens = msg.get("completion_tokens", choice.num_tokens)
         choice.cached_tokens = msg.get("cached_tokens", choice.cached_tokens)
         choice.prediction_tokens = (msg.get("accepted_prediction_tokens", 0), msg.get("rejected_prediction_tokens", 0))
+        choice.taken_back_tokens = msg.get("taken_back_tokens", 0)
         await self._finish_choice(choice, "length" if msg["finish_reason"] == "length" else "stop")
 
     async def engine_failed(self, msg: dict) -> None:
@@ -309,7 +318,7 @@ class MultiRequestConsumer(OpenAIHttpConsumer):
 
     def usage(self) -> dict:
         prompts = {id(c.add.prompt_token_ids): len(c.add.prompt_token_ids) for c in self.order}
-        return usage_block(
+        usage = usage_block(
             sum(prompts.values()),
             sum(c.num_tokens for c in self.order),
             max(c.cached_tokens for c in self.order),
@@ -320,6 +329,10 @@ class MultiRequestConsumer(OpenAIHttpConsumer):
                 else None
             ),
         )
+        taken_back = sum(c.taken_back_tokens for c in self.order)
+        if taken_back and "completion_tokens_details" in usage:  # extension: counted in completion_tokens
+            usage["completion_tokens_details"]["taken_back_tokens"] = taken_back
+        return usage
 
     @property
     def prep_has_prediction(self) -> bool:
@@ -339,6 +352,10 @@ class MultiRequestConsumer(OpenAIHttpConsumer):
 
     async def on_token(self, choice: Choice, token_id: int) -> None:
         raise NotImplementedError
+
+    async def on_take_back(self, choice: Choice, marker: dict) -> None:
+        """The engine took back ``marker["tokens"]`` streamed tokens (docs/API.md, Loop guard and
+        thinking budget); the forced end of the thinking follows. Routes that show it override this."""
 
     async def on_choice_done(self, choice: Choice) -> None:
         raise NotImplementedError

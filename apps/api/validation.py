@@ -57,6 +57,7 @@ class ChatRequest:
     logit_bias: dict[int, float] = field(default_factory=dict)
     reasoning_effort: str | None = None  # mapped to the template's enable_thinking (apps.api.chat.service)
     prediction: str | None = None  # Predicted Outputs' content (drafts for speculative rounds)
+    max_reasoning_tokens: int | None = None  # extension: the thinking budget (else reasoning_effort's)
 
 
 def _common(data: dict) -> dict:
@@ -142,6 +143,7 @@ def parse_chat_request(body: dict) -> ChatRequest:
         response_format=fmt,
         reasoning_effort=data.get("reasoning_effort"),
         prediction=(data.get("prediction") or {}).get("content"),
+        max_reasoning_tokens=data.get("max_reasoning_tokens"),
         **common,
     )
 

@@ -118,6 +118,20 @@ def engine_families(status: EngineStatus | None) -> list[Metric]:
         for drafter in dict.fromkeys(("prompt_lookup", "prediction", *counts)):
             fam.add_metric([drafter], counts.get(drafter, 0))
         out.append(fam)
+    fired = stats.loop_guard_fired or {}
+    fam = CounterMetricFamily(
+        "ignis_loop_guard_fired", "Reasoning take-backs (loop guard, thinking budget), by reason.", labels=["reason"]
+    )
+    for reason in dict.fromkeys(("loop", "budget", *fired)):
+        fam.add_metric([reason], fired.get(reason, 0))
+    out.append(fam)
+    out.append(
+        CounterMetricFamily(
+            "ignis_loop_guard_taken_back_tokens",
+            "Streamed reasoning tokens the loop guard took back.",
+            value=stats.loop_guard_taken_back,
+        )
+    )
     fam = CounterMetricFamily("ignis_requests_completed", "Finished requests by finish reason.", labels=["reason"])
     for reason in dict.fromkeys(("stop", "length", "abort", *(tele.get("finish_reasons") or {}))):
         fam.add_metric([reason], (tele.get("finish_reasons") or {}).get(reason, 0))

@@ -38,6 +38,10 @@ ENGINE_LIVE = {
     "model.default_max_tokens": "default_max_tokens",
     "spec.enabled": "spec_enabled",
     "spec.max_draft": "spec_max_draft",
+    "spec.loop_guard": "loop_guard",
+    "spec.loop_guard_min_span": "loop_guard_min_span",
+    "spec.loop_guard_max_span": "loop_guard_max_span",
+    "spec.loop_guard_count": "loop_guard_count",
     "model.idle_unload": "idle_unload",
     "switch.drain_timeout": "drain_timeout",
 }

@@ -20,5 +20,6 @@ rule (accept with ``min(1, p/q)``, else draw from ``max(p - q, 0)``).
 Modules: ``drafters`` (the interface, prompt lookup, Predicted Outputs),
 ``verify`` (acceptance), ``adaptive`` (k per lane from its acceptance
 history), ``loop_guard`` (a reasoning loop detector that asks the engine to
-take the loop back).
+take the loop back), ``reasoning`` (the reasoning channel a request is in,
+its budget and its guard), ``rounds`` (all of it as the scheduler runs it).
 """

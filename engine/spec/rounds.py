@@ -1,11 +1,16 @@
 """Speculation as the scheduler runs it: drafts into rows, rows back into committed tokens.
 
 ``lane_rows`` turns a decoding sequence and its drafts into the round's rows
-(its last token and each draft at consecutive positions, each row's sampling
-request counting the drafts before it); ``accepted`` turns the rows' sampled
-tokens back into the tokens to commit. ``attach_drafter`` gives a new
-sequence its drafter at admission: the request's ``prediction`` when it has
-one, else prompt lookup; never for a grammar-constrained or decide request.
+(its known tokens not yet fed, usually just the last one, and each draft at
+consecutive positions, each row's sampling request counting the drafts before
+it); ``accepted`` turns the rows' sampled tokens back into the tokens to
+commit. A lane is more than one token behind after a take-back (the forced
+end of its thinking, engine/spec/reasoning.py): those rows feed known tokens
+exactly as accepted drafts would have been fed, and only the row of the last
+known token samples. ``attach_drafter`` gives a new sequence its drafter at
+admission: the request's ``prediction`` when it has one, else prompt lookup;
+never for a grammar-constrained or decide request; ``reattach_drafter``
+rebuilds it after a take-back cut the output.
 """
 
 from __future__ import annotations
@@ -32,6 +37,16 @@ def attach_drafter(seq: Sequence, cfg: EngineConfig, prediction_token_ids: list[
     seq.k_control = AdaptiveK(max_k=cfg.spec_max_draft)
 
 
+def reattach_drafter(seq: Sequence, cfg: EngineConfig) -> None:
+    """A take-back cut the output: the drafter's index would still hold the tokens taken back."""
+    if seq.drafter is None:
+        return
+    k_control = seq.k_control
+    prediction = getattr(seq.drafter, "prediction", None)
+    attach_drafter(seq, cfg, prediction)
+    seq.k_control = k_control
+
+
 def drafts_for(seq: Sequence, budget: int) -> list[int]:
     """The drafts ``seq`` proposes this round: at most ``budget``, none past its max_tokens."""
     if seq.drafter is None or budget <= 0:
@@ -42,12 +57,23 @@ def drafts_for(seq: Sequence, budget: int) -> list[int]:
     return offered[:k]
 
 
-def lane_rows(seq: Sequence, drafts: list[int]) -> list[DecodeLane]:
-    """The rows of ``seq``'s lane: its last token, then each draft, at consecutive positions."""
-    tokens = [seq.last_token_id, *drafts]
-    start = seq.num_tokens - 1
+def num_behind(seq: Sequence) -> int:
+    """Known tokens before the last one whose K/V are not written (forced tokens after a take-back)."""
+    return max(0, seq.num_tokens - 1 - seq.num_computed_tokens)
+
+
+def lane_rows(seq: Sequence, drafts: list[int], num_known: int = 1) -> list[DecodeLane]:
+    """The rows of ``seq``'s lane: ``num_known`` known tokens from its first position without K/V
+    (1: its last token), then each draft, at consecutive positions. Drafts follow only when the
+    known rows reach the last token."""
+    start = seq.num_tokens - 1 - num_behind(seq)
+    tokens = seq.token_ids_at(start, start + num_known) + list(drafts)
     table = list(seq.block_table)
-    return [DecodeLane(seq.seq_id, t, start + j, table, seq.sample_request(drafts[:j])) for j, t in enumerate(tokens)]
+    first_draft = seq.num_tokens - start  # rows from here on verify drafts
+    return [
+        DecodeLane(seq.seq_id, t, start + j, table, seq.sample_request(drafts[: max(0, j + 1 - first_draft)]))
+        for j, t in enumerate(tokens)
+    ]
 
 
 def accepted(seq: Sequence, drafts: list[int], sampled: list[int]) -> list[int]:

@@ -70,6 +70,10 @@ SERVING = {
         "prefilled_tokens": 20,
         "decode_rounds": 5,
         "prefill_chunks": 2,
+        "spec_drafted": {"prompt_lookup": 6},
+        "spec_accepted": {"prompt_lookup": 4},
+        "loop_guard_fired": {"loop": 1},
+        "loop_guard_taken_back": 18,
     },
     "lanes": {
         "lanes": [

@@ -74,7 +74,7 @@ class ChatCompletionsConsumer(MultiRequestConsumer):
             await self.write(self._chunk(choice, {"role": "assistant", "content": ""}))
 
     async def on_token(self, choice: Choice, token_id: int) -> None:
-        if choice.splitter.mode == "reasoning":
+        if choice.splitter.mode == "reasoning" and not choice.forcing:
             choice.reasoning_tokens += 1
         events = choice.splitter.feed(choice.text.feed([token_id]))
         if self.prep.request.stream:
@@ -82,6 +82,12 @@ class ChatCompletionsConsumer(MultiRequestConsumer):
             out = b"".join(self._chunk(choice, d) for d in self._deltas(choice, events))
             if out:
                 await self.write(out)
+
+    async def on_take_back(self, choice: Choice, marker: dict) -> None:
+        """The marker: a chunk whose delta carries ``taken_back`` (clients ignore unknown delta fields)."""
+        if self.prep.request.stream:
+            await self._open(choice)
+            await self.write(self._chunk(choice, {"taken_back": marker}))
 
     async def on_choice_done(self, choice: Choice) -> None:
         events = choice.splitter.feed(choice.text.flush()) + choice.splitter.flush()
@@ -98,6 +104,8 @@ class ChatCompletionsConsumer(MultiRequestConsumer):
         msg = {"role": "assistant", "content": sp.content if sp.content or not sp.tool_calls else None}
         if sp.reasoning:
             msg["reasoning_content"] = msg["reasoning"] = sp.reasoning
+        if choice.taken_back:
+            msg["taken_back"] = choice.taken_back
         if sp.tool_calls:
             msg["tool_calls"] = [
                 {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}

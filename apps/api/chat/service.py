@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from django.conf import settings
 
 from apps.api.output_parsers import DEFAULT, OutputParsers, output_parsers_for
-from apps.api.thinking import thinking_kwargs
+from apps.api.thinking import reasoning_budget, reasoning_watch, thinking_kwargs
 from apps.api.validation import ChatRequest, parse_chat_request
 from apps.core.errors import IgnisError, InvalidRequest
 from apps.models.services import ServedModel, model_name_resolve
@@ -91,7 +91,9 @@ def _chat_prompt(req: ChatRequest, served: ServedModel) -> tuple[str, list[int],
 
     tools = req.tools if req.tool_choice != "none" else []
     messages, template_tools = tools_prompt_apply(req.messages, tools, served.tokenizer.chat_template)
-    template_kwargs = thinking_kwargs(req.template_kwargs, req.reasoning_effort, served.tokenizer.chat_template, param="reasoning_effort")  # fmt: skip
+    template = served.tokenizer.chat_template
+    reasons = output_parsers_for(served.tokenizer).reasoning.start in (template or "")
+    template_kwargs = thinking_kwargs(req.template_kwargs, req.reasoning_effort, template, param="reasoning_effort", reasons=reasons)  # fmt: skip
     prompt = chat_render(served, messages, template_kwargs, template_tools)
     ids = served.tokenizer.encode(prompt)
     return prompt, ids, system_block_len(served, messages, template_tools, template_kwargs, ids)
@@ -163,6 +165,7 @@ def _adds(
     top: int,
     shared_prefix_len: int = 0,
     prediction_token_ids: list[int] | None = None,
+    reasoning: dict | None = None,
 ) -> list[AddRequest]:
     adds = []
     for p, ids in enumerate(prompts):
@@ -183,6 +186,7 @@ def _adds(
                     grammar=grammar,
                     shared_prefix_len=shared_prefix_len,
                     prediction_token_ids=prediction_token_ids,
+                    reasoning=reasoning,
                 )
             )
     return adds
@@ -194,6 +198,9 @@ def chat_prepare(body: dict) -> PreparedChat:
     served, suffix_class = model_name_resolve(req.model)
     prompt, prompt_ids, system_len = _chat_prompt(req, served)
     base = f"chatcmpl-{uuid.uuid4().hex[:24]}"
+    parsers = output_parsers_for(served.tokenizer)
+    in_reasoning = parsers.reasoning.opened_by(prompt)
+    budget = reasoning_budget(req.max_reasoning_tokens, req.reasoning_effort)
     adds = _adds(
         base,
         [prompt_ids],
@@ -207,15 +214,15 @@ def chat_prepare(body: dict) -> PreparedChat:
         top=req.top_logprobs,
         shared_prefix_len=system_len,
         prediction_token_ids=served.tokenizer.encode(req.prediction) if req.prediction is not None else None,
+        reasoning=reasoning_watch(served.tokenizer, parsers, opened=in_reasoning, budget=budget),
     )
-    parsers = output_parsers_for(served.tokenizer)
     return PreparedChat(
         request=req,
         served=served,
         add=adds[0],
         adds=adds,
         prompt=prompt,
-        in_reasoning=parsers.reasoning.opened_by(prompt),
+        in_reasoning=in_reasoning,
         parse_tools=req.tool_choice != "none",
         parsers=parsers,
         id=base,

@@ -45,6 +45,7 @@ class ResponseEvents:
         self.open: dict | None = None  # the item receiving deltas (reasoning or message)
         self.call: dict | None = None  # the function_call item receiving argument deltas
         self.reasoning_tokens = 0
+        self.taken_back_tokens = 0  # from RequestFinished (extension: output_tokens_details)
 
     def _event(self, type_: str, **fields) -> dict:
         event = {"type": type_, "sequence_number": self.seq, **fields}
@@ -68,6 +69,26 @@ class ResponseEvents:
         for ev in self.splitter.feed(text):
             events += self._piece(ev)
         return events
+
+    def take_back(self, marker: dict) -> list[dict]:
+        """A take-back (docs/API.md, Loop guard and thinking budget): recorded on the reasoning item
+        as ``taken_back`` and streamed as an empty reasoning delta carrying it (the SDK's
+        accumulator appends ``""`` and keeps unknown fields)."""
+        events = self._close() if self.open is not None and self.open["type"] != "reasoning" else []
+        if self.open is None:
+            events += self._open_reasoning()
+        item = self.open
+        item.setdefault("taken_back", []).append(marker)
+        return events + [
+            self._event(
+                "response.reasoning_text.delta",
+                item_id=item["id"],
+                output_index=self._index,
+                content_index=0,
+                delta="",
+                taken_back=marker,
+            )
+        ]
 
     # -- items ---------------------------------------------------------------
 
@@ -233,6 +254,8 @@ class ResponseEvents:
             events += self._piece(ev)
         events += self._close("incomplete" if incomplete_reason else "completed")
         usage["output_tokens_details"]["reasoning_tokens"] = self.reasoning_tokens
+        if self.taken_back_tokens:  # extension: counted in output_tokens
+            usage["output_tokens_details"]["taken_back_tokens"] = self.taken_back_tokens
         self.response.update(usage=usage, completed_at=int(time.time()))
         if incomplete_reason:
             self.response.update(status="incomplete", incomplete_details={"reason": incomplete_reason})
@@ -309,15 +332,19 @@ class ResponseRun:
         """A round's tokens, one at a time (a round may commit several; deltas stay per token)."""
         self.cached_tokens = msg.get("cached_tokens", self.cached_tokens)
         events: list[dict] = []
+        if msg.get("taken_back_reason"):
+            events += self.events.take_back({"tokens": msg.get("taken_back", 0), "reason": msg["taken_back_reason"]})
+        forced = bool(msg.get("taken_back_reason"))  # the end of thinking a take-back forced: not reasoning
         for token_id in msg["token_ids"]:
             self.num_tokens += 1
-            events += self.events.feed(self.text.feed([token_id]), 1)
+            events += self.events.feed(self.text.feed([token_id]), 0 if forced else 1)
         return events
 
     def finished(self, msg: dict) -> list[dict]:
         """The engine's RequestFinished (or, cut by the deadline, one made up like it)."""
         self.done = True
         events = self.events.feed(self.text.flush())
+        self.events.taken_back_tokens = msg.get("taken_back_tokens", 0)
         usage = usage_object(msg["prompt_tokens"], msg["completion_tokens"], msg.get("cached_tokens", 0))
         reason = msg["finish_reason"]
         cut = {"length": "max_output_tokens", "deadline": "deadline"}.get(reason) if msg["completion_tokens"] else None

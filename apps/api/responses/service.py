@@ -23,7 +23,7 @@ from apps.api.output_parsers import output_parsers_for
 from apps.api.responses.events import new_id
 from apps.api.schemas import given, validated
 from apps.api.schemas.responses import INPUT_ROLES, MAX_ITEMS, ResponseBody  # noqa: F401 - their old home
-from apps.api.thinking import thinking_kwargs
+from apps.api.thinking import reasoning_budget, reasoning_watch, thinking_kwargs
 from apps.api.tools import (
     Tool,
     _schema,
@@ -59,6 +59,7 @@ class ResponseRequest:
     text_format: dict = field(default_factory=lambda: {"type": "text"})  # echoed as text.format
     text_grammar: str | None = None  # text.format json_schema / json_object, as chat's response_format
     reasoning_effort: str | None = None  # reasoning.effort, mapped as chat's reasoning_effort
+    max_reasoning_tokens: int | None = None  # extension: the thinking budget (else reasoning.effort's)
 
 
 @dataclass
@@ -105,6 +106,7 @@ def response_parse(body: dict) -> ResponseRequest:
         text_format=text_format,
         text_grammar=text_format_grammar(text_format),
         reasoning_effort=(data.get("reasoning") or {}).get("effort"),
+        max_reasoning_tokens=data.get("max_reasoning_tokens"),
     )
 
 
@@ -131,7 +133,9 @@ def response_prepare(req: ResponseRequest, previous: dict | None) -> PreparedRes
     tools = req.tools if req.tool_choice != "none" else []
     try:
         messages, template_tools = tools_prompt_apply(messages, tools, served.tokenizer.chat_template)
-        kwargs = thinking_kwargs(None, req.reasoning_effort, served.tokenizer.chat_template, param="reasoning.effort")
+        template = served.tokenizer.chat_template
+        reasons = output_parsers_for(served.tokenizer).reasoning.start in (template or "")
+        kwargs = thinking_kwargs(None, req.reasoning_effort, template, param="reasoning.effort", reasons=reasons)
         prompt = chat_render(served, messages, kwargs, template_tools)
         prompt_ids = served.tokenizer.encode(prompt)
         grammar = tool_choice_grammar(req.tool_choice, tools, req.parallel_tool_calls) or req.text_grammar
@@ -139,6 +143,9 @@ def response_prepare(req: ResponseRequest, previous: dict | None) -> PreparedRes
     except IgnisError as err:
         raise _remap(err) from None
     response_id = new_id("resp")
+    parsers = output_parsers_for(served.tokenizer)
+    in_reasoning = parsers.reasoning.opened_by(prompt)
+    budget = reasoning_budget(req.max_reasoning_tokens, req.reasoning_effort)
     add = AddRequest(
         request_id=response_id,
         reply_channel="",
@@ -150,6 +157,7 @@ def response_prepare(req: ResponseRequest, previous: dict | None) -> PreparedRes
         model=served.served_id,
         grammar=grammar,  # tool_choice required or named: the call is forced by grammar
         decide=not req.generate,  # generate: false prefills only, and the state is retained
+        reasoning=reasoning_watch(served.tokenizer, parsers, opened=in_reasoning, budget=budget),
     )
     base = {
         "id": response_id,
@@ -183,7 +191,7 @@ def response_prepare(req: ResponseRequest, previous: dict | None) -> PreparedRes
         add=add,
         conversation=conversation,
         base=base,
-        in_reasoning=output_parsers_for(served.tokenizer).reasoning.opened_by(prompt),
+        in_reasoning=in_reasoning,
     )
 
 

@@ -251,7 +251,10 @@ class ChatBody(SamplingBody):
     tools = Tools()
     tool_choice = Custom(TOOL_CHOICE_SCHEMA)
     parallel_tool_calls = Bool()
-    reasoning_effort = Enum(*REASONING_EFFORTS, description="mapped to the chat template's enable_thinking")
+    reasoning_effort = Enum(
+        *REASONING_EFFORTS, description="mapped to the chat template's enable_thinking and a thinking budget"
+    )
+    max_reasoning_tokens = Integer(0, 1 << 30, description="extension: the thinking budget, in tokens")
     prediction = Prediction(required=False, allow_null=True)
 
     def validate(self, data):

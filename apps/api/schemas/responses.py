@@ -178,6 +178,7 @@ class ResponseBody(serializers.Serializer):
     deadline = Number(0.0, 1e9, lo_open=True, description="extension: seconds, at most server.deadline_max")
     text = TextParam(required=False, allow_null=True)
     reasoning = Reasoning(required=False, allow_null=True)
+    max_reasoning_tokens = Integer(0, 1 << 30, description="extension: the thinking budget, in tokens")
 
     def get_fields(self):
         fields = super().get_fields()

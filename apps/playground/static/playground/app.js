@@ -275,6 +275,11 @@
           const piece = (d.content || "") + (d.reasoning_content || d.reasoning || "");
           if (d.content) reply.content += d.content;
           if (d.reasoning_content || d.reasoning) reply.reasoning += d.reasoning_content || d.reasoning;
+          if (d.taken_back) { // the loop guard or the thinking budget closed the reasoning here (docs/API.md)
+            const why = d.taken_back.reason === "budget" ? "thinking budget reached" : "loop taken back";
+            reply.reasoning += "\n\n*— " + why + (d.taken_back.tokens ? " (" + d.taken_back.tokens + " tokens)" : "") + " —*\n\n";
+            schedule();
+          }
           for (const tc of d.tool_calls || []) {
             const slot = reply.tools[tc.index || 0] || (reply.tools[tc.index || 0] = { name: "", args: "" });
             if (tc.function && tc.function.name) slot.name += tc.function.name;
