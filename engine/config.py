@@ -36,6 +36,8 @@ class EngineConfig:
     spec_enabled: bool = True  # spec.enabled: speculative rounds (prompt lookup, Predicted Outputs)
     spec_max_draft: int = 8  # spec.max_draft: drafts a lane proposes at most in one round
     spec_ngram: int = 4  # spec.ngram: longest n-gram prompt lookup matches (down to 2)
+    spec_draft_model: str = ""  # spec.draft_model: a draft model's artifact path ("" = none)
+    spec_draft_kv: int = 256 * MiB  # spec.draft_kv: bytes of the draft model's KV pool
     cuda: CudaTuning = field(default_factory=CudaTuning)
 
     def to_dict(self) -> dict:

@@ -70,6 +70,7 @@ class Scheduler:
         supports_prompt_logprobs: bool = True,
         kv_window: int | None = None,
         max_round_rows: int = 0,
+        draft_model=None,
     ) -> None:
         self.cfg = cfg
         self.kv = kv
@@ -79,6 +80,7 @@ class Scheduler:
         self.supports_prompt_logprobs = supports_prompt_logprobs
         self.kv_window = kv_window
         self.max_round_rows = max_round_rows  # Backend.max_round_rows: 0 = no speculation
+        self.draft_model = draft_model  # engine.spec.draft_model.DraftModel (spec.draft_model), or None
         self.seqs: dict[str, Sequence] = {}  # live, by request_id
         self.by_seq_id: dict[int, Sequence] = {}
         self.waiting: list[Sequence] = []  # rank order
@@ -162,13 +164,31 @@ class Scheduler:
         """Every decoding lane's rows: one, plus its drafts while the round has rows to spare
         (better-ranked lanes first) and the pool has pages for them without preempting."""
         spare = self.max_round_rows - len(self.running) if self.cfg.spec_enabled else 0
+        chosen: list[tuple[Sequence, list[int] | None]] = []
+        by_model: dict[int, int] = {}  # seq_id -> drafts the draft model is asked for
         for seq in self.running:
-            drafts = spec.drafts_for(seq, min(spare, self.cfg.spec_max_draft))
+            cap = min(spare, self.cfg.spec_max_draft)
+            if self.draft_model is not None and seq.drafter is not None and seq.drafter.name == "draft_model":
+                k = spec.k_for(seq, cap)
+                if k:
+                    by_model[seq.seq_id] = k
+                chosen.append((seq, None))
+                spare -= k
+                continue
+            drafts = spec.drafts_for(seq, cap)
+            chosen.append((seq, drafts))
+            spare -= len(drafts)
+        proposed: dict[int, list[int]] = {}
+        if by_model:  # one batched set of draft rounds for every lane the draft model serves
+            seqs = [s for s, d in chosen if s.seq_id in by_model]
+            got = self.draft_model.propose(seqs, [by_model[s.seq_id] for s in seqs])
+            proposed = {s.seq_id: d for s, d in zip(seqs, got)}
+        for seq, drafts in chosen:
+            drafts = proposed.get(seq.seq_id, []) if drafts is None else drafts
             if drafts and not self.kv.append_slots(seq, seq.num_tokens + len(drafts)):
                 drafts = []
             if drafts:
                 plan.drafts[seq.seq_id] = drafts
-                spare -= len(drafts)
             plan.decode += spec.lane_rows(seq, drafts)
 
     def _grow_running(self, plan: StepPlan) -> None:
@@ -330,6 +350,8 @@ class Scheduler:
         if self.prefilling is seq:
             self.prefilling = None
         self.kv.free(seq)
+        if self.draft_model is not None:
+            self.draft_model.release(seq.seq_id)
         seq.status = status
         self.seqs.pop(seq.request_id, None)
         self.by_seq_id.pop(seq.seq_id, None)
