@@ -41,6 +41,8 @@ class EngineConfig:
     loop_guard_min_span: int = 8  # spec.loop_guard_min_span: shortest repeating span that counts
     loop_guard_max_span: int = 256  # spec.loop_guard_max_span: longest span watched
     loop_guard_count: int = 3  # spec.loop_guard_count: back-to-back occurrences that fire it
+    spec_draft_model: str = ""  # spec.draft_model: a draft model's artifact path ("" = none)
+    spec_draft_kv: int = 256 * MiB  # spec.draft_kv: bytes of the draft model's KV pool
     cuda: CudaTuning = field(default_factory=CudaTuning)
 
     def to_dict(self) -> dict:

@@ -407,5 +407,8 @@ class ModelHost:
         """Everything the load held is released."""
         if self.backend is not None:
             self.backend.unload()
+        draft = getattr(self.scheduler, "draft_model", None)
+        if draft is not None:  # spec.draft_model's backend goes with the target's
+            draft.backend.unload()
         self.backend = self.scheduler = None
         gc.collect()

@@ -43,6 +43,25 @@ def create_backend(name: str, cfg: EngineConfig) -> Backend:
     return create(name, cfg)
 
 
+def load_draft(cfg: EngineConfig, target: ModelConfig, loader: Loader, backend_factory: BackendFactory):
+    """``spec.draft_model`` on a backend of the target's kind with a ``spec.draft_kv`` pool; refused
+    (ValueError naming the key) unless it shares the target's vocabulary."""
+    from engine.spec.draft_model import DraftModel
+
+    draft_cfg, weights = loader(Path(cfg.spec_draft_model), lambda done, total: None)
+    if draft_cfg.vocab_size != target.vocab_size:
+        raise ValueError(
+            f"spec.draft_model: a vocabulary of {draft_cfg.vocab_size} tokens, the model's has "
+            f"{target.vocab_size} (a draft model needs the model's tokenizer)"
+        )
+    backend = backend_factory(cfg.backend, cfg)
+    plan = backend.load(draft_cfg, weights, block_size=cfg.block_size, kv_budget_bytes=cfg.spec_draft_kv,
+                        host_kv_budget_bytes=0, max_context=cfg.max_context)  # fmt: skip
+    log.info("ignis.spec.draft_model", extra={"path": cfg.spec_draft_model, "weights_bytes": plan.weights_bytes,
+                                              "kv_blocks": plan.num_blocks})  # fmt: skip
+    return DraftModel(backend, plan.num_blocks, plan.block_size, cfg.prefill_chunk)
+
+
 def load_model(
     cfg: EngineConfig,
     path: Path,
@@ -81,15 +100,22 @@ def load_model(
             block_size=cfg.block_size,
             freed_bytes=0,
         ).kv_bytes
-    backend = backend_factory(cfg.backend, cfg)
-    plan = backend.load(
-        model_cfg,
-        weights,
-        block_size=cfg.block_size,
-        kv_budget_bytes=kv_budget,
-        host_kv_budget_bytes=cfg.host_kv_budget,
-        max_context=cfg.max_context,
-    )
+    # The draft model first: on a card, the target's KV pool then takes what is left.
+    draft = load_draft(cfg, model_cfg, loader, backend_factory) if cfg.spec_draft_model else None
+    try:
+        backend = backend_factory(cfg.backend, cfg)
+        plan = backend.load(
+            model_cfg,
+            weights,
+            block_size=cfg.block_size,
+            kv_budget_bytes=kv_budget,
+            host_kv_budget_bytes=cfg.host_kv_budget,
+            max_context=cfg.max_context,
+        )
+    except BaseException:
+        if draft is not None:
+            draft.backend.unload()
+        raise
     del weights
     try:
         constraints = ConstraintFactory(path)
@@ -100,9 +126,12 @@ def load_model(
             supports_prompt_logprobs=backend.supports_prompt_logprobs,
             kv_window=release_window(model_cfg, backend.releases_window_pages),
             max_round_rows=backend.max_round_rows,
+            draft_model=draft,
         )
     except BaseException:
         backend.unload()
+        if draft is not None:
+            draft.backend.unload()
         raise
     constraints.warm_in_background()
     log.info("ignis.runtime.vram_plan", extra={"model": served_id, "backend": cfg.backend, **asdict(plan)})

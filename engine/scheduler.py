@@ -79,6 +79,7 @@ class Scheduler:
         supports_prompt_logprobs: bool = True,
         kv_window: int | None = None,
         max_round_rows: int = 0,
+        draft_model=None,
     ) -> None:
         self.cfg = cfg
         self.kv = kv
@@ -88,6 +89,7 @@ class Scheduler:
         self.supports_prompt_logprobs = supports_prompt_logprobs
         self.kv_window = kv_window
         self.max_round_rows = max_round_rows  # Backend.max_round_rows: 0 = no speculation
+        self.draft_model = draft_model  # engine.spec.draft_model.DraftModel (spec.draft_model), or None
         self.seqs: dict[str, Sequence] = {}  # live, by request_id
         self.by_seq_id: dict[int, Sequence] = {}
         self.waiting: list[Sequence] = []  # rank order
@@ -175,24 +177,42 @@ class Scheduler:
     def _plan_rows(self, plan: StepPlan) -> None:
         """Every decoding lane's rows: one, plus (better-ranked lanes first, while the round has rows
         to spare) the forced tokens it is behind on after a take-back, or else its drafts when the
-        pool has pages for them without preempting. A backend of one row a lane feeds forced
-        tokens one a round."""
+        pool has pages for them without preempting. The draft model (spec.draft_model) drafts for
+        all the lanes it serves in one batched set of rounds. A backend of one row a lane feeds
+        forced tokens one a round."""
         spare = max(0, self.max_round_rows - len(self.running))
+        chosen: list[tuple[Sequence, list[int] | None, int]] = []  # (seq, drafts | None: the draft model's, known)
+        by_model: dict[int, int] = {}  # seq_id -> drafts the draft model is asked for
         for seq in self.running:
             behind = spec.num_behind(seq)
             if behind:
                 known = 1 + min(behind, spare)
                 spare -= known - 1
-                plan.decode += spec.lane_rows(seq, [], known)
+                chosen.append((seq, [], known))
                 continue
             budget = min(spare, self.cfg.spec_max_draft) if self.cfg.spec_enabled else 0
+            if self.draft_model is not None and seq.drafter is not None and seq.drafter.name == "draft_model":
+                k = spec.k_for(seq, budget)
+                if k:
+                    by_model[seq.seq_id] = k
+                chosen.append((seq, None, 1))
+                spare -= k
+                continue
             drafts = spec.drafts_for(seq, budget)
+            chosen.append((seq, drafts, 1))
+            spare -= len(drafts)
+        proposed: dict[int, list[int]] = {}
+        if by_model:
+            seqs = [s for s, *_ in chosen if s.seq_id in by_model]
+            got = self.draft_model.propose(seqs, [by_model[s.seq_id] for s in seqs])
+            proposed = {s.seq_id: d for s, d in zip(seqs, got)}
+        for seq, drafts, known in chosen:
+            drafts = proposed.get(seq.seq_id, []) if drafts is None else drafts
             if drafts and not self.kv.append_slots(seq, seq.num_tokens + len(drafts)):
                 drafts = []
             if drafts:
                 plan.drafts[seq.seq_id] = drafts
-                spare -= len(drafts)
-            plan.decode += spec.lane_rows(seq, drafts)
+            plan.decode += spec.lane_rows(seq, drafts, known)
 
     def _grow_running(self, plan: StepPlan) -> None:
         """Give every decoding lane a slot for the token it feeds; preempt the
@@ -384,6 +404,8 @@ class Scheduler:
         if self.prefilling is seq:
             self.prefilling = None
         self.kv.free(seq)
+        if self.draft_model is not None:
+            self.draft_model.release(seq.seq_id)
         seq.status = status
         self.seqs.pop(seq.request_id, None)
         self.by_seq_id.pop(seq.seq_id, None)

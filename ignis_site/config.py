@@ -187,6 +187,13 @@ FIELDS: dict[str, Field] = {
         Field("spec.loop_guard_max_span", int, 256, "loop guard: longest repeating span (tokens) watched", 1, 4096),
         Field("spec.loop_guard_count", int, 3, "loop guard: back-to-back occurrences of a span that fire it", 2, 64),
         Field(
+            "spec.draft_model",
+            str,
+            "",
+            "a draft model (same tokenizer) proposing drafts: a folder or GGUF in the models directory",
+        ),
+        Field("spec.draft_kv", int, 256 * MiB, "bytes of the draft model's KV pool", MiB, 1 << 40),
+        Field(
             "cuda.gemv_u2_below",
             int,
             40 * MiB,
@@ -262,6 +269,8 @@ RELOAD_KEYS = frozenset(
         "model.host_kv_budget",
         "model.ram_budget",
         "spec.decode_lanes",
+        "spec.draft_model",
+        "spec.draft_kv",
     }
 )
 # Keys that apply to the running server at once; the rest need a restart.
@@ -343,8 +352,21 @@ def engine_config_dict(values: dict[str, Any]) -> dict[str, Any]:
         "loop_guard_min_span": values["spec.loop_guard_min_span"],
         "loop_guard_max_span": values["spec.loop_guard_max_span"],
         "loop_guard_count": values["spec.loop_guard_count"],
+        "spec_draft_model": draft_model_path(values),
+        "spec_draft_kv": values["spec.draft_kv"],
         "cuda": cuda_tuning_dict(values),
     }
+
+
+def draft_model_path(values: dict[str, Any]) -> str:
+    """``spec.draft_model`` as a path inside the models directory ("" for none); ValueError otherwise."""
+    raw = values["spec.draft_model"]
+    if not raw:
+        return ""
+    models = Path(values["server.models_dir"] or Path(__file__).resolve().parent.parent / "models").resolve()
+    if "\x00" in raw or not (path := (models / raw).resolve()).is_relative_to(models):
+        raise ValueError("spec.draft_model", f"spec.draft_model must name a model inside {models}")
+    return str(path)
 
 
 def cuda_tuning_dict(values: dict[str, Any]) -> dict[str, Any]:

@@ -140,6 +140,11 @@ async def config_update(*, patch: dict[str, Any]) -> dict:
         key, message = exc.args
         raise InvalidRequest(message, param=key) from None
     changed = {k: v for k, v in parsed.items() if settings.IGNIS.get(k) != v}
+    if changed.get("spec.draft_model"):  # a path a client sends stays inside the models directory
+        try:
+            path_confine(changed["spec.draft_model"])
+        except InvalidRequest as exc:
+            raise InvalidRequest(exc.message, param="spec.draft_model", code="invalid_path") from None
     start_sources = dict(_start_sources)
     new_values = {**settings.IGNIS, **changed}
     result: dict[str, Any] = {"object": "config", "changed": sorted(changed), "reload": None}

@@ -19,6 +19,7 @@ from engine.backend import DecodeLane
 from engine.config import EngineConfig
 from engine.sequence import Sequence
 from engine.spec.adaptive import AdaptiveK
+from engine.spec.draft_model import DraftProposer
 from engine.spec.drafters import PredictionDrafter, PromptLookup
 from engine.spec.verify import accept_sampled
 
@@ -30,6 +31,8 @@ def attach_drafter(seq: Sequence, cfg: EngineConfig, prediction_token_ids: list[
     lookup = PromptLookup(min_n=min(2, cfg.spec_ngram), max_n=max(1, cfg.spec_ngram))
     if prediction_token_ids:
         seq.drafter = PredictionDrafter(prediction_token_ids, prompt_len=seq.num_prompt_tokens, fallback=lookup)
+    elif cfg.spec_draft_model:
+        seq.drafter = DraftProposer()  # the scheduler's DraftModel drafts for it, batched
     else:
         seq.drafter = lookup
     seq.drafter.commit(seq.prompt_token_ids)
@@ -45,6 +48,14 @@ def reattach_drafter(seq: Sequence, cfg: EngineConfig) -> None:
     prediction = getattr(seq.drafter, "prediction", None)
     attach_drafter(seq, cfg, prediction)
     seq.k_control = k_control
+
+
+def k_for(seq: Sequence, budget: int) -> int:
+    """How many drafts ``seq`` asks for this round (at most ``budget``, none past its max_tokens)."""
+    if seq.drafter is None or budget <= 0:
+        return 0
+    room = min(budget, seq.num_remaining_tokens - 1, seq.k_control.max_k)
+    return seq.k_control.next_k(room) if room > 0 else 0
 
 
 def drafts_for(seq: Sequence, budget: int) -> list[int]:

@@ -129,3 +129,9 @@ def test_saved_values_are_read_back_at_start_below_env_and_flags(srv):
     resp = patch(srv["url"], {"switch.drain_timeout": 8})
     assert resp.json()["overridden_at_start"] == ["switch.drain_timeout"]
     assert chat(srv["url"]).status_code == 200
+
+
+def test_a_draft_model_outside_the_models_directory_is_refused(base):
+    before = config(base)["values"]
+    assert_openai_error(patch(base, {"spec.draft_model": "../../etc"}), 400, "invalid_path", "spec.draft_model")
+    assert config(base)["values"] == before
