@@ -170,6 +170,11 @@ class Backend(abc.ABC):
     def unload(self) -> None:
         """Free everything the load took."""
 
+    def stats(self) -> dict:
+        """Counters of the backend's own that status and metrics report ({}: none). Read from the
+        engine's receive loop while a step may run: plain numbers only."""
+        return {}
+
     def step(self, plan: StepPlan) -> StepOutput:
         """Run one scheduler plan. Called on the engine's dedicated thread."""
         import time

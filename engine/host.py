@@ -206,6 +206,7 @@ class ModelHost:
             lanes=lanes_snapshot(sched, sched.clock()) if sched is not None else None,
             plan=asdict(plan) if plan is not None else dict(EMPTY_PLAN),
             telemetry=TELEMETRY.snapshot(),
+            backend_stats=self.backend.stats() if self.backend is not None else {},
         )
 
     # -- messages taken at once (on the receive loop) ----------------------------------

@@ -72,6 +72,7 @@ class EngineStatus:
     lanes: dict | None = None  # engine.telemetry.lanes_snapshot
     plan: dict = field(default_factory=dict)  # engine.memory.MemoryPlan as a dict (zeros while unloaded)
     telemetry: dict = field(default_factory=dict)  # engine.telemetry.TELEMETRY.snapshot()
+    backend_stats: dict = field(default_factory=dict)  # Backend.stats(): e.g. the CUDA expert cache's counters
 
     def to_message(self) -> dict:
         """The wire dict: ``type`` first; ``stats`` and ``lanes`` only while a model is loaded."""

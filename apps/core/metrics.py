@@ -132,6 +132,15 @@ def engine_families(status: EngineStatus | None) -> list[Metric]:
             value=stats.loop_guard_taken_back,
         )
     )
+    experts = (status.backend_stats or {}).get("experts") or {}
+    for key, name, doc in (
+        ("hits", "ignis_expert_cache_hits", "MoE experts a round needed that were on the card."),
+        ("misses", "ignis_expert_cache_misses", "MoE experts a round copied over from host RAM."),
+        ("bytes_moved", "ignis_expert_cache_moved_bytes", "Bytes of expert weights copied to the card."),
+    ):
+        out.append(CounterMetricFamily(name, doc, value=experts.get(key, 0)))
+    out.append(_gauge("ignis_experts_resident", "MoE experts (layer x expert) resident on the card.",
+                      experts.get("resident", 0)))  # fmt: skip
     fam = CounterMetricFamily("ignis_requests_completed", "Finished requests by finish reason.", labels=["reason"])
     for reason in dict.fromkeys(("stop", "length", "abort", *(tele.get("finish_reasons") or {}))):
         fam.add_metric([reason], (tele.get("finish_reasons") or {}).get(reason, 0))

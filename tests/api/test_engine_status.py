@@ -121,6 +121,7 @@ SERVING = {
         "model_events": {"loaded": 1},
         "completion_tokens": 11,
     },
+    "backend_stats": {"experts": {"resident": 24, "total": 48, "hits": 9, "misses": 1, "bytes_moved": 512}},
 }
 
 # Nothing loaded yet: no scheduler, so no "stats" and no "lanes"; the plan reads zero.

@@ -150,3 +150,13 @@ def test_monitor_route(client, monkeypatch, settings):
     # bypasses: the view has no check of its own to disagree with it.
     monkeypatch.setitem(settings.IGNIS, "server.api_keys", "k1,k2")
     assert client.get("/ui/api/monitor").status_code == 200
+
+
+def test_the_expert_cache_counters_render_from_backend_stats():
+    experts = {"resident": 24, "total": 48, "hits": 90, "misses": 10, "bytes_moved": 4096}
+    v = _parse(EngineStatus.from_message({**STATUS, "backend_stats": {"experts": experts}}))
+    assert v["ignis_expert_cache_hits_total[]"] == 90
+    assert v["ignis_expert_cache_misses_total[]"] == 10
+    assert v["ignis_expert_cache_moved_bytes_total[]"] == 4096
+    assert v["ignis_experts_resident[]"] == 24
+    assert _parse(EngineStatus.from_message(STATUS))["ignis_expert_cache_hits_total[]"] == 0  # a dense model

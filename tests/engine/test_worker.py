@@ -32,7 +32,7 @@ TIMEOUT = 10.0
 # EngineStatus existed: the Django side reads them, so they are pinned here.
 STATUS_KEYS = {"type", "status", "model", "error", "backend", "max_context", "path", "switching", "last_switch"}
 STATUS_KEYS |= {"recent_switches", "switch_outcomes", "load_progress", "idle_unload", "idle_seconds"}
-STATUS_KEYS |= {"stats", "lanes", "plan", "telemetry"}
+STATUS_KEYS |= {"stats", "lanes", "plan", "telemetry", "backend_stats"}
 STATS_KEYS = {"requests_by_state", "requests_by_class", "lanes_total", "lanes_busy", "lanes_decoding", "kv_pages"}
 STATS_KEYS |= {"prefix_hits", "cached_tokens", "round_seconds", "admitted", "refused", "finished", "aborted"}
 STATS_KEYS |= {"preempted", "recomputed", "decoded_tokens", "prefilled_tokens", "decode_rounds", "prefill_chunks"}

@@ -108,6 +108,18 @@ class CudaBackend(Backend):
         )
         return self.plan
 
+    def stats(self) -> dict:
+        """The expert cache's counters (a sparse model behind ``cuda.expert_budget``)."""
+        moe = getattr(self, "moe", None)
+        if moe is None:
+            return {}
+        total = self.config.num_layers * moe.op.num_experts
+        cache = moe.cache
+        if cache is None:
+            return {"experts": {"resident": total, "total": total, "hits": 0, "misses": 0, "bytes_moved": 0}}
+        return {"experts": {"resident": cache.slots, "total": total, "hits": cache.hits, "misses": cache.misses,
+                            "bytes_moved": cache.bytes_moved}}  # fmt: skip
+
     def _upload_moe(self, cfg, blocks, weights):
         """A sparse model's experts (every layer's, engine/backends/cuda/moe.py): resident, or behind
         the expert cache when ``cuda.expert_budget`` is smaller than all of them. Returns the
