@@ -231,6 +231,8 @@ def model(request):
     yield kind, cfg, ref, be
     if kind == "moe_cached":
         assert be.moe.cache.misses > 0 and be.moe.cache.hits > 0  # the cache was exercised both ways
+        experts = be.stats()["experts"]  # what status and /metrics report
+        assert experts["resident"] == 10 and experts["total"] == 32 and experts["bytes_moved"] > 0
     be.unload()
     ref.unload()
     mp.undo()
