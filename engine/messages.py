@@ -107,6 +107,9 @@ class RequestFinished(_Msg):
     # Predicted Outputs (AddRequest.prediction_token_ids): prediction tokens drafted and kept / rejected.
     accepted_prediction_tokens: int = 0
     rejected_prediction_tokens: int = 0
+    # Speculative rounds, every drafter: drafts verified for this request and drafts kept.
+    spec_drafted: int = 0
+    spec_accepted: int = 0
     # Tokens taken back by the loop guard (counted in completion_tokens: they were generated and sent).
     taken_back_tokens: int = 0
 

@@ -63,6 +63,7 @@ def request_finished(seq: Sequence, logits: np.ndarray | None = None) -> Request
         take_prompt_logprobs(seq),
     )
     done.taken_back_tokens = seq.num_taken_back
+    done.spec_drafted, done.spec_accepted = seq.num_spec_drafted, seq.num_spec_accepted
     if getattr(seq.drafter, "name", None) == "prediction":
         done.accepted_prediction_tokens = seq.num_accepted
         done.rejected_prediction_tokens = seq.num_drafted - seq.num_accepted

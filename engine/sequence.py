@@ -72,6 +72,8 @@ class Sequence:
     k_control: object | None = None
     num_drafted: int = 0
     num_accepted: int = 0
+    num_spec_drafted: int = 0  # drafts of every drafter verified for this sequence ...
+    num_spec_accepted: int = 0  # ... and kept (usage's ``speculation``)
     # The reasoning channel (engine.spec.reasoning.ReasoningWatch; None: not watched) and the output
     # tokens taken back from the books so far (they were generated and streamed: they count).
     reasoning: object | None = None

@@ -227,6 +227,7 @@ class Choice:
         self.reasoning_tokens = 0
         self.cached_tokens = 0
         self.prediction_tokens = (0, 0)  # Predicted Outputs: (accepted, rejected), from RequestFinished
+        self.speculation = (0, 0)  # every drafter's (drafted, accepted), from RequestFinished
         self.taken_back: list[dict] = []  # take-backs (loop guard, thinking budget): {tokens, reason}
         self.taken_back_tokens = 0  # from RequestFinished
         self.forcing = False  # the token being fed was forced (a take-back's end of thinking): not reasoning
@@ -292,6 +293,7 @@ class MultiRequestConsumer(OpenAIHttpConsumer):
         choice.num_tokens = msg.get("completion_tokens", choice.num_tokens)
         choice.cached_tokens = msg.get("cached_tokens", choice.cached_tokens)
         choice.prediction_tokens = (msg.get("accepted_prediction_tokens", 0), msg.get("rejected_prediction_tokens", 0))
+        choice.speculation = (msg.get("spec_drafted", 0), msg.get("spec_accepted", 0))
         choice.taken_back_tokens = msg.get("taken_back_tokens", 0)
         await self._finish_choice(choice, "length" if msg["finish_reason"] == "length" else "stop")
 
@@ -332,6 +334,9 @@ class MultiRequestConsumer(OpenAIHttpConsumer):
         taken_back = sum(c.taken_back_tokens for c in self.order)
         if taken_back and "completion_tokens_details" in usage:  # extension: counted in completion_tokens
             usage["completion_tokens_details"]["taken_back_tokens"] = taken_back
+        drafted = sum(c.speculation[0] for c in self.order)
+        if drafted:  # extension: what speculative rounds did for this answer (docs/API.md)
+            usage["speculation"] = {"drafted": drafted, "accepted": sum(c.speculation[1] for c in self.order)}
         return usage
 
     @property

@@ -93,6 +93,8 @@ def accepted(seq: Sequence, drafts: list[int], sampled: list[int]) -> list[int]:
     if not drafts:
         return list(sampled)
     kept = accept_sampled(drafts, sampled)
+    seq.num_spec_drafted += len(drafts)
+    seq.num_spec_accepted += len(kept) - 1
     if source(seq) == "prediction":
         seq.num_drafted += len(drafts)
         seq.num_accepted += len(kept) - 1

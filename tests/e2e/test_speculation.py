@@ -34,6 +34,8 @@ def test_a_prediction_changes_nothing_in_the_answer_and_is_counted(client, live_
     assert details.accepted_prediction_tokens >= plain.usage.completion_tokens // 2
     assert details.rejected_prediction_tokens >= 0
     assert stats(live_server_url)["spec_accepted"]["prediction"] - before == details.accepted_prediction_tokens
+    spec = guided.usage.model_extra["speculation"]  # extension: every drafter's drafts for this answer
+    assert spec["accepted"] >= details.accepted_prediction_tokens and spec["drafted"] >= spec["accepted"]
 
     wrong = ask(client, prediction={"type": "content", "content": "Completely unrelated words " * 8})
     assert wrong.choices[0].message.content == answer

@@ -325,6 +325,9 @@
       parts.push(tokens + (tokens === 1 ? " token" : " tokens"));
       const cached = usage && usage.prompt_tokens_details ? usage.prompt_tokens_details.cached_tokens : 0;
       if (usage) parts.push("cached " + (cached || 0) + " of " + usage.prompt_tokens);
+      if (usage && usage.speculation && usage.speculation.drafted) { // speculative rounds' drafts kept
+        parts.push("drafts " + usage.speculation.accepted + "/" + usage.speculation.drafted + " accepted");
+      }
       if (finish) parts.push(finish);
       return parts.join(" · ");
     }
@@ -376,6 +379,12 @@
       $("#monitor-decoded").textContent = String(g("ignis_decoded_tokens_total"));
       $("#monitor-requests").textContent = g("ignis_requests_admitted_total") + " in · " + g("ignis_requests_finished_total") + " done";
       $("#monitor-reuse").textContent = g("ignis_prefix_cache_hits_total") + " hits · " + g("ignis_prefix_cached_tokens_total") + " tok";
+      let drafted = 0, accepted = 0;
+      for (const k in m) {
+        if (k.startsWith("ignis_spec_drafted_tokens_total")) drafted += m[k];
+        if (k.startsWith("ignis_spec_accepted_tokens_total")) accepted += m[k];
+      }
+      $("#monitor-spec").textContent = drafted ? accepted + " / " + drafted + " (" + Math.round((100 * accepted) / drafted) + "%)" : "–";
 
       const lanesEl = $("#monitor-lanes");
       const total = g("ignis_lanes_total");
