@@ -1,0 +1,438 @@
+/* The cpu backend's kernels: one decode round (or prefill chunk) of a llama-family
+ * model in one call, over weights kept in GGML's block formats.
+ *
+ * Weights: Q8_0, Q4_0 and Q4_1 rows as stored in the GGUF (blocks of 32 along the
+ * input dimension). Activations are quantized per row to blocks of 32 int16 with a
+ * float scale d and s = d * sum(q) (llama.cpp's Q8_1 idea at 16 bits: int8 cost a
+ * percent of the logits, int16 a few parts in 10^5), so every weight block meets
+ * every row's block as an integer multiply-add.
+ *
+ * One weight stream a round: a product walks the weight rows once; each row's
+ * blocks (a few hundred bytes) stay in L1 while every activation row of the
+ * round is dotted against them, four rows at a time sharing one unpacking.
+ *
+ * The whole forward runs inside one OpenMP parallel region: each step (output
+ * rows of a product, rows of a norm, (row, head) pairs of attention) is a list
+ * of items the threads claim from a counter (see "work sharing" below).
+ *
+ * Compiled twice by build.py: with -mavx2 -mfma -mf16c (the IG_AVX2 path below)
+ * and without (portable C); the backend picks by the processor's flags.
+ */
+#include <math.h>
+#include <sched.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define IG_AVX2 1
+#include <immintrin.h>
+#endif
+
+#include "kernels.h"
+
+#define QK 32
+
+/* ---- scalars ------------------------------------------------------------------- */
+
+static inline float h2f(uint16_t h) {
+#ifdef IG_AVX2
+    return _cvtsh_ss(h);
+#else
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
+    if (exp == 0) {
+        if (man == 0) {
+            bits = sign;
+        } else { /* subnormal: normalise */
+            exp = 127 - 15 + 1;
+            while (!(man & 0x400)) {
+                man <<= 1;
+                exp--;
+            }
+            bits = sign | (exp << 23) | ((man & 0x3ff) << 13);
+        }
+    } else if (exp == 31) {
+        bits = sign | 0x7f800000u | (man << 13);
+    } else {
+        bits = sign | ((exp + 127 - 15) << 23) | (man << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+#endif
+}
+
+static inline uint16_t rd16(const uint8_t *p) { return (uint16_t)(p[0] | (p[1] << 8)); }
+
+/* Bytes of one 32-wide block of each weight type. */
+static int block_bytes(int type) {
+    switch (type) {
+    case IG_Q8_0: return 34;
+    case IG_Q4_0: return 18;
+    case IG_Q4_1: return 20;
+    default: return 0;
+    }
+}
+
+/* ---- dequantization (embedding rows, tests) ---------------------------------------- */
+
+static void dequant_row(const ig_mat *w, int row, float *out) {
+    const uint8_t *p = w->data + (int64_t)row * w->row_bytes;
+    int nb = w->cols / QK, bb = block_bytes(w->type);
+    for (int b = 0; b < nb; b++, p += bb, out += QK) {
+        float d = h2f(rd16(p));
+        if (w->type == IG_Q8_0) {
+            for (int i = 0; i < QK; i++) out[i] = d * (float)(int8_t)p[2 + i];
+        } else if (w->type == IG_Q4_0) {
+            for (int i = 0; i < 16; i++) {
+                out[i] = ((float)(p[2 + i] & 15) - 8.0f) * d;
+                out[i + 16] = ((float)(p[2 + i] >> 4) - 8.0f) * d;
+            }
+        } else {
+            float m = h2f(rd16(p + 2));
+            for (int i = 0; i < 16; i++) {
+                out[i] = (float)(p[4 + i] & 15) * d + m;
+                out[i + 16] = (float)(p[4 + i] >> 4) * d + m;
+            }
+        }
+    }
+}
+
+void ig_dequant(const ig_mat *w, int row0, int nrows, float *out) {
+    for (int r = 0; r < nrows; r++) dequant_row(w, row0 + r, out + (int64_t)r * w->cols);
+}
+
+/* ---- activation quantization -------------------------------------------------------- */
+
+/* Blocks of 32 int16 (scale amax / 32767): close to float32 (2^-15 of the block's
+ * largest value), while the products stay integer multiply-adds (vpmaddwd). */
+static void quant_row(const float *x, int n, ig_xblk *out) {
+    for (int b = 0; b < n / QK; b++, x += QK) {
+        float amax = 0.0f;
+        for (int i = 0; i < QK; i++) amax = fmaxf(amax, fabsf(x[i]));
+        float d = amax / 32767.0f, id = amax > 0.0f ? 32767.0f / amax : 0.0f;
+        int sum = 0;
+        for (int i = 0; i < QK; i++) {
+            int q = (int)nearbyintf(x[i] * id);
+            out[b].q[i] = (int16_t)q;
+            sum += q;
+        }
+        out[b].d = d;
+        out[b].s = d * (float)sum;
+    }
+}
+
+void ig_quantize(const float *x, int nrows, int n, ig_xblk *out) {
+    for (int r = 0; r < nrows; r++) quant_row(x + (int64_t)r * n, n, out + (int64_t)r * (n / QK));
+}
+
+/* ---- dot products: one weight row against R activation rows --------------------------- */
+
+#ifdef IG_AVX2
+static inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* A block's 32 weights as two vectors of 16 int16 (elements 0..15, 16..31). */
+static inline void unpack_block(int type, const uint8_t *qs, __m256i *lo, __m256i *hi) {
+    __m128i t = _mm_loadu_si128((const __m128i *)qs);
+    if (type == IG_Q8_0) {
+        *lo = _mm256_cvtepi8_epi16(t);
+        *hi = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(qs + 16)));
+    } else { /* Q4: low nibbles are elements 0..15 */
+        __m128i mask = _mm_set1_epi8(0x0f);
+        *lo = _mm256_cvtepu8_epi16(_mm_and_si128(t, mask));
+        *hi = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(t, 4), mask));
+    }
+}
+#endif
+
+/* out[r] = dot(weight row, x rows r) for r < R (R a compile-time constant after inlining).
+ * Per block: Q8_0 d*q, Q4_0 d*(q-8), Q4_1 d*q+m; with x = dx*qx and s = dx*sum(qx):
+ * dot = d*dx*sum(q*qx) (- 8*d*s for Q4_0, + m*s for Q4_1). */
+static inline __attribute__((always_inline)) void dot_rows(const ig_mat *w, const uint8_t *row,
+                                                            const ig_xblk *const *x, int R, float *out) {
+    int nb = w->cols / QK, type = w->type, bb = type == IG_Q8_0 ? 34 : type == IG_Q4_0 ? 18 : 20;
+    int qoff = type == IG_Q4_1 ? 4 : 2;
+#ifdef IG_AVX2
+    __m256 acc[4];
+    float extra[4];
+    for (int r = 0; r < R; r++) {
+        acc[r] = _mm256_setzero_ps();
+        extra[r] = 0.0f;
+    }
+    for (int b = 0; b < nb; b++, row += bb) {
+        float d = _cvtsh_ss(rd16(row));
+        float m = type == IG_Q4_1 ? _cvtsh_ss(rd16(row + 2)) : type == IG_Q4_0 ? -8.0f * d : 0.0f;
+        __m256i lo, hi;
+        unpack_block(type, row + qoff, &lo, &hi);
+        for (int r = 0; r < R; r++) {
+            const ig_xblk *xb = x[r] + b;
+            __m256i p = _mm256_add_epi32(_mm256_madd_epi16(lo, _mm256_loadu_si256((const __m256i *)xb->q)),
+                                         _mm256_madd_epi16(hi, _mm256_loadu_si256((const __m256i *)(xb->q + 16))));
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * xb->d), _mm256_cvtepi32_ps(p), acc[r]);
+            extra[r] += m * xb->s;
+        }
+    }
+    for (int r = 0; r < R; r++) out[r] = hsum(acc[r]) + extra[r];
+#else
+    for (int r = 0; r < R; r++) {
+        const uint8_t *p = row;
+        float sum = 0.0f;
+        for (int b = 0; b < nb; b++, p += bb) {
+            const ig_xblk *xb = x[r] + b;
+            const uint8_t *q = p + qoff;
+            float d = h2f(rd16(p));
+            int isum = 0;
+            if (type == IG_Q8_0) {
+                for (int i = 0; i < QK; i++) isum += (int8_t)q[i] * xb->q[i];
+            } else {
+                for (int i = 0; i < 16; i++) isum += (q[i] & 15) * xb->q[i] + (q[i] >> 4) * xb->q[i + 16];
+            }
+            float m = type == IG_Q4_1 ? h2f(rd16(p + 2)) : type == IG_Q4_0 ? -8.0f * d : 0.0f;
+            sum += d * xb->d * (float)isum + m * xb->s;
+        }
+        out[r] = sum;
+    }
+#endif
+}
+
+/* ---- work sharing ------------------------------------------------------------------ *
+ * Each step of a forward is a list of items that the team's threads claim one at a
+ * time from a shared counter; a step is over when all its items are done, not when
+ * every thread has arrived. On a machine whose cores are shared with other
+ * processes a descheduled thread then holds nobody up unless it is inside an item
+ * (a few microseconds of work): the others take what it has not claimed. A plain
+ * barrier per step (OpenMP's) made a 2-thread decode round 30x slower than one
+ * thread under load. */
+
+typedef struct {
+    atomic_int next;
+    atomic_int done;
+} ig_step;
+
+static void step_wait(ig_step *st, int n) {
+    for (int spins = 0; atomic_load_explicit(&st->done, memory_order_acquire) < n; spins++) {
+        if (spins < 2000) {
+#ifdef IG_AVX2
+            _mm_pause();
+#endif
+        } else {
+            sched_yield();
+        }
+    }
+}
+
+/* for (i ...) over the step's items claimed by this thread, then wait for the step to finish. */
+#define FOR_ITEMS(st, n, i)                                                                                \
+    for (int i = atomic_fetch_add(&(st)->next, 1), _n = (n); i < _n || (step_wait((st), _n), 0);       \
+         atomic_fetch_add_explicit(&(st)->done, 1, memory_order_release), i = atomic_fetch_add(&(st)->next, 1))
+
+/* Rows of activations per tile: a tile's quantized rows stay in L2 while the weights stream. */
+#define XTILE 64
+#define JCHUNK 8
+
+/* y[r * ldy + off + j] = W[j] . x[r] for the parts of a fused product (outputs concatenated). */
+static void matmul_parts(ig_step *st, const ig_mat *parts, int nparts, const ig_xblk *x, int nx, float *y, int ldy) {
+    int rows = 0;
+    for (int p = 0; p < nparts; p++) rows += parts[p].rows;
+    int nchunks = (rows + JCHUNK - 1) / JCHUNK, ntiles = (nx + XTILE - 1) / XTILE;
+    int nbx = parts[0].cols / QK;
+    FOR_ITEMS(st, ntiles * nchunks, item) {
+        int tile = item / nchunks, j0 = (item % nchunks) * JCHUNK;
+        int r0 = tile * XTILE, r1 = r0 + XTILE < nx ? r0 + XTILE : nx;
+        for (int j = j0; j < j0 + JCHUNK && j < rows; j++) {
+            int p = 0, jj = j, off = 0;
+            while (jj >= parts[p].rows) {
+                jj -= parts[p].rows;
+                off += parts[p].rows;
+                p++;
+            }
+            const ig_mat *w = &parts[p];
+            const uint8_t *row = w->data + (int64_t)jj * w->row_bytes;
+            int r = r0;
+            for (; r + 4 <= r1; r += 4) {
+                const ig_xblk *xs[4] = {x + (int64_t)r * nbx, x + (int64_t)(r + 1) * nbx, x + (int64_t)(r + 2) * nbx,
+                                        x + (int64_t)(r + 3) * nbx};
+                float o[4];
+                dot_rows(w, row, xs, 4, o);
+                for (int k = 0; k < 4; k++) y[(int64_t)(r + k) * ldy + off + jj] = o[k];
+            }
+            for (; r < r1; r++) {
+                const ig_xblk *xs[1] = {x + (int64_t)r * nbx};
+                float o[1];
+                dot_rows(w, row, xs, 1, o);
+                y[(int64_t)r * ldy + off + jj] = o[0];
+            }
+        }
+    }
+}
+
+void ig_matmul(const ig_mat *parts, int nparts, const ig_xblk *x, int nx, float *y, int ldy, int threads) {
+    ig_step st = {0, 0};
+#pragma omp parallel num_threads(threads)
+    matmul_parts(&st, parts, nparts, x, nx, y, ldy);
+}
+
+/* ---- the forward ------------------------------------------------------------------ */
+
+static void rms_row(const float *x, const float *w, int h, float eps, float *o) {
+    float ss = 0.0f;
+    for (int i = 0; i < h; i++) ss += x[i] * x[i];
+    float inv = 1.0f / sqrtf(ss / (float)h + eps);
+    for (int i = 0; i < h; i++) o[i] = w[i] * (x[i] * inv);
+}
+
+/* Attention of one query row's head over its context (scores in ``sc``); q already scaled. */
+static void attend(const ig_model *m, int layer, const float *q, int kvh, const int64_t *slots, int nctx,
+                   int p0, int qpos, int window, float *sc, float *out) {
+    int hd = m->head_dim, kvw = m->num_kv_heads * hd;
+    const float *kc = m->k_cache + (int64_t)layer * m->layer_stride, *vc = m->v_cache + (int64_t)layer * m->layer_stride;
+    int first = 0;
+    if (window > 0 && qpos - p0 >= window) first = qpos - p0 - window + 1;
+    float mx = -INFINITY;
+    for (int i = first; i < nctx; i++) {
+        const float *k = kc + slots[i] * kvw + kvh * hd;
+        float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+        for (int e = 0; e < hd; e++) s += q[e] * k[e];
+        sc[i] = s;
+        mx = s > mx ? s : mx;
+    }
+    float den = 0.0f;
+    for (int i = first; i < nctx; i++) {
+        sc[i] = expf(sc[i] - mx);
+        den += sc[i];
+    }
+    for (int e = 0; e < hd; e++) out[e] = 0.0f;
+    for (int i = first; i < nctx; i++) {
+        const float *v = vc + slots[i] * kvw + kvh * hd;
+        float p = sc[i];
+#pragma omp simd
+        for (int e = 0; e < hd; e++) out[e] += p * v[e];
+    }
+    float inv = 1.0f / den;
+    for (int e = 0; e < hd; e++) out[e] *= inv;
+}
+
+#define STEPS_PER_LAYER 11
+
+int ig_forward(const ig_model *m, const ig_batch *bt, float *out_h) {
+    int n = bt->n, H = m->hidden, nh = m->num_heads, nkvh = m->num_kv_heads, hd = m->head_dim;
+    int nq = nh * hd, nkv = nkvh * hd, nqkv = nq + 2 * nkv, I = m->intermediate, rd = m->rot_dim;
+    int maxk = H > nq ? H : nq;
+    maxk = maxk > I ? maxk : I;
+    int maxctx = 1;
+    for (int r = 0; r < n; r++) maxctx = bt->row_ctx_n[r] > maxctx ? bt->row_ctx_n[r] : maxctx;
+    int threads = m->threads, nsteps = 2 + STEPS_PER_LAYER * m->num_layers;
+    float *x = malloc(sizeof(float) * n * H), *h = malloc(sizeof(float) * n * (H > nq ? H : nq));
+    float *big = malloc(sizeof(float) * n * (2 * I > nqkv ? 2 * I : nqkv));
+    ig_xblk *xq = malloc(sizeof(ig_xblk) * n * (maxk / QK));
+    float *scores = malloc(sizeof(float) * maxctx * threads);
+    ig_step *steps = calloc(nsteps, sizeof(ig_step));
+    if (!x || !h || !big || !xq || !scores || !steps) {
+        free(x), free(h), free(big), free(xq), free(scores), free(steps);
+        return -1;
+    }
+    int g = nh / nkvh;
+#pragma omp parallel num_threads(threads)
+    {
+        int tid = 0;
+#ifdef _OPENMP
+        tid = omp_get_thread_num();
+#endif
+        float *sc = scores + (int64_t)tid * maxctx;
+        ig_step *st = steps;
+        FOR_ITEMS(st, n, r) {
+            dequant_row(&m->embed, bt->tokens[r], x + (int64_t)r * H);
+            if (m->embed_scale != 1.0f)
+                for (int i = 0; i < H; i++) x[(int64_t)r * H + i] *= m->embed_scale;
+        }
+        st++;
+        for (int l = 0; l < m->num_layers; l++) {
+            const ig_layer *L = &m->layers[l];
+            float *kc = m->k_cache + (int64_t)l * m->layer_stride, *vc = m->v_cache + (int64_t)l * m->layer_stride;
+            FOR_ITEMS(st, n, r) {
+                rms_row(x + (int64_t)r * H, L->attn_norm, H, m->eps, h + (int64_t)r * H);
+                quant_row(h + (int64_t)r * H, H, xq + (int64_t)r * (H / QK));
+            }
+            st++;
+            matmul_parts(st++, L->qkv, 3, xq, n, big, nqkv);
+            /* bias, rope on q and k heads, then this round's K/V into the cache */
+            FOR_ITEMS(st, n, r) {
+                float *row = big + (int64_t)r * nqkv;
+                if (L->qkv_bias)
+                    for (int i = 0; i < nqkv; i++) row[i] += L->qkv_bias[i];
+                const float *c = bt->cos + (int64_t)r * rd, *s = bt->sin + (int64_t)r * rd;
+                int half = rd / 2;
+                for (int hh = 0; hh < nh + nkvh; hh++) {
+                    float *v = row + hh * hd;
+                    for (int i = 0; i < half; i++) {
+                        float a = v[i], b = v[i + half];
+                        v[i] = a * c[i] - b * s[i];
+                        v[i + half] = b * c[i + half] + a * s[i + half];
+                    }
+                }
+                int64_t slot = bt->write_slots[r];
+                memcpy(kc + slot * nkv, row + nq, sizeof(float) * nkv);
+                memcpy(vc + slot * nkv, row + nq + nkv, sizeof(float) * nkv);
+            }
+            st++;
+            FOR_ITEMS(st, n * nh, item) {
+                int r = item / nh, head = item % nh;
+                float q[256];
+                const float *qs = big + (int64_t)r * nqkv + head * hd;
+                for (int e = 0; e < hd; e++) q[e] = qs[e] * m->attn_scale;
+                attend(m, l, q, head / g, bt->ctx_slots + bt->row_ctx_off[r], bt->row_ctx_n[r], bt->row_ctx_p0[r],
+                       bt->positions[r], L->window, sc, h + (int64_t)r * nq + head * hd);
+            }
+            st++;
+            FOR_ITEMS(st, n, r) quant_row(h + (int64_t)r * nq, nq, xq + (int64_t)r * (nq / QK));
+            st++;
+            matmul_parts(st++, &L->o, 1, xq, n, big, H);
+            /* residual, then the MLP's norm: rows are whole again */
+            FOR_ITEMS(st, n, r) {
+                float *xr = x + (int64_t)r * H;
+                for (int i = 0; i < H; i++) xr[i] += big[(int64_t)r * H + i];
+                rms_row(xr, L->mlp_norm, H, m->eps, h + (int64_t)r * H);
+                quant_row(h + (int64_t)r * H, H, xq + (int64_t)r * (H / QK));
+            }
+            st++;
+            matmul_parts(st++, L->gate_up, 2, xq, n, big, 2 * I);
+            FOR_ITEMS(st, n, r) { /* SwiGLU, in place over the gate half */
+                float *gu = big + (int64_t)r * 2 * I;
+                for (int i = 0; i < I; i++) {
+                    float gi = gu[i];
+                    gu[i] = gi / (1.0f + expf(-gi)) * gu[I + i];
+                }
+                quant_row(gu, I, xq + (int64_t)r * (I / QK));
+            }
+            st++;
+            matmul_parts(st++, &L->down, 1, xq, n, big, H);
+            FOR_ITEMS(st, n, r) {
+                float *xr = x + (int64_t)r * H;
+                for (int i = 0; i < H; i++) xr[i] += big[(int64_t)r * H + i];
+            }
+            st++;
+        }
+        FOR_ITEMS(st, n, r) rms_row(x + (int64_t)r * H, m->final_norm, H, m->eps, out_h + (int64_t)r * H);
+    }
+    free(x), free(h), free(big), free(xq), free(scores), free(steps);
+    return 0;
+}
+
+int ig_logits(const ig_model *m, const float *hrows, int n, float *logits) {
+    int H = m->hidden;
+    ig_xblk *xq = malloc(sizeof(ig_xblk) * n * (H / QK));
+    if (!xq) return -1;
+    ig_quantize(hrows, n, H, xq);
+    ig_matmul(&m->lm_head, 1, xq, n, logits, m->lm_head.rows, m->threads);
+    free(xq);
+    return 0;
+}
