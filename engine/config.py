@@ -21,7 +21,7 @@ class CudaTuning:
 
 @dataclass
 class EngineConfig:
-    backend: str = "numpy"  # numpy | cuda
+    backend: str = "numpy"  # numpy | cpu | cuda
     decode_lanes: int = 8  # spec.decode_lanes
     prefill_chunk: int = 1024  # model.prefill_chunk
     decode_share: float = 0.25  # model.decode_share (fraction of time the lanes keep)
@@ -32,6 +32,8 @@ class EngineConfig:
     host_kv_budget: int = 2048 * MiB  # the host-RAM tier for swapped pages
     retry_after_floor: float = 1.0  # seconds; the least Retry-After an engine_full gets
     blas_threads: int = 1  # model.blas_threads: numpy backend's BLAS threads (0 = leave BLAS as it is)
+    cpu_threads: int = 0  # model.cpu_threads: cpu backend's threads (0 = every core this process may use)
+    cpu_kernel_cache_dir: str = ""  # cpu backend's compiled kernels; "" = <repo>/models/.cache/cpu-kernels
     cuda: CudaTuning = field(default_factory=CudaTuning)
 
     def to_dict(self) -> dict:

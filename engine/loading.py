@@ -29,11 +29,12 @@ Loader = Callable[[Path, Callable[[int, int], None]], tuple[ModelConfig, dict[st
 BackendFactory = Callable[[str, EngineConfig], Backend]
 
 
-def load_artifact(path: Path, progress: Callable[[int, int], None]) -> tuple[ModelConfig, dict[str, np.ndarray]]:
+def load_artifact(path: Path, progress: Callable[[int, int], None], *, as_stored: bool = False
+                  ) -> tuple[ModelConfig, dict[str, np.ndarray]]:  # fmt: skip
     """The default loader: engine.loaders.load_artifact (imported when first needed)."""
     from engine.loaders import load_artifact as load
 
-    return load(path, progress)
+    return load(path, progress, as_stored=as_stored)
 
 
 def create_backend(name: str, cfg: EngineConfig) -> Backend:
@@ -67,11 +68,17 @@ def load_model(
     from engine.kv_manager import KVManager
 
     t0 = time.perf_counter()
-    model_cfg, weights = loader(path, progress)
+    # The backend first: the cpu backend compiles its kernels here (or the factory falls
+    # back to numpy), and asks for the GGUF's quantized blocks as stored.
+    backend = backend_factory(cfg.backend, cfg)
+    if getattr(backend, "weights_as_stored", False):
+        model_cfg, weights = loader(path, progress, as_stored=True)
+    else:
+        model_cfg, weights = loader(path, progress)
     cfg.max_context = min(max_context, model_cfg.max_position)
     on_context(cfg.max_context)
     kv_budget = None
-    if cfg.backend == "numpy":
+    if backend.name in ("numpy", "cpu"):
         # Weights, then working memory; the KV pool takes the rest of the RAM budget.
         kv_budget = planned_ram(
             model_cfg,
@@ -81,7 +88,6 @@ def load_model(
             block_size=cfg.block_size,
             freed_bytes=0,
         ).kv_bytes
-    backend = backend_factory(cfg.backend, cfg)
     plan = backend.load(
         model_cfg,
         weights,

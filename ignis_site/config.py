@@ -160,6 +160,7 @@ FIELDS: dict[str, Field] = {
         Field("model.kv_ram_budget", int, 768 * MiB, "numpy backend: bytes for the KV pool", MiB, 1 << 40),
         Field("model.host_kv_budget", int, 2048 * MiB, "bytes of host RAM for swapped KV pages", 0, 1 << 42),
         Field("model.blas_threads", int, 1, "numpy backend: BLAS threads (0 = BLAS's own default)", 0, 256),
+        Field("model.cpu_threads", int, 0, "cpu backend: kernel threads (0 = every core)", 0, 1024),
         Field("model.idle_unload", int, 300, "seconds idle before unloading (0 = never)", 0, 1 << 31),
         Field(
             "model.ram_budget",
@@ -315,13 +316,20 @@ def engine_config_dict(values: dict[str, Any]) -> dict[str, Any]:
         "kv_ram_budget": values["model.kv_ram_budget"],
         "host_kv_budget": values["model.host_kv_budget"],
         "blas_threads": values["model.blas_threads"],
+        "cpu_threads": values["model.cpu_threads"],
+        "cpu_kernel_cache_dir": str(Path(models_dir(values)) / ".cache" / "cpu-kernels"),
         "cuda": cuda_tuning_dict(values),
     }
 
 
+def models_dir(values: dict[str, Any]) -> str:
+    """server.models_dir, or the repository's models/ when unset."""
+    return values["server.models_dir"] or str(Path(__file__).resolve().parent.parent / "models")
+
+
 def cuda_tuning_dict(values: dict[str, Any]) -> dict[str, Any]:
     """EngineConfig.cuda (CudaTuning); the kernel cache defaults into the models dir."""
-    models = values["server.models_dir"] or str(Path(__file__).resolve().parent.parent / "models")
+    models = models_dir(values)
     return {
         "gemv_u2_below": values["cuda.gemv_u2_below"],
         "kernel_cache_dir": values["cuda.kernel_cache_dir"] or os.path.join(models, ".cache", "pycuda"),

@@ -27,7 +27,6 @@ import numpy as np
 from engine.model_config import ModelConfig
 from engine.models import for_gguf
 
-
 # GGML block types a backend can take as stored (gguf.GGMLQuantizationType values).
 STORED_TYPES = {"Q8_0": 8, "Q4_0": 2, "Q4_1": 3}
 

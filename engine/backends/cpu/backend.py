@@ -145,7 +145,9 @@ class CpuBackend(Backend):
         """Write each lane's K/V and return logits [lanes, vocab]; each lane reads only its own context."""
         positions = np.array([ln.position for ln in lanes], dtype=np.int64)
         p0 = np.array([self._window_start(int(p)) for p in positions], dtype=np.int64)
-        slots = [self._slots(ln.block_table, np.arange(s, p + 1, dtype=np.int64)) for ln, s, p in zip(lanes, p0, positions)]
+        slots = [
+            self._slots(ln.block_table, np.arange(s, p + 1, dtype=np.int64)) for ln, s, p in zip(lanes, p0, positions)
+        ]
         n_ctx = positions - p0 + 1
         offsets = np.concatenate([[0], np.cumsum(n_ctx)[:-1]])
         write = np.array([s[-1] for s in slots], dtype=np.int64)

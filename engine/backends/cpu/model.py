@@ -146,7 +146,9 @@ class CpuModel:
             w = as_blocks(weights[p + name])
             self._mat(getattr(L, field), w)
             self.nbytes += w.nbytes
-        L.attn_norm = self._floats(ops.norm_weight(block.attn_norm, f32(weights[p + block.attn_norm.weight + ".weight"])))
+        L.attn_norm = self._floats(
+            ops.norm_weight(block.attn_norm, f32(weights[p + block.attn_norm.weight + ".weight"]))
+        )
         L.mlp_norm = self._floats(ops.norm_weight(block.mlp_norm, f32(weights[p + block.mlp_norm.weight + ".weight"])))
         if attn.qkv_bias:
             L.qkv_bias = self._floats(np.concatenate([f32(weights[p + f"self_attn.{x}_proj.bias"]) for x in "qkv"]))
