@@ -234,19 +234,22 @@ static void step_wait(ig_step *st, int n) {
     for (int i = atomic_fetch_add(&(st)->next, 1), _n = (n); i < _n || (step_wait((st), _n), 0);       \
          atomic_fetch_add_explicit(&(st)->done, 1, memory_order_release), i = atomic_fetch_add(&(st)->next, 1))
 
-/* Rows of activations per tile: a tile's quantized rows stay in L2 while the weights stream. */
-#define XTILE 64
+/* Activation rows per tile: as many as fit XTILE_BYTES (L1), so each weight row is dotted
+ * against rows already in L1; the weights stream from L2/L3 once per tile. Measured on a
+ * 1,000-row prefill, 64-row tiles (in L2) cost 3.6 cycles per block pair against ~2.4. */
+#define XTILE_BYTES 16384
 #define JCHUNK 8
 
 /* y[r * ldy + off + j] = W[j] . x[r] for the parts of a fused product (outputs concatenated). */
 static void matmul_parts(ig_step *st, const ig_mat *parts, int nparts, const ig_xblk *x, int nx, float *y, int ldy) {
     int rows = 0;
     for (int p = 0; p < nparts; p++) rows += parts[p].rows;
-    int nchunks = (rows + JCHUNK - 1) / JCHUNK, ntiles = (nx + XTILE - 1) / XTILE;
-    int nbx = parts[0].cols / QK;
+    int nbx = parts[0].cols / QK, xtile = XTILE_BYTES / (nbx * (int)sizeof(ig_xblk)) & ~3;
+    xtile = xtile < 4 ? 4 : xtile;
+    int nchunks = (rows + JCHUNK - 1) / JCHUNK, ntiles = (nx + xtile - 1) / xtile;
     FOR_ITEMS(st, ntiles * nchunks, item) {
         int tile = item / nchunks, j0 = (item % nchunks) * JCHUNK;
-        int r0 = tile * XTILE, r1 = r0 + XTILE < nx ? r0 + XTILE : nx;
+        int r0 = tile * xtile, r1 = r0 + xtile < nx ? r0 + xtile : nx;
         for (int j = j0; j < j0 + JCHUNK && j < rows; j++) {
             int p = 0, jj = j, off = 0;
             while (jj >= parts[p].rows) {
@@ -289,36 +292,108 @@ static void rms_row(const float *x, const float *w, int h, float eps, float *o) 
     for (int i = 0; i < h; i++) o[i] = w[i] * (x[i] * inv);
 }
 
-/* Attention of one query row's head over its context (scores in ``sc``); q already scaled. */
-static void attend(const ig_model *m, int layer, const float *q, int kvh, const int64_t *slots, int nctx,
-                   int p0, int qpos, int window, float *sc, float *out) {
-    int hd = m->head_dim, kvw = m->num_kv_heads * hd;
-    const float *kc = m->k_cache + (int64_t)layer * m->layer_stride, *vc = m->v_cache + (int64_t)layer * m->layer_stride;
-    int first = 0;
-    if (window > 0 && qpos - p0 >= window) first = qpos - p0 - window + 1;
-    float mx = -INFINITY;
-    for (int i = first; i < nctx; i++) {
-        const float *k = kc + slots[i] * kvw + kvh * hd;
-        float s = 0.0f;
+/* ---- attention over the paged cache ---------------------------------------------- */
+
+static inline float dot_f32(const float *a, const float *b, int n) {
+#ifdef IG_AVX2
+    if (n % 32 == 0) { /* four independent FMA chains */
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        for (int e = 0; e < n; e += 32) {
+            a0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + e), _mm256_loadu_ps(b + e), a0);
+            a1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + e + 8), _mm256_loadu_ps(b + e + 8), a1);
+            a2 = _mm256_fmadd_ps(_mm256_loadu_ps(a + e + 16), _mm256_loadu_ps(b + e + 16), a2);
+            a3 = _mm256_fmadd_ps(_mm256_loadu_ps(a + e + 24), _mm256_loadu_ps(b + e + 24), a3);
+        }
+        return hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+    }
+#endif
+    float s = 0.0f;
 #pragma omp simd reduction(+ : s)
-        for (int e = 0; e < hd; e++) s += q[e] * k[e];
-        sc[i] = s;
-        mx = s > mx ? s : mx;
+    for (int e = 0; e < n; e++) s += a[e] * b[e];
+    return s;
+}
+
+/* out = sum_i p[i] * v_i over entries [first, last) of the context, then times ``scale``. */
+static void weighted_values(const float *vc, int64_t kvw, const int64_t *slots, const float *p, int first, int last,
+                            int hd, float scale, float *out) {
+#ifdef IG_AVX2
+    if (hd % 8 == 0) {
+        int e0 = 0;
+        for (; e0 + 64 <= hd; e0 += 64) { /* 64 output lanes held in 8 registers */
+            __m256 o0 = _mm256_setzero_ps(), o1 = o0, o2 = o0, o3 = o0, o4 = o0, o5 = o0, o6 = o0, o7 = o0;
+            for (int i = first; i < last; i++) {
+                const float *vv = vc + slots[i] * kvw + e0;
+                __m256 w = _mm256_set1_ps(p[i]);
+                o0 = _mm256_fmadd_ps(w, _mm256_loadu_ps(vv), o0);
+                o1 = _mm256_fmadd_ps(w, _mm256_loadu_ps(vv + 8), o1);
+                o2 = _mm256_fmadd_ps(w, _mm256_loadu_ps(vv + 16), o2);
+                o3 = _mm256_fmadd_ps(w, _mm256_loadu_ps(vv + 24), o3);
+                o4 = _mm256_fmadd_ps(w, _mm256_loadu_ps(vv + 32), o4);
+                o5 = _mm256_fmadd_ps(w, _mm256_loadu_ps(vv + 40), o5);
+                o6 = _mm256_fmadd_ps(w, _mm256_loadu_ps(vv + 48), o6);
+                o7 = _mm256_fmadd_ps(w, _mm256_loadu_ps(vv + 56), o7);
+            }
+            __m256 sc = _mm256_set1_ps(scale), o[8] = {o0, o1, o2, o3, o4, o5, o6, o7};
+            for (int v = 0; v < 8; v++) _mm256_storeu_ps(out + e0 + 8 * v, _mm256_mul_ps(o[v], sc));
+        }
+        for (; e0 < hd; e0 += 8) { /* the rest, 8 lanes at a time */
+            __m256 o = _mm256_setzero_ps();
+            for (int i = first; i < last; i++)
+                o = _mm256_fmadd_ps(_mm256_set1_ps(p[i]), _mm256_loadu_ps(vc + slots[i] * kvw + e0), o);
+            _mm256_storeu_ps(out + e0, _mm256_mul_ps(o, _mm256_set1_ps(scale)));
+        }
+        return;
     }
-    float den = 0.0f;
-    for (int i = first; i < nctx; i++) {
-        sc[i] = expf(sc[i] - mx);
-        den += sc[i];
-    }
+#endif
     for (int e = 0; e < hd; e++) out[e] = 0.0f;
-    for (int i = first; i < nctx; i++) {
-        const float *v = vc + slots[i] * kvw + kvh * hd;
-        float p = sc[i];
+    for (int i = first; i < last; i++) {
+        const float *v = vc + slots[i] * kvw;
 #pragma omp simd
-        for (int e = 0; e < hd; e++) out[e] += p * v[e];
+        for (int e = 0; e < hd; e++) out[e] += p[i] * v[e];
     }
-    float inv = 1.0f / den;
-    for (int e = 0; e < hd; e++) out[e] *= inv;
+    for (int e = 0; e < hd; e++) out[e] *= scale;
+}
+
+/* Rows per attention item: the query heads of one kv head for up to ATT_ROWS rows of one
+ * sequence read each key and value once (from L1) for all of them. */
+#define ATT_ROWS 8
+
+/* Attention of rows [r0, r1) (one sequence: they share one context list) for the query
+ * heads of kv head ``kvh``; q is read from the fused qkv rows, the result goes to ``h``.
+ * Scratch: qs [ATT_ROWS * g * hd], sc [ATT_ROWS * g * maxctx]. */
+static void attend_rows(const ig_model *m, const ig_batch *bt, int layer, int window, const float *qkv, int nqkv,
+                        int r0, int r1, int kvh, float *qs, float *sc, int maxctx, float *h) {
+    int hd = m->head_dim, nh = m->num_heads, g = nh / m->num_kv_heads, kvw = m->num_kv_heads * hd;
+    const float *kc = m->k_cache + (int64_t)layer * m->layer_stride + kvh * hd;
+    const float *vc = m->v_cache + (int64_t)layer * m->layer_stride + kvh * hd;
+    const int64_t *slots = bt->ctx_slots + bt->row_ctx_off[r0];
+    int nq = (r1 - r0) * g, first = 1 << 30, last = 0;
+    int lo[nq], hi[nq]; /* each query's visible entries: [lo, hi) */
+    for (int qi = 0; qi < nq; qi++) {
+        int r = r0 + qi / g, head = kvh * g + qi % g;
+        const float *src = qkv + (int64_t)r * nqkv + head * hd;
+        for (int e = 0; e < hd; e++) qs[qi * hd + e] = src[e] * m->attn_scale;
+        int p0 = bt->row_ctx_p0[r], qpos = bt->positions[r];
+        hi[qi] = bt->row_ctx_n[r];
+        lo[qi] = window > 0 && qpos - p0 >= window ? qpos - p0 - window + 1 : 0;
+        first = lo[qi] < first ? lo[qi] : first;
+        last = hi[qi] > last ? hi[qi] : last;
+    }
+    for (int i = first; i < last; i++) { /* each key once, against every query that sees it */
+        const float *k = kc + slots[i] * kvw;
+        for (int qi = 0; qi < nq; qi++)
+            if (i >= lo[qi] && i < hi[qi]) sc[(int64_t)qi * maxctx + i] = dot_f32(qs + qi * hd, k, hd);
+    }
+    for (int qi = 0; qi < nq; qi++) {
+        float *s = sc + (int64_t)qi * maxctx, mx = -INFINITY, den = 0.0f;
+        for (int i = lo[qi]; i < hi[qi]; i++) mx = s[i] > mx ? s[i] : mx;
+        for (int i = lo[qi]; i < hi[qi]; i++) {
+            s[i] = expf(s[i] - mx);
+            den += s[i];
+        }
+        int r = r0 + qi / g, head = kvh * g + qi % g;
+        weighted_values(vc, kvw, slots, s, lo[qi], hi[qi], hd, 1.0f / den, h + (int64_t)r * nh * hd + head * hd);
+    }
 }
 
 #define STEPS_PER_LAYER 11
@@ -334,20 +409,20 @@ int ig_forward(const ig_model *m, const ig_batch *bt, float *out_h) {
     float *x = malloc(sizeof(float) * n * H), *h = malloc(sizeof(float) * n * (H > nq ? H : nq));
     float *big = malloc(sizeof(float) * n * (2 * I > nqkv ? 2 * I : nqkv));
     ig_xblk *xq = malloc(sizeof(ig_xblk) * n * (maxk / QK));
-    float *scores = malloc(sizeof(float) * maxctx * threads);
+    int g = nh / nkvh, per_thread = ATT_ROWS * g * (maxctx + hd);
+    float *scores = malloc(sizeof(float) * (int64_t)per_thread * threads);
     ig_step *steps = calloc(nsteps, sizeof(ig_step));
     if (!x || !h || !big || !xq || !scores || !steps) {
         free(x), free(h), free(big), free(xq), free(scores), free(steps);
         return -1;
     }
-    int g = nh / nkvh;
 #pragma omp parallel num_threads(threads)
     {
         int tid = 0;
 #ifdef _OPENMP
         tid = omp_get_thread_num();
 #endif
-        float *sc = scores + (int64_t)tid * maxctx;
+        float *qs = scores + (int64_t)tid * per_thread, *sc = qs + ATT_ROWS * g * hd;
         ig_step *st = steps;
         FOR_ITEMS(st, n, r) {
             dequant_row(&m->embed, bt->tokens[r], x + (int64_t)r * H);
@@ -384,13 +459,15 @@ int ig_forward(const ig_model *m, const ig_batch *bt, float *out_h) {
                 memcpy(vc + slot * nkv, row + nq + nkv, sizeof(float) * nkv);
             }
             st++;
-            FOR_ITEMS(st, n * nh, item) {
-                int r = item / nh, head = item % nh;
-                float q[256];
-                const float *qs = big + (int64_t)r * nqkv + head * hd;
-                for (int e = 0; e < hd; e++) q[e] = qs[e] * m->attn_scale;
-                attend(m, l, q, head / g, bt->ctx_slots + bt->row_ctx_off[r], bt->row_ctx_n[r], bt->row_ctx_p0[r],
-                       bt->positions[r], L->window, sc, h + (int64_t)r * nq + head * hd);
+            /* items: (ATT_ROWS rows, kv head); rows of one sequence share a context list */
+            FOR_ITEMS(st, (n + ATT_ROWS - 1) / ATT_ROWS * nkvh, item) {
+                int r0 = item / nkvh * ATT_ROWS, kvh = item % nkvh, end = r0 + ATT_ROWS < n ? r0 + ATT_ROWS : n;
+                while (r0 < end) {
+                    int r1 = r0 + 1;
+                    while (r1 < end && bt->row_ctx_off[r1] == bt->row_ctx_off[r0]) r1++;
+                    attend_rows(m, bt, l, L->window, big, nqkv, r0, r1, kvh, qs, sc, maxctx, h);
+                    r0 = r1;
+                }
             }
             st++;
             FOR_ITEMS(st, n, r) quant_row(h + (int64_t)r * nq, nq, xq + (int64_t)r * (nq / QK));
