@@ -113,7 +113,7 @@ def _tiny(arch: str = "llama", **kw) -> tuple[ModelConfig, dict, dict]:
     rng = np.random.default_rng(7)
     stored, floats = {}, {}
     for name, shape in definition(arch).tensors(cfg).items():
-        w = (rng.standard_normal(shape) * (0.5 if len(shape) == 2 else 0.1)).astype(np.float32)
+        w = (rng.standard_normal(shape) * (0.2 if len(shape) == 2 else 0.1)).astype(np.float32)
         if len(shape) == 1:
             w += 1.0 if name.endswith("norm.weight") else 0.0
             stored[name] = floats[name] = w
@@ -154,7 +154,7 @@ def test_tiny_model_logits_match_numpy(cpu_backend_cls, arch, kw):
     cfg, stored, floats = _tiny(arch, **kw)
     cpu, ref = _load(cpu_backend_cls(), cfg, stored), _load(NumpyBackend(), cfg, floats)
     ids = list(np.random.default_rng().integers(3, cfg.vocab_size, 40))
-    assert rel_err(_prefill_logits(cpu, ids, [0, 1, 2]), _prefill_logits(ref, ids, [0, 1, 2])) < 1e-3
+    assert rel_err(_prefill_logits(cpu, ids, [0, 1, 2]), _prefill_logits(ref, ids, [0, 1, 2])) < 3e-3  # float16 K/V
 
 
 def test_prompt_logprobs_match_numpy(cpu_backend_cls):

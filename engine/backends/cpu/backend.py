@@ -5,11 +5,12 @@ the paged cache included -- in one C call, then one more for the logits rows
 that are wanted; sampling stays in Python (``engine.sampler``). This module
 holds what the step interface adds, with the numpy backend's semantics:
 
-* The KV cache is float32 ``[layers, num_blocks, block_size, kv_heads,
+* The KV cache is float16 ``[layers, num_blocks, block_size, kv_heads,
   head_dim]``, the numpy backend's layout (token ``pos`` in slot
-  ``block_table[pos // block_size] * block_size + pos % block_size``), so
-  swaps copy the same pages. Float32 rather than f16: at the contexts served
-  here attention is a small share of a round and float32 keeps it exact.
+  ``block_table[pos // block_size] * block_size + pos % block_size``) at half
+  its bytes: SmolLM2-135M keeps 46 KB of float32 K/V a token, so 8 lanes of
+  300 tokens read 110 MB of cache a round, more than the weights (85 MB);
+  half precision made that round ~25% faster (docs/CPU.md).
 * A round hands the kernels each row's context as slots: one flat list per
   sequence (a prefill chunk's rows share theirs, each seeing its own causal
   prefix), so lanes of different lengths need no padding.
@@ -41,7 +42,7 @@ def cpu_count() -> int:
 
 
 class CpuBackend(Backend):
-    """Quantized weights, C kernels, float32 paged KV; numerics within quantization of numpy's."""
+    """Quantized weights, C kernels, float16 paged KV; numerics within quantization of numpy's."""
 
     name = "cpu"
     supports_prompt_logprobs = True
@@ -59,7 +60,7 @@ class CpuBackend(Backend):
     def load(self, config, weights, *, block_size, kv_budget_bytes, host_kv_budget_bytes, max_context) -> MemoryPlan:
         cfg = config
         model = CpuModel(cfg, weights, self.kernels, self.threads)
-        block_bytes = kv_block_bytes(cfg, block_size)
+        block_bytes = kv_block_bytes(cfg, block_size, bytes_per_value=2)
         if kv_budget_bytes is None:
             num_blocks = -(-max_context // block_size) * _LANES_FOR_DEFAULT_BUDGET
         else:
@@ -67,7 +68,7 @@ class CpuBackend(Backend):
         if num_blocks < 1:
             raise ValueError(f"KV budget {kv_budget_bytes} B holds no block of {block_bytes} B")
         shape = (cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-        self.k, self.v = np.zeros(shape, np.float32), np.zeros(shape, np.float32)  # pages mapped lazily
+        self.k, self.v = np.zeros(shape, np.float16), np.zeros(shape, np.float16)  # pages mapped lazily
         model.set_cache(self.k, self.v)
         self.model, self.config, self.block_size = model, cfg, block_size
         self.num_host_blocks = int(host_kv_budget_bytes // block_bytes)
@@ -162,7 +163,7 @@ class CpuBackend(Backend):
             if self.num_host_blocks < 1:
                 raise RuntimeError("no host KV tier (host_kv_budget_bytes too small)")
             shape = (self.k.shape[0], self.num_host_blocks, *self.k.shape[2:])
-            self.host_k, self.host_v = np.zeros(shape, np.float32), np.zeros(shape, np.float32)
+            self.host_k, self.host_v = np.zeros(shape, np.float16), np.zeros(shape, np.float16)
         return self.host_k, self.host_v
 
     def swap_out(self, pairs: Sequence[tuple[int, int]]) -> None:

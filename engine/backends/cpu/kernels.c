@@ -67,6 +67,18 @@ static inline float h2f(uint16_t h) {
 
 static inline uint16_t rd16(const uint8_t *p) { return (uint16_t)(p[0] | (p[1] << 8)); }
 
+/* float -> IEEE half, round to nearest even (the KV cache's element). */
+static inline uint16_t f2h(float x) {
+#ifdef IG_AVX2
+    return (uint16_t)_cvtss_sh(x, 0);
+#else
+    _Float16 h = (_Float16)x;
+    uint16_t u;
+    memcpy(&u, &h, 2);
+    return u;
+#endif
+}
+
 /* Bytes of one 32-wide block of each weight type. */
 static int block_bytes(int type) {
     switch (type) {
@@ -138,6 +150,9 @@ static inline float hsum(__m256 v) {
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
 }
+
+/* 8 halves as floats. */
+#define LOADH(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
 
 /* A block's 32 weights as two vectors of 16 int16 (elements 0..15, 16..31). */
 static inline void unpack_block(int type, const uint8_t *qs, __m256i *lo, __m256i *hi) {
@@ -294,27 +309,28 @@ static void rms_row(const float *x, const float *w, int h, float eps, float *o) 
 
 /* ---- attention over the paged cache ---------------------------------------------- */
 
-static inline float dot_f32(const float *a, const float *b, int n) {
+/* q . k with k in half precision. */
+static inline float dot_kv(const float *a, const uint16_t *b, int n) {
 #ifdef IG_AVX2
     if (n % 32 == 0) { /* four independent FMA chains */
         __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
         for (int e = 0; e < n; e += 32) {
-            a0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + e), _mm256_loadu_ps(b + e), a0);
-            a1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + e + 8), _mm256_loadu_ps(b + e + 8), a1);
-            a2 = _mm256_fmadd_ps(_mm256_loadu_ps(a + e + 16), _mm256_loadu_ps(b + e + 16), a2);
-            a3 = _mm256_fmadd_ps(_mm256_loadu_ps(a + e + 24), _mm256_loadu_ps(b + e + 24), a3);
+            a0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + e), LOADH(b + e), a0);
+            a1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + e + 8), LOADH(b + e + 8), a1);
+            a2 = _mm256_fmadd_ps(_mm256_loadu_ps(a + e + 16), LOADH(b + e + 16), a2);
+            a3 = _mm256_fmadd_ps(_mm256_loadu_ps(a + e + 24), LOADH(b + e + 24), a3);
         }
         return hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
     }
 #endif
     float s = 0.0f;
 #pragma omp simd reduction(+ : s)
-    for (int e = 0; e < n; e++) s += a[e] * b[e];
+    for (int e = 0; e < n; e++) s += a[e] * h2f(b[e]);
     return s;
 }
 
 /* out = sum_i p[i] * v_i over entries [first, last) of the context, then times ``scale``. */
-static void weighted_values(const float *vc, int64_t kvw, const int64_t *slots, const float *p, int first, int last,
+static void weighted_values(const uint16_t *vc, int64_t kvw, const int64_t *slots, const float *p, int first, int last,
                             int hd, float scale, float *out) {
 #ifdef IG_AVX2
     if (hd % 8 == 0) {
@@ -322,16 +338,16 @@ static void weighted_values(const float *vc, int64_t kvw, const int64_t *slots, 
         for (; e0 + 64 <= hd; e0 += 64) { /* 64 output lanes held in 8 registers */
             __m256 o0 = _mm256_setzero_ps(), o1 = o0, o2 = o0, o3 = o0, o4 = o0, o5 = o0, o6 = o0, o7 = o0;
             for (int i = first; i < last; i++) {
-                const float *vv = vc + slots[i] * kvw + e0;
+                const uint16_t *vv = vc + slots[i] * kvw + e0;
                 __m256 w = _mm256_set1_ps(p[i]);
-                o0 = _mm256_fmadd_ps(w, _mm256_loadu_ps(vv), o0);
-                o1 = _mm256_fmadd_ps(w, _mm256_loadu_ps(vv + 8), o1);
-                o2 = _mm256_fmadd_ps(w, _mm256_loadu_ps(vv + 16), o2);
-                o3 = _mm256_fmadd_ps(w, _mm256_loadu_ps(vv + 24), o3);
-                o4 = _mm256_fmadd_ps(w, _mm256_loadu_ps(vv + 32), o4);
-                o5 = _mm256_fmadd_ps(w, _mm256_loadu_ps(vv + 40), o5);
-                o6 = _mm256_fmadd_ps(w, _mm256_loadu_ps(vv + 48), o6);
-                o7 = _mm256_fmadd_ps(w, _mm256_loadu_ps(vv + 56), o7);
+                o0 = _mm256_fmadd_ps(w, LOADH(vv), o0);
+                o1 = _mm256_fmadd_ps(w, LOADH(vv + 8), o1);
+                o2 = _mm256_fmadd_ps(w, LOADH(vv + 16), o2);
+                o3 = _mm256_fmadd_ps(w, LOADH(vv + 24), o3);
+                o4 = _mm256_fmadd_ps(w, LOADH(vv + 32), o4);
+                o5 = _mm256_fmadd_ps(w, LOADH(vv + 40), o5);
+                o6 = _mm256_fmadd_ps(w, LOADH(vv + 48), o6);
+                o7 = _mm256_fmadd_ps(w, LOADH(vv + 56), o7);
             }
             __m256 sc = _mm256_set1_ps(scale), o[8] = {o0, o1, o2, o3, o4, o5, o6, o7};
             for (int v = 0; v < 8; v++) _mm256_storeu_ps(out + e0 + 8 * v, _mm256_mul_ps(o[v], sc));
@@ -339,7 +355,7 @@ static void weighted_values(const float *vc, int64_t kvw, const int64_t *slots, 
         for (; e0 < hd; e0 += 8) { /* the rest, 8 lanes at a time */
             __m256 o = _mm256_setzero_ps();
             for (int i = first; i < last; i++)
-                o = _mm256_fmadd_ps(_mm256_set1_ps(p[i]), _mm256_loadu_ps(vc + slots[i] * kvw + e0), o);
+                o = _mm256_fmadd_ps(_mm256_set1_ps(p[i]), LOADH(vc + slots[i] * kvw + e0), o);
             _mm256_storeu_ps(out + e0, _mm256_mul_ps(o, _mm256_set1_ps(scale)));
         }
         return;
@@ -347,9 +363,8 @@ static void weighted_values(const float *vc, int64_t kvw, const int64_t *slots, 
 #endif
     for (int e = 0; e < hd; e++) out[e] = 0.0f;
     for (int i = first; i < last; i++) {
-        const float *v = vc + slots[i] * kvw;
-#pragma omp simd
-        for (int e = 0; e < hd; e++) out[e] += p[i] * v[e];
+        const uint16_t *v = vc + slots[i] * kvw;
+        for (int e = 0; e < hd; e++) out[e] += p[i] * h2f(v[e]);
     }
     for (int e = 0; e < hd; e++) out[e] *= scale;
 }
@@ -364,8 +379,8 @@ static void weighted_values(const float *vc, int64_t kvw, const int64_t *slots, 
 static void attend_rows(const ig_model *m, const ig_batch *bt, int layer, int window, const float *qkv, int nqkv,
                         int r0, int r1, int kvh, float *qs, float *sc, int maxctx, float *h) {
     int hd = m->head_dim, nh = m->num_heads, g = nh / m->num_kv_heads, kvw = m->num_kv_heads * hd;
-    const float *kc = m->k_cache + (int64_t)layer * m->layer_stride + kvh * hd;
-    const float *vc = m->v_cache + (int64_t)layer * m->layer_stride + kvh * hd;
+    const uint16_t *kc = m->k_cache + (int64_t)layer * m->layer_stride + kvh * hd;
+    const uint16_t *vc = m->v_cache + (int64_t)layer * m->layer_stride + kvh * hd;
     const int64_t *slots = bt->ctx_slots + bt->row_ctx_off[r0];
     int nq = (r1 - r0) * g, first = 1 << 30, last = 0;
     int lo[nq], hi[nq]; /* each query's visible entries: [lo, hi) */
@@ -380,9 +395,9 @@ static void attend_rows(const ig_model *m, const ig_batch *bt, int layer, int wi
         last = hi[qi] > last ? hi[qi] : last;
     }
     for (int i = first; i < last; i++) { /* each key once, against every query that sees it */
-        const float *k = kc + slots[i] * kvw;
+        const uint16_t *k = kc + slots[i] * kvw;
         for (int qi = 0; qi < nq; qi++)
-            if (i >= lo[qi] && i < hi[qi]) sc[(int64_t)qi * maxctx + i] = dot_f32(qs + qi * hd, k, hd);
+            if (i >= lo[qi] && i < hi[qi]) sc[(int64_t)qi * maxctx + i] = dot_kv(qs + qi * hd, k, hd);
     }
     for (int qi = 0; qi < nq; qi++) {
         float *s = sc + (int64_t)qi * maxctx, mx = -INFINITY, den = 0.0f;
@@ -432,7 +447,7 @@ int ig_forward(const ig_model *m, const ig_batch *bt, float *out_h) {
         st++;
         for (int l = 0; l < m->num_layers; l++) {
             const ig_layer *L = &m->layers[l];
-            float *kc = m->k_cache + (int64_t)l * m->layer_stride, *vc = m->v_cache + (int64_t)l * m->layer_stride;
+            uint16_t *kc = m->k_cache + (int64_t)l * m->layer_stride, *vc = m->v_cache + (int64_t)l * m->layer_stride;
             FOR_ITEMS(st, n, r) {
                 rms_row(x + (int64_t)r * H, L->attn_norm, H, m->eps, h + (int64_t)r * H);
                 quant_row(h + (int64_t)r * H, H, xq + (int64_t)r * (H / QK));
@@ -455,8 +470,10 @@ int ig_forward(const ig_model *m, const ig_batch *bt, float *out_h) {
                     }
                 }
                 int64_t slot = bt->write_slots[r];
-                memcpy(kc + slot * nkv, row + nq, sizeof(float) * nkv);
-                memcpy(vc + slot * nkv, row + nq + nkv, sizeof(float) * nkv);
+                for (int e = 0; e < nkv; e++) {
+                    kc[slot * nkv + e] = f2h(row[nq + e]);
+                    vc[slot * nkv + e] = f2h(row[nq + nkv + e]);
+                }
             }
             st++;
             /* items: (ATT_ROWS rows, kv head); rows of one sequence share a context list */

@@ -37,9 +37,9 @@ typedef struct {
     ig_mat lm_head;
     const float *final_norm;
     ig_layer *layers;
-    float *k_cache; /* [layers, slots, kv_heads * head_dim] */
-    float *v_cache;
-    int64_t layer_stride; /* floats per layer of the cache */
+    uint16_t *k_cache; /* IEEE half [layers, slots, kv_heads * head_dim] */
+    uint16_t *v_cache;
+    int64_t layer_stride; /* elements per layer of the cache */
 } ig_model;
 
 /* One forward: n rows. Row r feeds tokens[r] at positions[r], writes its K/V at

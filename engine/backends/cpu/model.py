@@ -155,10 +155,11 @@ class CpuModel:
         L.window = attn.sliding_window or 0
 
     def set_cache(self, k: np.ndarray, v: np.ndarray) -> None:
-        """Point the struct at the KV pool ``[layers, blocks, block_size, kv_heads, head_dim]`` (float32)."""
+        """Point the struct at the KV pool ``[layers, blocks, block_size, kv_heads, head_dim]`` (float16)."""
+        assert k.dtype == v.dtype == np.float16
         self._cache = (k, v)
-        self.struct.k_cache = self.ffi.cast("float *", self.ffi.from_buffer(k))
-        self.struct.v_cache = self.ffi.cast("float *", self.ffi.from_buffer(v))
+        self.struct.k_cache = self.ffi.cast("uint16_t *", self.ffi.from_buffer(k))
+        self.struct.v_cache = self.ffi.cast("uint16_t *", self.ffi.from_buffer(v))
         self.struct.layer_stride = k[0].size
 
     def forward(self, tokens, positions: np.ndarray, write_slots: np.ndarray, ctx_slots: np.ndarray,
