@@ -68,7 +68,9 @@ def load(name: str, threads: int):
     from engine.loaders import load_artifact
 
     cfg = EngineConfig()
-    backend = CpuBackend(threads=threads) if name == "cpu" else NumpyBackend(blas_threads=threads)
+    # numpy keeps its server default of one BLAS thread: OpenBLAS workers spinning between its
+    # calls would take the cores from the cpu backend's threads in the interleaved rounds.
+    backend = CpuBackend(threads=threads) if name == "cpu" else NumpyBackend(blas_threads=1)
     model_cfg, weights = load_artifact(GGUF, as_stored=name == "cpu")
     backend.load(model_cfg, weights, block_size=cfg.block_size, kv_budget_bytes=cfg.kv_ram_budget,
                  host_kv_budget_bytes=0, max_context=cfg.max_context)  # fmt: skip
@@ -136,7 +138,7 @@ def main() -> None:
     body = [
         f"Load average (1 min) before / after: {load_before:.1f} / {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores "
         f"(a shared machine: every figure is a median of {args.reps} rounds); threads {args.threads}; "
-        f"cpu backend ISA {backends['cpu'].isa}; KV cache float32.",
+        f"cpu backend ISA {backends['cpu'].isa}, KV cache float16.",
         "",
         "| | " + " | ".join(names) + (" | llama.cpp" if lc else "") + " |",
         "|---|" + "---|" * (len(names) + bool(lc)),

@@ -151,7 +151,9 @@ FIELDS: dict[str, Field] = {
         ),
         Field("model.id", str, "smollm2-135m-instruct", "served id of the model loaded at start"),
         Field("model.path", str, "", "artifact path (default: the catalog's file for model.id)"),
-        Field("model.backend", str, "numpy", "numpy | cuda"),
+        Field(
+            "model.backend", str, "cpu", "cpu | numpy | cuda (cpu falls back to numpy where its kernels do not build)"
+        ),
         Field("model.prefill_chunk", int, 1024, "tokens per prefill chunk", 16, 1 << 20),
         Field("model.decode_share", float, 0.25, "fraction of time decoding lanes keep during a prefill", 0.0, 0.95),
         Field("model.default_max_tokens", int, 1024, "generation cap when a request sets none", 1, 1 << 20),
