@@ -61,7 +61,7 @@ def load_model(
     ``max_context`` is the one asked for: clamped to the model's own, it is set on
     ``cfg`` and reported through ``on_context`` as soon as the model's shape is known
     (before the weights are planned, so a status read after a failed load shows it).
-    On the numpy backend the RAM plan (engine/memory.py) sizes the KV pool and
+    On the numpy and cpu backends the RAM plan (engine/memory.py) sizes the KV pool and
     refuses, with SwitchRefused, a plan that does not fit.
     """
     from engine.constraint import ConstraintFactory
@@ -78,7 +78,7 @@ def load_model(
     cfg.max_context = min(max_context, model_cfg.max_position)
     on_context(cfg.max_context)
     kv_budget = None
-    if backend.name in ("numpy", "cpu"):
+    if cfg.backend in ("numpy", "cpu"):
         # Weights, then working memory; the KV pool takes the rest of the RAM budget.
         kv_budget = planned_ram(
             model_cfg,

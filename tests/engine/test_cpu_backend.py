@@ -293,3 +293,19 @@ def test_sampling_goes_through_the_sampler(default_pair):
         PrefillSpan(0, [1, 504, 3458], 0, [61], sample=SampleRequest(params, seed=5, want_logprobs=True)), again
     )
     assert out.prefill_token == again.prefill_token and out.prefill_logprob.logprob <= 0
+
+
+def test_factory_falls_back_to_numpy_when_the_kernels_do_not_build(monkeypatch, caplog):
+    from engine.backends import create_backend
+    from engine.backends.cpu import build
+
+    def no_compiler(*args, **kwargs):
+        raise OSError("gcc: not found")
+
+    monkeypatch.setattr(build, "load_kernels", no_compiler)
+    with caplog.at_level("WARNING", logger="ignis.engine"):
+        backend = create_backend("cpu")
+    assert backend.name == "numpy"
+    assert [r.reason for r in caplog.records if r.getMessage() == "ignis.backend.fallback"] == [
+        "OSError: gcc: not found"
+    ]
