@@ -22,7 +22,7 @@ class CudaTuning:
 
 @dataclass
 class EngineConfig:
-    backend: str = "numpy"  # numpy | cuda
+    backend: str = "numpy"  # numpy | cpu | cuda
     decode_lanes: int = 8  # spec.decode_lanes
     prefill_chunk: int = 1024  # model.prefill_chunk
     decode_share: float = 0.25  # model.decode_share (fraction of time the lanes keep)
@@ -43,6 +43,8 @@ class EngineConfig:
     loop_guard_count: int = 3  # spec.loop_guard_count: back-to-back occurrences that fire it
     spec_draft_model: str = ""  # spec.draft_model: a draft model's artifact path ("" = none)
     spec_draft_kv: int = 256 * MiB  # spec.draft_kv: bytes of the draft model's KV pool
+    cpu_threads: int = 0  # model.cpu_threads: cpu backend's threads (0 = every core this process may use)
+    cpu_kernel_cache_dir: str = ""  # cpu backend's compiled kernels; "" = <repo>/models/.cache/cpu-kernels
     cuda: CudaTuning = field(default_factory=CudaTuning)
 
     def to_dict(self) -> dict:

@@ -192,7 +192,7 @@ class ModelHost:
             status=self.state,
             model=self.served_id,
             error=self.error,
-            backend=self.cfg.backend,
+            backend=self.backend.name if self.backend is not None else self.cfg.backend,
             max_context=self.max_context,
             path=str(self.artifact_path),
             switching=self.switching,

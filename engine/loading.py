@@ -29,11 +29,12 @@ Loader = Callable[[Path, Callable[[int, int], None]], tuple[ModelConfig, dict[st
 BackendFactory = Callable[[str, EngineConfig], Backend]
 
 
-def load_artifact(path: Path, progress: Callable[[int, int], None]) -> tuple[ModelConfig, dict[str, np.ndarray]]:
+def load_artifact(path: Path, progress: Callable[[int, int], None], *, as_stored: bool = False
+                  ) -> tuple[ModelConfig, dict[str, np.ndarray]]:  # fmt: skip
     """The default loader: engine.loaders.load_artifact (imported when first needed)."""
     from engine.loaders import load_artifact as load
 
-    return load(path, progress)
+    return load(path, progress, as_stored=as_stored)
 
 
 def create_backend(name: str, cfg: EngineConfig) -> Backend:
@@ -55,8 +56,15 @@ def load_draft(cfg: EngineConfig, target: ModelConfig, loader: Loader, backend_f
             f"{target.vocab_size} (a draft model needs the model's tokenizer)"
         )
     backend = backend_factory(cfg.backend, cfg)
-    plan = backend.load(draft_cfg, weights, block_size=cfg.block_size, kv_budget_bytes=cfg.spec_draft_kv,
-                        host_kv_budget_bytes=0, max_context=cfg.max_context)  # fmt: skip
+    kw = dict(block_size=cfg.block_size, kv_budget_bytes=cfg.spec_draft_kv, host_kv_budget_bytes=0,
+              max_context=cfg.max_context)  # fmt: skip
+    try:
+        plan = backend.load(draft_cfg, weights, **kw)
+    except NotImplementedError:
+        if backend.name != "cpu":
+            raise
+        backend = backend_factory("numpy", cfg)  # an architecture the cpu backend does not run
+        plan = backend.load(draft_cfg, weights, **kw)
     log.info("ignis.spec.draft_model", extra={"path": cfg.spec_draft_model, "weights_bytes": plan.weights_bytes,
                                               "kv_blocks": plan.num_blocks})  # fmt: skip
     return DraftModel(backend, plan.num_blocks, plan.block_size, cfg.prefill_chunk)
@@ -79,18 +87,24 @@ def load_model(
     ``max_context`` is the one asked for: clamped to the model's own, it is set on
     ``cfg`` and reported through ``on_context`` as soon as the model's shape is known
     (before the weights are planned, so a status read after a failed load shows it).
-    On the numpy backend the RAM plan (engine/memory.py) sizes the KV pool and
+    On the numpy and cpu backends the RAM plan (engine/memory.py) sizes the KV pool and
     refuses, with SwitchRefused, a plan that does not fit.
     """
     from engine.constraint import ConstraintFactory
     from engine.kv_manager import KVManager, release_window
 
     t0 = time.perf_counter()
-    model_cfg, weights = loader(path, progress)
+    # The backend first: the cpu backend compiles its kernels here (or the factory falls
+    # back to numpy), and asks for the GGUF's quantized blocks as stored.
+    backend = backend_factory(cfg.backend, cfg)
+    if getattr(backend, "weights_as_stored", False):
+        model_cfg, weights = loader(path, progress, as_stored=True)
+    else:
+        model_cfg, weights = loader(path, progress)
     cfg.max_context = min(max_context, model_cfg.max_position)
     on_context(cfg.max_context)
     kv_budget = None
-    if cfg.backend == "numpy":
+    if cfg.backend in ("numpy", "cpu"):
         # Weights, then working memory; the KV pool takes the rest of the RAM budget.
         kv_budget = planned_ram(
             model_cfg,
@@ -103,15 +117,20 @@ def load_model(
     # The draft model first: on a card, the target's KV pool then takes what is left.
     draft = load_draft(cfg, model_cfg, loader, backend_factory) if cfg.spec_draft_model else None
     try:
-        backend = backend_factory(cfg.backend, cfg)
-        plan = backend.load(
-            model_cfg,
-            weights,
-            block_size=cfg.block_size,
-            kv_budget_bytes=kv_budget,
-            host_kv_budget_bytes=cfg.host_kv_budget,
-            max_context=cfg.max_context,
-        )
+        try:
+            plan = backend.load(model_cfg, weights, block_size=cfg.block_size, kv_budget_bytes=kv_budget,
+                                host_kv_budget_bytes=cfg.host_kv_budget, max_context=cfg.max_context)  # fmt: skip
+        except NotImplementedError as exc:
+            if backend.name != "cpu":
+                raise
+            # The cpu backend runs the llama family; the numpy backend (the reference) runs every
+            # architecture: it takes the model, with float32 weights.
+            log.info("ignis.backend.fallback", extra={"backend": "numpy", "model": served_id, "reason": str(exc)})
+            del weights
+            backend = backend_factory("numpy", cfg)
+            _, weights = loader(path, progress)
+            plan = backend.load(model_cfg, weights, block_size=cfg.block_size, kv_budget_bytes=kv_budget,
+                                host_kv_budget_bytes=cfg.host_kv_budget, max_context=cfg.max_context)  # fmt: skip
     except BaseException:
         if draft is not None:
             draft.backend.unload()

@@ -94,7 +94,7 @@ def switch_precheck(
         got = artifact_digest(path)
         if got != sw.sha256:
             raise SwitchRefused(f"checksum mismatch: sha256 {got} is not the recorded {sw.sha256}")
-    if backend != "numpy":
+    if backend not in ("numpy", "cpu"):
         return None  # the CUDA backend plans against the card at load
     return planned_ram(
         cfg,

@@ -151,7 +151,9 @@ FIELDS: dict[str, Field] = {
         ),
         Field("model.id", str, "smollm2-135m-instruct", "served id of the model loaded at start"),
         Field("model.path", str, "", "artifact path (default: the catalog's file for model.id)"),
-        Field("model.backend", str, "numpy", "numpy | cuda"),
+        Field(
+            "model.backend", str, "cpu", "cpu | numpy | cuda (cpu falls back to numpy where its kernels do not build)"
+        ),
         Field("model.prefill_chunk", int, 1024, "tokens per prefill chunk", 16, 1 << 20),
         Field("model.decode_share", float, 0.25, "fraction of time decoding lanes keep during a prefill", 0.0, 0.95),
         Field("model.default_max_tokens", int, 1024, "generation cap when a request sets none", 1, 1 << 20),
@@ -160,6 +162,7 @@ FIELDS: dict[str, Field] = {
         Field("model.kv_ram_budget", int, 768 * MiB, "numpy backend: bytes for the KV pool", MiB, 1 << 40),
         Field("model.host_kv_budget", int, 2048 * MiB, "bytes of host RAM for swapped KV pages", 0, 1 << 42),
         Field("model.blas_threads", int, 1, "numpy backend: BLAS threads (0 = BLAS's own default)", 0, 256),
+        Field("model.cpu_threads", int, 0, "cpu backend: kernel threads (0 = every core)", 0, 1024),
         Field("model.idle_unload", int, 300, "seconds idle before unloading (0 = never)", 0, 1 << 31),
         Field(
             "model.ram_budget",
@@ -354,6 +357,8 @@ def engine_config_dict(values: dict[str, Any]) -> dict[str, Any]:
         "loop_guard_count": values["spec.loop_guard_count"],
         "spec_draft_model": draft_model_path(values),
         "spec_draft_kv": values["spec.draft_kv"],
+        "cpu_threads": values["model.cpu_threads"],
+        "cpu_kernel_cache_dir": str(Path(models_dir(values)) / ".cache" / "cpu-kernels"),
         "cuda": cuda_tuning_dict(values),
     }
 
@@ -369,9 +374,14 @@ def draft_model_path(values: dict[str, Any]) -> str:
     return str(path)
 
 
+def models_dir(values: dict[str, Any]) -> str:
+    """server.models_dir, or the repository's models/ when unset."""
+    return values["server.models_dir"] or str(Path(__file__).resolve().parent.parent / "models")
+
+
 def cuda_tuning_dict(values: dict[str, Any]) -> dict[str, Any]:
     """EngineConfig.cuda (CudaTuning); the kernel cache defaults into the models dir."""
-    models = values["server.models_dir"] or str(Path(__file__).resolve().parent.parent / "models")
+    models = models_dir(values)
     return {
         "gemv_u2_below": values["cuda.gemv_u2_below"],
         "kernel_cache_dir": values["cuda.kernel_cache_dir"] or os.path.join(models, ".cache", "pycuda"),

@@ -38,13 +38,17 @@ def read_config(path: str | Path) -> ModelConfig:
 
 
 def load_artifact(
-    path: str | Path, progress: Callable[[int, int], None] | None = None
+    path: str | Path, progress: Callable[[int, int], None] | None = None, *, as_stored: bool = False
 ) -> tuple[ModelConfig, dict[str, np.ndarray]]:
-    """Load any supported artifact; ``progress(done, total)`` reports load progress."""
+    """Load any supported artifact; ``progress(done, total)`` reports load progress.
+
+    ``as_stored``: a GGUF's block-quantized matrices stay quantized
+    (``engine.loaders.gguf.QuantizedTensor``); safetensors are float32 either way.
+    """
     if artifact_format(path) == "gguf":
         from engine.loaders.gguf import load_gguf
 
-        return load_gguf(path, progress)
+        return load_gguf(path, progress, as_stored=as_stored)
     from engine.loaders.hf import load_hf
 
     return load_hf(path, progress)

@@ -9,6 +9,11 @@ Tensors go through ``gguf.quants.dequantize`` (F32, F16, BF16, Q8_0, Q4_0, Q4_1
 and every other type the ``gguf`` package knows). GGUF stores a 2-D tensor with
 ggml shape ``[in, out]``, which numpy sees as ``[out, in]`` -- already the
 ``torch.nn.Linear`` layout the backends expect.
+
+As stored (``as_stored=True``, for the cpu backend): 2-D Q8_0 / Q4_0 / Q4_1
+tensors stay in their blocks, as a :class:`QuantizedTensor` over the raw rows.
+Blocks run along the input dimension, so a row of blocks is one output row and
+the definitions' row splits and q/k row un-permutation apply to the raw rows.
 """
 
 from __future__ import annotations
@@ -21,6 +26,23 @@ import numpy as np
 
 from engine.model_config import ModelConfig
 from engine.models import definition, for_gguf
+
+# GGML block types a backend can take as stored (gguf.GGMLQuantizationType values).
+STORED_TYPES = {"Q8_0": 8, "Q4_0": 2, "Q4_1": 3}
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantizedTensor:
+    """A matrix ``[out, in]`` kept as GGML stores it: ``data`` uint8 ``[out, row_bytes]``,
+    ``type`` the GGML type id (``STORED_TYPES``). Only ``load_gguf(as_stored=True)`` makes these."""
+
+    type: int
+    shape: tuple[int, int]
+    data: np.ndarray
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.nbytes
 
 
 def read_metadata(reader) -> dict:
@@ -57,11 +79,12 @@ def read_config(path: str | Path) -> ModelConfig:
 
 
 def load_gguf(
-    path: str | Path, progress: Callable[[int, int], None] | None = None
+    path: str | Path, progress: Callable[[int, int], None] | None = None, *, as_stored: bool = False
 ) -> tuple[ModelConfig, dict[str, np.ndarray]]:
     """Read a GGUF file; return its config and float32 weights in canonical naming.
 
-    ``progress(done, total)`` is called after each tensor.
+    ``progress(done, total)`` is called after each tensor. ``as_stored``: block-quantized
+    matrices come as :class:`QuantizedTensor` instead (see the module docstring).
     """
     import gguf
     from gguf.quants import dequantize
@@ -75,7 +98,11 @@ def load_gguf(
     weights: dict[str, np.ndarray] = {}
     total = len(reader.tensors)
     for done, t in enumerate(reader.tensors, 1):
-        if model.is_known_gguf(t.name):
+        if as_stored and int(t.tensor_type) in STORED_TYPES.values() and len(t.shape) == 2:
+            raw = np.asarray(t.data, dtype=np.uint8)  # [out, row_bytes], a view of the mapped file
+            for name, part in model.from_gguf(cfg, t.name, raw):
+                weights[name] = QuantizedTensor(int(t.tensor_type), (part.shape[0], int(t.shape[0])), part)
+        elif model.is_known_gguf(t.name):
             w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
             # ggml shape is [in, out] (reversed); numpy's view is [out, in].
             w = w.reshape([int(d) for d in reversed(t.shape)])

@@ -1,0 +1,95 @@
+"""Compile kernels.c through cffi (API mode) once per source, flags and instruction set; cache the module.
+
+The extension is built by the system C compiler into ``<cache_dir>/`` under a
+name carrying a hash of the source and the flags, so an edit or a different
+instruction set builds a new module and a warm cache imports in milliseconds.
+A build goes to a private temporary directory first and the finished module is
+moved into place, so two processes compiling at once never see half a file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import shutil
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+# -O3 (vectorised loops); OpenMP for the threads and the simd reductions.
+BASE_FLAGS = ("-O3", "-std=gnu11", "-fopenmp")
+ISA_FLAGS = {
+    "avx2": ("-mavx2", "-mfma", "-mf16c"),  # the intrinsics path (IG_AVX2 in kernels.c)
+    "portable": (),  # plain C; what the compiler does with the baseline ISA
+}
+_lock = threading.Lock()
+_loaded: dict[tuple[str, str], object] = {}
+
+
+def cpu_flags() -> set[str]:
+    """The processor's feature flags (Linux's /proc/cpuinfo; empty elsewhere)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def best_isa(flags: set[str] | None = None) -> str:
+    """``avx2`` where the processor has AVX2, FMA and F16C; else ``portable``."""
+    flags = cpu_flags() if flags is None else flags
+    return "avx2" if {"avx2", "fma", "f16c"} <= flags else "portable"
+
+
+def default_cache_dir() -> Path:
+    """``<repo>/models/.cache/cpu-kernels`` (the models directory the server uses by default)."""
+    return HERE.parents[2] / "models" / ".cache" / "cpu-kernels"
+
+
+def load_kernels(isa: str | None = None, cache_dir: str | Path | None = None):
+    """The compiled module for ``isa`` (None: the best this processor runs): ``.lib`` and ``.ffi``.
+
+    Raises whatever the compiler or cffi raise when it cannot be built (no compiler,
+    no OpenMP): the backend factory turns that into a fallback to numpy.
+    """
+    isa = isa or best_isa()
+    if isa not in ISA_FLAGS:
+        raise ValueError(f"cpu backend: unknown instruction set {isa!r} ({' | '.join(ISA_FLAGS)})")
+    cache = Path(cache_dir) if cache_dir else default_cache_dir()
+    key = (isa, str(cache))
+    with _lock:
+        if key not in _loaded:
+            _loaded[key] = _build(isa, cache)
+        return _loaded[key]
+
+
+def _build(isa: str, cache: Path):
+    import cffi
+
+    header = (HERE / "kernels.h").read_text()
+    source = (HERE / "kernels.c").read_text()
+    flags = [*BASE_FLAGS, *ISA_FLAGS[isa]]
+    digest = hashlib.sha256("\0".join([header, source, *flags, cffi.__version__, sys.version]).encode()).hexdigest()
+    name = f"_ignis_cpu_{isa}_{digest[:16]}"
+    cache.mkdir(parents=True, exist_ok=True)
+    found = [p for p in cache.glob(name + ".*") if p.suffix in (".so", ".pyd")]
+    if not found:
+        ffi = cffi.FFI()
+        ffi.cdef(header)
+        ffi.set_source(name, source, include_dirs=[str(HERE)], extra_compile_args=flags,
+                       extra_link_args=["-fopenmp"])  # fmt: skip
+        with tempfile.TemporaryDirectory(dir=cache) as tmp:
+            built = Path(ffi.compile(tmpdir=tmp, verbose=False))
+            target = cache / built.name
+            shutil.move(str(built), str(target) + ".part")
+            os.replace(str(target) + ".part", target)
+            found = [target]
+    spec = importlib.util.spec_from_file_location(name, found[0])
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -1,0 +1,532 @@
+/* The cpu backend's kernels: one decode round (or prefill chunk) of a llama-family
+ * model in one call, over weights kept in GGML's block formats.
+ *
+ * Weights: Q8_0, Q4_0 and Q4_1 rows as stored in the GGUF (blocks of 32 along the
+ * input dimension). Activations are quantized per row to blocks of 32 int16 with a
+ * float scale d and s = d * sum(q) (llama.cpp's Q8_1 idea at 16 bits: int8 cost a
+ * percent of the logits, int16 a few parts in 10^5), so every weight block meets
+ * every row's block as an integer multiply-add.
+ *
+ * One weight stream a round: a product walks the weight rows once; each row's
+ * blocks (a few hundred bytes) stay in L1 while every activation row of the
+ * round is dotted against them, four rows at a time sharing one unpacking.
+ *
+ * The whole forward runs inside one OpenMP parallel region: each step (output
+ * rows of a product, rows of a norm, (row, head) pairs of attention) is a list
+ * of items the threads claim from a counter (see "work sharing" below).
+ *
+ * Compiled twice by build.py: with -mavx2 -mfma -mf16c (the IG_AVX2 path below)
+ * and without (portable C); the backend picks by the processor's flags.
+ */
+#include <math.h>
+#include <sched.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define IG_AVX2 1
+#include <immintrin.h>
+#endif
+
+#include "kernels.h"
+
+#define QK 32
+
+/* ---- scalars ------------------------------------------------------------------- */
+
+static inline float h2f(uint16_t h) {
+#ifdef IG_AVX2
+    return _cvtsh_ss(h);
+#else
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
+    if (exp == 0) {
+        if (man == 0) {
+            bits = sign;
+        } else { /* subnormal: normalise */
+            exp = 127 - 15 + 1;
+            while (!(man & 0x400)) {
+                man <<= 1;
+                exp--;
+            }
+            bits = sign | (exp << 23) | ((man & 0x3ff) << 13);
+        }
+    } else if (exp == 31) {
+        bits = sign | 0x7f800000u | (man << 13);
+    } else {
+        bits = sign | ((exp + 127 - 15) << 23) | (man << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+#endif
+}
+
+static inline uint16_t rd16(const uint8_t *p) { return (uint16_t)(p[0] | (p[1] << 8)); }
+
+/* float -> IEEE half, round to nearest even (the KV cache's element). */
+static inline uint16_t f2h(float x) {
+#ifdef IG_AVX2
+    return (uint16_t)_cvtss_sh(x, 0);
+#else
+    _Float16 h = (_Float16)x;
+    uint16_t u;
+    memcpy(&u, &h, 2);
+    return u;
+#endif
+}
+
+/* Bytes of one 32-wide block of each weight type. */
+static int block_bytes(int type) {
+    switch (type) {
+    case IG_Q8_0: return 34;
+    case IG_Q4_0: return 18;
+    case IG_Q4_1: return 20;
+    default: return 0;
+    }
+}
+
+/* ---- dequantization (embedding rows, tests) ---------------------------------------- */
+
+static void dequant_row(const ig_mat *w, int row, float *out) {
+    const uint8_t *p = w->data + (int64_t)row * w->row_bytes;
+    int nb = w->cols / QK, bb = block_bytes(w->type);
+    for (int b = 0; b < nb; b++, p += bb, out += QK) {
+        float d = h2f(rd16(p));
+        if (w->type == IG_Q8_0) {
+            for (int i = 0; i < QK; i++) out[i] = d * (float)(int8_t)p[2 + i];
+        } else if (w->type == IG_Q4_0) {
+            for (int i = 0; i < 16; i++) {
+                out[i] = ((float)(p[2 + i] & 15) - 8.0f) * d;
+                out[i + 16] = ((float)(p[2 + i] >> 4) - 8.0f) * d;
+            }
+        } else {
+            float m = h2f(rd16(p + 2));
+            for (int i = 0; i < 16; i++) {
+                out[i] = (float)(p[4 + i] & 15) * d + m;
+                out[i + 16] = (float)(p[4 + i] >> 4) * d + m;
+            }
+        }
+    }
+}
+
+void ig_dequant(const ig_mat *w, int row0, int nrows, float *out) {
+    for (int r = 0; r < nrows; r++) dequant_row(w, row0 + r, out + (int64_t)r * w->cols);
+}
+
+/* ---- activation quantization -------------------------------------------------------- */
+
+/* Blocks of 32 int16 (scale amax / 32767): close to float32 (2^-15 of the block's
+ * largest value), while the products stay integer multiply-adds (vpmaddwd). */
+static void quant_row(const float *x, int n, ig_xblk *out) {
+    for (int b = 0; b < n / QK; b++, x += QK) {
+        float amax = 0.0f;
+        for (int i = 0; i < QK; i++) amax = fmaxf(amax, fabsf(x[i]));
+        float d = amax / 32767.0f, id = amax > 0.0f ? 32767.0f / amax : 0.0f;
+        int sum = 0;
+        for (int i = 0; i < QK; i++) {
+            int q = (int)nearbyintf(x[i] * id);
+            out[b].q[i] = (int16_t)q;
+            sum += q;
+        }
+        out[b].d = d;
+        out[b].s = d * (float)sum;
+    }
+}
+
+void ig_quantize(const float *x, int nrows, int n, ig_xblk *out) {
+    for (int r = 0; r < nrows; r++) quant_row(x + (int64_t)r * n, n, out + (int64_t)r * (n / QK));
+}
+
+/* ---- dot products: one weight row against R activation rows --------------------------- */
+
+#ifdef IG_AVX2
+static inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* 8 halves as floats. */
+#define LOADH(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
+
+/* A block's 32 weights as two vectors of 16 int16 (elements 0..15, 16..31). */
+static inline void unpack_block(int type, const uint8_t *qs, __m256i *lo, __m256i *hi) {
+    __m128i t = _mm_loadu_si128((const __m128i *)qs);
+    if (type == IG_Q8_0) {
+        *lo = _mm256_cvtepi8_epi16(t);
+        *hi = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(qs + 16)));
+    } else { /* Q4: low nibbles are elements 0..15 */
+        __m128i mask = _mm_set1_epi8(0x0f);
+        *lo = _mm256_cvtepu8_epi16(_mm_and_si128(t, mask));
+        *hi = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(t, 4), mask));
+    }
+}
+#endif
+
+/* out[r] = dot(weight row, x rows r) for r < R (R a compile-time constant after inlining).
+ * Per block: Q8_0 d*q, Q4_0 d*(q-8), Q4_1 d*q+m; with x = dx*qx and s = dx*sum(qx):
+ * dot = d*dx*sum(q*qx) (- 8*d*s for Q4_0, + m*s for Q4_1). */
+static inline __attribute__((always_inline)) void dot_rows(const ig_mat *w, const uint8_t *row,
+                                                            const ig_xblk *const *x, int R, float *out) {
+    int nb = w->cols / QK, type = w->type, bb = type == IG_Q8_0 ? 34 : type == IG_Q4_0 ? 18 : 20;
+    int qoff = type == IG_Q4_1 ? 4 : 2;
+#ifdef IG_AVX2
+    __m256 acc[4];
+    float extra[4];
+    for (int r = 0; r < R; r++) {
+        acc[r] = _mm256_setzero_ps();
+        extra[r] = 0.0f;
+    }
+    for (int b = 0; b < nb; b++, row += bb) {
+        float d = _cvtsh_ss(rd16(row));
+        float m = type == IG_Q4_1 ? _cvtsh_ss(rd16(row + 2)) : type == IG_Q4_0 ? -8.0f * d : 0.0f;
+        __m256i lo, hi;
+        unpack_block(type, row + qoff, &lo, &hi);
+        for (int r = 0; r < R; r++) {
+            const ig_xblk *xb = x[r] + b;
+            __m256i p = _mm256_add_epi32(_mm256_madd_epi16(lo, _mm256_loadu_si256((const __m256i *)xb->q)),
+                                         _mm256_madd_epi16(hi, _mm256_loadu_si256((const __m256i *)(xb->q + 16))));
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * xb->d), _mm256_cvtepi32_ps(p), acc[r]);
+            extra[r] += m * xb->s;
+        }
+    }
+    for (int r = 0; r < R; r++) out[r] = hsum(acc[r]) + extra[r];
+#else
+    for (int r = 0; r < R; r++) {
+        const uint8_t *p = row;
+        float sum = 0.0f;
+        for (int b = 0; b < nb; b++, p += bb) {
+            const ig_xblk *xb = x[r] + b;
+            const uint8_t *q = p + qoff;
+            float d = h2f(rd16(p));
+            int isum = 0;
+            if (type == IG_Q8_0) {
+                for (int i = 0; i < QK; i++) isum += (int8_t)q[i] * xb->q[i];
+            } else {
+                for (int i = 0; i < 16; i++) isum += (q[i] & 15) * xb->q[i] + (q[i] >> 4) * xb->q[i + 16];
+            }
+            float m = type == IG_Q4_1 ? h2f(rd16(p + 2)) : type == IG_Q4_0 ? -8.0f * d : 0.0f;
+            sum += d * xb->d * (float)isum + m * xb->s;
+        }
+        out[r] = sum;
+    }
+#endif
+}
+
+/* ---- work sharing ------------------------------------------------------------------ *
+ * Each step of a forward is a list of items that the team's threads claim one at a
+ * time from a shared counter; a step is over when all its items are done, not when
+ * every thread has arrived. On a machine whose cores are shared with other
+ * processes a descheduled thread then holds nobody up unless it is inside an item
+ * (a few microseconds of work): the others take what it has not claimed. A plain
+ * barrier per step (OpenMP's) made a 2-thread decode round 30x slower than one
+ * thread under load. */
+
+typedef struct {
+    atomic_int next;
+    atomic_int done;
+} ig_step;
+
+static void step_wait(ig_step *st, int n) {
+    for (int spins = 0; atomic_load_explicit(&st->done, memory_order_acquire) < n; spins++) {
+        if (spins < 2000) {
+#ifdef IG_AVX2
+            _mm_pause();
+#endif
+        } else {
+            sched_yield();
+        }
+    }
+}
+
+/* for (i ...) over the step's items claimed by this thread, then wait for the step to finish. */
+#define FOR_ITEMS(st, n, i)                                                                                \
+    for (int i = atomic_fetch_add(&(st)->next, 1), _n = (n); i < _n || (step_wait((st), _n), 0);       \
+         atomic_fetch_add_explicit(&(st)->done, 1, memory_order_release), i = atomic_fetch_add(&(st)->next, 1))
+
+/* Activation rows per tile: as many as fit XTILE_BYTES (L1), so each weight row is dotted
+ * against rows already in L1; the weights stream from L2/L3 once per tile. Measured on a
+ * 1,000-row prefill, 64-row tiles (in L2) cost 3.6 cycles per block pair against ~2.4. */
+#define XTILE_BYTES 16384
+#define JCHUNK 8
+
+/* y[r * ldy + off + j] = W[j] . x[r] for the parts of a fused product (outputs concatenated). */
+static void matmul_parts(ig_step *st, const ig_mat *parts, int nparts, const ig_xblk *x, int nx, float *y, int ldy) {
+    int rows = 0;
+    for (int p = 0; p < nparts; p++) rows += parts[p].rows;
+    int nbx = parts[0].cols / QK, xtile = XTILE_BYTES / (nbx * (int)sizeof(ig_xblk)) & ~3;
+    xtile = xtile < 4 ? 4 : xtile;
+    int nchunks = (rows + JCHUNK - 1) / JCHUNK, ntiles = (nx + xtile - 1) / xtile;
+    FOR_ITEMS(st, ntiles * nchunks, item) {
+        int tile = item / nchunks, j0 = (item % nchunks) * JCHUNK;
+        int r0 = tile * xtile, r1 = r0 + xtile < nx ? r0 + xtile : nx;
+        for (int j = j0; j < j0 + JCHUNK && j < rows; j++) {
+            int p = 0, jj = j, off = 0;
+            while (jj >= parts[p].rows) {
+                jj -= parts[p].rows;
+                off += parts[p].rows;
+                p++;
+            }
+            const ig_mat *w = &parts[p];
+            const uint8_t *row = w->data + (int64_t)jj * w->row_bytes;
+            int r = r0;
+            for (; r + 4 <= r1; r += 4) {
+                const ig_xblk *xs[4] = {x + (int64_t)r * nbx, x + (int64_t)(r + 1) * nbx, x + (int64_t)(r + 2) * nbx,
+                                        x + (int64_t)(r + 3) * nbx};
+                float o[4];
+                dot_rows(w, row, xs, 4, o);
+                for (int k = 0; k < 4; k++) y[(int64_t)(r + k) * ldy + off + jj] = o[k];
+            }
+            for (; r < r1; r++) {
+                const ig_xblk *xs[1] = {x + (int64_t)r * nbx};
+                float o[1];
+                dot_rows(w, row, xs, 1, o);
+                y[(int64_t)r * ldy + off + jj] = o[0];
+            }
+        }
+    }
+}
+
+void ig_matmul(const ig_mat *parts, int nparts, const ig_xblk *x, int nx, float *y, int ldy, int threads) {
+    ig_step st = {0, 0};
+#pragma omp parallel num_threads(threads)
+    matmul_parts(&st, parts, nparts, x, nx, y, ldy);
+}
+
+/* ---- the forward ------------------------------------------------------------------ */
+
+static void rms_row(const float *x, const float *w, int h, float eps, float *o) {
+    float ss = 0.0f;
+    for (int i = 0; i < h; i++) ss += x[i] * x[i];
+    float inv = 1.0f / sqrtf(ss / (float)h + eps);
+    for (int i = 0; i < h; i++) o[i] = w[i] * (x[i] * inv);
+}
+
+/* ---- attention over the paged cache ---------------------------------------------- */
+
+/* q . k with k in half precision. */
+static inline float dot_kv(const float *a, const uint16_t *b, int n) {
+#ifdef IG_AVX2
+    if (n % 32 == 0) { /* four independent FMA chains */
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        for (int e = 0; e < n; e += 32) {
+            a0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + e), LOADH(b + e), a0);
+            a1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + e + 8), LOADH(b + e + 8), a1);
+            a2 = _mm256_fmadd_ps(_mm256_loadu_ps(a + e + 16), LOADH(b + e + 16), a2);
+            a3 = _mm256_fmadd_ps(_mm256_loadu_ps(a + e + 24), LOADH(b + e + 24), a3);
+        }
+        return hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+    }
+#endif
+    float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+    for (int e = 0; e < n; e++) s += a[e] * h2f(b[e]);
+    return s;
+}
+
+/* out = sum_i p[i] * v_i over entries [first, last) of the context, then times ``scale``. */
+static void weighted_values(const uint16_t *vc, int64_t kvw, const int64_t *slots, const float *p, int first, int last,
+                            int hd, float scale, float *out) {
+#ifdef IG_AVX2
+    if (hd % 8 == 0) {
+        int e0 = 0;
+        for (; e0 + 64 <= hd; e0 += 64) { /* 64 output lanes held in 8 registers */
+            __m256 o0 = _mm256_setzero_ps(), o1 = o0, o2 = o0, o3 = o0, o4 = o0, o5 = o0, o6 = o0, o7 = o0;
+            for (int i = first; i < last; i++) {
+                const uint16_t *vv = vc + slots[i] * kvw + e0;
+                __m256 w = _mm256_set1_ps(p[i]);
+                o0 = _mm256_fmadd_ps(w, LOADH(vv), o0);
+                o1 = _mm256_fmadd_ps(w, LOADH(vv + 8), o1);
+                o2 = _mm256_fmadd_ps(w, LOADH(vv + 16), o2);
+                o3 = _mm256_fmadd_ps(w, LOADH(vv + 24), o3);
+                o4 = _mm256_fmadd_ps(w, LOADH(vv + 32), o4);
+                o5 = _mm256_fmadd_ps(w, LOADH(vv + 40), o5);
+                o6 = _mm256_fmadd_ps(w, LOADH(vv + 48), o6);
+                o7 = _mm256_fmadd_ps(w, LOADH(vv + 56), o7);
+            }
+            __m256 sc = _mm256_set1_ps(scale), o[8] = {o0, o1, o2, o3, o4, o5, o6, o7};
+            for (int v = 0; v < 8; v++) _mm256_storeu_ps(out + e0 + 8 * v, _mm256_mul_ps(o[v], sc));
+        }
+        for (; e0 < hd; e0 += 8) { /* the rest, 8 lanes at a time */
+            __m256 o = _mm256_setzero_ps();
+            for (int i = first; i < last; i++)
+                o = _mm256_fmadd_ps(_mm256_set1_ps(p[i]), LOADH(vc + slots[i] * kvw + e0), o);
+            _mm256_storeu_ps(out + e0, _mm256_mul_ps(o, _mm256_set1_ps(scale)));
+        }
+        return;
+    }
+#endif
+    for (int e = 0; e < hd; e++) out[e] = 0.0f;
+    for (int i = first; i < last; i++) {
+        const uint16_t *v = vc + slots[i] * kvw;
+        for (int e = 0; e < hd; e++) out[e] += p[i] * h2f(v[e]);
+    }
+    for (int e = 0; e < hd; e++) out[e] *= scale;
+}
+
+/* Rows per attention item: the query heads of one kv head for up to ATT_ROWS rows of one
+ * sequence read each key and value once (from L1) for all of them. */
+#define ATT_ROWS 8
+
+/* Attention of rows [r0, r1) (one sequence: they share one context list) for the query
+ * heads of kv head ``kvh``; q is read from the fused qkv rows, the result goes to ``h``.
+ * Scratch: qs [ATT_ROWS * g * hd], sc [ATT_ROWS * g * maxctx]. */
+static void attend_rows(const ig_model *m, const ig_batch *bt, int layer, int window, const float *qkv, int nqkv,
+                        int r0, int r1, int kvh, float *qs, float *sc, int maxctx, float *h) {
+    int hd = m->head_dim, nh = m->num_heads, g = nh / m->num_kv_heads, kvw = m->num_kv_heads * hd;
+    const uint16_t *kc = m->k_cache + (int64_t)layer * m->layer_stride + kvh * hd;
+    const uint16_t *vc = m->v_cache + (int64_t)layer * m->layer_stride + kvh * hd;
+    const int64_t *slots = bt->ctx_slots + bt->row_ctx_off[r0];
+    int nq = (r1 - r0) * g, first = 1 << 30, last = 0;
+    int lo[nq], hi[nq]; /* each query's visible entries: [lo, hi) */
+    for (int qi = 0; qi < nq; qi++) {
+        int r = r0 + qi / g, head = kvh * g + qi % g;
+        const float *src = qkv + (int64_t)r * nqkv + head * hd;
+        for (int e = 0; e < hd; e++) qs[qi * hd + e] = src[e] * m->attn_scale;
+        int p0 = bt->row_ctx_p0[r], qpos = bt->positions[r];
+        hi[qi] = bt->row_ctx_n[r];
+        lo[qi] = window > 0 && qpos - p0 >= window ? qpos - p0 - window + 1 : 0;
+        first = lo[qi] < first ? lo[qi] : first;
+        last = hi[qi] > last ? hi[qi] : last;
+    }
+    for (int i = first; i < last; i++) { /* each key once, against every query that sees it */
+        const uint16_t *k = kc + slots[i] * kvw;
+        for (int qi = 0; qi < nq; qi++)
+            if (i >= lo[qi] && i < hi[qi]) sc[(int64_t)qi * maxctx + i] = dot_kv(qs + qi * hd, k, hd);
+    }
+    for (int qi = 0; qi < nq; qi++) {
+        float *s = sc + (int64_t)qi * maxctx, mx = -INFINITY, den = 0.0f;
+        for (int i = lo[qi]; i < hi[qi]; i++) mx = s[i] > mx ? s[i] : mx;
+        for (int i = lo[qi]; i < hi[qi]; i++) {
+            s[i] = expf(s[i] - mx);
+            den += s[i];
+        }
+        int r = r0 + qi / g, head = kvh * g + qi % g;
+        weighted_values(vc, kvw, slots, s, lo[qi], hi[qi], hd, 1.0f / den, h + (int64_t)r * nh * hd + head * hd);
+    }
+}
+
+#define STEPS_PER_LAYER 11
+
+int ig_forward(const ig_model *m, const ig_batch *bt, float *out_h) {
+    int n = bt->n, H = m->hidden, nh = m->num_heads, nkvh = m->num_kv_heads, hd = m->head_dim;
+    int nq = nh * hd, nkv = nkvh * hd, nqkv = nq + 2 * nkv, I = m->intermediate, rd = m->rot_dim;
+    int maxk = H > nq ? H : nq;
+    maxk = maxk > I ? maxk : I;
+    int maxctx = 1;
+    for (int r = 0; r < n; r++) maxctx = bt->row_ctx_n[r] > maxctx ? bt->row_ctx_n[r] : maxctx;
+    int threads = m->threads, nsteps = 2 + STEPS_PER_LAYER * m->num_layers;
+    float *x = malloc(sizeof(float) * n * H), *h = malloc(sizeof(float) * n * (H > nq ? H : nq));
+    float *big = malloc(sizeof(float) * n * (2 * I > nqkv ? 2 * I : nqkv));
+    ig_xblk *xq = malloc(sizeof(ig_xblk) * n * (maxk / QK));
+    int g = nh / nkvh, per_thread = ATT_ROWS * g * (maxctx + hd);
+    float *scores = malloc(sizeof(float) * (int64_t)per_thread * threads);
+    ig_step *steps = calloc(nsteps, sizeof(ig_step));
+    if (!x || !h || !big || !xq || !scores || !steps) {
+        free(x), free(h), free(big), free(xq), free(scores), free(steps);
+        return -1;
+    }
+#pragma omp parallel num_threads(threads)
+    {
+        int tid = 0;
+#ifdef _OPENMP
+        tid = omp_get_thread_num();
+#endif
+        float *qs = scores + (int64_t)tid * per_thread, *sc = qs + ATT_ROWS * g * hd;
+        ig_step *st = steps;
+        FOR_ITEMS(st, n, r) {
+            dequant_row(&m->embed, bt->tokens[r], x + (int64_t)r * H);
+            if (m->embed_scale != 1.0f)
+                for (int i = 0; i < H; i++) x[(int64_t)r * H + i] *= m->embed_scale;
+        }
+        st++;
+        for (int l = 0; l < m->num_layers; l++) {
+            const ig_layer *L = &m->layers[l];
+            uint16_t *kc = m->k_cache + (int64_t)l * m->layer_stride, *vc = m->v_cache + (int64_t)l * m->layer_stride;
+            FOR_ITEMS(st, n, r) {
+                rms_row(x + (int64_t)r * H, L->attn_norm, H, m->eps, h + (int64_t)r * H);
+                quant_row(h + (int64_t)r * H, H, xq + (int64_t)r * (H / QK));
+            }
+            st++;
+            matmul_parts(st++, L->qkv, 3, xq, n, big, nqkv);
+            /* bias, rope on q and k heads, then this round's K/V into the cache */
+            FOR_ITEMS(st, n, r) {
+                float *row = big + (int64_t)r * nqkv;
+                if (L->qkv_bias)
+                    for (int i = 0; i < nqkv; i++) row[i] += L->qkv_bias[i];
+                const float *c = bt->cos + (int64_t)r * rd, *s = bt->sin + (int64_t)r * rd;
+                int half = rd / 2;
+                for (int hh = 0; hh < nh + nkvh; hh++) {
+                    float *v = row + hh * hd;
+                    for (int i = 0; i < half; i++) {
+                        float a = v[i], b = v[i + half];
+                        v[i] = a * c[i] - b * s[i];
+                        v[i + half] = b * c[i + half] + a * s[i + half];
+                    }
+                }
+                int64_t slot = bt->write_slots[r];
+                for (int e = 0; e < nkv; e++) {
+                    kc[slot * nkv + e] = f2h(row[nq + e]);
+                    vc[slot * nkv + e] = f2h(row[nq + nkv + e]);
+                }
+            }
+            st++;
+            /* items: (ATT_ROWS rows, kv head); rows of one sequence share a context list */
+            FOR_ITEMS(st, (n + ATT_ROWS - 1) / ATT_ROWS * nkvh, item) {
+                int r0 = item / nkvh * ATT_ROWS, kvh = item % nkvh, end = r0 + ATT_ROWS < n ? r0 + ATT_ROWS : n;
+                while (r0 < end) {
+                    int r1 = r0 + 1;
+                    while (r1 < end && bt->row_ctx_off[r1] == bt->row_ctx_off[r0]) r1++;
+                    attend_rows(m, bt, l, L->window, big, nqkv, r0, r1, kvh, qs, sc, maxctx, h);
+                    r0 = r1;
+                }
+            }
+            st++;
+            FOR_ITEMS(st, n, r) quant_row(h + (int64_t)r * nq, nq, xq + (int64_t)r * (nq / QK));
+            st++;
+            matmul_parts(st++, &L->o, 1, xq, n, big, H);
+            /* residual, then the MLP's norm: rows are whole again */
+            FOR_ITEMS(st, n, r) {
+                float *xr = x + (int64_t)r * H;
+                for (int i = 0; i < H; i++) xr[i] += big[(int64_t)r * H + i];
+                rms_row(xr, L->mlp_norm, H, m->eps, h + (int64_t)r * H);
+                quant_row(h + (int64_t)r * H, H, xq + (int64_t)r * (H / QK));
+            }
+            st++;
+            matmul_parts(st++, L->gate_up, 2, xq, n, big, 2 * I);
+            FOR_ITEMS(st, n, r) { /* SwiGLU, in place over the gate half */
+                float *gu = big + (int64_t)r * 2 * I;
+                for (int i = 0; i < I; i++) {
+                    float gi = gu[i];
+                    gu[i] = gi / (1.0f + expf(-gi)) * gu[I + i];
+                }
+                quant_row(gu, I, xq + (int64_t)r * (I / QK));
+            }
+            st++;
+            matmul_parts(st++, &L->down, 1, xq, n, big, H);
+            FOR_ITEMS(st, n, r) {
+                float *xr = x + (int64_t)r * H;
+                for (int i = 0; i < H; i++) xr[i] += big[(int64_t)r * H + i];
+            }
+            st++;
+        }
+        FOR_ITEMS(st, n, r) rms_row(x + (int64_t)r * H, m->final_norm, H, m->eps, out_h + (int64_t)r * H);
+    }
+    free(x), free(h), free(big), free(xq), free(scores), free(steps);
+    return 0;
+}
+
+int ig_logits(const ig_model *m, const float *hrows, int n, float *logits) {
+    int H = m->hidden;
+    ig_xblk *xq = malloc(sizeof(ig_xblk) * n * (H / QK));
+    if (!xq) return -1;
+    ig_quantize(hrows, n, H, xq);
+    ig_matmul(&m->lm_head, 1, xq, n, logits, m->lm_head.rows, m->threads);
+    free(xq);
+    return 0;
+}

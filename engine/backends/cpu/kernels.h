@@ -1,0 +1,66 @@
+/* The C side of the cpu backend's interface; build.py passes this text to cffi's cdef too. */
+#define IG_Q4_0 2
+#define IG_Q4_1 3
+#define IG_Q8_0 8
+
+/* A weight matrix [rows, cols] in one of the block types above, rows as stored. */
+typedef struct {
+    int type;
+    int rows;
+    int cols;
+    int64_t row_bytes;
+    const uint8_t *data;
+} ig_mat;
+
+/* One activation block: x ~ d * q (q int16, d = amax / 32767), s = d * sum(q). */
+typedef struct {
+    float d;
+    float s;
+    int16_t q[32];
+} ig_xblk;
+
+typedef struct {
+    ig_mat qkv[3];     /* q, k, v: outputs concatenated */
+    ig_mat o;
+    ig_mat gate_up[2]; /* gate, up */
+    ig_mat down;
+    const float *attn_norm;
+    const float *mlp_norm;
+    const float *qkv_bias; /* NULL: none */
+    int window;            /* sliding window in tokens, 0: none */
+} ig_layer;
+
+typedef struct {
+    int num_layers, hidden, num_heads, num_kv_heads, head_dim, intermediate, vocab, rot_dim, threads;
+    float eps, attn_scale, embed_scale;
+    ig_mat embed;
+    ig_mat lm_head;
+    const float *final_norm;
+    ig_layer *layers;
+    uint16_t *k_cache; /* IEEE half [layers, slots, kv_heads * head_dim] */
+    uint16_t *v_cache;
+    int64_t layer_stride; /* elements per layer of the cache */
+} ig_model;
+
+/* One forward: n rows. Row r feeds tokens[r] at positions[r], writes its K/V at
+ * write_slots[r], and attends over ctx_slots[row_ctx_off[r] ...], row_ctx_n[r]
+ * entries holding positions row_ctx_p0[r] ... (causal: entries past the row's own
+ * position are not counted in row_ctx_n). cos/sin: [n, rot_dim]. */
+typedef struct {
+    int n;
+    const int32_t *tokens;
+    const int32_t *positions;
+    const float *cos;
+    const float *sin;
+    const int64_t *write_slots;
+    const int64_t *ctx_slots;
+    const int32_t *row_ctx_off;
+    const int32_t *row_ctx_n;
+    const int32_t *row_ctx_p0;
+} ig_batch;
+
+void ig_dequant(const ig_mat *w, int row0, int nrows, float *out);
+void ig_quantize(const float *x, int nrows, int n, ig_xblk *out);
+void ig_matmul(const ig_mat *parts, int nparts, const ig_xblk *x, int nx, float *y, int ldy, int threads);
+int ig_forward(const ig_model *m, const ig_batch *b, float *out_h);
+int ig_logits(const ig_model *m, const float *h, int n, float *logits);
