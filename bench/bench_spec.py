@@ -95,10 +95,11 @@ def main() -> None:
     from engine.loaders import load_artifact
     from engine.tokenizer import load_tokenizer
 
-    cfg, weights = load_artifact(args.model)
-    tok = load_tokenizer(args.model)
     backend = create_backend(args.backend)
-    plan = backend.load(cfg, weights, block_size=16, kv_budget_bytes=None if args.backend == "numpy" else 1 << 30,
+    as_stored = {"as_stored": True} if getattr(backend, "weights_as_stored", False) else {}
+    cfg, weights = load_artifact(args.model, None, **as_stored)
+    tok = load_tokenizer(args.model)
+    plan = backend.load(cfg, weights, block_size=16, kv_budget_bytes=None if args.backend == "numpy" else 256 << 20,
                         host_kv_budget_bytes=0, max_context=2048)  # fmt: skip
     del weights
     rows = ["| prompt | tokens | rounds on / off | tokens a round | accepted / drafted | tok/s off | tok/s on | on / off |",

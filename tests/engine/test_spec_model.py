@@ -1,4 +1,4 @@
-"""Speculation on the real default model (numpy backend): the same tokens on and off, 200 a prompt."""
+"""Speculation on the real default model (numpy and cpu backends): the same tokens on and off, 200 a prompt."""
 
 from __future__ import annotations
 
@@ -20,13 +20,18 @@ PROMPTS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def model(default_gguf_path):
-    from engine.backends.numpy import NumpyBackend
+@pytest.fixture(scope="module", params=["numpy", "cpu"])
+def model(request, default_gguf_path):
+    from engine.backends import create_backend
+    from engine.config import EngineConfig
 
-    cfg, weights = load_artifact(default_gguf_path)
-    backend = NumpyBackend()
-    plan = backend.load(cfg, weights, block_size=16, kv_budget_bytes=None, host_kv_budget_bytes=0, max_context=512)
+    backend = create_backend(request.param, EngineConfig(backend=request.param))
+    if backend.name != request.param:
+        pytest.skip(f"the {request.param} backend's kernels do not build here")
+    as_stored = {"as_stored": True} if getattr(backend, "weights_as_stored", False) else {}
+    cfg, weights = load_artifact(default_gguf_path, None, **as_stored)
+    plan = backend.load(cfg, weights, block_size=16, kv_budget_bytes=64 << 20, host_kv_budget_bytes=0,
+                        max_context=512)  # fmt: skip
     return backend, plan, load_tokenizer(default_gguf_path)
 
 

@@ -49,6 +49,9 @@ class CpuBackend(Backend):
     name = "cpu"
     supports_prompt_logprobs = True
     weights_as_stored = True  # the loader keeps GGUF blocks (engine.loaders.gguf.QuantizedTensor)
+    # A lane's verify rows are rows of the round, each attending up to its own position
+    # (tests/engine/test_spec_model.py: tokens identical to speculation off).
+    max_round_rows = 16
 
     def __init__(self, *, threads: int = 0, isa: str | None = None, cache_dir: str | None = None) -> None:
         """Compile (or find in the cache) the kernels now, so a factory can fall back before a load."""
