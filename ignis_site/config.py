@@ -358,7 +358,9 @@ def engine_config_dict(values: dict[str, Any]) -> dict[str, Any]:
         "spec_draft_model": draft_model_path(values),
         "spec_draft_kv": values["spec.draft_kv"],
         "cpu_threads": values["model.cpu_threads"],
-        "cpu_kernel_cache_dir": str(Path(models_dir(values)) / ".cache" / "cpu-kernels"),
+        # Compiled code belongs to the checkout, not to a models directory: every server of this
+        # checkout (and each test's own models directory) shares one build (engine/backends/cpu/build.py).
+        "cpu_kernel_cache_dir": "",
         "cuda": cuda_tuning_dict(values),
     }
 
@@ -368,7 +370,7 @@ def draft_model_path(values: dict[str, Any]) -> str:
     raw = values["spec.draft_model"]
     if not raw:
         return ""
-    models = Path(values["server.models_dir"] or Path(__file__).resolve().parent.parent / "models").resolve()
+    models = Path(models_dir(values)).resolve()
     if "\x00" in raw or not (path := (models / raw).resolve()).is_relative_to(models):
         raise ValueError("spec.draft_model", f"spec.draft_model must name a model inside {models}")
     return str(path)

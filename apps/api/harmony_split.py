@@ -151,3 +151,10 @@ class HarmonySplitter(OutputSplitter):
             self._emit("content", buf, events)  # a short answer with no harmony at all
         self.mode = "between"
         return events
+
+
+def splitter_for(*, in_reasoning: bool = False, parse_tools: bool = True, parsers: OutputParsers) -> OutputSplitter:
+    """The splitter a model's output needs: the harmony reader for harmony models (channels,
+    not tags), the tag splitter otherwise."""
+    cls = HarmonySplitter if parsers.harmony else OutputSplitter
+    return cls(in_reasoning=in_reasoning, parse_tools=parse_tools, parsers=parsers)

@@ -21,7 +21,8 @@ before it started (no name yet) is dropped, never shown as a raw tag.
 
 Shared by chat completions and the Responses API; nothing here knows about
 HTTP or the engine. A model writing harmony messages (gpt-oss) gets
-``harmony_split.HarmonySplitter`` from the same constructor (its parsers say so).
+``harmony_split.HarmonySplitter`` instead: ``harmony_split.splitter_for`` picks by the
+model's parsers.
 """
 
 from __future__ import annotations
@@ -216,13 +217,6 @@ def _partial_tag(text: str, tags: tuple[str, ...]) -> int:
 
 class OutputSplitter:
     """Feed text, get :class:`Event` s. ``in_reasoning``: the prompt already opened the reasoning."""
-
-    def __new__(cls, *args, parsers: OutputParsers = DEFAULT, **kwargs):
-        if cls is OutputSplitter and parsers.harmony:  # channels, not tags: the harmony reader
-            from apps.api.harmony_split import HarmonySplitter
-
-            cls = HarmonySplitter
-        return super().__new__(cls)
 
     def __init__(self, *, in_reasoning: bool = False, parse_tools: bool = True, parsers: OutputParsers = DEFAULT):
         self.parsers = parsers

@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from apps.api.harmony_split import MARKERS, HarmonySplitter
+from apps.api.harmony_split import MARKERS, HarmonySplitter, splitter_for
 from apps.api.output_parsers import DEFAULT, HARMONY, output_parsers_for
 from apps.api.output_split import Event, OutputSplitter
 from apps.api.responses.events import ResponseEvents, output_text
@@ -44,7 +44,7 @@ IDS = ["whole", "chars", "3s", "7s"]
 
 
 def run(pieces: list[str], **kw) -> tuple[OutputSplitter, list]:
-    sp = OutputSplitter(parsers=HARMONY, **kw)
+    sp = splitter_for(parsers=HARMONY, **kw)
     events = []
     for p in pieces:
         events += sp.feed(p)
@@ -68,7 +68,7 @@ def test_analysis_is_reasoning_final_is_content(pieces):
 
 
 def test_reasoning_streams_before_its_message_ends():
-    sp = OutputSplitter(parsers=HARMONY)
+    sp = splitter_for(parsers=HARMONY)
     head = "<|channel|>analysis<|message|>Let me think"
     events = [e for ch in head for e in sp.feed(ch)]
     assert joined(events, "reasoning") == "Let me think" and sp.mode == "reasoning"
@@ -145,7 +145,7 @@ def test_chosen_by_template_or_special_tokens(default_gguf_path):
     assert output_parsers_for(Tok(HARMONY_TEMPLATE)) is HARMONY
     assert output_parsers_for(Tok("{{ messages }}", ("<|start|>", "<|channel|>"))) is HARMONY
     assert output_parsers_for(Tok("<|im_start|>{{ messages }}")) is DEFAULT
-    assert type(OutputSplitter(parsers=DEFAULT)) is OutputSplitter
+    assert type(splitter_for(parsers=DEFAULT)) is OutputSplitter
     assert HARMONY.keep_special_tokens and not DEFAULT.keep_special_tokens
 
 
@@ -179,7 +179,7 @@ def test_token_stream_through_the_detokenizer(tok):
     ids = tok.encode(ANSWER)
     assert tok.tokenizer.token_to_id("<|channel|>") in ids  # the markers are single special tokens
     text = TextStream(tok, [], prompt, skip_special_tokens=not HARMONY.keep_special_tokens)
-    sp = OutputSplitter(parsers=output_parsers_for(tok))
+    sp = splitter_for(parsers=output_parsers_for(tok))
     for i in ids:
         sp.feed(text.feed([i]))
     sp.feed(text.flush())

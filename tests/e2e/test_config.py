@@ -106,6 +106,12 @@ def test_a_plan_that_does_not_fit_is_refused_with_its_bytes_and_nothing_changes(
     assert chat(base).status_code == 200
 
 
+def test_a_draft_model_outside_the_models_directory_is_refused(base):
+    before = config(base)["values"]
+    assert_openai_error(patch(base, {"spec.draft_model": "../../etc"}), 400, "invalid_path", "spec.draft_model")
+    assert config(base)["values"] == before
+
+
 def test_saved_values_are_read_back_at_start_below_env_and_flags(srv):
     """defaults < saved (PATCH / admin) < environment < flags, on a restart over the same data dir."""
     resp = patch(srv["url"], {"server.deadline": 123, "switch.drain_timeout": 7})
@@ -129,9 +135,3 @@ def test_saved_values_are_read_back_at_start_below_env_and_flags(srv):
     resp = patch(srv["url"], {"switch.drain_timeout": 8})
     assert resp.json()["overridden_at_start"] == ["switch.drain_timeout"]
     assert chat(srv["url"]).status_code == 200
-
-
-def test_a_draft_model_outside_the_models_directory_is_refused(base):
-    before = config(base)["values"]
-    assert_openai_error(patch(base, {"spec.draft_model": "../../etc"}), 400, "invalid_path", "spec.draft_model")
-    assert config(base)["values"] == before

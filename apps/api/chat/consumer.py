@@ -6,8 +6,8 @@ import asyncio
 
 from apps.api.chat.service import PreparedChat, chat_prepare
 from apps.api.consumer import Choice, MultiRequestConsumer
+from apps.api.harmony_split import splitter_for
 from apps.api.logprobs import chat_logprobs
-from apps.api.output_split import OutputSplitter
 from apps.api.streaming import TextStream, chat_chunk, sse
 
 
@@ -25,7 +25,7 @@ class ChatCompletionsConsumer(MultiRequestConsumer):
                 TextStream(
                     tok, req.stop, add.prompt_token_ids, skip_special_tokens=not prep.parsers.keep_special_tokens
                 ),
-                OutputSplitter(in_reasoning=prep.in_reasoning, parse_tools=prep.parse_tools, parsers=prep.parsers),
+                splitter_for(in_reasoning=prep.in_reasoning, parse_tools=prep.parse_tools, parsers=prep.parsers),
             )
             for i, add in enumerate(prep.adds)
         ]

@@ -26,8 +26,8 @@ import json
 import time
 import uuid
 
+from apps.api.harmony_split import splitter_for
 from apps.api.output_parsers import DEFAULT, OutputParsers, output_parsers_for
-from apps.api.output_split import OutputSplitter
 from apps.api.usage import usage_object
 
 
@@ -40,7 +40,7 @@ class ResponseEvents:
 
     def __init__(self, response: dict, *, tools: bool, in_reasoning: bool = False, parsers: OutputParsers = DEFAULT):
         self.response = response  # the Response object; ``output`` fills as items close
-        self.splitter = OutputSplitter(in_reasoning=in_reasoning, parse_tools=tools, parsers=parsers)
+        self.splitter = splitter_for(in_reasoning=in_reasoning, parse_tools=tools, parsers=parsers)
         self.seq = 0
         self.open: dict | None = None  # the item receiving deltas (reasoning or message)
         self.call: dict | None = None  # the function_call item receiving argument deltas

@@ -86,8 +86,9 @@ def _build(isa: str, cache: Path):
         with tempfile.TemporaryDirectory(dir=cache) as tmp:
             built = Path(ffi.compile(tmpdir=tmp, verbose=False))
             target = cache / built.name
-            shutil.move(str(built), str(target) + ".part")
-            os.replace(str(target) + ".part", target)
+            part = f"{target}.{os.getpid()}.part"  # servers starting together each build, one wins
+            shutil.move(str(built), part)
+            os.replace(part, target)
             found = [target]
     spec = importlib.util.spec_from_file_location(name, found[0])
     module = importlib.util.module_from_spec(spec)
