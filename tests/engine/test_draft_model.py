@@ -30,7 +30,7 @@ def smol(default_gguf_path):
     return target, plan, draft, load_tokenizer(default_gguf_path)
 
 
-def generate(target, plan, tok, *, draft=None, rows=0, sampling=None, n=48):
+def generate(target, plan, tok, *, draft=None, rows=0, sampling=None, n=24):
     cfg = EngineConfig(decode_lanes=4, prefill_chunk=256, max_context=512, block_size=16,
                        spec_draft_model="draft" if draft else "")  # fmt: skip
     sched = Scheduler(cfg, KVManager(plan.num_blocks, 16, 0), seed_rng=random.Random(0), max_round_rows=rows,

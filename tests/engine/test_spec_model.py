@@ -57,6 +57,8 @@ def generate(model, sampling: dict, *, speculate: bool) -> tuple[dict[str, list[
 
 @pytest.mark.parametrize("sampling", [{"temperature": 0}, {"temperature": 0.7, "top_p": 0.95, "seed": 11}])
 def test_speculation_on_the_default_model_is_token_identical(model, sampling):
+    if model[0].name == "numpy" and sampling["temperature"]:
+        pytest.skip("sampled rows are the cpu backend's run (the numpy one costs a minute of CI for the same rule)")
     plain, rounds_plain = generate(model, sampling, speculate=False)
     spec, rounds_spec = generate(model, sampling, speculate=True)
     assert all(len(t) == 200 for t in plain.values())
