@@ -379,12 +379,6 @@
       $("#monitor-decoded").textContent = String(g("ignis_decoded_tokens_total"));
       $("#monitor-requests").textContent = g("ignis_requests_admitted_total") + " in · " + g("ignis_requests_finished_total") + " done";
       $("#monitor-reuse").textContent = g("ignis_prefix_cache_hits_total") + " hits · " + g("ignis_prefix_cached_tokens_total") + " tok";
-      let drafted = 0, accepted = 0;
-      for (const k in m) {
-        if (k.startsWith("ignis_spec_drafted_tokens_total")) drafted += m[k];
-        if (k.startsWith("ignis_spec_accepted_tokens_total")) accepted += m[k];
-      }
-      $("#monitor-spec").textContent = drafted ? accepted + " / " + drafted + " (" + Math.round((100 * accepted) / drafted) + "%)" : "–";
 
       const lanesEl = $("#monitor-lanes");
       const total = g("ignis_lanes_total");
