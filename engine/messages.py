@@ -60,6 +60,13 @@ class AddRequest(_Msg):
     # to end the thinking: the end tag and what follows it), ``open`` (the prompt opened the channel),
     # ``max_tokens`` (the thinking budget, None: none), ``guard`` (the loop guard may watch).
     reasoning: dict | None = None
+    # Images of a vision-language model (engine.models.qwen2_5_vl), in prompt order, prepared on the
+    # Django side (apps/api/images): each {"hash": hex sha256 of grid_thw and pixel_values (the prefix
+    # key's share of the image), "offset": index in prompt_token_ids of its first placeholder token,
+    # "num_tokens": its placeholder tokens (t*h*w / merge_size**2), "grid_thw": [t, h, w] in patches,
+    # "pixel_values": bytes, float32 little-endian, shape (t*h*w, channels*temporal_patch*patch*patch),
+    # the processor's patch order}. None: a text-only prompt.
+    images: list[dict] | None = None
 
 
 @dataclass
