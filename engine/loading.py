@@ -146,6 +146,7 @@ def load_model(
             kv_window=release_window(model_cfg, backend.releases_window_pages),
             max_round_rows=backend.max_round_rows,
             draft_model=draft,
+            vision=model_cfg.vision,
         )
     except BaseException:
         backend.unload()
