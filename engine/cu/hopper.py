@@ -17,6 +17,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
+import struct
 
 import numpy as np
 
@@ -28,7 +29,8 @@ SMEM_LIMIT = 227 * 1024  # the H100 / H200 per-block opt-in maximum
 MAX_STAGES = 8
 # (consumer warpgroups, tile width): BM = 64 * warpgroups rows by BN columns a tile
 VARIANTS = ((2, 256), (2, 128), (1, 256), (1, 128))
-PARAMS = "128s128sPPiiiii"  # tmA, tmW, bias, C, M, N, K, ldc, accumulate (gemm_hopper's signature)
+PARAMS = ["128s", "128s", "P", "P", "i", "i", "i", "i", "i"]  # tmA, tmW, bias, C, M, N, K, ldc, accumulate
+_KPARAM_INFO = 0x17
 
 # CUtensorMap enums (cuda.h)
 _BF16, _INTERLEAVE_NONE, _SWIZZLE_128B, _L2_256B, _OOB_ZERO = 9, 0, 3, 3, 0
@@ -71,16 +73,66 @@ def tensor_map(ptr: int, rows: int, cols: int, box_rows: int) -> bytes:
     return bytes(out)
 
 
+def param_layout(cubin: bytes, name: str) -> list[tuple[int, int]]:
+    """(offset, size) in bytes of each parameter of kernel ``name``, read from the cubin's
+    ``.nv.info.<name>`` section (EIATTR_KPARAM_INFO records). PyCUDA passes parameters as one packed
+    buffer, which must follow these offsets; with 64-byte aligned parameters (the tensor maps) they
+    do not start at 0 (the parameter bank's base is not 64-byte aligned)."""
+    shoff = struct.unpack_from("<Q", cubin, 0x28)[0]
+    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", cubin, 0x3A)
+
+    def section(i: int) -> tuple[int, int, int]:
+        base = shoff + i * shentsize
+        return struct.unpack_from("<I", cubin, base)[0], *struct.unpack_from("<QQ", cubin, base + 0x18)
+
+    strtab = section(shstrndx)[1]
+    want = f".nv.info.{name}".encode()
+    for i in range(shnum):
+        name_off, off, size = section(i)
+        start = strtab + name_off
+        if cubin[start : cubin.index(b"\0", start)] == want:
+            break
+    else:
+        raise ValueError(f"no {want.decode()} section in the cubin")
+    params: dict[int, tuple[int, int]] = {}
+    p, end = off, off + size
+    while p < end:
+        fmt, attr = cubin[p], cubin[p + 1]
+        if fmt == 4:  # EIFMT_SVAL: u16 size, then the value
+            (n,) = struct.unpack_from("<H", cubin, p + 2)
+            if attr == _KPARAM_INFO:
+                _, ordinal, offset, flags = struct.unpack_from("<IHHI", cubin, p + 4)
+                params[ordinal] = (offset, flags >> 18)
+            p += 4 + n
+        else:  # EIFMT_NVAL / BVAL / HVAL: no value or one in the next two bytes
+            p += 2 if fmt == 1 else 4
+    return [params[i] for i in range(len(params))]
+
+
+def pack_format(layout: list[tuple[int, int]], codes: list[str]) -> str:
+    """A struct format placing each parameter (``codes``: struct letters) at its offset."""
+    out, pos = "", 0
+    for (off, size), code in zip(layout, codes, strict=True):
+        if struct.calcsize(code) != size or off < pos:
+            raise ValueError(f"parameter layout {layout} does not fit {codes}")
+        out += (f"{off - pos}x" if off > pos else "") + code
+        pos = off + size
+    return out
+
+
 @functools.cache
 def _module(nc: int, bn: int, cache_dir: str):
-    from pycuda.compiler import SourceModule
+    """(module, its gemm_hopper parameter format) of one variant."""
+    import pycuda.driver as cuda
+    from pycuda.compiler import compile as nvcc
 
     cache = cache_dir or DEFAULT_CACHE_DIR
     os.makedirs(cache, exist_ok=True)
     src = (CU_DIR / "common.cuh").read_text() + "\n" + (CU_DIR / "gemm_hopper.cu").read_text()
     defines = {"HG_NC": nc, "HG_BN": bn, "HG_STAGES": stages(nc, bn)}
     options = ["-O3", "-std=c++17"] + [f"-D{k}={v}" for k, v in defines.items()]
-    return SourceModule(src, options=options, no_extern_c=True, arch=ARCH, cache_dir=cache)
+    cubin = nvcc(src, options=options, no_extern_c=True, arch=ARCH, cache_dir=cache)
+    return cuda.module_from_buffer(cubin), pack_format(param_layout(cubin, "gemm_hopper"), PARAMS)
 
 
 def supported() -> bool:
@@ -100,9 +152,10 @@ class HopperGemm:
         self.sms = dev.get_attribute(cuda.device_attribute.MULTIPROCESSOR_COUNT)
         self._fns = {}
         for nc, bn in VARIANTS:
-            fn = _module(nc, bn, cache_dir).get_function("gemm_hopper")
+            mod, fmt = _module(nc, bn, cache_dir)
+            fn = mod.get_function("gemm_hopper")
             fn.set_attribute(cuda.function_attribute.MAX_DYNAMIC_SHARED_SIZE_BYTES, smem_bytes(nc, bn))
-            fn.prepare(PARAMS)
+            fn.prepare(fmt)
             self._fns[(nc, bn)] = fn
         self._maps: dict[tuple[int, int, int, int], bytes] = {}
 
