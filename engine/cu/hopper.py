@@ -36,6 +36,18 @@ _KPARAM_INFO = 0x17
 _BF16, _INTERLEAVE_NONE, _SWIZZLE_128B, _L2_256B, _OOB_ZERO = 9, 0, 3, 3, 0
 
 
+# A tile's cost in units of a 128 x 256 one: its area over the rate that variant reached at
+# M = 8192 on the H200 (bench/bench_gemm.py --variants: 740, 693, 670, 575 TFLOP/s).
+TILE_COST = {(2, 256): 1.0, (2, 128): 0.533, (1, 256): 0.553, (1, 128): 0.321}
+
+
+def pick(m: int, n: int, sms: int) -> tuple[int, int]:
+    """The variant for an M x N product: the fewest rounds of tiles over the SMs times the tile's
+    cost (``TILE_COST``); on a tie the larger tile. Small M gets small tiles (more blocks to
+    stream W), 1,024 rows of q|k|v 128 x 128 (384 tiles fill 3 rounds, 192 wide ones 1.5)."""
+    return min(VARIANTS, key=lambda v: -(-(-(-m // (64 * v[0])) * -(-n // v[1])) // sms) * TILE_COST[v])
+
+
 def stages(nc: int, bn: int) -> int:
     per_stage = (64 * nc + bn) * BK * 2
     return min(MAX_STAGES, (SMEM_LIMIT - 1024 - 256) // per_stage)
@@ -160,17 +172,7 @@ class HopperGemm:
         self._maps: dict[tuple[int, int, int, int], bytes] = {}
 
     def pick(self, m: int, n: int) -> tuple[int, int]:
-        """The variant for an M x N product: 64-row tiles up to 128 rows (more blocks to stream W),
-        then 128-row tiles 256 or 128 wide, whichever leaves fewer idle SMs in the last round
-        (a 128-wide tile costs ~0.55 of a 256-wide one)."""
-        if m <= 128:
-            return (1, 128)
-        mt = -(-m // 128)
-
-        def cost(bn: int) -> float:
-            return -(-mt * -(-n // bn) // self.sms) * (1.0 if bn == 256 else 0.55)
-
-        return (2, 256) if cost(256) <= cost(128) else (2, 128)
+        return pick(m, n, self.sms)
 
     def _map(self, ptr: int, rows: int, k: int, box: int) -> bytes:
         key = (ptr, rows, k, box)
@@ -197,3 +199,24 @@ class HopperGemm:
                                self._map(int(a), m, k, bm), self._map(int(w), n, k, bn), int(bias), int(c),
                                np.int32(m), np.int32(n), np.int32(k), np.int32(ldc), np.int32(int(accumulate)),
                                shared_size=smem_bytes(nc, bn))  # fmt: skip
+
+
+class GemmRoute:
+    """Kernels' GEMM launch (a ``launch.Kernel`` call: ``(s, grid, A=, W=, bias=, C=, M=, N=, K=, ldc=,
+    accumulate=)``) sent to gemm_hopper, or to ``fallback`` (gemm_bf16) where gemm_hopper's
+    alignment preconditions do not hold."""
+
+    def __init__(self, fallback, hopper: HopperGemm) -> None:
+        self.fallback, self.hopper = fallback, hopper
+        self.fn = fallback.fn
+
+    def __call__(self, s, grid, *, A, W, bias, C, M, N, K, ldc, accumulate) -> None:
+        if K % 8 == 0 and ldc % 2 == 0 and ldc >= N and int(A) % 16 == 0 and int(W) % 16 == 0 and int(C) % 8 == 0:
+            self.hopper(s, A, W, bias, C, M, N, K, ldc, accumulate=bool(accumulate))
+        else:
+            self.fallback(s, grid, A=A, W=W, bias=bias, C=C, M=M, N=N, K=K, ldc=ldc, accumulate=accumulate)
+
+
+def route_gemm(gemm, cache_dir: str = ""):
+    """``gemm`` (gemm_bf16's Kernel) behind gemm_hopper on an sm_90 device; ``gemm`` itself elsewhere."""
+    return GemmRoute(gemm, HopperGemm(cache_dir)) if supported() else gemm
