@@ -1,7 +1,7 @@
 """Benchmark of the prefill GEMMs on the Llama-3.1-8B shapes: gemm_hopper (wgmma + TMA,
 engine/cu/hopper.py) beside gemm_bf16 (mma.sync, engine/cu/gemm.cu) and torch.matmul (cuBLAS).
 
-Shapes (N x K): q|k|v 6144 x 4096, o 4096 x 4096, gate|up 28672 x 4096, down 4096 x 14336, each
+Shapes (N x K): q,k,v 6144 x 4096, o 4096 x 4096, gate,up 28672 x 4096, down 4096 x 14336, each
 at M = 16, 128, 1024, 2048, 8192 rows; random bf16 operands. Each figure is the median of
 ``--reps`` launches timed by CUDA events, each after L2 was flushed (a 256 MB memset), in
 TFLOP/s of 2 M N K. Ours write fp32 C (the forward pass's contract), cuBLAS bf16 C. With
@@ -24,7 +24,7 @@ sys.path.insert(0, str(ROOT))
 from bench import perfdoc  # noqa: E402
 
 SECTION = "## Hopper GEMM (H200, Llama-3.1-8B prefill shapes)"
-SHAPES = (("q|k|v", 6144, 4096), ("o", 4096, 4096), ("gate|up", 28672, 4096), ("down", 4096, 14336))
+SHAPES = (("q,k,v", 6144, 4096), ("o", 4096, 4096), ("gate,up", 28672, 4096), ("down", 4096, 14336))
 ROWS = (16, 128, 1024, 2048, 8192)
 LAYERS = 32
 FLUSH_BYTES = 256 << 20
