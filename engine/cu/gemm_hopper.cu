@@ -5,7 +5,7 @@
 //   null, C fp32 [M, ldc]; accumulate != 0 adds into C (the fused residual add).
 // Tiles: BM x BN x 64 per block, BM = 64 * HG_NC (HG_NC consumer warpgroups of 64 rows each),
 //   BN = HG_BN (128 or 256). Block = 128 * (HG_NC + 1) threads: warpgroup 0 is the producer
-//   (one thread issues the TMA copies; setmaxnreg gives its registers to the consumers),
+//   (one thread issues the TMA copies; with 2 consumers setmaxnreg moves registers to them),
 //   warpgroups 1..HG_NC each own 64 rows x BN columns of the tile in registers (BN / 2 fp32
 //   a thread) and issue 4 wgmma m64nBNk16 per 64-wide k step, both operands from shared memory.
 // Pipeline: HG_STAGES shared-memory stages of (BM + BN) x 64 bf16, each row 128 bytes with the
@@ -87,7 +87,8 @@ __device__ __forceinline__ void wgmma_wait() {
 // Pin a register across the asynchronous wgmma (no read or move of it hoisted over a fence or wait).
 __device__ __forceinline__ void reg_fence(float& r) { asm volatile("" : "+f"(r)::"memory"); }
 
-// D[64 x 128] += A[64 x 16] (smem, K-major) * B[128 x 16]^T (smem, K-major); d: 64 fp32 per thread; scale_d 0: D = A * B^T.
+// D[64 x 128] (+)= A[64 x 16] * B[128 x 16]^T, both K-major in shared memory (descriptors);
+// d: 64 fp32 a thread; scale_d == 0 overwrites D.
 __device__ __forceinline__ void wgmma_n128(float* d, uint64_t da, uint64_t db, int scale_d) {
     asm volatile(
         "{\n .reg .pred p;\n setp.ne.b32 p, %66, 0;\n wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
@@ -107,7 +108,8 @@ __device__ __forceinline__ void wgmma_n128(float* d, uint64_t da, uint64_t db, i
         : "l"(da), "l"(db), "r"(scale_d));
 }
 
-// D[64 x 256] += A[64 x 16] (smem, K-major) * B[256 x 16]^T (smem, K-major); d: 128 fp32 per thread; scale_d 0: D = A * B^T.
+// D[64 x 256] (+)= A[64 x 16] * B[256 x 16]^T, both K-major in shared memory (descriptors);
+// d: 128 fp32 a thread; scale_d == 0 overwrites D.
 __device__ __forceinline__ void wgmma_n256(float* d, uint64_t da, uint64_t db, int scale_d) {
     asm volatile(
         "{\n .reg .pred p;\n setp.ne.b32 p, %130, 0;\n wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {"
