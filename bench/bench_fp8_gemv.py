@@ -27,15 +27,27 @@ COPIES = 6  # > L2 (50 MB) / the smallest matrix
 REPS = 30
 
 
+SPIN = r"""
+extern "C" __global__ void spin(long long cycles) {
+    const long long t0 = clock64();
+    while (clock64() - t0 < cycles) {}
+}
+"""
+
+
 def timed(cuda, stream, launch, reps: int = REPS) -> float:
-    """Seconds of one launch: ``reps`` back-to-back launches (``launch(i)`` runs copy ``i % COPIES``)
-    between two events, after a warm-up, median of 5 such runs. Back to back, the host's launch
-    latency overlaps the kernels (one launch between two events would count it)."""
+    """Seconds of one launch, the device's time alone: a spin kernel holds the stream while ``reps``
+    launches (``launch(i)`` runs copy ``i % COPIES``) queue up behind it between two events, so
+    the host's launch latency is not counted. Median of 5 such runs, after a warm-up."""
+    from pycuda.compiler import SourceModule
+
+    spin = SourceModule(SPIN, no_extern_c=True, arch="sm_90").get_function("spin")
     for i in range(COPIES):
         launch(i)
     times = []
     for _ in range(5):
         a, b = cuda.Event(), cuda.Event()
+        spin(np.int64(4_000_000), block=(1, 1, 1), grid=(1, 1), stream=stream)  # ~2 ms at 1.98 GHz
         a.record(stream)
         for i in range(reps):
             launch(i)
