@@ -5,7 +5,7 @@ Each timed launch reads a different copy of the matrix (more copies than L2 hold
 figure streams its weights from HBM; the ceiling is a plain streaming read. Prints the machine,
 the command and the date with the table (docs/QUANT.md keeps the numbers).
 
-    python3 bench/bench_fp8_gemv.py [--unroll 2 4 8]
+    python3 bench/bench_fp8_gemv.py [--variants 4,1 2,2 4,2]   (unroll,chunks pairs)
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def timed(cuda, stream, launch, reps: int = REPS) -> float:
     return statistics.median(times)
 
 
-def bench_shape(cuda, ga, stream, tc, n: int, k: int, unrolls):
+def bench_shape(cuda, ga, stream, tc, n: int, k: int, variants):
     """``(kernel, rows, seconds, weight bytes)`` for each kernel at rows 1 and 8 on ``[n, k]``
     (``tc``: gemv.cu's gemv_tc_store, fp32 out)."""
     from tests.kernels.test_cuda_fp8 import gemv_fp8, load_gemv_fp8
@@ -70,13 +70,13 @@ def bench_shape(cuda, ga, stream, tc, n: int, k: int, unrolls):
     y, yf = ga.empty((8, n), np.uint16), ga.empty((8, n), np.float32)
     out = []
     for rows in (1, 8):
-        for unroll in unrolls:
-            kern = load_gemv_fp8(unroll)
+        for unroll, chunks in variants:
+            kern = load_gemv_fp8(unroll, chunks)
 
             def fp8(i, kern=kern, rows=rows):
                 gemv_fp8(kern, stream, x.gpudata, w8[i % COPIES].gpudata, scale.gpudata, y.gpudata, rows, n, k)
 
-            out.append((f"fp8 gemv_fp8 (unroll {unroll})", rows, timed(cuda, stream, fp8), n * k))
+            out.append((f"fp8 gemv_fp8 (unroll {unroll}, chunks {chunks})", rows, timed(cuda, stream, fp8), n * k))
 
         def bf16(i, rows=rows):
             tc(stream, ((n + 15) // 16,), x=x.gpudata, W=wbf[i % COPIES].gpudata, bias=0, out=yf.gpudata, M=rows,
@@ -88,8 +88,9 @@ def bench_shape(cuda, ga, stream, tc, n: int, k: int, unrolls):
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--unroll", type=int, nargs="+", default=[4])
+    ap.add_argument("--variants", nargs="+", default=["4,1", "2,2"], help="unroll,chunks pairs")
     args = ap.parse_args()
+    variants = [tuple(int(v) for v in pair.split(",")) for pair in args.variants]
 
     from bench.bench_cuda import read_bandwidth
     from engine.cu import runtime
@@ -104,13 +105,13 @@ def main() -> None:
         ceiling = read_bandwidth(cuda, stream, nbytes=4 << 30)
         dev = cuda.Context.get_device()
         print(f"# {dev.name()} ({platform.node()}), {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
-        print(f"# python3 bench/bench_fp8_gemv.py --unroll {' '.join(map(str, args.unroll))}")
+        print(f"# python3 bench/bench_fp8_gemv.py --variants {' '.join(args.variants)}")
         print(f"# streaming read ceiling: {ceiling / 1e9:.0f} GB/s")
         print("| shape [out, in] | kernel | rows | us | weight GB/s | of ceiling |")
         print("| --- | --- | --- | --- | --- | --- |")
         tc = Kernel(module("gemv", (("TC_THREADS", TC_THREADS),)), "gemv_tc_store", TC_PARAMS[STORE], TC_THREADS)
         for label, (n, k) in SHAPES.items():
-            for row in bench_shape(cuda, ga, stream, tc, n, k, args.unroll):
+            for row in bench_shape(cuda, ga, stream, tc, n, k, variants):
                 kernel, rows, t, nbytes = row
                 print(f"| {label} [{n}, {k}] | {kernel} | {rows} | {t * 1e6:.1f} | {nbytes / t / 1e9:.0f} | "
                       f"{nbytes / t / ceiling:.0%} |")  # fmt: skip

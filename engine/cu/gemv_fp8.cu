@@ -10,12 +10,15 @@
 // depend on the width of its round.
 // Preconditions (wrapper): K % 16 == 0, pointers 16-byte aligned, 1 <= M <= 8.
 // Compile-time: FP8_THREADS (256: 8 warps, the layout below assumes it), FP8_UNROLL (steps a
-// warp keeps in flight).
+// warp keeps in flight), FP8_CHUNKS (16-byte chunks of a row a thread reads per step: 1 or 2),
+// FP8_MINB (blocks an SM must hold: the register budget; without it ptxas kept 40 registers and
+// sank the loads next to their use, so few bytes were in flight).
 //
-// gemv_fp8: a block of 256 threads owns 16 output rows; its 8 warps split K in steps of 64
-// (warp w takes steps w, w + 8, ...). In a step, thread (g = lane / 4, t = lane % 4) loads
-// 16 bytes (k = 16t .. 16t + 15 of the step) of W rows g and g + 8 and the same 16 k of
-// activation row g (zero for g >= M). e4m3 converts exactly to bf16 (cvt e4m3x2 -> f16x2, then
+// gemv_fp8: a block of 256 threads owns 16 output rows; its 8 warps split K in steps of
+// 64 * FP8_CHUNKS (warp w takes steps w, w + 8, ...). In a step, thread (g = lane / 4,
+// t = lane % 4) loads chunks t, t + 4, ... (16 bytes = 16 k each) of W rows g and g + 8 and
+// the same k of activation row g (zero for g >= M): a load instruction covers 64 contiguous
+// bytes of 16 rows. e4m3 converts exactly to bf16 (cvt e4m3x2 -> f16x2, then
 // f16 -> bf16: 3 mantissa bits, exponents 2^-9 .. 2^8), so the registers feed four
 // mma.m16n8k16 bf16 (W as A, 16 rows; x^T as B, 8 columns). The k order inside a step is
 // permuted identically for W and x (mma j takes bytes 4j .. 4j + 3 of each thread's 16), so
@@ -30,7 +33,14 @@
 #ifndef FP8_UNROLL
 #define FP8_UNROLL 4
 #endif
+#ifndef FP8_CHUNKS
+#define FP8_CHUNKS 1
+#endif
+#ifndef FP8_MINB
+#define FP8_MINB 2
+#endif
 static_assert(FP8_THREADS == 256, "gemv_fp8: 8 warps split K and reduce in shared memory");
+static_assert(FP8_CHUNKS == 1 || FP8_CHUNKS == 2, "gemv_fp8: 1 or 2 chunks a step");
 
 // Two e4m3 bytes (the low byte first) -> a bf16 pair packed as mma operands are (low element low).
 __device__ __forceinline__ uint32_t fp8x2_to_bf162(uint32_t two) {
@@ -39,7 +49,7 @@ __device__ __forceinline__ uint32_t fp8x2_to_bf162(uint32_t two) {
     return pack_bf162(f.x, f.y);
 }
 
-extern "C" __global__ void __launch_bounds__(FP8_THREADS) gemv_fp8(const bf16* __restrict__ x,
+extern "C" __global__ void __launch_bounds__(FP8_THREADS, FP8_MINB) gemv_fp8(const bf16* __restrict__ x,
                                                                    const uint8_t* __restrict__ W,
                                                                    const float* __restrict__ scale,
                                                                    bf16* __restrict__ y, int M, int N, int K) {
@@ -53,22 +63,24 @@ extern "C" __global__ void __launch_bounds__(FP8_THREADS) gemv_fp8(const bf16* _
     const bf16* x_p = x + (size_t)(has_x ? g : 0) * K + 16 * t;
 
     float acc[4] = {0.f, 0.f, 0.f, 0.f};
-    for (int s0 = warp; s0 * 64 < K; s0 += 8 * FP8_UNROLL) {
-        uint4 wa[FP8_UNROLL], wb[FP8_UNROLL], xa[FP8_UNROLL], xb[FP8_UNROLL];
+    constexpr int STEP = 64 * FP8_CHUNKS, LOADS = FP8_UNROLL * FP8_CHUNKS;
+    for (int s0 = warp; s0 * STEP < K; s0 += 8 * FP8_UNROLL) {
+        uint4 wa[LOADS], wb[LOADS], xa[LOADS], xb[LOADS];
 #pragma unroll
-        for (int u = 0; u < FP8_UNROLL; ++u) {
-            const int k = (s0 + 8 * u) * 64;
+        for (int l = 0; l < LOADS; ++l) {
+            // load l: step s0 + 8 * (l / CHUNKS), chunk t + 4 * (l % CHUNKS) of it.
+            const int k = (s0 + 8 * (l / FP8_CHUNKS)) * STEP + 64 * (l % FP8_CHUNKS);
             const bool in = k + 16 * t < K;
-            wa[u] = ld_stream_if(wa_p + k, in && row_a);
-            wb[u] = ld_stream_if(wb_p + k, in && row_b);
-            xa[u] = ldg_if(x_p + k, in && has_x);
-            xb[u] = ldg_if(x_p + k + 8, in && has_x);
+            wa[l] = ld_stream_if(wa_p + k, in && row_a);
+            wb[l] = ld_stream_if(wb_p + k, in && row_b);
+            xa[l] = ldg_if(x_p + k, in && has_x);
+            xb[l] = ldg_if(x_p + k + 8, in && has_x);
         }
 #pragma unroll
-        for (int u = 0; u < FP8_UNROLL; ++u) {
-            const uint32_t wa4[4] = {wa[u].x, wa[u].y, wa[u].z, wa[u].w};
-            const uint32_t wb4[4] = {wb[u].x, wb[u].y, wb[u].z, wb[u].w};
-            const uint32_t xs[8] = {xa[u].x, xa[u].y, xa[u].z, xa[u].w, xb[u].x, xb[u].y, xb[u].z, xb[u].w};
+        for (int l = 0; l < LOADS; ++l) {
+            const uint32_t wa4[4] = {wa[l].x, wa[l].y, wa[l].z, wa[l].w};
+            const uint32_t wb4[4] = {wb[l].x, wb[l].y, wb[l].z, wb[l].w};
+            const uint32_t xs[8] = {xa[l].x, xa[l].y, xa[l].z, xa[l].w, xb[l].x, xb[l].y, xb[l].z, xb[l].w};
 #pragma unroll
             for (int j = 0; j < 4; ++j) {
                 // mma j: k-slots 2t, 2t+1 <- bytes 4j, 4j+1; slots 2t+8, 2t+9 <- bytes 4j+2, 4j+3.

@@ -14,11 +14,11 @@ pytestmark = requires_cuda
 THREADS = 256
 
 
-def load_gemv_fp8(unroll: int = 4):
+def load_gemv_fp8(unroll: int = 4, chunks: int = 1):
     """The kernel through engine/cu/launch.py's loader (kernels.py does not declare it yet)."""
     from engine.cu.launch import Kernel, module
 
-    mod = module("gemv_fp8", (("FP8_THREADS", THREADS), ("FP8_UNROLL", unroll)))
+    mod = module("gemv_fp8", (("FP8_THREADS", THREADS), ("FP8_UNROLL", unroll), ("FP8_CHUNKS", chunks)))
     return Kernel(mod, "gemv_fp8", "x:ptr W:ptr scale:ptr y:ptr M:i32 N:i32 K:i32", THREADS)
 
 
@@ -39,9 +39,9 @@ def dev():
         yield cuda
 
 
-@pytest.fixture(scope="module")
-def kernel(dev):
-    return load_gemv_fp8()
+@pytest.fixture(scope="module", params=[(4, 1), (2, 2)], ids=["u4c1", "u2c2"])
+def kernel(dev, request):
+    return load_gemv_fp8(*request.param)
 
 
 def _bf16(a: np.ndarray) -> np.ndarray:
