@@ -216,3 +216,29 @@ def test_weight_format_key_takes_only_its_values():
     assert load(environ={"IGNIS_MODEL_WEIGHT_FORMAT": "fp8"})["model.weight_format"] == "fp8"
     with pytest.raises(ValueError, match="auto | bf16 | fp8"):
         validate({"model.weight_format": "int4"})
+
+
+def test_fused_fp8_checkpoint_splits_with_its_scales(tmp_path):
+    """phi3's fused qkv_proj and gate_up_proj in FP8 tiles: split into q/k/v and gate/up on tile bounds."""
+    import transformers
+
+    from engine.loaders import load_artifact
+    from tests.engine.test_hf_parity import _tiny_checkpoint
+
+    _tiny_checkpoint("phi3", tmp_path)
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    dequant = _write_fp8(model, tmp_path, "block")
+    model.load_state_dict(dequant)
+    ids = [5, 9, 200, 31, 7]
+    with torch.no_grad():
+        theirs = model(torch.tensor([ids])).logits[0, -1].numpy()
+    cfg, weights = load_artifact(tmp_path)
+    ours = _numpy_logits(cfg, weights, ids)
+    assert np.abs(ours - theirs).max() / np.abs(theirs).max() < 1e-4
+    _, stored = load_artifact(tmp_path, fp8_as_stored=True)
+    qkv = dequant["model.layers.0.self_attn.qkv_proj.weight"].numpy()
+    k = stored["model.layers.0.self_attn.k_proj.weight"]
+    assert isinstance(k, Fp8Tensor) and k.shape == (32, 64) and k.scale.shape == (1, 2)
+    assert np.array_equal(k.dequantize(), qkv[64:96])
+    up = stored["model.layers.1.mlp.up_proj.weight"]
+    assert np.array_equal(up.dequantize(), dequant["model.layers.1.mlp.gate_up_proj.weight"].numpy()[128:])
