@@ -8,7 +8,7 @@ see the difference.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 
 import numpy as np
@@ -38,11 +38,15 @@ def read_config(path: str | Path) -> ModelConfig:
 
 
 def load_artifact(
-    path: str | Path, progress: Callable[[int, int], None] | None = None, *, as_stored: bool = False
+    path: str | Path,
+    progress: Callable[[int, int], None] | None = None,
+    *,
+    as_stored: bool | Collection[str] = False,
 ) -> tuple[ModelConfig, dict[str, np.ndarray]]:
     """Load any supported artifact; ``progress(done, total)`` reports load progress.
 
-    ``as_stored``: a GGUF's block-quantized matrices stay quantized
+    ``as_stored``: a GGUF's matrices of these block types (GGML type names; True: the cpu
+    backend's, ``engine.loaders.gguf.STORED_TYPES``) stay quantized
     (``engine.loaders.gguf.QuantizedTensor``); safetensors are float32 either way.
     """
     if artifact_format(path) == "gguf":
