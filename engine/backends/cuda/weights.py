@@ -76,17 +76,25 @@ class DeviceWeights:
         return any(f != "bf16" for m in mats for f in m.formats)
 
 
-def upload(cfg: ModelConfig, blocks: list[Block], head: Head, weights, mem, embed_scale: float = 1.0) -> DeviceWeights:
+def upload(cfg: ModelConfig, blocks: list[Block], head: Head, weights, mem, embed_scale: float = 1.0,
+           kern=None) -> DeviceWeights:  # fmt: skip
     """Copy ``weights`` to the device through ``mem`` (``runtime.Allocations``); every layer's tensor
-    names and options come from the definition's ``blocks`` (one per layer) and ``head``."""
+    names and options come from the definition's ``blocks`` (one per layer) and ``head``. ``kern``
+    (``Kernels``): a quantized embedding table is dequantized on the device (else on the host)."""
     up = _Uploader(weights, mem)
     interleaved = cfg.intermediate_size % 8 == 0
-    embed = up(["model.embed_tokens.weight"])
     table = weights["model.embed_tokens.weight"]
+    quant_table = isinstance(table, QuantizedTensor) and table.type_name in QUANT_FORMATS
+    tied_blocks = up.matrix(["model.embed_tokens.weight"]) if quant_table and cfg.tie_word_embeddings else None
+    if quant_table and kern is not None:
+        embed = _dequantized_table(table, tied_blocks, mem, kern)
+        up.nbytes += 2 * table.shape[0] * table.shape[1]
+    else:
+        embed = up(["model.embed_tokens.weight"])
     if not cfg.tie_word_embeddings:
         lm_head = up.matrix(["lm_head.weight"])
-    elif isinstance(table, QuantizedTensor) and table.type_name in QUANT_FORMATS:
-        lm_head = up.matrix(["model.embed_tokens.weight"])  # the blocks, beside the bf16 table
+    elif tied_blocks is not None:  # the LM head reads the blocks, beside the bf16 table
+        lm_head = tied_blocks
     else:
         lm_head = Matrix.bf16(embed, cfg.vocab_size, cfg.hidden_size)
     final_norm = up.norm(head.final_norm)
@@ -95,6 +103,23 @@ def upload(cfg: ModelConfig, blocks: list[Block], head: Head, weights, mem, embe
     return DeviceWeights(embed=embed, lm_head=lm_head, final_norm=final_norm, layers=layers,
                          gate_up_interleaved=interleaved, nbytes=up.nbytes, embed_scale=embed_scale,
                          head_softcap=head.softcap)  # fmt: skip
+
+
+def _dequantized_table(table: QuantizedTensor, blocks: Matrix | None, mem, kern) -> int:
+    """The bf16 embedding table from its blocks, dequantized on the device (``blocks``: already there,
+    the tied LM head's; else uploaded to a buffer freed here)."""
+    import pycuda.driver as cuda
+
+    rows, k = table.shape
+    out = mem.alloc(2 * rows * k)
+    tmp = None
+    if blocks is None:
+        tmp = cuda.to_device(np.ascontiguousarray(table.data))
+    kern.quant(table.type_name).dequantize(None, int(tmp) if tmp is not None else blocks.ptr, out, rows, k)
+    cuda.Context.synchronize()
+    if tmp is not None:
+        tmp.free()
+    return out
 
 
 def _layer(cfg: ModelConfig, i: int, block: Block, up, ropes: dict, interleaved: bool) -> Layer:

@@ -1,0 +1,191 @@
+"""Benchmark of GGUF block formats on the CUDA backend (engine/cu/gemv_q.cu), on the GPU machine.
+
+``--kernels``: every format's GEMV on the Llama-3.1-8B matrix shapes at widths 1 and 8 (µs and
+achieved GB/s of the stored bytes, against the measured read bandwidth), and prefill's dequant of
+the gate|up matrix against the 2,048-row GEMM it feeds.
+
+``--gguf NAME=PATH ...``: each GGUF file loaded with its blocks as stored; the decode round (one
+graph replay) at widths 1 and 8 after 512-token prompts, its bytes-streamed bound (the stored bytes
+of every layer matrix and the LM head over the read bandwidth), and 2,048-token prefill. ``--bf16``
+adds the bf16 path on random weights of the same shape (what an F16 file becomes).
+
+    python3 bench/bench_quant.py --kernels
+    python3 bench/bench_quant.py --gguf Q4_K_M=/tmp/peers/l8b-Q4_K_M.gguf Q8_0=/tmp/peers/l8b-Q8_0.gguf --bf16
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+SHAPES = [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336)]
+CONTEXT = 512
+
+
+def device_name() -> str:
+    try:
+        return subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                              text=True, timeout=10).stdout.strip().splitlines()[0]  # fmt: skip
+    except Exception:
+        return "?"
+
+
+def timed(cuda, stream, fn, reps: int = 20) -> float:
+    """Seconds of one ``fn()`` on the stream (median of ``reps`` event-timed runs, after a warm-up)."""
+    fn()
+    times = []
+    for _ in range(reps):
+        a, b = cuda.Event(), cuda.Event()
+        a.record(stream)
+        fn()
+        b.record(stream)
+        b.synchronize()
+        times.append(b.time_since(a) / 1e3)
+    return statistics.median(times)
+
+
+def bench_kernels(cuda, stream, bw: float) -> list[str]:
+    from engine.cu.kernels import Kernels
+    from engine.cu.quant import QUANT_FORMATS, Matrix, Part, row_bytes
+
+    rng = np.random.default_rng(0)
+    lines = ["| format | matrix | N x K | MB | width 1 µs (GB/s) | width 8 µs (GB/s) |", "|---|---|---|---|---|---|"]
+    kern = Kernels(128, 4, formats=list(QUANT_FORMATS))
+    xb = cuda.to_device(np.full((8, 14336), 0x3F80, np.uint16))  # bf16 ones: any values time the same
+    out = cuda.mem_alloc(8 * 28672 * 4)
+    pool = np.frombuffer(rng.bytes(64 << 20), np.uint8)
+    for fmt in QUANT_FORMATS:
+        for name, n, k in SHAPES:
+            nbytes = n * row_bytes(fmt, k)
+            w = cuda.to_device(np.resize(pool, nbytes))  # random bytes (timing only)
+            mat = Matrix((Part(int(w), fmt, n),), k)
+            row = [f"| {fmt} | {name} | {n} x {k} | {nbytes / 1e6:.0f} |"]
+            for m in (1, 8):
+                t = timed(
+                    cuda, stream, lambda m=m, w=mat, n=n, k=k: kern.linear(stream, int(xb), w, 0, int(out), m, n, k)
+                )
+                row.append(f" {t * 1e6:.1f} ({nbytes / t / 1e9:,.0f}) |")
+            lines.append("".join(row))
+            w.free()
+    # Prefill: dequant of gate|up (Q4_K) into bf16 vs the GEMM of 2,048 rows over it.
+    n, k, rows = 28672, 4096, 2048
+    for fmt in ("Q4_K", "Q8_0"):
+        w = cuda.to_device(np.resize(pool, n * row_bytes(fmt, k)))
+        scratch = cuda.mem_alloc(2 * n * k)
+        a = cuda.mem_alloc(2 * rows * k)
+        c = cuda.mem_alloc(4 * rows * n)
+        cuda.memset_d16(a, 0x3C00, rows * k)
+        q, ws, ab, cb = kern.quant(fmt), int(w), int(scratch), int(c)
+        tq = timed(cuda, stream, lambda q=q, ws=ws, ab=ab: q.dequantize(stream, ws, ab, n, k))
+        tg = timed(cuda, stream, lambda a=int(a), ab=ab, cb=cb: kern.linear(stream, a, ab, 0, cb, rows, n, k))
+        lines.append(f"\nprefill, {fmt} gate|up {n} x {k}: dequant to bf16 {tq * 1e6:.0f} µs, "
+                     f"GEMM of {rows} rows {tg * 1e6:.0f} µs (dequant = {tq / tg:.0%} of the GEMM)")  # fmt: skip
+        for buf in (w, scratch, a, c):
+            buf.free()
+    lines.append(f"\nread bandwidth {bw / 1e12:.2f} TB/s")
+    return lines
+
+
+def bench_model(cuda, be, cfg, bw: float) -> dict:
+    from bench.bench_cuda import graph_time
+    from engine.backend import DecodeLane, PrefillSpan, SampleRequest, StepOutput
+    from engine.sampling import SamplingParams
+
+    rng = np.random.default_rng(1)
+    greedy = SampleRequest(params=SamplingParams(temperature=0.0), seed=1)
+    res = {}
+    per = -(-(CONTEXT + 64) // 16)
+    ids = rng.integers(0, cfg.vocab_size, 2048).tolist()
+    times = []
+    for _ in range(3):
+        out = StepOutput()
+        t0 = time.perf_counter()
+        be.prefill(PrefillSpan(seq_id=0, token_ids=ids, start_pos=0, block_table=list(range(130)), sample=greedy), out)
+        times.append(time.perf_counter() - t0)
+    res["prefill"] = min(times)
+    lanes = []
+    for i in range(8):
+        table = list(range(200 + i * per, 200 + (i + 1) * per))
+        out = StepOutput()
+        be.prefill(PrefillSpan(seq_id=i, token_ids=rng.integers(0, cfg.vocab_size, CONTEXT).tolist(), start_pos=0,
+                               block_table=table, sample=greedy), out)  # fmt: skip
+        lanes.append(DecodeLane(seq_id=i, token_id=out.prefill_token, position=CONTEXT, block_table=table,
+                                sample=greedy))  # fmt: skip
+    for w in (1, 8):
+        be.decode_round(lanes[:w], StepOutput())
+        res[w] = graph_time(be, w)
+    W = be.weights
+    streamed = sum(m.nbytes for L in W.layers for m in (L.qkv, L.o, L.gate_up, L.down)) + W.lm_head.nbytes
+    res["bytes"] = streamed
+    res["bound"] = streamed / bw
+    return res
+
+
+def row(name: str, r: dict) -> str:
+    return (f"| {name} | {r['bytes'] / 2**30:.2f} GiB | {r['bound'] * 1e3:.2f} ms | {r[1] * 1e3:.2f} ms "
+            f"({1 / r[1]:.0f} tok/s, {r[1] / r['bound']:.2f}x bound) | {r[8] * 1e3:.2f} ms ({8 / r[8]:,.0f} tok/s, "
+            f"{r[8] / r[1]:.2f}x width 1) | {2048 / r['prefill']:,.0f} tok/s |")  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--kernels", action="store_true")
+    ap.add_argument("--gguf", nargs="*", default=[], help="NAME=PATH")
+    ap.add_argument("--bf16", action="store_true")
+    args = ap.parse_args()
+    from bench.bench_cuda import read_bandwidth
+    from engine.cu import runtime
+
+    with runtime.current():
+        import pycuda.driver as cuda
+
+        stream = cuda.Stream()
+        bw = read_bandwidth(cuda, stream)
+        print(f"{device_name()}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {platform.node()}; "
+              f"python3 bench/bench_quant.py {' '.join(sys.argv[1:])}; read bandwidth {bw / 1e12:.2f} TB/s", flush=True)  # fmt: skip
+        if args.kernels:
+            print("\n".join(bench_kernels(cuda, stream, bw)), flush=True)
+        rows = []
+        header = ("| file | streamed | bound | width 1 round | width 8 round | prefill 2,048 |\n"
+                  "|---|---|---|---|---|---|")  # fmt: skip
+        for spec in args.gguf:
+            name, path = spec.split("=", 1)
+            from engine.backends.cuda import CudaBackend
+            from engine.loaders.gguf import load_gguf
+
+            t0 = time.perf_counter()
+            cfg, weights = load_gguf(path, as_stored=CudaBackend.weights_as_stored)
+            be = CudaBackend()
+            be.load(cfg, weights, block_size=16, kv_budget_bytes=4 << 30, host_kv_budget_bytes=0, max_context=4096)
+            del weights
+            load_s = time.perf_counter() - t0
+            r = bench_model(cuda, be, cfg, bw)
+            rows.append(row(f"{name} (load {load_s:.0f} s)", r))
+            print(header + "\n" + rows[-1], flush=True)
+            be.unload()
+        if args.bf16:
+            from bench.bench_cuda import build_model
+            from tests.kernels.test_cuda_model import load_cuda
+
+            model, cfg = build_model(32)
+            be, _ = load_cuda(model, cfg, as_numpy=False, kv=4 << 30)
+            del model
+            r = bench_model(cuda, be, cfg, bw)
+            rows.append(row("bf16 (random, F16's shape)", r))
+            be.unload()
+        if rows:
+            print("\n" + header + "\n" + "\n".join(rows), flush=True)
+
+
+if __name__ == "__main__":
+    main()
