@@ -4,12 +4,16 @@
 achieved GB/s of the stored bytes, against the measured read bandwidth), and prefill's dequant of
 the gate|up matrix against the 2,048-row GEMM it feeds.
 
-``--gguf NAME=PATH ...``: each GGUF file loaded with its blocks as stored; the decode round (one
+``--synthetic Q4_K_M Q8_0``: the same for a Llama-3.1-8B-shaped model of random valid blocks built in
+memory, with the types llama.cpp's quantizer gives each tensor (Q4_K_M: Q4_K, with Q6_K for the LM
+head and for attn_v / ffn_down of the "more bits" layers; Q8_0: every matrix). ``--gguf NAME=PATH ...``:
+each GGUF file loaded with its blocks as stored; the decode round (one
 graph replay) at widths 1 and 8 after 512-token prompts, its bytes-streamed bound (the stored bytes
 of every layer matrix and the LM head over the read bandwidth), and 2,048-token prefill. ``--bf16``
 adds the bf16 path on random weights of the same shape (what an F16 file becomes).
 
     python3 bench/bench_quant.py --kernels
+    python3 bench/bench_quant.py --synthetic Q4_K_M Q8_0 --bf16
     python3 bench/bench_quant.py --gguf Q4_K_M=/tmp/peers/l8b-Q4_K_M.gguf Q8_0=/tmp/peers/l8b-Q8_0.gguf --bf16
 """
 
@@ -77,6 +81,26 @@ def bench_kernels(cuda, stream, bw: float) -> list[str]:
                 row.append(f" {t * 1e6:.1f} ({nbytes / t / 1e9:,.0f}) |")
             lines.append("".join(row))
             w.free()
+    # Groups in flight (QU) and blocks per SM (QMINB) of gemv_q.cu, width 1.
+    from engine.cu.kernels import TC_PARAMS
+    from engine.cu.quant import QUANT_TUNING, QuantKernels
+
+    lines.append("\n| format | QU, QMINB | gate_up µs (GB/s) | down µs (GB/s) |\n|---|---|---|---|")
+    for fmt in ("Q4_K", "Q6_K", "Q8_0", "Q4_1"):
+        for tune in ((2, 2), (3, 2), (4, 2), (2, 3), (8, 1)):
+            if tune == QUANT_TUNING.get(fmt, (4, 2)):
+                continue
+            q = QuantKernels(fmt, TC_PARAMS, tuning=tune)
+            row = [f"| {fmt} | {tune} |"]
+            for _name, n, k in SHAPES[2:]:
+                nbytes = n * row_bytes(fmt, k)
+                w = cuda.to_device(np.resize(pool, nbytes))
+                t = timed(cuda, stream, lambda q=q, w=int(w), n=n, k=k: q.gemv["store"](
+                    stream, ((n + 15) // 16,), x=int(xb), W=w, bias=0, out=int(out), M=1, N=n, K=k, ldo=n, ss_in=0,
+                    ss_nparts=0, eps=0.0, nw=0, xw=0, ss_out=0))  # fmt: skip
+                row.append(f" {t * 1e6:.1f} ({nbytes / t / 1e9:,.0f}) |")
+                w.free()
+            lines.append("".join(row))
     # Prefill: dequant of gate|up (Q4_K) into bf16 vs the GEMM of 2,048 rows over it.
     n, k, rows = 28672, 4096, 2048
     for fmt in ("Q4_K", "Q8_0"):
@@ -131,6 +155,51 @@ def bench_model(cuda, be, cfg, bw: float) -> dict:
     return res
 
 
+def _more_bits(i: int, n: int) -> bool:
+    """llama.cpp's use_more_bits(i_layer, n_layers) (Q4_K_M's Q6_K layers for attn_v and ffn_down)."""
+    return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
+
+
+def synthetic(kind: str):
+    """(cfg, weights) of the 8B shape: every matrix a QuantizedTensor of random valid blocks."""
+    from engine.loaders.gguf import BLOCK_TYPES, QuantizedTensor
+    from engine.model_config import ModelConfig
+    from engine.models import definition
+    from tests.kernels.hf_models import LLAMA3_ROPE, LLAMA8B
+
+    rope = {k: v for k, v in LLAMA3_ROPE.items() if k != "rope_theta"}
+    cfg = ModelConfig(arch="llama", vocab_size=LLAMA8B["vocab_size"], hidden_size=4096, intermediate_size=14336,
+                      num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5,
+                      rope_theta=LLAMA3_ROPE["rope_theta"], rope_scaling=rope, max_position=131072,
+                      tie_word_embeddings=False)  # fmt: skip
+    rng = np.random.default_rng(0)
+    pools = {}
+    biggest = cfg.vocab_size * cfg.hidden_size  # the largest matrix's values
+
+    def blocks(fmt: str, rows: int, k: int) -> QuantizedTensor:
+        tid, qk, bb = BLOCK_TYPES[fmt]
+        if fmt not in pools:  # random blocks with small finite fp16 scales; each matrix views a prefix
+            b = np.frombuffer(rng.bytes(biggest // qk * bb), np.uint8).reshape(-1, bb).copy()
+            for off in {"Q4_K": (0, 2), "Q6_K": (208,)}.get(fmt, (0,)):
+                d = rng.integers(0x0400, 0x0A00, len(b), dtype=np.uint16)  # fp16 6e-5 .. 2e-4
+                b[:, off : off + 2] = d.view(np.uint8).reshape(-1, 2)
+            pools[fmt] = b.reshape(-1)
+        return QuantizedTensor(tid, (rows, k), pools[fmt][: rows * k // qk * bb].reshape(rows, -1))
+
+    weights = {}
+    for name, shape in definition("llama").tensors(cfg).items():
+        if len(shape) == 1:
+            weights[name] = np.ones(shape, np.float32)
+            continue
+        fmt = "Q8_0"
+        if kind == "Q4_K_M":
+            i = int(name.split(".")[2]) if name.startswith("model.layers.") else -1
+            more = name == "lm_head.weight" or (("v_proj" in name or "down_proj" in name) and _more_bits(i, 32))
+            fmt = "Q6_K" if more else "Q4_K"
+        weights[name] = blocks(fmt, *shape)
+    return cfg, weights
+
+
 def row(name: str, r: dict) -> str:
     return (f"| {name} | {r['bytes'] / 2**30:.2f} GiB | {r['bound'] * 1e3:.2f} ms | {r[1] * 1e3:.2f} ms "
             f"({1 / r[1]:.0f} tok/s, {r[1] / r['bound']:.2f}x bound) | {r[8] * 1e3:.2f} ms ({8 / r[8]:,.0f} tok/s, "
@@ -141,6 +210,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--kernels", action="store_true")
     ap.add_argument("--gguf", nargs="*", default=[], help="NAME=PATH")
+    ap.add_argument("--synthetic", nargs="*", default=[], choices=["Q4_K_M", "Q8_0"])
     ap.add_argument("--bf16", action="store_true")
     args = ap.parse_args()
     from bench.bench_cuda import read_bandwidth
@@ -158,13 +228,17 @@ def main() -> None:
         rows = []
         header = ("| file | streamed | bound | width 1 round | width 8 round | prefill 2,048 |\n"
                   "|---|---|---|---|---|---|")  # fmt: skip
-        for spec in args.gguf:
-            name, path = spec.split("=", 1)
-            from engine.backends.cuda import CudaBackend
-            from engine.loaders.gguf import load_gguf
+        from engine.backends.cuda import CudaBackend
 
+        for spec in args.synthetic + args.gguf:
             t0 = time.perf_counter()
-            cfg, weights = load_gguf(path, as_stored=CudaBackend.weights_as_stored)
+            if "=" in spec:
+                from engine.loaders.gguf import load_gguf
+
+                name, path = spec.split("=", 1)
+                cfg, weights = load_gguf(path, as_stored=CudaBackend.weights_as_stored)
+            else:
+                name, (cfg, weights) = f"{spec} (random blocks)", synthetic(spec)
             be = CudaBackend()
             be.load(cfg, weights, block_size=16, kv_budget_bytes=4 << 30, host_kv_budget_bytes=0, max_context=4096)
             del weights

@@ -24,7 +24,7 @@ QUANT_FORMATS = {
     "Q4_K": (12, 256, 144), "Q5_K": (13, 256, 176), "Q6_K": (14, 256, 210),
 }  # fmt: skip
 # Groups in flight per warp and blocks per SM the registers must allow (gemv_q.cu's QU, QMINB).
-QUANT_TUNING = {"Q4_K": (4, 2), "Q5_K": (4, 2), "Q6_K": (4, 2)}
+QUANT_TUNING = {"Q5_K": (3, 2)}  # 4 spills
 DEFAULT_TUNING = (4, 2)
 TC_THREADS = 256
 DEQUANT_THREADS = 256
@@ -84,9 +84,10 @@ def _gemv_params(tc_params: dict[str, str], epi: str) -> str:
 class QuantKernels:
     """gemv_q.cu compiled for one format: the GEMV per epilogue and the dequant to bf16 / fp32."""
 
-    def __init__(self, fmt: str, tc_params: dict[str, str], cache_dir: str = "") -> None:
+    def __init__(self, fmt: str, tc_params: dict[str, str], cache_dir: str = "",
+                 tuning: tuple[int, int] | None = None) -> None:  # fmt: skip
         tid, _, _ = QUANT_FORMATS[fmt]
-        u, minb = QUANT_TUNING.get(fmt, DEFAULT_TUNING)
+        u, minb = tuning or QUANT_TUNING.get(fmt, DEFAULT_TUNING)
         self.fmt = fmt
         defines = (("TC_THREADS", TC_THREADS), ("GEMV_EPILOGUES_ONLY", 1), ("QTYPE", tid), ("QU", u), ("QMINB", minb))
         mod = module("gemv_q", defines, cache_dir, ("gemv",))
@@ -98,5 +99,5 @@ class QuantKernels:
     def dequantize(self, s, w: int, out: int, n: int, k: int, dtype: str = "bf16") -> None:
         """out[n, k] (bf16 or fp32) = the ``n`` rows of blocks at ``w``, as gguf's dequantize computes them."""
         row_bytes(self.fmt, k)  # checks whole blocks
-        threads = n * (k // 32) * 4
+        threads = n * -(-k // 64) * 4  # a thread: 8 + 8 values of each of a unit's two groups (gemv_q.cu)
         self._dequant[dtype](s, (-(-threads // DEQUANT_THREADS),), W=w, out=out, N=n, K=k)

@@ -6,6 +6,8 @@ Q4_1 against the numpy backend. Skipped without PyCUDA and a CUDA device."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -20,14 +22,15 @@ F16_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0"
 rng = np.random.default_rng()
 
 
-def random_blocks(fmt: str, rows: int, k: int, scale: float = 0.02) -> np.ndarray:
+def random_blocks(fmt: str, rows: int, k: int, scale: float = 0.02, gen=None) -> np.ndarray:
     """Valid ``fmt`` rows [rows, row_bytes]: random bytes for the quants and scales, finite fp16 d / m."""
     from engine.cu.quant import QUANT_FORMATS
 
+    gen = gen or rng
     _, qk, bb = QUANT_FORMATS[fmt]
-    b = rng.integers(0, 256, (rows, k // qk, bb), dtype=np.uint8)
+    b = gen.integers(0, 256, (rows, k // qk, bb), dtype=np.uint8)
     for off in F16_FIELDS[fmt]:
-        v = (rng.standard_normal((rows, k // qk)) * scale).astype(np.float16)
+        v = (gen.standard_normal((rows, k // qk)) * scale).astype(np.float16)
         b[:, :, off : off + 2] = v.view(np.uint8).reshape(rows, k // qk, 2)
     return b.reshape(rows, -1)
 
@@ -255,13 +258,84 @@ def test_prefill_dequant_gemm(kern, stream, fmt):
     assert rel_err(get(g_o).reshape(rows, n), x.astype(np.float64) @ w.T) < 1e-4
 
 
+def blocks_with_std(fmt: str, rows: int, k: int, std: float) -> np.ndarray:
+    """Random ``fmt`` rows whose dequantized values have about standard deviation ``std`` (the same
+    quants drawn twice, the fp16 scale fields scaled the second time)."""
+    seed = int(rng.integers(1 << 30))
+    b = random_blocks(fmt, rows, k, 1.0, np.random.default_rng(seed))
+    return random_blocks(fmt, rows, k, std / float(reference(fmt, b).std()), np.random.default_rng(seed))
+
+
+# Per tensor kind: (format of an untied "Q4_K_M-like" model, format of a tied "SmolLM2-like" one).
+TINY_FORMATS = {"embed_tokens": ("Q4_K", "Q8_0"), "lm_head": ("Q6_K", None), "q_proj": ("Q4_K", "Q4_0"),
+                "k_proj": ("Q4_K", "Q4_0"), "v_proj": ("Q6_K", "Q5_0"), "o_proj": ("Q5_K", "Q5_1"),
+                "gate_proj": ("Q4_K", "Q4_1"), "up_proj": ("Q4_K", "Q4_1"), "down_proj": ("Q6_K", "Q8_0")}  # fmt: skip
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_tiny_llama_mixed_formats_match_numpy(dev, tied):
+    """A 3-layer llama whose every matrix is kept in blocks (two formats in one q|k|v; a tied LM head on
+    the embedding's blocks; the table dequantized on the device) against the numpy backend on the
+    same weights dequantized by gguf: prefill logits through the GEMVs (5 tokens) and through the
+    dequant + GEMM path (40 tokens), greedy tokens until the first near-tie, widths 1 and 4 alike."""
+    from engine.backends import create_backend
+    from engine.backends.cuda import CudaBackend
+    from engine.loaders.gguf import BLOCK_TYPES, QuantizedTensor
+    from engine.model_config import ModelConfig
+    from engine.models import definition
+    from tests.kernels.test_cuda_archs import near_tie
+    from tests.kernels.test_cuda_model import _run_lanes, cosine, prefill_logits
+
+    cfg = ModelConfig(arch="llama", vocab_size=2048, hidden_size=512, intermediate_size=1536, num_layers=3,
+                      num_heads=8, num_kv_heads=2, head_dim=64, max_position=4096, tie_word_embeddings=tied)  # fmt: skip
+    stored, floats = {}, {}
+    for name, shape in definition("llama").tensors(cfg).items():
+        if len(shape) == 1:
+            floats[name] = stored[name] = (1 + 0.1 * rng.standard_normal(shape)).astype(np.float32)
+            continue
+        fmt = TINY_FORMATS[name.split(".")[-2]][int(tied)]
+        b = blocks_with_std(fmt, shape[0], shape[1], 1.0 if "embed" in name else shape[1] ** -0.5)
+        stored[name] = QuantizedTensor(BLOCK_TYPES[fmt][0], shape, b)
+        floats[name] = reference(fmt, b)
+    be = CudaBackend()
+    be.load(cfg, stored, block_size=16, kv_budget_bytes=64 << 20, host_kv_budget_bytes=0, max_context=2048)
+    ref = create_backend("numpy")
+    ref.load(cfg, floats, block_size=16, kv_budget_bytes=64 << 20, host_kv_budget_bytes=0, max_context=2048)
+    try:
+        L0 = be.weights.layers[0]
+        assert L0.qkv.formats == (("Q4_0", "Q5_0") if tied else ("Q4_K", "Q6_K"))
+        assert be.weights.lm_head.formats == (("Q8_0",) if tied else ("Q6_K",))
+        for n in (5, 40):
+            ids = rng.integers(0, cfg.vocab_size, n).tolist()
+            table = list(range(-(-n // 16)))
+            got, want = prefill_logits(be, ids, table), prefill_logits(ref, ids, table)
+            assert cosine(got, want) >= 0.999, (n, cosine(got, want))
+        prompts = [rng.integers(0, cfg.vocab_size, int(rng.integers(5, 30))).tolist() for _ in range(4)]
+        tables = [list(range(i * 4, i * 4 + 4)) for i in range(4)]
+        toks, lps = {}, {}
+        for label, backend, width in [("numpy", ref, 4), ("cuda1", be, 1), ("cuda4", be, 4)]:
+            toks[label], lps[label] = _run_lanes(backend, prompts, tables, 12, width)
+        assert toks["cuda1"] == toks["cuda4"] and lps["cuda1"] == lps["cuda4"]
+        for i in range(4):
+            a, b = toks["numpy"][i], toks["cuda1"][i]
+            if a != b:
+                j = next(k for k in range(len(a)) if a[k] != b[k])
+                assert near_tie(ref, prompts[i] + a[:j]), f"lane {i} diverged at {j}"
+    finally:
+        be.unload()
+        ref.unload()
+
+
 SMOL = "smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def test_smollm2_q4_1_as_stored_matches_numpy(dev):
     """The default model's GGUF on the CUDA backend with its matrices kept as Q4_1 (and the tied head as
     the Q8_0 embedding's blocks): greedy tokens identical to the numpy backend for 32 tokens on 4
-    prompts until the first near-tie, the same at widths 1 and 4, and the plan counts stored bytes."""
+    prompts until the first near-tie, the same at widths 1 and 4, and the plan counts stored bytes.
+    ``IGNIS_TEST_SMOL_GGUF`` names another copy (a truncation of its first layers, say)."""
+    import os
+
     from engine.backends import create_backend
     from engine.backends.cuda import CudaBackend
     from engine.loaders.gguf import load_gguf
@@ -269,7 +343,7 @@ def test_smollm2_q4_1_as_stored_matches_numpy(dev):
     from tests.kernels.test_cuda_archs import near_tie
     from tests.kernels.test_cuda_model import _run_lanes
 
-    path = models_dir() / SMOL
+    path = Path(os.environ.get("IGNIS_TEST_SMOL_GGUF") or models_dir() / SMOL)
     if not path.exists():
         pytest.skip(f"{path} absent (tests/conftest.py default_gguf_path fetches it)")
     cfg, stored = load_gguf(path, as_stored=CudaBackend.weights_as_stored)
