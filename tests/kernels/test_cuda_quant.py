@@ -152,7 +152,9 @@ def test_gemv_epilogues(kern, stream, fmt, epi):
             g_o = put(np.full((rows, n), np.nan, np.float32))
             kern.linear(stream, g_x.ptr, mat, put(bias).ptr, g_o.ptr, rows, n, k, ss_in=(g_parts.ptr, 2), eps=eps)
             stream.synchronize()
-            got, ref, tol = get(g_o).reshape(rows, n), xn @ w.T + bias, 2e-4
+            # The kernel scales bf16(h * nw) @ w.T by the row's rsqrt(mean(h^2) + eps): so does the reference.
+            rs = 1 / np.sqrt((hres[:rows].astype(np.float64) ** 2).mean(-1, keepdims=True) + eps)
+            got, ref, tol = get(g_o).reshape(rows, n), rs * (x[:rows].astype(np.float64) @ w.T) + bias, 2e-4
         elif epi == "acc":
             g_o = put(base[:rows].copy())
             g_xw, g_ss = put(np.zeros((rows, n), np.uint16)), put(np.zeros(rows * (-(-n // 16)), np.float32))
