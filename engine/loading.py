@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import asdict
 from pathlib import Path
 
@@ -29,7 +29,7 @@ Loader = Callable[[Path, Callable[[int, int], None]], tuple[ModelConfig, dict[st
 BackendFactory = Callable[[str, EngineConfig], Backend]
 
 
-def load_artifact(path: Path, progress: Callable[[int, int], None], *, as_stored: bool = False
+def load_artifact(path: Path, progress: Callable[[int, int], None], *, as_stored: bool | Collection[str] = False
                   ) -> tuple[ModelConfig, dict[str, np.ndarray]]:  # fmt: skip
     """The default loader: engine.loaders.load_artifact (imported when first needed)."""
     from engine.loaders import load_artifact as load
@@ -112,11 +112,14 @@ def load_model(
 
     t0 = time.perf_counter()
     # The backend first: the cpu backend compiles its kernels here (or the factory falls
-    # back to numpy), and asks for the GGUF's quantized blocks as stored.
+    # back to numpy), and names the GGUF block types it keeps as stored (``weights_as_stored``).
     backend = backend_factory(cfg.backend, cfg)
     kw = fp8_options(cfg, backend)
-    if getattr(backend, "weights_as_stored", False):
-        model_cfg, weights = loader(path, progress, as_stored=True, **kw)
+    stored = getattr(backend, "weights_as_stored", False)
+    if stored and cfg.weight_format == "bf16" and backend.name == "cuda":
+        stored = False  # model.weight_format bf16: GGUF blocks dequantized to bf16 at load, as before
+    if stored:
+        model_cfg, weights = loader(path, progress, as_stored=stored, **kw)
     else:
         model_cfg, weights = loader(path, progress, **kw)
     cfg.max_context = min(max_context, model_cfg.max_position)

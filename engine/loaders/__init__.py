@@ -8,7 +8,7 @@ see the difference.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 
 import numpy as np
@@ -41,13 +41,14 @@ def load_artifact(
     path: str | Path,
     progress: Callable[[int, int], None] | None = None,
     *,
-    as_stored: bool = False,
+    as_stored: bool | Collection[str] = False,
     fp8_as_stored: bool = False,
     weight_format: str = "auto",
 ) -> tuple[ModelConfig, dict[str, np.ndarray]]:
     """Load any supported artifact; ``progress(done, total)`` reports load progress.
 
-    ``as_stored``: a GGUF's block-quantized matrices stay quantized
+    ``as_stored``: a GGUF's matrices of these block types (GGML type names; True: the cpu
+    backend's, ``engine.loaders.gguf.STORED_TYPES``) stay quantized
     (``engine.loaders.gguf.QuantizedTensor``). ``fp8_as_stored`` (a backend that takes
     fp8): an FP8 checkpoint's matrices stay ``engine.loaders.fp8.Fp8Tensor``, else they
     are float32. ``weight_format`` is ``model.weight_format``: ``fp8`` (only with
