@@ -78,10 +78,12 @@ def address_refused(address: str, *, allow_private: bool) -> str | None:
         ip = ip.ipv4_mapped
     if ip.is_link_local:
         return "link-local"
+    if ip.is_loopback:  # before is_reserved: ::1 lies in IPv6's reserved ::/8
+        return None if allow_private else "loopback"
     if ip.is_multicast or ip.is_unspecified or ip.is_reserved:
         return "reserved"
-    if ip.is_loopback or ip.is_private:
-        return None if allow_private else ("loopback" if ip.is_loopback else "private")
+    if ip.is_private:
+        return None if allow_private else "private"
     if not ip.is_global:
         return "non-global"
     return None
@@ -109,7 +111,7 @@ class _Pinned(http.client.HTTPConnection):
         self.address = address
 
     def connect(self):
-        self.sock = socket.create_connection((self.address, self.port), self.timeout)
+        self.sock = self.held = socket.create_connection((self.address, self.port), self.timeout)
 
 
 class _PinnedTLS(http.client.HTTPSConnection):
@@ -119,7 +121,7 @@ class _PinnedTLS(http.client.HTTPSConnection):
 
     def connect(self):
         sock = socket.create_connection((self.address, self.port), self.timeout)
-        self.sock = self._context.wrap_socket(sock, server_hostname=self.host)
+        self.sock = self.held = self._context.wrap_socket(sock, server_hostname=self.host)
 
 
 def fetch(url: str, *, param: str) -> bytes:
@@ -163,7 +165,7 @@ def fetch(url: str, *, param: str) -> bytes:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise TimeoutError
-            conn.sock.settimeout(left)
+            conn.held.settimeout(left)  # the whole fetch within the timeout, not each read
             chunk = resp.read1(64 << 10)
             if not chunk:
                 break
