@@ -296,3 +296,21 @@ def test_image_part_shapes_are_checked_by_the_schema(vl, offline):
         status, answer = asyncio.run(_post(ChatCompletionsConsumer, "/v1/chat/completions", {"messages": [user(part)]}))
         assert_openai_error(Answer(status, answer), 400, None, param)
     assert not offline
+
+
+def test_tokenize_route_counts_and_refuses_images(vl, monkeypatch):
+    from django.test import Client
+
+    from apps.models import middleware
+
+    async def nothing(**kw):
+        return None
+
+    monkeypatch.setattr(middleware, "switch_gate", nothing)
+    http = Client()
+    body = {"messages": [user("What is it?", image_part(data_url(picture(112, 112))))]}
+    resp = http.post("/v1/tokenize", data=json.dumps(body), content_type="application/json")
+    assert resp.status_code == 200 and resp.json()["count"] == len(chat_prepare(body).add.prompt_token_ids)
+    bad = {"messages": [user("What is it?", image_part("data:image/gif;base64,R0lGODlh"))]}
+    resp = http.post("/v1/tokenize", data=json.dumps(bad), content_type="application/json")
+    assert_openai_error(resp, 400, "invalid_image", "messages[0].content[1]")

@@ -45,8 +45,8 @@ def data_url_bytes(url: str, *, param: str) -> bytes:
     if not sep:
         raise InvalidImage("A data: URL needs a ',' before its data.", param=param)
     params = [p.strip().lower() for p in head.split(";")]
-    media = params[0] or "text/plain"
-    if not media.startswith("image/") and media != "application/octet-stream":
+    media = params[0]  # none named: the bytes say what they are (the decoder sniffs them)
+    if media and not media.startswith("image/") and media != "application/octet-stream":
         raise InvalidImage(f"A data: URL for an image names an image/* type, not {media[:40]!r}.", param=param)
     if "base64" in params[1:]:
         try:
