@@ -314,3 +314,13 @@ def test_tokenize_route_counts_and_refuses_images(vl, monkeypatch):
     bad = {"messages": [user("What is it?", image_part("data:image/gif;base64,R0lGODlh"))]}
     resp = http.post("/v1/tokenize", data=json.dumps(bad), content_type="application/json")
     assert_openai_error(resp, 400, "invalid_image", "messages[0].content[1]")
+
+
+def test_a_stored_conversation_brings_its_images_back(vl):
+    url = data_url(picture(70, 70, seed=6))
+    first = response_prepare(response_parse({"input": [user("What is it?", image_part(url))]}), None)
+    stored = json.loads(json.dumps(first.conversation))  # as the store keeps it (a JSON column)
+    follow = response_parse({"input": [user("And this one?", image_part(data_url(picture(60, 90, seed=7))))]})
+    add = response_prepare(follow, {"messages": stored}).add
+    assert len(add.images) == 2 and add.images[0] == first.add.images[0]
+    assert add.prompt_token_ids[: len(first.add.prompt_token_ids) - 3] == first.add.prompt_token_ids[:-3]
