@@ -44,6 +44,23 @@ def create_backend(name: str, cfg: EngineConfig) -> Backend:
     return create(name, cfg)
 
 
+def fp8_options(cfg: EngineConfig, backend: Backend) -> dict:
+    """The loader's fp8 arguments for ``backend`` (none where it takes no fp8 weights, so FP8
+    checkpoints come as float32); ``model.weight_format = fp8`` there is refused (ValueError)."""
+    from engine.loaders.hf import check_weight_format
+
+    takes_fp8 = getattr(backend, "takes_fp8", False)
+    try:
+        check_weight_format(cfg.weight_format, takes_fp8)
+    except ValueError:
+        if cfg.weight_format == "fp8":
+            raise ValueError(
+                f"model.weight_format 'fp8': the {backend.name} backend does not take fp8 weights (use auto or bf16)"
+            ) from None
+        raise
+    return {"fp8_as_stored": True, "weight_format": cfg.weight_format} if takes_fp8 else {}
+
+
 def load_draft(cfg: EngineConfig, target: ModelConfig, loader: Loader, backend_factory: BackendFactory):
     """``spec.draft_model`` on a backend of the target's kind with a ``spec.draft_kv`` pool; refused
     (ValueError naming the key) unless it shares the target's vocabulary."""
@@ -97,10 +114,11 @@ def load_model(
     # The backend first: the cpu backend compiles its kernels here (or the factory falls
     # back to numpy), and asks for the GGUF's quantized blocks as stored.
     backend = backend_factory(cfg.backend, cfg)
+    kw = fp8_options(cfg, backend)
     if getattr(backend, "weights_as_stored", False):
-        model_cfg, weights = loader(path, progress, as_stored=True)
+        model_cfg, weights = loader(path, progress, as_stored=True, **kw)
     else:
-        model_cfg, weights = loader(path, progress)
+        model_cfg, weights = loader(path, progress, **kw)
     cfg.max_context = min(max_context, model_cfg.max_position)
     on_context(cfg.max_context)
     kv_budget = None
@@ -146,6 +164,7 @@ def load_model(
             kv_window=release_window(model_cfg, backend.releases_window_pages),
             max_round_rows=backend.max_round_rows,
             draft_model=draft,
+            vision=model_cfg.vision,
         )
     except BaseException:
         backend.unload()

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from engine.cu.hopper import route_gemm
 from engine.cu.launch import Kernel, module
 from engine.sampling import MIN_TEMPERATURE
 
@@ -104,6 +105,7 @@ class Kernels:
         self._gemm = Kernel(mod("gemm", ("GEMM_THREADS", GEMM_THREADS)), "gemm_bf16", "A:ptr W:ptr bias:ptr C:ptr "
                             "M:i32 N:i32 K:i32 ldc:i32 accumulate:i32", GEMM_THREADS, shared=GEMM_SMEM)  # fmt: skip
         self._gemm.fn.set_attribute(cuda.function_attribute.MAX_DYNAMIC_SHARED_SIZE_BYTES, GEMM_SMEM)
+        self._gemm = route_gemm(self._gemm, cache_dir)  # gemm_hopper on sm_90 (engine/cu/hopper.py)
         dec = mod("attention_decode", *attn, ("NUM_SPLITS", DECODE_SPLITS), ("DECODE_THREADS", DECODE_THREADS))
         self._decode_attn = Kernel(dec, "decode_attn", "q:ptr positions:ptr block_tables:ptr bt_stride:i32 cache:ptr "
                                    "block_stride:i64 block_size:i32 KVH:i32 scale_log2:f32 o_part:ptr ml:ptr "

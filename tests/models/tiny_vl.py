@@ -15,7 +15,10 @@ Django side's preparation and the engine's input in parity tests); ``hf_processo
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -124,6 +127,19 @@ def write_tiny_qwen2_5_vl(target: Path, default_gguf: Path, *, seed: int = 0) ->
     return target
 
 
+_CACHE = Path(os.environ.get("TMPDIR", "/tmp")) / f"ignis-tiny-qwen2_5_vl-{os.getuid()}"
+
+
+def tiny_vl_dir(default_gguf: Path) -> Path:
+    """The seed-0 checkpoint, written once per machine (a cache under TMPDIR; ~8 s to write)."""
+    if not (_CACHE / "preprocessor_config.json").exists():
+        tmp = _CACHE.with_name(_CACHE.name + f".{os.getpid()}")
+        write_tiny_qwen2_5_vl(tmp, default_gguf)
+        shutil.rmtree(_CACHE, ignore_errors=True)
+        tmp.rename(_CACHE)
+    return _CACHE
+
+
 def image_processor(model_dir: Path):
     """transformers' image processor for the directory (its PIL backend when torchvision is absent)."""
     from transformers import Qwen2VLImageProcessorPil
@@ -159,3 +175,34 @@ def test_image(width: int, height: int, *, seed: int = 0):
     rng = np.random.default_rng(seed)
     coarse = rng.integers(0, 256, size=(4, 4, 3), dtype=np.uint8)
     return Image.fromarray(coarse).resize((width, height), Image.BILINEAR)
+
+
+test_image.__test__ = False  # a helper, not a test (pytest collects test_* names imported into test modules)
+
+
+def chat_inputs(model_dir: Path, images: list, text: str) -> dict:
+    """transformers' processor over one user turn (``images``, then ``text``) with the generation
+    prompt: input_ids (placeholders expanded), pixel_values, image_grid_thw, mm_token_type_ids (torch)."""
+    proc = hf_processor(model_dir)
+    content = [{"type": "image"} for _ in images] + [{"type": "text", "text": text}]
+    rendered = proc.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
+                                        tokenize=False)  # fmt: skip
+    return dict(proc(text=[rendered], images=images or None, return_tensors="pt"))
+
+
+def image_entries(inputs: dict, image_token_id: int, merge: int = MERGE) -> list[dict]:
+    """``AddRequest.images`` for ``chat_inputs``' output, as the contract in engine/messages.py reads."""
+    ids = inputs["input_ids"][0].tolist()
+    if "image_grid_thw" not in inputs:
+        return []
+    pixels = np.asarray(inputs["pixel_values"], dtype=np.float32)
+    out, row, pos = [], 0, 0
+    for grid in inputs["image_grid_thw"].tolist():
+        patches = grid[0] * grid[1] * grid[2]
+        pv = np.ascontiguousarray(pixels[row : row + patches], dtype="<f4")
+        offset = ids.index(image_token_id, pos)
+        digest = hashlib.sha256(np.asarray(grid, dtype="<i8").tobytes() + pv.tobytes()).hexdigest()
+        out.append({"hash": digest, "offset": offset, "num_tokens": patches // merge**2, "grid_thw": grid,
+                    "pixel_values": pv.tobytes()})  # fmt: skip
+        row, pos = row + patches, offset + patches // merge**2
+    return out
