@@ -144,6 +144,21 @@ FIELDS: dict[str, Field] = {
             300,
         ),
         Field("server.responses_keep", int, 10000, "stored responses kept for previous_response_id", 1, 1 << 31),
+        Field("server.image_fetch", bool, False, "fetch http(s) image URLs of image parts (off: data: URLs only)"),
+        Field(
+            "server.image_fetch_hosts",
+            str,
+            "",
+            "comma-separated hosts image URLs may name ('*.example.com' = subdomains)",
+        ),
+        Field(
+            "server.image_fetch_private",
+            bool,
+            False,
+            "image fetches may reach a listed host's loopback and private addresses (link-local never)",
+        ),
+        Field("server.image_fetch_max_bytes", int, 16 * MiB, "largest fetched image, in bytes", 1024, 1 << 30),
+        Field("server.image_fetch_timeout", float, 10.0, "seconds an image fetch may take in all", 0.1, 300),
         Field("server.engine_heartbeat", float, 1.0, "seconds between the engine's status heartbeats", 0.05, 60),
         Field(
             "server.engine_timeout",
@@ -183,6 +198,15 @@ FIELDS: dict[str, Field] = {
             0,
             1 << 44,
         ),
+        Field(
+            "model.max_image_pixels",
+            int,
+            32 * MiB,
+            "largest image decoded, in pixels (width x height, read from its header before decoding)",
+            1,
+            89_478_485,  # Pillow's own decompression-bomb limit (Image.MAX_IMAGE_PIXELS)
+        ),
+        Field("model.max_images", int, 16, "images one request may hold (vision-language models)", 0, 1024),
         Field("switch.allow_implicit", bool, True, "a request naming another known model switches to it"),
         Field("switch.known_models", str, "", "comma-separated ids (or id=path) an implicit switch may reach"),
         Field("switch.drain_timeout", float, 30.0, "seconds running requests get to finish before a switch", 0, 3600),
@@ -311,6 +335,13 @@ LIVE_KEYS = frozenset(
         "server.deadline",
         "server.deadline_max",
         "server.engine_timeout",
+        "server.image_fetch",
+        "server.image_fetch_hosts",
+        "server.image_fetch_private",
+        "server.image_fetch_max_bytes",
+        "server.image_fetch_timeout",
+        "model.max_image_pixels",
+        "model.max_images",
     }
 )
 

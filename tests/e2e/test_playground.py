@@ -587,3 +587,82 @@ def test_loading_model_notice(page):
     assert css(page, ".msg.assistant .content", conv).text == "Ready."
     assert not waiting.is_displayed()
     shot(page, "21-loaded")
+
+
+# -- images -----------------------------------------------------------------------
+
+
+# A 3x2 PNG (red, green, blue / white, black, grey), written by the test.
+def small_png(path: Path) -> bytes:
+    import struct
+    import zlib
+
+    rows = [(255, 0, 0, 0, 255, 0, 0, 0, 255), (255, 255, 255, 0, 0, 0, 128, 128, 128)]
+    raw = b"".join(b"\0" + bytes(r) for r in rows)
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    png = b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", 3, 2, 8, 2, 0, 0, 0))
+    png += chunk(b"IDAT", zlib.compress(raw)) + chunk(b"IEND", b"")
+    path.write_bytes(png)
+    return png
+
+
+DROP_IMAGE = """
+const [conv, b64] = arguments;
+const bytes = Uint8Array.from(atob(b64), (c) => c.charCodeAt(0));
+const dt = new DataTransfer();
+dt.items.add(new File([bytes], "dropped.png", { type: "image/png" }));
+conv.dispatchEvent(new DragEvent("dragover", { dataTransfer: dt, bubbles: true, cancelable: true }));
+conv.dispatchEvent(new DragEvent("drop", { dataTransfer: dt, bubbles: true, cancelable: true }));
+"""
+
+
+def test_an_attached_image_is_shown_and_sent(page, tmp_path):
+    import base64
+
+    png = small_png(tmp_path / "square.png")
+    url = "data:image/png;base64," + base64.b64encode(png).decode()
+    stub(page, "A small grid of colours.")
+    conv = css(page, ".conv")
+    css(page, ".file", conv).send_keys(str(tmp_path / "square.png"))  # the Image button's file picker
+    wait_for(lambda: css_all(page, ".attachments .thumb", conv), 10, 0.05, "the attachment's thumbnail")
+    assert css(page, ".attachments", conv).is_displayed()
+    done = say(page, conv, "What is in this picture?")
+    wait_replied(page, conv, done)
+    sent = bodies(page)[-1]["messages"]
+    assert sent == [
+        {
+            "role": "user",
+            "content": [
+                {"type": "image_url", "image_url": {"url": url}},
+                {"type": "text", "text": "What is in this picture?"},
+            ],
+        }
+    ]
+    bubble = css_all(page, ".msg.user", conv)[-1]
+    shown = css(page, ".msg-images img.thumb", bubble)
+    assert shown.get_attribute("src") == url and "What is in this picture?" in bubble.text
+    assert page.execute_script("return arguments[0].complete && arguments[0].naturalWidth", shown) == 3
+    assert not css(page, ".attachments", conv).is_displayed()  # sent: the composer is empty again
+    shot(page, "22-image-sent")
+    # Dropped on the conversation, an image alone (no text) is a message too; the history resends the first.
+    page.execute_script(DROP_IMAGE, conv, base64.b64encode(png).decode())
+    wait_for(lambda: css_all(page, ".attachments .thumb", conv), 10, 0.05, "the dropped image's thumbnail")
+    done = len(css_all(page, ".msg.assistant.done", conv)) + 1
+    css(page, ".send", conv).click()
+    wait_replied(page, conv, done)
+    sent = bodies(page)[-1]["messages"]
+    assert sent[0]["content"][0] == {"type": "image_url", "image_url": {"url": url}}
+    assert sent[-1] == {"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}
+    assert len(css_all(page, ".msg.user .msg-images img", conv)) == 2
+    assert severe_console_errors(page) == []
+    # The text-only default model refuses an image with a clear 400, shown on the turn.
+    page.execute_script("window.__chat = 'pass'")
+    css(page, ".file", conv).send_keys(str(tmp_path / "square.png"))
+    wait_for(lambda: css_all(page, ".attachments .thumb", conv), 10, 0.05, "the attachment's thumbnail")
+    wait_replied(page, conv, say(page, conv, "And this?"))
+    failed = css_all(page, ".msg.assistant", conv)[-1]
+    assert "HTTP 400" in css(page, ".error", failed).text and "reads text only" in css(page, ".error", failed).text
+    shot(page, "23-image-refused")

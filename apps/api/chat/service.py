@@ -78,25 +78,28 @@ def generation_cap(prompt_len: int, requested: int | None) -> int:
 
 
 def chat_prompt(req: ChatRequest, served: ServedModel) -> tuple[str, list[int]]:
-    """The prompt text and tokens exactly as the request would be served (tools and switches included)."""
-    prompt, ids, _ = _chat_prompt(req, served)
+    """The prompt text and tokens exactly as the request would be served (tools, switches and
+    each image's placeholder tokens included)."""
+    prompt, ids, _, _ = _chat_prompt(req, served)
     return prompt, ids
 
 
-def _chat_prompt(req: ChatRequest, served: ServedModel) -> tuple[str, list[int], int]:
-    """The prompt, its tokens, and how many of them are its system block (``system_block_len``):
-    the template renders the request once; the system block alone is rendered once per
-    distinct block (a burst of subagents shares one)."""
+def _chat_prompt(req: ChatRequest, served: ServedModel) -> tuple[str, list[int], int, list[dict] | None]:
+    """The prompt, its tokens, how many of them are its system block (``system_block_len``),
+    and its images (AddRequest.images, None without): the template renders the request once;
+    the system block alone is rendered once per distinct block (a burst of subagents shares one)."""
+    from apps.api.images.prompt import images_attach, prompt_images
     from apps.api.tools import tools_prompt_apply
 
     tools = req.tools if req.tool_choice != "none" else []
-    messages, template_tools = tools_prompt_apply(req.messages, tools, served.tokenizer.chat_template)
+    messages, vision, parts = prompt_images(served, req.messages)
+    messages, template_tools = tools_prompt_apply(messages, tools, served.tokenizer.chat_template)
     template = served.tokenizer.chat_template
     reasons = output_parsers_for(served.tokenizer).reasoning.start in (template or "")
     template_kwargs = thinking_kwargs(req.template_kwargs, req.reasoning_effort, template, param="reasoning_effort", reasons=reasons)  # fmt: skip
     prompt = chat_render(served, messages, template_kwargs, template_tools)
-    ids = served.tokenizer.encode(prompt)
-    return prompt, ids, system_block_len(served, messages, template_tools, template_kwargs, ids)
+    ids, images = images_attach(served.tokenizer.encode(prompt), vision, parts)
+    return prompt, ids, system_block_len(served, messages, template_tools, template_kwargs, ids), images
 
 
 def system_block_len(
@@ -166,6 +169,7 @@ def _adds(
     shared_prefix_len: int = 0,
     prediction_token_ids: list[int] | None = None,
     reasoning: dict | None = None,
+    images: list[dict] | None = None,
 ) -> list[AddRequest]:
     adds = []
     for p, ids in enumerate(prompts):
@@ -187,6 +191,7 @@ def _adds(
                     shared_prefix_len=shared_prefix_len,
                     prediction_token_ids=prediction_token_ids,
                     reasoning=reasoning,
+                    images=images,
                 )
             )
     return adds
@@ -196,7 +201,7 @@ def chat_prepare(body: dict) -> PreparedChat:
     """Validate, render and tokenize a chat completion request (runs off the event loop)."""
     req = parse_chat_request(body)
     served, suffix_class = model_name_resolve(req.model)
-    prompt, prompt_ids, system_len = _chat_prompt(req, served)
+    prompt, prompt_ids, system_len, images = _chat_prompt(req, served)
     base = f"chatcmpl-{uuid.uuid4().hex[:24]}"
     parsers = output_parsers_for(served.tokenizer)
     in_reasoning = parsers.reasoning.opened_by(prompt)
@@ -215,6 +220,7 @@ def chat_prepare(body: dict) -> PreparedChat:
         shared_prefix_len=system_len,
         prediction_token_ids=served.tokenizer.encode(req.prediction) if req.prediction is not None else None,
         reasoning=reasoning_watch(served.tokenizer, parsers, opened=in_reasoning, budget=budget),
+        images=images,
     )
     return PreparedChat(
         request=req,

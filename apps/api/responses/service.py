@@ -19,6 +19,7 @@ from channels.db import database_sync_to_async
 from django.conf import settings
 
 from apps.api.chat.service import chat_render, generation_cap
+from apps.api.images.prompt import images_attach, prompt_images
 from apps.api.output_parsers import output_parsers_for
 from apps.api.responses.events import new_id
 from apps.api.schemas import given, validated
@@ -132,12 +133,13 @@ def response_prepare(req: ResponseRequest, previous: dict | None) -> PreparedRes
     messages = ([{"role": "system", "content": req.instructions}] if req.instructions else []) + conversation
     tools = req.tools if req.tool_choice != "none" else []
     try:
+        messages, vision, parts = prompt_images(served, messages)
         messages, template_tools = tools_prompt_apply(messages, tools, served.tokenizer.chat_template)
         template = served.tokenizer.chat_template
         reasons = output_parsers_for(served.tokenizer).reasoning.start in (template or "")
         kwargs = thinking_kwargs(None, req.reasoning_effort, template, param="reasoning.effort", reasons=reasons)
         prompt = chat_render(served, messages, kwargs, template_tools)
-        prompt_ids = served.tokenizer.encode(prompt)
+        prompt_ids, images = images_attach(served.tokenizer.encode(prompt), vision, parts, param="input")
         grammar = tool_choice_grammar(req.tool_choice, tools, req.parallel_tool_calls) or req.text_grammar
         max_tokens = generation_cap(len(prompt_ids), req.max_output_tokens)
     except IgnisError as err:
@@ -158,6 +160,7 @@ def response_prepare(req: ResponseRequest, previous: dict | None) -> PreparedRes
         grammar=grammar,  # tool_choice required or named: the call is forced by grammar
         decide=not req.generate,  # generate: false prefills only, and the state is retained
         reasoning=reasoning_watch(served.tokenizer, parsers, opened=in_reasoning, budget=budget),
+        images=images,
     )
     base = {
         "id": response_id,

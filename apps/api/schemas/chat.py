@@ -26,6 +26,18 @@ MAX_TOP_LOGPROBS = 20
 MAX_LOGIT_BIAS = 1024  # entries; OpenAI documents -100..100 per token
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
 TEXT_PART_TYPES = ("text", "input_text", "output_text")
+IMAGE_PART_TYPES = ("image_url", "input_image")
+IMAGE_DETAILS = ("auto", "low", "high")
+IMAGE_URL_SCHEMA = {
+    "anyOf": [
+        {"type": "string", "description": "a data: URL; http(s) where server.image_fetch allows"},
+        {
+            "type": "object",
+            "properties": {"url": {"type": "string"}, "detail": {"enum": list(IMAGE_DETAILS)}},
+            "required": ["url"],
+        },
+    ]
+}
 
 STOP_SCHEMA = {
     "anyOf": [
@@ -133,35 +145,104 @@ class TextPart(serializers.Serializer):
     text = Str(required=True, max_length=MAX_MESSAGE_CHARS)
 
 
+class ImagePart(serializers.Serializer):
+    """``{type: image_url, image_url: {url, detail?}}`` (chat) or ``{type: input_image, image_url: url}`` (Responses)."""
+
+    type = Enum(*IMAGE_PART_TYPES, required=True)
+    image_url = Custom(IMAGE_URL_SCHEMA, required=True)
+    detail = Enum(*IMAGE_DETAILS)
+
+
+def _bad_part(j: int, message: str, code: str = "invalid_value", field: str | None = None) -> ValidationError:
+    detail = [ErrorDetail(message, code=code)]
+    return ValidationError({j: {field: detail} if field else detail})
+
+
+def _image_part(part: dict, j: int) -> dict:
+    """An image part as ``{type: image_url, image_url: {url, detail}, param: content[j]}`` whichever form it came in."""
+    raw = part.get("image_url")
+    if isinstance(raw, dict):
+        url, detail = raw.get("url"), raw.get("detail")
+        if not isinstance(url, str):
+            raise ValidationError({j: {"image_url": {"url": [ErrorDetail("An image_url needs a string 'url'.", code="invalid_type")]}}})  # fmt: skip
+    elif isinstance(raw, str):
+        url, detail = raw, None
+    elif raw is None and part.get("file_id") is not None:
+        raise _bad_part(j, "Image parts by file_id are not supported: send a data: URL.", "invalid_image")
+    else:
+        raise _bad_part(j, "An image part needs 'image_url': a URL string or {url, detail}.", "invalid_type", "image_url")  # fmt: skip
+    detail = detail if detail is not None else part.get("detail")
+    if detail is not None and detail not in IMAGE_DETAILS:
+        raise _bad_part(j, f"'detail' must be one of {', '.join(IMAGE_DETAILS)}.", field="detail")
+    return {
+        "type": "image_url",
+        "image_url": {"url": url, "detail": detail or "auto"},
+        "param": f"content[{j}]",
+        "index": j,
+    }
+
+
 class Content(Strict):
-    """A string, null, or a list of {type: text, text} parts; returned as the joined text."""
+    """A string, null, or a list of {type: text, text} parts; returned as the joined text.
+
+    With ``images``: image parts too (``image_url`` / ``input_image``); content holding one is
+    returned as a list of ``{type: text, text}`` and ``{type: image_url, image_url: {url, detail},
+    param}`` parts (``param``: ``content[j]``, the part's place, for its refusals), and text alone
+    still as the joined string, so a text-only request renders exactly as before."""
+
+    def __init__(self, *, images: bool = False, **kwargs):
+        self.images = images
+        super().__init__(**kwargs)
 
     def json_schema(self) -> dict:
         from apps.api.schemas.jsonschema import object_schema
 
-        return {"anyOf": [{"type": "string"}, {"type": "array", "items": object_schema(TextPart())}]}
+        part = object_schema(TextPart())
+        if self.images:
+            part = {"anyOf": [part, object_schema(ImagePart())]}
+        return {"anyOf": [{"type": "string"}, {"type": "array", "items": part}]}
 
-    def to_internal_value(self, data: Any) -> str:
+    def to_internal_value(self, data: Any) -> str | list[dict]:
+        parts: list[dict] = []
         if isinstance(data, str):
             text = data
         elif isinstance(data, list):
-            parts, errors = [], {}
+            texts = []
             for j, part in enumerate(data):
-                if not isinstance(part, dict) or part.get("type") not in TEXT_PART_TYPES:
-                    errors[j] = [ErrorDetail("Only text content parts are supported.", code="invalid_value")]
-                    break
+                kind = part.get("type") if isinstance(part, dict) else None
+                if self.images and kind in IMAGE_PART_TYPES:
+                    parts.append(_image_part(part, j))
+                    continue
+                if kind not in TEXT_PART_TYPES:
+                    what = "text and image" if self.images else "text"
+                    raise _bad_part(j, f"Only {what} content parts are supported.")
                 if not isinstance(part.get("text"), str):
-                    errors[j] = {"text": [ErrorDetail("A text part needs a string 'text'.", code="invalid_type")]}
-                    break
-                parts.append(part["text"])
-            if errors:
-                raise ValidationError(errors)
-            text = "".join(parts)
+                    raise _bad_part(j, "A text part needs a string 'text'.", "invalid_type", "text")
+                texts.append(part["text"])
+                parts.append({"type": "text", "text": part["text"]})
+            text = "".join(texts)
         else:
             self.bad("'content' must be a string or a list of text parts.", "invalid_type")
         if len(text) > MAX_MESSAGE_CHARS:
             self.bad(f"A message may hold at most {MAX_MESSAGE_CHARS} characters.")
+        if any(p["type"] == "image_url" for p in parts):
+            return parts
         return text
+
+
+def image_params(content: Any, prefix: str, role: str) -> Any:
+    """A message's validated content with each image part's ``param`` under ``prefix``
+    (``messages[2].``); an image anywhere but in a user message is refused (errors keyed as
+    ``content[j]``: the caller nests them under the message)."""
+    if not isinstance(content, list):
+        return content
+    for part in content:
+        if part["type"] == "image_url":
+            j = part.pop("index")
+            if role != "user":
+                raise ValidationError({"content": {j: [ErrorDetail("Only user messages may hold images.", code="invalid_image")]}})  # fmt: skip
+            part["param"] = prefix + part["param"]
+    return content
 
 
 class FunctionCall(serializers.Serializer):
@@ -177,7 +258,7 @@ class ToolCall(serializers.Serializer):
 
 class Message(serializers.Serializer):
     role = Enum(*ROLES, required=True)
-    content = Content()
+    content = Content(images=True)
     name = Str(max_length=256)
     tool_call_id = Str(max_length=256)
     tool_calls = serializers.ListField(child=ToolCall(), required=False, allow_null=True)
@@ -216,7 +297,11 @@ class Messages(Strict):
             if not ser.is_valid():
                 raise ValidationError({i: ser.errors})
             m = ser.validated_data
-            msg = {"role": "system" if m["role"] == "developer" else m["role"], "content": m.get("content") or ""}
+            try:
+                content = image_params(m.get("content") or "", f"messages[{i}].", m["role"])
+            except ValidationError as exc:
+                raise ValidationError({i: exc.detail}) from None
+            msg = {"role": "system" if m["role"] == "developer" else m["role"], "content": content}
             for extra in ("name", "tool_call_id"):
                 if m.get(extra) is not None:
                     msg[extra] = m[extra]

@@ -17,6 +17,7 @@ from apps.api.schemas.chat import (
     TOOL_CHOICE_SCHEMA,
     Content,
     SamplingBody,
+    image_params,
 )
 from apps.api.schemas.fields import Bool, Custom, Enum, Integer, Number, Object, Str, Strict
 from apps.api.schemas.tools import Tools
@@ -41,13 +42,13 @@ def _item(item: Any) -> dict:
             raise _err("role", f"'role' must be a string: one of {', '.join(INPUT_ROLES)}.", "invalid_type")
         if role not in INPUT_ROLES:
             raise _err("role", f"Unknown role {role!r:.40}; expected one of {', '.join(INPUT_ROLES)}.")
-        content = Content()
+        content = Content(images=True)
         content.bind("content", None)
         try:
             text = content.to_internal_value(item["content"]) if item.get("content") is not None else ""
         except ValidationError as exc:
             raise ValidationError({"content": exc.detail}) from None
-        return {"role": INPUT_ROLES[role], "content": text}
+        return {"role": INPUT_ROLES[role], "content": image_params(text, "", INPUT_ROLES[role])}
     if kind == "function_call":
         for key in ("call_id", "name", "arguments"):
             if not isinstance(item.get(key), str):
@@ -81,7 +82,7 @@ class Input(Strict):
     """A string (one user message) or up to MAX_ITEMS items; returned as chat messages."""
 
     def json_schema(self) -> dict:
-        text = Content().json_schema()
+        text, output = Content(images=True).json_schema(), Content().json_schema()
         string = {"type": "string"}
         items = [
             {
@@ -101,7 +102,7 @@ class Input(Strict):
             },
             {
                 "type": "object",
-                "properties": {"type": {"const": "function_call_output"}, "call_id": string, "output": text},
+                "properties": {"type": {"const": "function_call_output"}, "call_id": string, "output": output},
                 "required": ["type", "call_id", "output"],
             },
             {"type": "object", "properties": {"type": {"const": "reasoning"}}, "required": ["type"]},
@@ -121,6 +122,9 @@ class Input(Strict):
                 m = _item(raw)
             except ValidationError as exc:
                 raise ValidationError({i: exc.detail}) from None
+            for part in m.get("content") if isinstance(m.get("content"), list) else ():
+                if part["type"] == "image_url":
+                    part["param"] = f"input[{i}].{part['param']}"
             if m:
                 messages.append(m)
         merged: list[dict] = []  # consecutive function calls are one assistant turn

@@ -64,12 +64,14 @@
 
   // -- chat -----------------------------------------------------------------
   //
-  // A conversation is a list of turns: {role: "user", content} and
+  // A conversation is a list of turns: {role: "user", content, images} and
   // {role: "assistant", content, reasoning, tools, timings, error}. A turn that
   // failed (an HTTP error, a stream error, a Stop before any token) is marked
   // failed, shown as such and left out of what the next request sends. Finished
   // turns, the system prompt, the sampling fields and the draft are kept in
-  // localStorage, so a reload brings every conversation back.
+  // localStorage, so a reload brings every conversation back. A user turn's
+  // images (data: URLs, attached with the Image button or dropped on the
+  // conversation) are sent as image_url parts and shown as thumbnails.
 
   let convCount = 0;
   const convs = [];
@@ -88,9 +90,15 @@
     save() {
       clearTimeout(this.timer);
       this.timer = null;
+      const states = convs.map((c) => c.state());
       try {
-        localStorage.setItem(CONV_STORE, JSON.stringify({ version: 1, convs: convs.map((c) => c.state()) }));
-      } catch (e) { /* storage full or refused: the page still works, it just forgets */ }
+        localStorage.setItem(CONV_STORE, JSON.stringify({ version: 1, convs: states }));
+      } catch (e) {
+        try { // images are what fills the storage: keep the text at least
+          for (const st of states) st.turns = st.turns.map((t) => (t.images ? Object.assign({}, t, { images: undefined }) : t));
+          localStorage.setItem(CONV_STORE, JSON.stringify({ version: 1, convs: states }));
+        } catch (e2) { /* storage full or refused: the page still works, it just forgets */ }
+      }
     },
     soon() { if (this.timer === null) this.timer = setTimeout(() => this.save(), 300); },
   };
@@ -101,6 +109,7 @@
       this.n = ++convCount;
       this.turns = [];
       this.busy = false;
+      this.attachments = []; // data: URLs of the images the next message sends
       this.el = $("#conv-template").content.firstElementChild.cloneNode(true);
       this.el.dataset.conv = String(this.n);
       $(".conv-title", this.el).textContent = "Conversation " + this.n;
@@ -111,6 +120,20 @@
       $(".stop", this.el).addEventListener("click", () => this.controller && this.controller.abort());
       $(".conv-clear", this.el).addEventListener("click", () => this.clear());
       $(".conv-close", this.el).addEventListener("click", () => this.close());
+      $(".attach", this.el).addEventListener("click", () => $(".file", this.el).click());
+      $(".file", this.el).addEventListener("change", (e) => { this.attach(e.target.files); e.target.value = ""; });
+      this.el.addEventListener("dragover", (e) => {
+        if (!e.dataTransfer || !Array.from(e.dataTransfer.types || []).includes("Files")) return;
+        e.preventDefault();
+        this.el.classList.add("dragging");
+      });
+      this.el.addEventListener("dragleave", (e) => { if (!this.el.contains(e.relatedTarget)) this.el.classList.remove("dragging"); });
+      this.el.addEventListener("drop", (e) => {
+        this.el.classList.remove("dragging");
+        if (!e.dataTransfer || !e.dataTransfer.files.length) return;
+        e.preventDefault();
+        this.attach(e.dataTransfer.files);
+      });
       this.el.addEventListener("input", () => store.soon());
       this.el.addEventListener("change", () => store.soon());
       $("#convs").appendChild(this.el);
@@ -139,7 +162,7 @@
     append(turn) {
       const t = Object.assign({ content: "" }, turn);
       this.turns.push(t);
-      t.el = this.addMessage(t.role, t.content);
+      t.el = this.addMessage(t.role, t.content, t.images);
       if (t.role === "assistant") { this.paint(t); t.el.classList.add("done"); }
       if (t.failed) this.markFailed(t);
       this.scroll();
@@ -162,7 +185,35 @@
 
     // The messages a request sends: every turn that did not fail, in order.
     history() {
-      return this.turns.filter((t) => !t.failed && !t.pending).map((t) => ({ role: t.role, content: t.content || "" }));
+      return this.turns.filter((t) => !t.failed && !t.pending).map((t) => message(t.role, t.content, t.images));
+    }
+
+    // Image files (picked or dropped) as data: URLs, shown above the composer until sent.
+    async attach(files) {
+      for (const file of Array.from(files || [])) {
+        if (!file.type.startsWith("image/")) continue;
+        try { this.attachments.push(await imageDataUrl(file)); } catch (e) { /* unreadable: skipped */ }
+      }
+      this.showAttachments();
+    }
+
+    showAttachments() {
+      const box = $(".attachments", this.el);
+      box.innerHTML = "";
+      box.hidden = !this.attachments.length;
+      this.attachments.forEach((url, i) => {
+        const item = document.createElement("div");
+        item.className = "attachment";
+        item.appendChild(thumb(url));
+        const remove = document.createElement("button");
+        remove.type = "button";
+        remove.className = "remove";
+        remove.title = "Remove this image";
+        remove.textContent = "×";
+        remove.addEventListener("click", () => { this.attachments.splice(i, 1); this.showAttachments(); });
+        item.appendChild(remove);
+        box.appendChild(item);
+      });
     }
 
     body(messages) {
@@ -175,11 +226,17 @@
       return body;
     }
 
-    addMessage(role, text) {
+    addMessage(role, text, images) {
       const el = document.createElement("div");
       el.className = "msg " + role;
       if (role === "user") {
-        el.textContent = text;
+        if (images && images.length) {
+          const row = document.createElement("div");
+          row.className = "msg-images";
+          for (const url of images) row.appendChild(thumb(url));
+          el.appendChild(row);
+        }
+        el.appendChild(document.createTextNode(text));
       } else {
         el.innerHTML = '<div class="waiting note" hidden></div>' +
           '<details class="reasoning" hidden><summary>Reasoning</summary><div class="reasoning-body"></div></details>' +
@@ -217,7 +274,12 @@
         retry.type = "button";
         retry.className = "retry";
         retry.textContent = "Retry";
-        retry.addEventListener("click", () => { if (!this.busy) { $(".input", this.el).value = user.content; this.send(); } });
+        retry.addEventListener("click", () => {
+          if (this.busy) return;
+          $(".input", this.el).value = user.content;
+          this.attachments = (user.images || []).slice();
+          this.send();
+        });
         note.appendChild(retry);
       }
       t.el.appendChild(note);
@@ -242,10 +304,12 @@
     async send() {
       const input = $(".input", this.el);
       const text = input.value.trim();
-      if (!text || this.busy) return;
+      if ((!text && !this.attachments.length) || this.busy) return;
       input.value = "";
-      const messages = this.history().concat([{ role: "user", content: text }]);
-      const user = this.append({ role: "user", content: text, pending: true });
+      const images = this.attachments.length ? this.attachments.splice(0) : undefined;
+      this.showAttachments();
+      const messages = this.history().concat([message("user", text, images)]);
+      const user = this.append({ role: "user", content: text, images, pending: true });
       const reply = this.append({ role: "assistant", content: "", reasoning: "", tools: [], pending: true });
       const out = reply.el;
       out.classList.remove("done");
@@ -340,6 +404,54 @@
     }
 
     scroll() { const m = $(".messages", this.el); m.scrollTop = m.scrollHeight; }
+  }
+
+  // A turn as the API takes it: text alone as a string, with images as parts (images first).
+  function message(role, text, images) {
+    if (!images || !images.length) return { role, content: text || "" };
+    const parts = images.map((url) => ({ type: "image_url", image_url: { url } }));
+    if (text) parts.push({ type: "text", text });
+    return { role, content: parts };
+  }
+
+  function thumb(url) {
+    const img = document.createElement("img");
+    img.className = "thumb";
+    img.alt = "attached image";
+    img.src = url;
+    return img;
+  }
+
+  // A file as a data: URL. One past MAX_IMAGE_BYTES (a phone photo) is drawn
+  // smaller (at most MAX_IMAGE_SIDE px) and sent as JPEG, so the request stays
+  // under the server's body limit (server.body_limit, 4 MiB by default).
+  const MAX_IMAGE_BYTES = 2 << 20, MAX_IMAGE_SIDE = 2048;
+  function readDataUrl(blob) {
+    return new Promise((resolve, reject) => {
+      const r = new FileReader();
+      r.onload = () => resolve(r.result);
+      r.onerror = () => reject(r.error);
+      r.readAsDataURL(blob);
+    });
+  }
+  async function imageDataUrl(file) {
+    const url = await readDataUrl(file);
+    if (file.size <= MAX_IMAGE_BYTES) return url;
+    const img = await new Promise((resolve, reject) => {
+      const im = new Image();
+      im.onload = () => resolve(im);
+      im.onerror = reject;
+      im.src = url;
+    });
+    const scale = Math.min(1, MAX_IMAGE_SIDE / Math.max(img.naturalWidth, img.naturalHeight));
+    const canvas = document.createElement("canvas");
+    canvas.width = Math.max(1, Math.round(img.naturalWidth * scale));
+    canvas.height = Math.max(1, Math.round(img.naturalHeight * scale));
+    const ctx = canvas.getContext("2d");
+    ctx.fillStyle = "#fff"; // transparency over white, as the model's processor does
+    ctx.fillRect(0, 0, canvas.width, canvas.height);
+    ctx.drawImage(img, 0, 0, canvas.width, canvas.height);
+    return canvas.toDataURL("image/jpeg", 0.9);
   }
 
   function addConversation(saved) {
