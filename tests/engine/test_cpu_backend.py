@@ -203,6 +203,7 @@ def test_swap_out_and_in_keeps_the_pages(cpu_backend_cls):
     cpu.swap_in([(0, 10), (1, 11)])
     after = cpu.decode_logits([DecodeLane(0, ids[-1], len(ids) - 1, [10, 11], GREEDY)])
     assert np.array_equal(before, after)
+    assert cpu.host_k.dtype == cpu.host_v.dtype == np.float16  # the pool's: half numpy's host bytes
 
 
 def test_refuses_what_it_has_no_kernel_for():
