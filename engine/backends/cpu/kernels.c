@@ -218,6 +218,60 @@ static inline __attribute__((always_inline)) void dot_rows(const ig_mat *w, cons
 #endif
 }
 
+#ifdef IG_AVX2
+/* A group of G (8 or 4) activation rows against one weight row, with the rows' scales d and
+ * sums s laid out by block (dtab[b * G + k] = x[k][b].d, stab alike; see build_tabs). Per block,
+ * the G products d * x.d come from one vector multiply and the G terms m * x.s from one FMA;
+ * per (block, row) pair there remain the two vpmaddwd, their sum, its conversion and one FMA
+ * whose scale is a broadcast load. Against four rows with scalar scales, this takes the two
+ * scalar multiply-adds of every pair off the FMA ports (docs/CPU.md, "profile"). */
+static inline __attribute__((always_inline)) void dot_group(const ig_mat *w, const uint8_t *row,
+                                                             const ig_xblk *const *x, const float *dtab,
+                                                             const float *stab, int G, float *out) {
+    int nb = w->cols / QK, type = w->type, bb = type == IG_Q8_0 ? 34 : type == IG_Q4_0 ? 18 : 20;
+    int qoff = type == IG_Q4_1 ? 4 : 2;
+    __m256 acc[8], ex = _mm256_setzero_ps();
+    float sc[8] __attribute__((aligned(32)));
+    for (int r = 0; r < G; r++) acc[r] = _mm256_setzero_ps();
+    for (int b = 0; b < nb; b++, row += bb) {
+        float d = _cvtsh_ss(rd16(row));
+        float m = type == IG_Q4_1 ? _cvtsh_ss(rd16(row + 2)) : type == IG_Q4_0 ? -8.0f * d : 0.0f;
+        __m256 xd = G == 8 ? _mm256_loadu_ps(dtab + b * 8) : _mm256_zextps128_ps256(_mm_loadu_ps(dtab + b * 4));
+        __m256 xs = G == 8 ? _mm256_loadu_ps(stab + b * 8) : _mm256_zextps128_ps256(_mm_loadu_ps(stab + b * 4));
+        _mm256_store_ps(sc, _mm256_mul_ps(xd, _mm256_set1_ps(d)));
+        ex = _mm256_fmadd_ps(_mm256_set1_ps(m), xs, ex);
+        __m256i lo, hi;
+        unpack_block(type, row + qoff, &lo, &hi);
+        for (int r = 0; r < G; r++) {
+            const ig_xblk *xb = x[r] + b;
+            __m256i p = _mm256_add_epi32(_mm256_madd_epi16(lo, _mm256_loadu_si256((const __m256i *)xb->q)),
+                                         _mm256_madd_epi16(hi, _mm256_loadu_si256((const __m256i *)(xb->q + 16))));
+            acc[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(sc + r), _mm256_cvtepi32_ps(p), acc[r]);
+        }
+    }
+    float e[8] __attribute__((aligned(32)));
+    _mm256_store_ps(e, ex);
+    for (int r = 0; r < G; r++) out[r] = hsum(acc[r]) + e[r];
+}
+#endif
+
+/* Rows [r, r1) of a tile go in groups of 8, then 4, then one at a time. */
+static inline int group_at(int r, int r1) { return r + 8 <= r1 ? 8 : r + 4 <= r1 ? 4 : 1; }
+
+/* The scales of tile rows [r0, r1) by group and block: dtab[(r - r0) * nb + b * G + k] = x[r + k][b].d
+ * for the group of G rows starting at r (stab likewise with s). */
+static void build_tabs(const ig_xblk *x, int nb, int r0, int r1, float *dtab, float *stab) {
+    for (int r = r0, g; r < r1; r += g) {
+        g = group_at(r, r1);
+        float *dt = dtab + (int64_t)(r - r0) * nb, *st = stab + (int64_t)(r - r0) * nb;
+        for (int k = 0; k < g; k++)
+            for (int b = 0; b < nb; b++) {
+                dt[b * g + k] = x[(int64_t)(r + k) * nb + b].d;
+                st[b * g + k] = x[(int64_t)(r + k) * nb + b].s;
+            }
+    }
+}
+
 /* ---- work sharing ------------------------------------------------------------------ *
  * Each step of a forward is a list of items that the team's threads claim one at a
  * time from a shared counter; a step is over when all its items are done, not when
@@ -259,12 +313,18 @@ static void step_wait(ig_step *st, int n) {
 static void matmul_parts(ig_step *st, const ig_mat *parts, int nparts, const ig_xblk *x, int nx, float *y, int ldy) {
     int rows = 0;
     for (int p = 0; p < nparts; p++) rows += parts[p].rows;
-    int nbx = parts[0].cols / QK, xtile = XTILE_BYTES / (nbx * (int)sizeof(ig_xblk)) & ~3;
-    xtile = xtile < 4 ? 4 : xtile;
+    int nbx = parts[0].cols / QK, xtile = XTILE_BYTES / (nbx * (int)sizeof(ig_xblk)) & ~7;
+    xtile = xtile < 8 ? 8 : xtile;
     int nchunks = (rows + JCHUNK - 1) / JCHUNK, ntiles = (nx + xtile - 1) / xtile;
+    int ntab = (nx < xtile ? nx : xtile) * nbx, built = -1;
+    float *dtab = malloc(sizeof(float) * 2 * ntab), *stab = dtab ? dtab + ntab : NULL;
     FOR_ITEMS(st, ntiles * nchunks, item) {
         int tile = item / nchunks, j0 = (item % nchunks) * JCHUNK;
         int r0 = tile * xtile, r1 = r0 + xtile < nx ? r0 + xtile : nx;
+        if (dtab && tile != built) { /* items run tile by tile: a thread builds each tile's tables about once */
+            build_tabs(x, nbx, r0, r1, dtab, stab);
+            built = tile;
+        }
         for (int j = j0; j < j0 + JCHUNK && j < rows; j++) {
             int p = 0, jj = j, off = 0;
             while (jj >= parts[p].rows) {
@@ -274,22 +334,29 @@ static void matmul_parts(ig_step *st, const ig_mat *parts, int nparts, const ig_
             }
             const ig_mat *w = &parts[p];
             const uint8_t *row = w->data + (int64_t)jj * w->row_bytes;
-            int r = r0;
-            for (; r + 4 <= r1; r += 4) {
-                const ig_xblk *xs[4] = {x + (int64_t)r * nbx, x + (int64_t)(r + 1) * nbx, x + (int64_t)(r + 2) * nbx,
-                                        x + (int64_t)(r + 3) * nbx};
-                float o[4];
-                dot_rows(w, row, xs, 4, o);
-                for (int k = 0; k < 4; k++) y[(int64_t)(r + k) * ldy + off + jj] = o[k];
-            }
-            for (; r < r1; r++) {
-                const ig_xblk *xs[1] = {x + (int64_t)r * nbx};
-                float o[1];
-                dot_rows(w, row, xs, 1, o);
-                y[(int64_t)r * ldy + off + jj] = o[0];
+            for (int r = r0, g; r < r1; r += g) {
+                g = group_at(r, r1);
+                const ig_xblk *xs[8];
+                float o[8];
+                for (int k = 0; k < g; k++) xs[k] = x + (int64_t)(r + k) * nbx;
+#ifdef IG_AVX2
+                const float *dt = dtab + (int64_t)(r - r0) * nbx, *stb = stab + (int64_t)(r - r0) * nbx;
+                if (g == 8 && dtab)
+                    dot_group(w, row, xs, dt, stb, 8, o);
+                else if (g == 4 && dtab)
+                    dot_group(w, row, xs, dt, stb, 4, o);
+                else
+#endif
+                    if (g >= 4) {
+                    for (int k = 0; k < g; k += 4) dot_rows(w, row, xs + k, 4, o + k);
+                } else {
+                    dot_rows(w, row, xs, 1, o);
+                }
+                for (int k = 0; k < g; k++) y[(int64_t)(r + k) * ldy + off + jj] = o[k];
             }
         }
     }
+    free(dtab);
 }
 
 void ig_matmul(const ig_mat *parts, int nparts, const ig_xblk *x, int nx, float *y, int ldy, int threads) {
