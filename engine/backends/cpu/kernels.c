@@ -334,6 +334,10 @@ static void matmul_parts(ig_step *st, const ig_mat *parts, int nparts, const ig_
             }
             const ig_mat *w = &parts[p];
             const uint8_t *row = w->data + (int64_t)jj * w->row_bytes;
+#ifdef IG_AVX2
+            if (jj + 1 < w->rows) /* the next row from memory while this one is dotted (matrices past L2) */
+                for (int64_t o = 0; o < w->row_bytes; o += 64) _mm_prefetch((const char *)row + w->row_bytes + o, _MM_HINT_T0);
+#endif
             for (int r = r0, g; r < r1; r += g) {
                 g = group_at(r, r1);
                 const ig_xblk *xs[8];
