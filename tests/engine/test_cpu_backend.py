@@ -190,7 +190,8 @@ def test_decode_lanes_of_different_lengths_equal_single_lane_runs(cpu_backend_cl
         batch = [DecodeLane(i, prompts[i][-1], len(prompts[i]) - 1, tables[i], GREEDY) for i in range(lanes)]
         together = cpu.decode_logits(batch)
         for i, lane in enumerate(batch):
-            assert rel_err(together[i], cpu.decode_logits([lane])[0]) < 1e-5
+            # bit for bit: a row's sums do not depend on the rows beside it (verify rows rely on it)
+            assert np.array_equal(together[i], cpu.decode_logits([lane])[0])
 
 
 def test_swap_out_and_in_keeps_the_pages(cpu_backend_cls):
