@@ -181,8 +181,9 @@ void ig_quantize(const float *x, int nrows, int n, ig_xblk *out) {
 /* ---- exp ---------------------------------------------------------------------------- */
 
 #ifdef IG_AVX2
-/* e^x for 8 floats (Cephes' expf: x = n ln2 + r, a degree-7 polynomial in r, times 2^n); within
- * 2 ulp of expf over [-87.3, 88.3], clamped there (below: ~1e-38 instead of 0). */
+/* e^x for 8 floats (Cephes' expf: x = n ln2 + r, a polynomial in r, times 2^n); within 1 ulp of
+ * the correctly rounded e^x over [-87, 88] (checked at 1.9M points), clamped to [-87.3, 88.4]
+ * (below: ~1e-38 instead of 0, which no softmax or SwiGLU here tells apart). */
 static inline __m256 exp8(__m256 x) {
     x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3365448f)), _mm256_set1_ps(88.3762626f));
     __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
