@@ -43,8 +43,15 @@ WIDTHS = (1, 2, 4, 8)
 CONTEXT = 256
 PROMPTS = (64, 1000)
 
+# use_extra_bufts off: ggml's AMX weight repack (on where the processor lists AMX) crashed in
+# ggml_backend_amx_mul_mat on the KVM guest of 2026-12-01 for any batch of more than one token.
 LLAMA_CPP = r"""
 import json, sys, time, random
+import llama_cpp.llama_cpp as C
+_defaults = C.llama_model_default_params
+def _params():
+    p = _defaults(); p.use_extra_bufts = False; return p
+C.llama_model_default_params = _params
 from llama_cpp import Llama
 path, threads, reps, context, prompts = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
 llm = Llama(model_path=path, n_threads=threads, n_threads_batch=threads, n_ctx=2048, n_batch=1024, verbose=False)
