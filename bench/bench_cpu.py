@@ -6,6 +6,7 @@ One run prints one table (machine, load, command and date with it):
   tok/s per lane and in all), ``decode_round`` driven directly, widths and
   backends interleaved so the shared machine's noise hits all alike;
 * cold prompts of 64 and 1,000 tokens (one prefill span each, fresh pages);
+* where a cpu round goes at each width: the forward, the lm_head and the sampler apart;
 * llama.cpp (llama-cpp-python, when ``--llamacpp-python`` names an interpreter
   that has it) on the same file with the same threads: one stream's decode
   (``Llama.eval`` of one token after a 256-token prompt) and the same prompts,
@@ -28,6 +29,8 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
@@ -40,8 +43,15 @@ WIDTHS = (1, 2, 4, 8)
 CONTEXT = 256
 PROMPTS = (64, 1000)
 
+# use_extra_bufts off: ggml's AMX weight repack (on where the processor lists AMX) crashed in
+# ggml_backend_amx_mul_mat on the KVM guest of 2026-12-01 for any batch of more than one token.
 LLAMA_CPP = r"""
 import json, sys, time, random
+import llama_cpp.llama_cpp as C
+_defaults = C.llama_model_default_params
+def _params():
+    p = _defaults(); p.use_extra_bufts = False; return p
+C.llama_model_default_params = _params
 from llama_cpp import Llama
 path, threads, reps, context, prompts = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
 llm = Llama(model_path=path, n_threads=threads, n_threads_batch=threads, n_ctx=2048, n_batch=1024, verbose=False)
@@ -113,6 +123,40 @@ def bench(backends: dict, reps: int, rng: random.Random) -> dict:
     return {k: statistics.median(v) for k, v in times.items()}
 
 
+def split(backend, reps: int, rng: random.Random) -> dict:
+    """Where a cpu decode round goes, per width: the forward (every layer, one C call), the lm_head
+    (the second C call) and the Python sampler; median wall ms and median process CPU ms of each.
+
+    Run after ``bench`` on the same lanes and positions (their K/V rewritten, the contexts as long)."""
+    from engine import sampler
+    from engine.backend import DecodeLane, SampleRequest
+    from engine.sampling import SamplingParams
+
+    sample = SampleRequest(SamplingParams(temperature=0.7, top_p=0.9), seed=1)
+    vocab, bs = backend.config.vocab_size, backend.block_size
+    per = -(-(CONTEXT + reps + 8) // bs)
+    out = {}
+    for n in WIDTHS:
+        parts = {"forward": [], "lm_head": [], "sampling": []}
+        for r in range(reps):
+            lanes = [DecodeLane(i, rng.randrange(100, vocab), CONTEXT + r, list(range(i * per, (i + 1) * per)), sample)
+                     for i in range(n)]  # fmt: skip
+            h = np.random.default_rng(r).standard_normal((n, backend.config.hidden_size)).astype(np.float32)
+            w0, c0 = time.perf_counter(), time.process_time()
+            logits = backend.decode_logits(lanes)
+            w1, c1 = time.perf_counter(), time.process_time()
+            backend.model.logits(h)
+            w2, c2 = time.perf_counter(), time.process_time()
+            sampler.sample_rows(logits, [ln.sample for ln in lanes], [ln.position + 1 for ln in lanes])
+            w3, c3 = time.perf_counter(), time.process_time()
+            # decode_logits is forward + lm_head: the lm_head's own time is taken off it
+            parts["forward"].append(((w1 - w0) - (w2 - w1), (c1 - c0) - (c2 - c1)))
+            parts["lm_head"].append((w2 - w1, c2 - c1))
+            parts["sampling"].append((w3 - w2, c3 - c2))
+        out[n] = {k: tuple(statistics.median(x[i] for x in v) * 1e3 for i in (0, 1)) for k, v in parts.items()}
+    return out
+
+
 def llama_cpp(python: str, threads: int, reps: int) -> dict | None:
     run = subprocess.run([python, "-c", LLAMA_CPP, str(GGUF), str(threads), str(max(3, reps // 3)), str(CONTEXT),
                           ",".join(map(str, PROMPTS))], capture_output=True, text=True)  # fmt: skip
@@ -134,6 +178,7 @@ def main() -> None:
     backends = {name: load(name, args.threads) for name in names}
     load_before = os.getloadavg()[0]
     t = bench(backends, args.reps, random.Random(0))
+    where = split(backends["cpu"], args.reps, random.Random(1))
     lc = llama_cpp(args.llamacpp_python, args.threads, args.reps) if args.llamacpp_python else None
     body = [
         f"Load average (1 min) before / after: {load_before:.1f} / {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores "
@@ -166,6 +211,15 @@ def main() -> None:
             f"{3 / lc['decode']:.0f} tok/s; 8-lane round <= 2x the 1-lane round: {t[c, 'ratio']:.2f}x; cold 1,000-token "
             f"prompt <= 1.5x llama.cpp's: {t[c, 'p1000']:.3f} vs {1.5 * lc['prompt']['1000']:.3f} s.",
         ]
+    body += [
+        "",
+        "Where a cpu round goes (median wall ms / median CPU ms of the process, both threads' CPU counted):",
+        "",
+        "| lanes | forward (layers) | lm_head | sampling (Python) |",
+        "|---|---|---|---|",
+    ]
+    for n, parts in where.items():
+        body.append(f"| {n} | " + " | ".join(f"{w:.1f} / {c:.1f}" for w, c in parts.values()) + " |")
     machine = f"{cpu_model()}, {os.cpu_count()} cores"
     report(SECTION, machine=machine, command=command_line(".venv/bin/python"), body=body, write=args.write)
 

@@ -27,7 +27,7 @@ import numpy as np
 
 from engine import sampler
 from engine.backend import Backend, DecodeLane, PrefillSpan, StepOutput, TokenLogprob
-from engine.backends.numpy.backend import _copy_blocks
+from engine.backends import host_tier
 from engine.memory import MemoryPlan, kv_block_bytes, workspace_bytes
 
 from .model import CpuModel
@@ -165,20 +165,15 @@ class CpuBackend(Backend):
     # --- KV pages -------------------------------------------------------------------------
 
     def _host(self) -> tuple[np.ndarray, np.ndarray]:
-        if self.host_k is None:
-            if self.num_host_blocks < 1:
-                raise RuntimeError("no host KV tier (host_kv_budget_bytes too small)")
-            shape = (self.k.shape[0], self.num_host_blocks, *self.k.shape[2:])
-            self.host_k, self.host_v = np.zeros(shape, np.float16), np.zeros(shape, np.float16)
-        return self.host_k, self.host_v
+        return host_tier.host_pages(self)
 
     def swap_out(self, pairs: Sequence[tuple[int, int]]) -> None:
         """(device block, host block) pairs: pool pages to the host tier."""
-        _copy_blocks((self.k, self.v), self._host(), pairs)
+        host_tier.swap_out(self, pairs)
 
     def swap_in(self, pairs: Sequence[tuple[int, int]]) -> None:
         """(host block, device block) pairs: host pages back into the pool."""
-        _copy_blocks(self._host(), (self.k, self.v), pairs)
+        host_tier.swap_in(self, pairs)
 
     def unload(self) -> None:
         for attr in ("model", "k", "v"):

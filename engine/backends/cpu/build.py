@@ -40,10 +40,21 @@ def cpu_flags() -> set[str]:
     return set()
 
 
+ISA_NEEDS = {
+    "avx2": {"avx2", "fma", "f16c"},
+    "portable": set(),
+}
+
+
+def runnable_isas(flags: set[str] | None = None) -> list[str]:
+    """The builds this processor runs, best first (``portable`` always)."""
+    flags = cpu_flags() if flags is None else flags
+    return [isa for isa in ISA_FLAGS if ISA_NEEDS[isa] <= flags]
+
+
 def best_isa(flags: set[str] | None = None) -> str:
     """``avx2`` where the processor has AVX2, FMA and F16C; else ``portable``."""
-    flags = cpu_flags() if flags is None else flags
-    return "avx2" if {"avx2", "fma", "f16c"} <= flags else "portable"
+    return runnable_isas(flags)[0]
 
 
 def default_cache_dir() -> Path:

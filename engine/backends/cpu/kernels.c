@@ -36,6 +36,15 @@
 
 #define QK 32
 
+#ifdef IG_AVX2
+static inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+#endif
+
 /* ---- scalars ------------------------------------------------------------------- */
 
 static inline float h2f(uint16_t h) {
@@ -120,8 +129,35 @@ void ig_dequant(const ig_mat *w, int row0, int nrows, float *out) {
 /* ---- activation quantization -------------------------------------------------------- */
 
 /* Blocks of 32 int16 (scale amax / 32767): close to float32 (2^-15 of the block's
- * largest value), while the products stay integer multiply-adds (vpmaddwd). */
+ * largest value), while the products stay integer multiply-adds (vpmaddwd). The AVX2
+ * path computes the same values (x * id rounded to nearest even, the same sums). */
 static void quant_row(const float *x, int n, ig_xblk *out) {
+#ifdef IG_AVX2
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    for (int b = 0; b < n / QK; b++, x += QK) {
+        __m256 v[4], m;
+        for (int k = 0; k < 4; k++) v[k] = _mm256_loadu_ps(x + 8 * k);
+        m = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+                          _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
+        __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+        h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+        h = _mm_max_ss(h, _mm_movehdup_ps(h));
+        float amax = _mm_cvtss_f32(h);
+        float d = amax / 32767.0f, id = amax > 0.0f ? 32767.0f / amax : 0.0f;
+        __m256 vid = _mm256_set1_ps(id);
+        __m256i q[4], sum;
+        for (int k = 0; k < 4; k++) q[k] = _mm256_cvtps_epi32(_mm256_mul_ps(v[k], vid)); /* nearest even */
+        sum = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+        /* packs works within 128-bit lanes: restore element order with a 64-bit permute */
+        _mm256_storeu_si256((__m256i *)out[b].q, _mm256_permute4x64_epi64(_mm256_packs_epi32(q[0], q[1]), 0xd8));
+        _mm256_storeu_si256((__m256i *)(out[b].q + 16), _mm256_permute4x64_epi64(_mm256_packs_epi32(q[2], q[3]), 0xd8));
+        __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
+        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
+        out[b].d = d;
+        out[b].s = d * (float)_mm_cvtsi128_si32(s4);
+    }
+#else
     for (int b = 0; b < n / QK; b++, x += QK) {
         float amax = 0.0f;
         for (int i = 0; i < QK; i++) amax = fmaxf(amax, fabsf(x[i]));
@@ -135,21 +171,72 @@ static void quant_row(const float *x, int n, ig_xblk *out) {
         out[b].d = d;
         out[b].s = d * (float)sum;
     }
+#endif
 }
 
 void ig_quantize(const float *x, int nrows, int n, ig_xblk *out) {
     for (int r = 0; r < nrows; r++) quant_row(x + (int64_t)r * n, n, out + (int64_t)r * (n / QK));
 }
 
+/* ---- exp ---------------------------------------------------------------------------- */
+
+#ifdef IG_AVX2
+/* e^x for 8 floats (Cephes' expf: x = n ln2 + r, a polynomial in r, times 2^n); within 1 ulp of
+ * the correctly rounded e^x over [-87, 88] (checked at 1.9M points), clamped to [-87.3, 88.4]
+ * (below: ~1e-38 instead of 0, which no softmax or SwiGLU here tells apart). */
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3365448f)), _mm256_set1_ps(88.3762626f));
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+#endif
+
+/* x[i] = e^(x[i] - mx) for i in [lo, hi); returns their sum. */
+static float exp_shifted(float *x, int lo, int hi, float mx) {
+    float den = 0.0f;
+    int i = lo;
+#ifdef IG_AVX2
+    __m256 acc = _mm256_setzero_ps(), vm = _mm256_set1_ps(mx);
+    for (; i + 8 <= hi; i += 8) {
+        __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(x + i), vm));
+        _mm256_storeu_ps(x + i, e);
+        acc = _mm256_add_ps(acc, e);
+    }
+    den = hsum(acc);
+#endif
+    for (; i < hi; i++) {
+        x[i] = expf(x[i] - mx);
+        den += x[i];
+    }
+    return den;
+}
+
+/* g[i] = silu(g[i]) * u[i] for i < n (SwiGLU, in place over the gate). */
+static void swiglu(float *g, const float *u, int n) {
+    int i = 0;
+#ifdef IG_AVX2
+    for (; i + 8 <= n; i += 8) {
+        __m256 gi = _mm256_loadu_ps(g + i);
+        __m256 sig = _mm256_add_ps(_mm256_set1_ps(1.0f), exp8(_mm256_sub_ps(_mm256_setzero_ps(), gi)));
+        _mm256_storeu_ps(g + i, _mm256_mul_ps(_mm256_div_ps(gi, sig), _mm256_loadu_ps(u + i)));
+    }
+#endif
+    for (; i < n; i++) g[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+}
+
 /* ---- dot products: one weight row against R activation rows --------------------------- */
 
 #ifdef IG_AVX2
-static inline float hsum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
 
 /* 8 halves as floats. */
 #define LOADH(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
@@ -218,6 +305,60 @@ static inline __attribute__((always_inline)) void dot_rows(const ig_mat *w, cons
 #endif
 }
 
+#ifdef IG_AVX2
+/* A group of G (8 or 4) activation rows against one weight row, with the rows' scales d and
+ * sums s laid out by block (dtab[b * G + k] = x[k][b].d, stab alike; see build_tabs). Per block,
+ * the G products d * x.d come from one vector multiply and the G terms m * x.s from one FMA;
+ * per (block, row) pair there remain the two vpmaddwd, their sum, its conversion and one FMA
+ * whose scale is a broadcast load. Against four rows with scalar scales, this takes the two
+ * scalar multiply-adds of every pair off the FMA ports (docs/CPU.md, "profile"). */
+static inline __attribute__((always_inline)) void dot_group(const ig_mat *w, const uint8_t *row,
+                                                             const ig_xblk *const *x, const float *dtab,
+                                                             const float *stab, int G, float *out) {
+    int nb = w->cols / QK, type = w->type, bb = type == IG_Q8_0 ? 34 : type == IG_Q4_0 ? 18 : 20;
+    int qoff = type == IG_Q4_1 ? 4 : 2;
+    __m256 acc[8], ex = _mm256_setzero_ps();
+    float sc[8] __attribute__((aligned(32)));
+    for (int r = 0; r < G; r++) acc[r] = _mm256_setzero_ps();
+    for (int b = 0; b < nb; b++, row += bb) {
+        float d = _cvtsh_ss(rd16(row));
+        float m = type == IG_Q4_1 ? _cvtsh_ss(rd16(row + 2)) : type == IG_Q4_0 ? -8.0f * d : 0.0f;
+        __m256 xd = G == 8 ? _mm256_loadu_ps(dtab + b * 8) : _mm256_zextps128_ps256(_mm_loadu_ps(dtab + b * 4));
+        __m256 xs = G == 8 ? _mm256_loadu_ps(stab + b * 8) : _mm256_zextps128_ps256(_mm_loadu_ps(stab + b * 4));
+        _mm256_store_ps(sc, _mm256_mul_ps(xd, _mm256_set1_ps(d)));
+        ex = _mm256_fmadd_ps(_mm256_set1_ps(m), xs, ex);
+        __m256i lo, hi;
+        unpack_block(type, row + qoff, &lo, &hi);
+        for (int r = 0; r < G; r++) {
+            const ig_xblk *xb = x[r] + b;
+            __m256i p = _mm256_add_epi32(_mm256_madd_epi16(lo, _mm256_loadu_si256((const __m256i *)xb->q)),
+                                         _mm256_madd_epi16(hi, _mm256_loadu_si256((const __m256i *)(xb->q + 16))));
+            acc[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(sc + r), _mm256_cvtepi32_ps(p), acc[r]);
+        }
+    }
+    float e[8] __attribute__((aligned(32)));
+    _mm256_store_ps(e, ex);
+    for (int r = 0; r < G; r++) out[r] = hsum(acc[r]) + e[r];
+}
+#endif
+
+/* Rows [r, r1) of a tile go in groups of 8, then 4, then one at a time. */
+static inline int group_at(int r, int r1) { return r + 8 <= r1 ? 8 : r + 4 <= r1 ? 4 : 1; }
+
+/* The scales of tile rows [r0, r1) by group and block: dtab[(r - r0) * nb + b * G + k] = x[r + k][b].d
+ * for the group of G rows starting at r (stab likewise with s). */
+static void build_tabs(const ig_xblk *x, int nb, int r0, int r1, float *dtab, float *stab) {
+    for (int r = r0, g; r < r1; r += g) {
+        g = group_at(r, r1);
+        float *dt = dtab + (int64_t)(r - r0) * nb, *st = stab + (int64_t)(r - r0) * nb;
+        for (int k = 0; k < g; k++)
+            for (int b = 0; b < nb; b++) {
+                dt[b * g + k] = x[(int64_t)(r + k) * nb + b].d;
+                st[b * g + k] = x[(int64_t)(r + k) * nb + b].s;
+            }
+    }
+}
+
 /* ---- work sharing ------------------------------------------------------------------ *
  * Each step of a forward is a list of items that the team's threads claim one at a
  * time from a shared counter; a step is over when all its items are done, not when
@@ -259,12 +400,18 @@ static void step_wait(ig_step *st, int n) {
 static void matmul_parts(ig_step *st, const ig_mat *parts, int nparts, const ig_xblk *x, int nx, float *y, int ldy) {
     int rows = 0;
     for (int p = 0; p < nparts; p++) rows += parts[p].rows;
-    int nbx = parts[0].cols / QK, xtile = XTILE_BYTES / (nbx * (int)sizeof(ig_xblk)) & ~3;
-    xtile = xtile < 4 ? 4 : xtile;
+    int nbx = parts[0].cols / QK, xtile = XTILE_BYTES / (nbx * (int)sizeof(ig_xblk)) & ~7;
+    xtile = xtile < 8 ? 8 : xtile;
     int nchunks = (rows + JCHUNK - 1) / JCHUNK, ntiles = (nx + xtile - 1) / xtile;
+    int ntab = (nx < xtile ? nx : xtile) * nbx, built = -1;
+    float *dtab = malloc(sizeof(float) * 2 * ntab), *stab = dtab ? dtab + ntab : NULL;
     FOR_ITEMS(st, ntiles * nchunks, item) {
         int tile = item / nchunks, j0 = (item % nchunks) * JCHUNK;
         int r0 = tile * xtile, r1 = r0 + xtile < nx ? r0 + xtile : nx;
+        if (dtab && tile != built) { /* items run tile by tile: a thread builds each tile's tables about once */
+            build_tabs(x, nbx, r0, r1, dtab, stab);
+            built = tile;
+        }
         for (int j = j0; j < j0 + JCHUNK && j < rows; j++) {
             int p = 0, jj = j, off = 0;
             while (jj >= parts[p].rows) {
@@ -274,22 +421,33 @@ static void matmul_parts(ig_step *st, const ig_mat *parts, int nparts, const ig_
             }
             const ig_mat *w = &parts[p];
             const uint8_t *row = w->data + (int64_t)jj * w->row_bytes;
-            int r = r0;
-            for (; r + 4 <= r1; r += 4) {
-                const ig_xblk *xs[4] = {x + (int64_t)r * nbx, x + (int64_t)(r + 1) * nbx, x + (int64_t)(r + 2) * nbx,
-                                        x + (int64_t)(r + 3) * nbx};
-                float o[4];
-                dot_rows(w, row, xs, 4, o);
-                for (int k = 0; k < 4; k++) y[(int64_t)(r + k) * ldy + off + jj] = o[k];
-            }
-            for (; r < r1; r++) {
-                const ig_xblk *xs[1] = {x + (int64_t)r * nbx};
-                float o[1];
-                dot_rows(w, row, xs, 1, o);
-                y[(int64_t)r * ldy + off + jj] = o[0];
+#ifdef IG_AVX2
+            if (jj + 1 < w->rows) /* the next row from memory while this one is dotted (matrices past L2) */
+                for (int64_t o = 0; o < w->row_bytes; o += 64) _mm_prefetch((const char *)row + w->row_bytes + o, _MM_HINT_T0);
+#endif
+            for (int r = r0, g; r < r1; r += g) {
+                g = group_at(r, r1);
+                const ig_xblk *xs[8];
+                float o[8];
+                for (int k = 0; k < g; k++) xs[k] = x + (int64_t)(r + k) * nbx;
+#ifdef IG_AVX2
+                const float *dt = dtab + (int64_t)(r - r0) * nbx, *stb = stab + (int64_t)(r - r0) * nbx;
+                if (g == 8 && dtab)
+                    dot_group(w, row, xs, dt, stb, 8, o);
+                else if (g == 4 && dtab)
+                    dot_group(w, row, xs, dt, stb, 4, o);
+                else
+#endif
+                    if (g >= 4) {
+                    for (int k = 0; k < g; k += 4) dot_rows(w, row, xs + k, 4, o + k);
+                } else {
+                    dot_rows(w, row, xs, 1, o);
+                }
+                for (int k = 0; k < g; k++) y[(int64_t)(r + k) * ldy + off + jj] = o[k];
             }
         }
     }
+    free(dtab);
 }
 
 void ig_matmul(const ig_mat *parts, int nparts, const ig_xblk *x, int nx, float *y, int ldy, int threads) {
@@ -402,10 +560,7 @@ static void attend_rows(const ig_model *m, const ig_batch *bt, int layer, int wi
     for (int qi = 0; qi < nq; qi++) {
         float *s = sc + (int64_t)qi * maxctx, mx = -INFINITY, den = 0.0f;
         for (int i = lo[qi]; i < hi[qi]; i++) mx = s[i] > mx ? s[i] : mx;
-        for (int i = lo[qi]; i < hi[qi]; i++) {
-            s[i] = expf(s[i] - mx);
-            den += s[i];
-        }
+        den = exp_shifted(s, lo[qi], hi[qi], mx);
         int r = r0 + qi / g, head = kvh * g + qi % g;
         weighted_values(vc, kvw, slots, s, lo[qi], hi[qi], hd, 1.0f / den, h + (int64_t)r * nh * hd + head * hd);
     }
@@ -501,10 +656,7 @@ int ig_forward(const ig_model *m, const ig_batch *bt, float *out_h) {
             matmul_parts(st++, L->gate_up, 2, xq, n, big, 2 * I);
             FOR_ITEMS(st, n, r) { /* SwiGLU, in place over the gate half */
                 float *gu = big + (int64_t)r * 2 * I;
-                for (int i = 0; i < I; i++) {
-                    float gi = gu[i];
-                    gu[i] = gi / (1.0f + expf(-gi)) * gu[I + i];
-                }
+                swiglu(gu, gu + I, I);
                 quant_row(gu, I, xq + (int64_t)r * (I / QK));
             }
             st++;

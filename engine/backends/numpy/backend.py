@@ -22,6 +22,7 @@ import numpy as np
 
 from engine import sampler
 from engine.backend import Backend, DecodeLane, PrefillSpan, StepOutput, TokenLogprob
+from engine.backends import host_tier
 from engine.memory import MemoryPlan, kv_block_bytes, workspace_bytes
 
 from .forward import KVViews, NumpyModel
@@ -197,20 +198,15 @@ class NumpyBackend(Backend):
     # --- KV pages -------------------------------------------------------------------------
 
     def _host(self) -> tuple[np.ndarray, np.ndarray]:
-        if self.host_k is None:
-            if self.num_host_blocks < 1:
-                raise RuntimeError("no host KV tier (host_kv_budget_bytes too small)")
-            shape = (self.k.shape[0], self.num_host_blocks, *self.k.shape[2:])
-            self.host_k, self.host_v = np.zeros(shape, np.float32), np.zeros(shape, np.float32)
-        return self.host_k, self.host_v
+        return host_tier.host_pages(self)
 
     def swap_out(self, pairs: Sequence[tuple[int, int]]) -> None:
         """(device block, host block) pairs: device pages to the host tier."""
-        _copy_blocks((self.k, self.v), self._host(), pairs)
+        host_tier.swap_out(self, pairs)
 
     def swap_in(self, pairs: Sequence[tuple[int, int]]) -> None:
         """(host block, device block) pairs: host pages back into the pool."""
-        _copy_blocks(self._host(), (self.k, self.v), pairs)
+        host_tier.swap_in(self, pairs)
 
     def unload(self) -> None:
         for attr in ("model", "vision", "k", "v", "k_cache", "v_cache", "kv"):
@@ -218,10 +214,3 @@ class NumpyBackend(Backend):
         self.host_k = self.host_v = None
         self.config = None
         self.plan = None
-
-
-def _copy_blocks(src: tuple[np.ndarray, ...], dst: tuple[np.ndarray, ...], pairs: Sequence[tuple[int, int]]) -> None:
-    """``dst[:, b] = src[:, a]`` for each (a, b) pair, every layer, K and V alike."""
-    a, b = (list(x) for x in zip(*pairs))
-    for s, d in zip(src, dst):
-        d[:, b] = s[:, a]
