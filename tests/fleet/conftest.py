@@ -101,6 +101,7 @@ class Fleet:
     workers: dict[str, LiveProcess] = field(default_factory=dict)
     fronts: list[tuple[LiveProcess, str]] = field(default_factory=list)
     starts: dict[str, int] = field(default_factory=dict)
+    metrics: dict[str, str] = field(default_factory=dict)  # front end base URL -> its /metrics URL
 
     def start_worker(self, worker_id: str, model: str, **extra: str) -> LiveProcess:
         n = self.starts[worker_id] = self.starts.get(worker_id, 0) + 1
@@ -114,13 +115,14 @@ class Fleet:
         return proc
 
     def start_front(self) -> tuple[LiveProcess, str]:
-        port = free_port()
+        port, metrics_port = free_port(), free_port()
         env = {
             **self.env,
             "IGNIS_MODEL_ID": "tiny-a",
             "IGNIS_MODEL_PATH": "tiny-a",
-            "IGNIS_SERVER_METRICS_BIND": f"127.0.0.1:{free_port()}",
+            "IGNIS_SERVER_METRICS_BIND": f"127.0.0.1:{metrics_port}",
         }
+        self.metrics[f"http://127.0.0.1:{port}"] = f"http://127.0.0.1:{metrics_port}/metrics"
         proc = LiveProcess(
             [sys.executable, "manage.py", "serve", "--port", str(port)], env, self.root / f"front-{port}.log"
         )

@@ -7,10 +7,12 @@ The tests share one fleet and run in file order: routing, then a worker killed w
 
 from __future__ import annotations
 
+import re
 import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import httpx
 import openai
 import pytest
 from openai import OpenAI
@@ -81,6 +83,10 @@ def test_alternating_models_are_routed_without_a_switch_and_spread_over_workers(
         by_id = {m["id"]: m for m in body["data"]}
         assert {w["id"] for w in by_id["tiny-a"]["workers"]} == {"w-a1", "w-a2"}
         assert [w["id"] for w in by_id["tiny-b"]["workers"]] == ["w-b"]
+        assert {w["id"]: w["model"] for w in body["workers"]} == {"w-a1": "tiny-a", "w-a2": "tiny-a", "w-b": "tiny-b"}
+        scrape = httpx.get(fleet.metrics[base], timeout=10).text
+        for worker_id, model in (("w-a1", "tiny-a"), ("w-a2", "tiny-a"), ("w-b", "tiny-b")):
+            assert re.search(rf'ignis_worker_up{{host="[^"]*",model="{model}",worker="{worker_id}"}} 1.0', scrape)
 
 
 def test_a_killed_worker_ends_its_streams_the_survivor_serves_and_a_restarted_worker_rejoins(fleet):
