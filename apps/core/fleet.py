@@ -84,6 +84,9 @@ class Worker:
             "lanes_busy": self.lanes_busy,
             "lanes_total": self.lanes_total,
             "kv_pages_free": self.kv_pages_free,
+            "kv_pages_used": int(((self.status.stats.kv_pages if self.status.stats else None) or {}).get("used", 0)),
+            "running": len(self.running),
+            "waiting": len(self.waiting),
         }
 
 
