@@ -84,6 +84,8 @@ def test_alternating_models_are_routed_without_a_switch_and_spread_over_workers(
         assert {w["id"] for w in by_id["tiny-a"]["workers"]} == {"w-a1", "w-a2"}
         assert [w["id"] for w in by_id["tiny-b"]["workers"]] == ["w-b"]
         assert {w["id"]: w["model"] for w in body["workers"]} == {"w-a1": "tiny-a", "w-a2": "tiny-a", "w-b": "tiny-b"}
+        monitor = httpx.get(base + "/ui/api/monitor", timeout=10).json()  # the Playground's Monitor
+        assert sorted(w["id"] for w in monitor["workers"]) == ["w-a1", "w-a2", "w-b"]
         scrape = httpx.get(fleet.metrics[base], timeout=10).text
         for worker_id, model in (("w-a1", "tiny-a"), ("w-a2", "tiny-a"), ("w-b", "tiny-b")):
             assert re.search(rf'ignis_worker_up{{host="[^"]*",model="{model}",worker="{worker_id}"}} 1.0', scrape)
