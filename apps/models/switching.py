@@ -298,13 +298,16 @@ async def model_hold(*, name: str | None) -> None:
         return
     served_id, _ = model_name_split(name)
     status = await status_sync()  # the cached status: no round trip where a listener runs
-    if not served_id or served_id == served_model().served_id:
+    if not served_id:
         return
     fleet = engine_state.CACHE
-    if fleet.serving(served_id):  # a worker serves it: no switch (docs/FLEET.md)
+    if len(fleet.workers) > 1:  # a fleet (docs/FLEET.md): a switch only when no worker serves it
+        if fleet.serving(served_id):
+            return
+        if any(w.model == served_id for w in fleet.live()):
+            raise _switching()  # its workers are switching or draining: back shortly
+    elif served_id == served_model().served_id:
         return
-    if len(fleet.workers) > 1 and any(w.model == served_id for w in fleet.live()):
-        raise _switching()  # its workers are switching or draining: back shortly
     if not settings.IGNIS["switch.allow_implicit"]:
         return
     _refuse_while_gone()

@@ -194,3 +194,21 @@ def test_a_worker_restarted_under_its_id_ends_what_its_previous_engine_held(fron
                 await listener
 
     asyncio.run(asyncio.wait_for(scenario(), 3 * TIMEOUT))
+
+
+def test_a_switch_goes_to_the_named_worker_one_serving_the_target_or_the_policy_pick(monkeypatch):
+    from apps.core.errors import ModelNotFound, ModelSwitchFailed
+    from apps.models.switching import switch_worker
+
+    fleet = table(beat("a1", "m-a", busy=3), beat("a2", "m-a"), beat("b", "m-b"))
+    fleet.listening = True
+    monkeypatch.setattr(engine_state, "CACHE", fleet)
+    monkeypatch.setitem(settings.IGNIS, "switch.fleet_policy", "idle")
+    assert switch_worker(target_id="m-c", trigger="explicit", worker="b").name == "b"
+    with pytest.raises(ModelNotFound):
+        switch_worker(target_id="m-c", trigger="explicit", worker="nobody")
+    assert switch_worker(target_id="m-b", trigger="implicit").name == "b"  # serves it: answers unchanged
+    assert switch_worker(target_id="m-c", trigger="implicit").name == "a2"  # idle, and m-a keeps a1
+    monkeypatch.setitem(settings.IGNIS, "switch.fleet_policy", "none")
+    with pytest.raises(ModelSwitchFailed):
+        switch_worker(target_id="m-c", trigger="implicit")
