@@ -43,33 +43,43 @@ MODELS = ("tiny-a", "tiny-b")
 PROMPTS = ["Say something.", "Name three colors.", "Count to ten.", "What is 2+2?", "Write a haiku about rain."]
 
 
-def start_fleet(root: Path, database_url: str, redis_url: str):
+def start_fleet(root: Path, database_url: str, redis_url: str, *, backend: str = "numpy", gguf: bool = False):
+    """Two workers (soak-a, soak-b) and a front end. ``gguf``: both serve the default GGUF as
+    ``smollm2-135m-instruct`` (one model on two workers); else tiny-a and tiny-b (two models)."""
     models = tiny_models(root / "models", _default_gguf())
+    served = {"soak-a": "tiny-a", "soak-b": "tiny-b"}
+    if gguf:
+        path = str(next((models / "smollm2-135m-instruct").glob("*.gguf")).relative_to(models))
+        served = {"soak-a": ("smollm2-135m-instruct", path), "soak-b": ("smollm2-135m-instruct", path)}
+    else:
+        served = {w: (m, m) for w, m in served.items()}
     env = server_env(
         root,
         IGNIS_SERVER_REDIS_URL=redis_url,
         IGNIS_SERVER_DATABASE_URL=database_url,
         IGNIS_SERVER_MODELS_DIR=str(models),
-        IGNIS_MODEL_BACKEND="numpy",
+        IGNIS_MODEL_BACKEND=backend,
+        IGNIS_MODEL_CPU_THREADS="1",
         IGNIS_SERVER_ENGINE_HEARTBEAT="0.25",
-        IGNIS_SERVER_WORKER_TIMEOUT="3",
+        IGNIS_SERVER_WORKER_TIMEOUT="10",  # a shared 2-core machine can stall a worker for seconds
         IGNIS_MODEL_IDLE_UNLOAD="0",
         IGNIS_SERVER_METRICS_BIND="",
         IGNIS_SERVER_LOG_LEVEL="warning",
     )
     migrate(env)
     procs = []
-    for worker_id, model in (("soak-a", "tiny-a"), ("soak-b", "tiny-b")):
-        worker_env = {**env, "IGNIS_MODEL_ID": model, "IGNIS_MODEL_PATH": model}
+    for worker_id, (model, path) in served.items():
+        worker_env = {**env, "IGNIS_MODEL_ID": model, "IGNIS_MODEL_PATH": path}
         cmd = [sys.executable, "manage.py", "runengine", "--worker-id", worker_id]
         procs.append(LiveProcess(cmd, worker_env, root / f"{worker_id}.log"))
     port = free_port()
-    front_env = {**env, "IGNIS_MODEL_ID": "tiny-a", "IGNIS_MODEL_PATH": "tiny-a"}
+    model, path = served["soak-a"]
+    front_env = {**env, "IGNIS_MODEL_ID": model, "IGNIS_MODEL_PATH": path}
     front = LiveProcess([sys.executable, "manage.py", "serve", "--port", str(port)], front_env, root / "front.log")
     procs.append(front)
     base = f"http://127.0.0.1:{port}"
     wait_healthy(base, front)
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + 180
     while time.monotonic() < deadline:
         listed = httpx.get(base + "/v1/models", timeout=10).json().get("workers", [])
         if {w["id"] for w in listed if w["status"] == "serving"} == {"soak-a", "soak-b"}:
@@ -166,6 +176,14 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=18)
     parser.add_argument("--database-admin", default="postgresql://postgres@127.0.0.1:5432/postgres")
     parser.add_argument("--out", help="write the result as JSON here too")
+    parser.add_argument("--backend", default="numpy", help="the workers' model.backend (numpy | cpu)")
+    parser.add_argument("--gguf", action="store_true", help="both workers serve the default GGUF (one model)")
+    parser.add_argument(
+        "--exec",
+        dest="command_line",
+        help="instead of the soak, run this shell command against the fleet (IGNIS_FLEET_URL, "
+        "IGNIS_FLEET_TOKENIZER set; bench/fleet_load.sh) and exit with its status",
+    )
     args = parser.parse_args()
 
     import psycopg
@@ -183,7 +201,16 @@ def main() -> int:
     )
     procs = []
     try:
-        base, procs = start_fleet(root, database_url, f"redis://127.0.0.1:{redis_port}/0")
+        base, procs = start_fleet(
+            root, database_url, f"redis://127.0.0.1:{redis_port}/0", backend=args.backend, gguf=args.gguf
+        )
+        if args.command_line:
+            import subprocess
+
+            env = {**os.environ, "IGNIS_FLEET_URL": base, "IGNIS_FLEET_TOKENIZER": str(root / "models" / "tiny-a")}
+            rc = subprocess.run(args.command_line, shell=True, env=env).returncode
+            print(json.dumps({"workers_at_end": workers_settled(base)}, indent=2))
+            return rc
         started = time.monotonic()
         result = soak(base, args.minutes, args.streams, args.request_timeout, args.seed)
         result["seconds"] = round(time.monotonic() - started, 1)

@@ -132,6 +132,8 @@ STATUS_HOOKS: list[Callable[[EngineStatus], Awaitable[None]]] = []
 
 async def _took(beat: EngineHeartbeat, came_back: bool) -> None:
     status = CACHE.status
+    if status is None:  # the last worker said goodbye (a leaving beat): nothing to follow
+        return
     if came_back:
         log.info("ignis.engine.available", extra={"engine_id": beat.engine_id, "status": str(status.status)})
     for hook in STATUS_HOOKS:

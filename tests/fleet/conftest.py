@@ -26,7 +26,7 @@ from tests.models.tiny import link_default_gguf, write_tiny_llama
 REDIS_HOST, REDIS_PORT = "127.0.0.1", 6379
 PG_ADMIN = "postgresql://postgres@127.0.0.1:5432/postgres"
 LOCK_KEY = "ignis:fleet-test:lock"
-TIMEOUT = 2.0  # server.worker_timeout of these fleets
+TIMEOUT = 3.0  # server.worker_timeout of these fleets
 _TINY = Path(os.environ.get("TMPDIR", "/tmp")) / f"ignis-tiny-llama-fleet-{os.getuid()}"
 
 
