@@ -13,14 +13,20 @@ the engine reports finished in the history: apps.models registers both as
 ``STATUS_HOOKS`` (``apps.models.switching.status_took``), so this bottom module
 imports no app.
 
-Liveness: with no heartbeat for ``server.engine_timeout`` seconds the engine
-is taken for gone. New requests are then 503 ``engine_unavailable`` with
-Retry-After (``switch_gate``), and the requests this front end sent end: the
-ones the last heartbeat listed as waiting with ``engine_unavailable``, the
-others (they streamed, or were sent since) with ``engine_error``
-(``request_sent`` keeps their reply channels; the engine beats soon after a
-request's first token, so the list is seldom behind). The next
-heartbeat, from this engine or a restarted one, makes it available again.
+Every worker of a fleet beats on that group; the cache is the fleet's routing
+table (apps/core/fleet.py, docs/FLEET.md), and ``engine_state()`` reads as the
+primary worker's status (embedded: the one engine's).
+
+Liveness: a worker with no heartbeat for ``server.worker_timeout`` seconds
+(0: ``server.engine_timeout``) leaves the table, and the requests this front
+end sent it end (``_end_orphans``): the ones its last heartbeat listed as
+waiting are sent again to a live worker of their model, or answered
+``engine_unavailable``; the others (they streamed, or were sent since) end with
+``engine_error`` (``request_route`` keeps their reply channels; a worker beats
+soon after a request's first token, so the list is seldom behind). With no
+worker left, new requests are 503 ``engine_unavailable`` with Retry-After
+(``switch_gate``). The next heartbeat, from this worker or a restarted one,
+puts it back.
 
 Without a listener (management commands, unit tests) nothing is cached and
 ``engine_client.engine_status_now`` asks the engine as before.
