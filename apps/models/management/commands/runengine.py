@@ -58,6 +58,26 @@ class Command(BaseCommand):
             extra={"model": served.served_id, "path": str(served.path), "worker_id": worker.worker_id},
         )
         asyncio.run(serve_until_drained(worker, values["switch.drain_timeout"]))
+        log.info("ignis.engine.stopped", extra={"worker_id": worker.worker_id})
+
+
+EXIT_GRACE = 10.0  # seconds the interpreter gets to wind down after a drain before the process ends anyway
+
+
+def _exit_soon() -> None:
+    """A drained worker exits: should tearing down the loop, the layer or the step thread hang
+    (a step still running on a starved machine), the process ends after EXIT_GRACE seconds anyway."""
+    import os
+    import threading
+
+    def force() -> None:
+        log.warning("ignis.engine.forced_exit", extra={"after": EXIT_GRACE})
+        logging.shutdown()
+        os._exit(0)
+
+    timer = threading.Timer(EXIT_GRACE, force)
+    timer.daemon = True
+    timer.start()
 
 
 async def serve_until_drained(worker: EngineWorker, drain_timeout: float) -> None:
@@ -71,7 +91,7 @@ async def serve_until_drained(worker: EngineWorker, drain_timeout: float) -> Non
             run.cancel()
             return
         draining.append(loop.create_task(worker.drain(drain_timeout)))
-        draining[0].add_done_callback(lambda _t: run.cancel())
+        draining[0].add_done_callback(lambda _t: (_exit_soon(), run.cancel()))
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal)
