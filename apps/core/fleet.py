@@ -249,11 +249,11 @@ class Fleet:
         then the most KV pages free. ``none``: a fleet of more than one worker never switches implicitly.
         Draining and switching workers are never taken.
         """
+        if len(self.workers) == 1:  # a fleet of one (embedded): the engine itself refuses what it must (409)
+            return next(iter(self.workers.values()))
         live = [w for w in self.live() if not w.draining and w.state is not EngineState.SWITCHING]
         if not live:
             return None
-        if len(self.workers) == 1:
-            return live[0]
         if policy == "none":
             return None
         counts = {m: len(ws) for m, ws in self.models().items()}

@@ -212,3 +212,8 @@ def test_a_switch_goes_to_the_named_worker_one_serving_the_target_or_the_policy_
     monkeypatch.setitem(settings.IGNIS, "switch.fleet_policy", "none")
     with pytest.raises(ModelSwitchFailed):
         switch_worker(target_id="m-c", trigger="implicit")
+
+
+def test_a_fleet_of_one_always_gets_the_switch_the_engine_answers_409_itself():
+    fleet = table(beat("only", "m-a", state="switching"))
+    assert fleet.switch_candidate("none", "m-b").name == "only"
