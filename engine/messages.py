@@ -12,6 +12,23 @@ from dataclasses import asdict, dataclass, field, fields
 
 ENGINE_CHANNEL = "ignis.engine"
 STATUS_GROUP = "ignis.status"  # every front end: EngineHeartbeat, on each change and every heartbeat seconds
+# A fleet (docs/FLEET.md): a worker started with a worker id listens on its own channel; one
+# without (embedded, or a lone ``runengine``) on ENGINE_CHANNEL, as before.
+WORKER_CHANNEL_PREFIX = ENGINE_CHANNEL + "."
+WORKER_ID_CHARS = 64
+
+
+def worker_channel(worker_id: str | None) -> str:
+    """The channel a worker with ``worker_id`` takes its messages from (ENGINE_CHANNEL without one)."""
+    return WORKER_CHANNEL_PREFIX + worker_id if worker_id else ENGINE_CHANNEL
+
+
+def worker_id_check(worker_id: str) -> str:
+    """``worker_id`` if it can name a channel (letters, digits, ``-``, ``_``, ``.``; 1-64); else ValueError."""
+    ok = 0 < len(worker_id) <= WORKER_ID_CHARS and all(c.isascii() and (c.isalnum() or c in "-_.") for c in worker_id)
+    if not ok:
+        raise ValueError(f"a worker id is 1-{WORKER_ID_CHARS} letters, digits, '-', '_' or '.', not {worker_id!r}")
+    return worker_id
 
 
 class _Msg:
@@ -202,6 +219,17 @@ class EngineHeartbeat(_Msg):
     status: dict  # EngineStatus.to_message()
     running_request_ids: list[str] = field(default_factory=list)
     waiting_request_ids: list[str] = field(default_factory=list)
+    # The fleet's routing table (apps/core/fleet.py) reads these; an older engine sends none of them
+    # and reads as the one worker on ENGINE_CHANNEL.
+    worker_id: str = ""  # --worker-id ('' : the unnamed worker on ENGINE_CHANNEL)
+    channel: str = ENGINE_CHANNEL  # where its requests, aborts, switches and status asks go
+    host: str = ""
+    model: str = ""  # the served id (status["model"])
+    lanes_busy: int = 0
+    lanes_total: int = 0
+    kv_pages_free: int = 0  # free plus retained (evictable) device pages
+    draining: bool = False  # SIGTERM: admits nothing new; running requests finish
+    leaving: bool = False  # the last beat of a worker that drained and exits: out of the table at once
 
 
 @dataclass

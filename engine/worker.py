@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import socket
 import time
 import uuid
 from collections import deque
@@ -32,7 +33,6 @@ from engine.config import EngineConfig
 from engine.host import ModelHost
 from engine.loading import BackendFactory, Loader
 from engine.messages import (
-    ENGINE_CHANNEL,
     STATUS_GROUP,
     AbortRequest,
     AddRequest,
@@ -44,6 +44,7 @@ from engine.messages import (
     StatusRequest,
     SwitchModel,
     UnloadModel,
+    worker_channel,
 )
 from engine.outputs import EngineOutput
 from engine.refusals import refusal
@@ -72,10 +73,18 @@ class EngineWorker:
         on_progress: Callable[[str, int, int], None] | None = None,
         loader: Loader | None = None,
         backend_factory: BackendFactory | None = None,
+        worker_id: str | None = None,
     ):
         self.layer = layer
         self.heartbeat = float(heartbeat)
         self.engine_id = f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        # A fleet's worker (docs/FLEET.md) takes its messages from its own channel; without an id
+        # (embedded, or a lone runengine) from ENGINE_CHANNEL, as before.
+        self.worker_id = worker_id or ""
+        self.channel = worker_channel(worker_id)
+        self.hostname = socket.gethostname()
+        self.draining = False  # drain(): nothing new is admitted
+        self.leaving = False
         self._changed = asyncio.Event()
         self._inbox: deque[dict] = deque()
         self._wakeup = asyncio.Event()
@@ -162,7 +171,7 @@ class EngineWorker:
     async def _receive_loop(self) -> None:
         """Never cancelled mid-receive: a cancelled channels_redis receive can drop a message."""
         while True:
-            msg = await self.layer.receive(ENGINE_CHANNEL)
+            msg = await self.layer.receive(self.channel)
             kind = msg.get("type")
             if kind == StatusRequest.TYPE:
                 await self._send(StatusRequest.from_message(msg).reply_channel, self.status_message())
@@ -195,7 +204,25 @@ class EngineWorker:
         waiting = [s.request_id for s in seqs if s.first_token_time is None]
         waiting += [m["request_id"] for m in self._inbox if m.get("type") == AddRequest.TYPE]
         running = [s.request_id for s in seqs if s.first_token_time is not None]
-        beat = EngineHeartbeat(self.engine_id, self.heartbeat, self.status_message(), running, waiting)
+        status = self.status_message()
+        stats = status.get("stats") or {}
+        kv = stats.get("kv_pages") or {}
+        beat = EngineHeartbeat(
+            self.engine_id,
+            self.heartbeat,
+            status,
+            running,
+            waiting,
+            worker_id=self.worker_id,
+            channel=self.channel,
+            host=self.hostname,
+            model=status.get("model", ""),
+            lanes_busy=int(stats.get("lanes_busy", 0)),
+            lanes_total=int(stats.get("lanes_total", 0)),
+            kv_pages_free=int(kv.get("free", 0)) + int(kv.get("retained", 0)) - int(kv.get("pinned", 0)),
+            draining=self.draining,
+            leaving=self.leaving,
+        )
         return beat.to_message()
 
     async def announce(self) -> None:
@@ -222,7 +249,7 @@ class EngineWorker:
         head of the inbox (and everything behind it): the loop reloads for it."""
         while self._inbox:
             kind = self._inbox[0].get("type")
-            if kind == AddRequest.TYPE and self.host.needs_load:
+            if kind == AddRequest.TYPE and self.host.needs_load and not self.draining:
                 return
             msg = self._inbox.popleft()
             if kind == AddRequest.TYPE:
@@ -234,6 +261,15 @@ class EngineWorker:
                 )
 
     async def _add(self, add: AddRequest) -> None:
+        if self.draining:  # front ends stopped routing here at the draining beat; this one crossed it
+            refused = RequestFailed(
+                add.request_id,
+                "This engine worker is shutting down; retry shortly.",
+                "engine_unavailable",
+                retry_after=1,
+            )
+            await self._send(add.reply_channel, refused.to_message())
+            return
         refused = self.host.refusal_for(add)
         if refused is None:
             self.host.touch()
@@ -267,6 +303,32 @@ class EngineWorker:
                 await self._send(add.reply_channel, self.host.load_failed(add.request_id).to_message())
             else:
                 self._inbox.append(msg)
+
+    # -- drain (SIGTERM) ---------------------------------------------------------
+
+    def busy_request_ids(self) -> list[str]:
+        sched = self.host.scheduler
+        return list(sched.seqs) if sched is not None else []
+
+    async def drain(self, timeout: float, poll: float = 0.05) -> int:
+        """Admit nothing new, let the running requests finish within ``timeout`` seconds, end the
+        rest with engine_error, then say goodbye (a ``leaving`` heartbeat: front ends drop this
+        worker at once). Returns how many requests had to be ended. The loop keeps stepping meanwhile."""
+        self.draining = True
+        running = self.busy_request_ids()
+        log.info("ignis.engine.draining", extra={"worker_id": self.worker_id, "running": len(running)})
+        await self.announce()  # front ends route nothing more here from this beat on
+        self._wakeup.set()  # requests already in the inbox are refused now, not after a wait
+        deadline = time.monotonic() + max(timeout, 0.0)
+        while self.busy_request_ids() and time.monotonic() < deadline:
+            await asyncio.sleep(poll)
+        left = self.busy_request_ids()
+        if left:
+            await self._end_with_error(left, "The engine worker shut down before this request finished.")
+        self.leaving = True
+        await self.announce()
+        log.info("ignis.engine.drained", extra={"worker_id": self.worker_id, "ended": len(left)})
+        return len(left)
 
     # -- outputs out -----------------------------------------------------------
 

@@ -128,6 +128,12 @@ FIELDS: dict[str, Field] = {
         Field("server.data_dir", str, "", "state: SQLite, Celery queue, caches (default: ./var)"),
         Field("server.redis_url", str, "", "Redis URL: scaled mode (engine in `runengine`)"),
         Field(
+            "server.database_url",
+            str,
+            "",
+            "postgresql://user[:password]@host[:port]/name: Django's database ('' = SQLite under server.data_dir)",
+        ),
+        Field(
             "server.socket_idle_close",
             int,
             600,
@@ -166,6 +172,20 @@ FIELDS: dict[str, Field] = {
             5.0,
             "seconds without an engine heartbeat before a front end takes the engine for gone",
             0.2,
+            3600,
+        ),
+        Field(
+            "server.worker_id",
+            str,
+            "",
+            "runengine: this worker's id in a fleet, its channel ignis.engine.<id> ('' = the one engine channel)",
+        ),
+        Field(
+            "server.worker_timeout",
+            float,
+            0.0,
+            "seconds without a worker's heartbeat before a front end drops it from the fleet (0 = server.engine_timeout)",
+            0,
             3600,
         ),
         Field("model.id", str, "smollm2-135m-instruct", "served id of the model loaded at start"),
@@ -209,7 +229,20 @@ FIELDS: dict[str, Field] = {
         Field("model.max_images", int, 16, "images one request may hold (vision-language models)", 0, 1024),
         Field("switch.allow_implicit", bool, True, "a request naming another known model switches to it"),
         Field("switch.known_models", str, "", "comma-separated ids (or id=path) an implicit switch may reach"),
-        Field("switch.drain_timeout", float, 30.0, "seconds running requests get to finish before a switch", 0, 3600),
+        Field(
+            "switch.drain_timeout",
+            float,
+            30.0,
+            "seconds running requests get to finish before a switch (and before a SIGTERMed worker exits)",
+            0,
+            3600,
+        ),
+        Field(
+            "switch.fleet_policy",
+            str,
+            "idle",
+            "which worker an implicit switch takes when none serves the model: idle | least_loaded | none",
+        ),
         Field(
             "server.celery_worker",
             bool,
@@ -292,7 +325,15 @@ def load(overrides: dict[str, Any] | None = None, environ: dict[str, str] | None
 # Keys the settings module is built from before the database opens: the
 # environment or a flag sets them, never the saved configuration (PATCH refuses them).
 START_ONLY_KEYS = frozenset(
-    {"server.data_dir", "server.redis_url", "server.models_dir", "server.log_level", "server.log_format"}
+    {
+        "server.data_dir",
+        "server.redis_url",
+        "server.database_url",
+        "server.models_dir",
+        "server.log_level",
+        "server.log_format",
+        "server.worker_id",  # one per process: a saved value would give every worker the same
+    }
 )
 
 # Keys a load is built from: changing one reloads the model (the way a switch does).
@@ -342,6 +383,8 @@ LIVE_KEYS = frozenset(
         "server.image_fetch_timeout",
         "model.max_image_pixels",
         "model.max_images",
+        "server.worker_timeout",
+        "switch.fleet_policy",
     }
 )
 
@@ -368,6 +411,34 @@ def validate(patch: dict[str, Any]) -> dict[str, Any]:
     return parsed
 
 
+def database_settings(url: str, sqlite_path: Path) -> dict[str, Any]:
+    """Django's DATABASES["default"] for ``server.database_url`` (PostgreSQL), or SQLite at ``sqlite_path``."""
+    if not url:
+        # Writers come from several threads of one process (the request path, the engine state
+        # listener recording switches, Celery's solo worker): BEGIN IMMEDIATE takes the write
+        # lock up front and waits for it (timeout), where a deferred transaction that reads
+        # then writes fails at once with "database is locked" when another writer holds it.
+        return {
+            "ENGINE": "django.db.backends.sqlite3",
+            "NAME": sqlite_path,
+            "OPTIONS": {"timeout": 20, "transaction_mode": "IMMEDIATE"},
+        }
+    from urllib.parse import unquote, urlsplit
+
+    parts = urlsplit(url)
+    if parts.scheme not in ("postgres", "postgresql"):
+        raise ValueError(f"server.database_url must be a postgresql:// URL, not {parts.scheme or url!r}")
+    return {
+        "ENGINE": "django.db.backends.postgresql",
+        "NAME": unquote(parts.path.lstrip("/")) or "ignis",
+        "USER": unquote(parts.username or ""),
+        "PASSWORD": unquote(parts.password or ""),
+        "HOST": parts.hostname or "",
+        "PORT": str(parts.port or ""),
+        "CONN_MAX_AGE": 0,
+    }
+
+
 def worker_options(values: dict[str, Any]) -> dict[str, Any]:
     """The engine worker's own settings (idle unload, switch drain, RAM plan, heartbeat)."""
     return {
@@ -375,6 +446,7 @@ def worker_options(values: dict[str, Any]) -> dict[str, Any]:
         "drain_timeout": values["switch.drain_timeout"],
         "ram_budget": values["model.ram_budget"],
         "heartbeat": values["server.engine_heartbeat"],
+        "worker_id": values["server.worker_id"] or None,
     }
 
 

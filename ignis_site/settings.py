@@ -74,17 +74,8 @@ TEMPLATES = [
     }
 ]
 
-DATABASES = {
-    "default": {
-        "ENGINE": "django.db.backends.sqlite3",
-        "NAME": VAR_DIR / "ignis.sqlite3",
-        # Writers come from several threads of one process (the request path, the engine state
-        # listener recording switches, Celery's solo worker): BEGIN IMMEDIATE takes the write
-        # lock up front and waits for it (timeout), where a deferred transaction that reads
-        # then writes fails at once with "database is locked" when another writer holds it.
-        "OPTIONS": {"timeout": 20, "transaction_mode": "IMMEDIATE"},
-    }
-}
+# SQLite under var/ (embedded), or PostgreSQL with server.database_url (a fleet: docs/FLEET.md).
+DATABASES = {"default": config.database_settings(IGNIS["server.database_url"], VAR_DIR / "ignis.sqlite3")}
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 if REDIS_URL:

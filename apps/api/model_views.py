@@ -11,6 +11,7 @@ from rest_framework.response import Response
 
 from apps.api.schemas import validated
 from apps.api.schemas.models import CatalogDownloadBody, CatalogImportBody, SwitchBody
+from apps.core import engine_state
 from apps.core.errors import InvalidRequest
 from apps.models import catalog, config_service, selectors
 from apps.models.services import served_model, switch_target_resolve
@@ -49,7 +50,32 @@ async def models_payload() -> dict:
             if status.max_context:
                 entry["max_model_len"] = status.max_context
         data.append(entry)
-    return {"object": "list", "data": data, "switching": switching, "last_switch": status.last_switch}
+    return _with_workers({"object": "list", "data": data, "switching": switching, "last_switch": status.last_switch})
+
+
+def _with_workers(payload: dict) -> dict:
+    """Where a listener keeps the routing table: each model lists the workers serving it (``workers``,
+    their status), a model a worker serves that the catalog does not know gets an entry of its own,
+    and ``workers`` at the top lists every live worker with its model (docs/FLEET.md)."""
+    fleet = engine_state.CACHE
+    if not fleet.listening:
+        return payload
+    by_model = fleet.models()
+    known = {entry["id"] for entry in payload["data"]}
+    for model, workers in by_model.items():
+        if model not in known:
+            state = workers[0].state
+            payload["data"].append(
+                {"id": model, "object": "model", "created": 0, "owned_by": "ignis", "artifact": None, "status": state}
+            )
+    for entry in payload["data"]:
+        workers = by_model.get(entry["id"], [])
+        entry["workers"] = [w.describe() for w in workers]
+        if len(fleet.workers) > 1 and workers:  # a fleet: the model's status is its workers' best
+            states = {w.state for w in workers}
+            entry["status"] = EngineState.SERVING if EngineState.SERVING in states else workers[0].state
+    payload["workers"] = [{**w.describe(), "model": w.model} for w in fleet.live()]
+    return payload
 
 
 @api_view(["POST"])
@@ -57,7 +83,8 @@ def models_switch(request: Request) -> Response:
     """POST /v1/models/switch {"model": id} or {"path": artifact}: 202 at once, the work runs in the background."""
     body = validated(SwitchBody, request.data)
     target = switch_target_resolve(served_id=body.get("model"), path=body.get("path"))
-    return Response(async_to_sync(model_switch)(target=target, trigger="explicit"), status=202)
+    worker = body.get("worker")
+    return Response(async_to_sync(model_switch)(target=target, trigger="explicit", worker=worker), status=202)
 
 
 @api_view(["GET", "PATCH"])

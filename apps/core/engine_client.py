@@ -1,4 +1,10 @@
-"""The Django side's only door to the engine: messages on the Channels layer."""
+"""The Django side's only door to the engine: messages on the Channels layer.
+
+In a fleet (docs/FLEET.md) each message goes to the worker the routing table
+(apps/core/fleet.py) names: a request to one serving its model, its abort to
+the worker it went to, live configuration to every worker. Without a listener
+(management commands, unit tests) everything goes to ENGINE_CHANNEL as before.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +14,8 @@ import dataclasses
 from channels.layers import get_channel_layer
 
 from apps.core import engine_state
-from engine.messages import ENGINE_CHANNEL, AbortRequest, AddRequest
+from apps.core.fleet import default_model
+from engine.messages import ENGINE_CHANNEL, AbortRequest, AddRequest, ConfigureEngine
 from engine.status import EngineStatus
 
 # Parts of the reply the engine sends only while a scheduler exists (a model is loaded).
@@ -20,13 +27,30 @@ ECHO_CHARS = 512
 
 
 async def request_submit(add: AddRequest) -> None:
-    engine_state.request_sent(add.request_id, add.reply_channel)  # ended here should the engine go
-    await get_channel_layer().send(ENGINE_CHANNEL, add.to_message())
+    """Send ``add`` to a worker serving ``add.model`` (ended or sent again here should it go)."""
+    msg = add.to_message()
+    await get_channel_layer().send(engine_state.request_route(msg), msg)
 
 
 async def request_abort(request_id: str) -> None:
-    engine_state.request_done(request_id)
-    await get_channel_layer().send(ENGINE_CHANNEL, AbortRequest(request_id=request_id).to_message())
+    """Abort ``request_id`` on the worker it went to (every worker when this side no longer knows)."""
+    channel = engine_state.request_done(request_id)
+    channels = [channel] if channel is not None else worker_channels()
+    layer = get_channel_layer()
+    for target in channels:
+        await layer.send(target, AbortRequest(request_id=request_id).to_message())
+
+
+def worker_channels() -> list[str]:
+    """Every live worker's channel (ENGINE_CHANNEL where no table is kept, or none is known)."""
+    return [w.channel for w in engine_state.CACHE.live()] or [ENGINE_CHANNEL]
+
+
+async def engine_configure(values: dict) -> None:
+    """Live engine settings (ConfigureEngine) to every worker."""
+    layer = get_channel_layer()
+    for channel in worker_channels():
+        await layer.send(channel, ConfigureEngine(values=values).to_message())
 
 
 async def engine_status(timeout: float = 2.0) -> EngineStatus | None:
@@ -38,11 +62,15 @@ async def engine_status(timeout: float = 2.0) -> EngineStatus | None:
     return await engine_status_ask(timeout)
 
 
-async def engine_status_ask(timeout: float = 2.0) -> EngineStatus | None:
-    """Ask the engine for its status; None when it does not answer in time."""
+async def engine_status_ask(timeout: float = 2.0, channel: str | None = None) -> EngineStatus | None:
+    """Ask the engine (the worker on ``channel``; default: the primary one) for its status; None when
+    it does not answer in time."""
     layer = get_channel_layer()
     reply = await layer.new_channel()  # the default prefix: see apps.models.switching.model_switch
-    await layer.send(ENGINE_CHANNEL, {"type": EngineStatus.TYPE, "reply_channel": reply})
+    if channel is None:
+        primary = engine_state.CACHE.primary(default_model())
+        channel = primary.channel if primary is not None else ENGINE_CHANNEL
+    await layer.send(channel, {"type": EngineStatus.TYPE, "reply_channel": reply})
     try:
         msg = await asyncio.wait_for(layer.receive(reply), timeout)
     except TimeoutError:

@@ -13,14 +13,20 @@ the engine reports finished in the history: apps.models registers both as
 ``STATUS_HOOKS`` (``apps.models.switching.status_took``), so this bottom module
 imports no app.
 
-Liveness: with no heartbeat for ``server.engine_timeout`` seconds the engine
-is taken for gone. New requests are then 503 ``engine_unavailable`` with
-Retry-After (``switch_gate``), and the requests this front end sent end: the
-ones the last heartbeat listed as waiting with ``engine_unavailable``, the
-others (they streamed, or were sent since) with ``engine_error``
-(``request_sent`` keeps their reply channels; the engine beats soon after a
-request's first token, so the list is seldom behind). The next
-heartbeat, from this engine or a restarted one, makes it available again.
+Every worker of a fleet beats on that group; the cache is the fleet's routing
+table (apps/core/fleet.py, docs/FLEET.md), and ``engine_state()`` reads as the
+primary worker's status (embedded: the one engine's).
+
+Liveness: a worker with no heartbeat for ``server.worker_timeout`` seconds
+(0: ``server.engine_timeout``) leaves the table, and the requests this front
+end sent it end (``_end_orphans``): the ones its last heartbeat listed as
+waiting are sent again to a live worker of their model, or answered
+``engine_unavailable``; the others (they streamed, or were sent since) end with
+``engine_error`` (``request_route`` keeps their reply channels; a worker beats
+soon after a request's first token, so the list is seldom behind). With no
+worker left, new requests are 503 ``engine_unavailable`` with Retry-After
+(``switch_gate``). The next heartbeat, from this worker or a restarted one,
+puts it back.
 
 Without a listener (management commands, unit tests) nothing is cached and
 ``engine_client.engine_status_now`` asks the engine as before.
@@ -38,44 +44,19 @@ from collections.abc import Awaitable, Callable
 from channels.layers import get_channel_layer
 from django.conf import settings
 
+from apps.core.fleet import Fleet, Sent, Worker
 from apps.core.groups import join_forever
-from engine.messages import STATUS_GROUP, EngineHeartbeat, RequestFailed
+from engine.messages import ENGINE_CHANNEL, STATUS_GROUP, EngineHeartbeat, RequestFailed
 from engine.status import EngineStatus
 
 log = logging.getLogger("ignis.engine_state")
 RETRY_AFTER = 5  # seconds a request refused while the engine is gone is told to wait
 
 
-class EngineStateCache:
-    """The last heartbeat, when it came, and the requests sent since (to end them if the engine goes)."""
-
-    def __init__(self) -> None:
-        self.listening = False
-        self.status: EngineStatus | None = None
-        self.engine_id: str | None = None
-        self.seen_at: float | None = None  # monotonic time of the last heartbeat
-        self.available = False
-        self.waiting: set[str] = set()  # the last heartbeat's waiting_request_ids
-        self.sent: dict[str, tuple[str, float]] = {}  # request_id -> (reply channel, when sent)
-
-    def take(self, beat: EngineHeartbeat, now: float) -> bool:
-        """Cache ``beat``; True when the engine was unavailable (or unseen) before it."""
-        came_back = not self.available
-        self.status = EngineStatus.from_message(beat.status)
-        self.engine_id, self.seen_at, self.available = beat.engine_id, now, True
-        self.waiting = set(beat.waiting_request_ids)
-        # A request the engine does not list has finished, unless it was sent so recently
-        # that the engine may not have had it when it wrote this heartbeat.
-        live = self.waiting | set(beat.running_request_ids)
-        grace = 2 * max(beat.heartbeat, 0.5)
-        self.sent = {rid: v for rid, v in self.sent.items() if rid in live or now - v[1] < grace}
-        return came_back
-
-    def expired(self, now: float, timeout: float) -> bool:
-        return self.available and self.seen_at is not None and now - self.seen_at > timeout
-
-
-CACHE = EngineStateCache()
+# The routing table (apps/core/fleet.py) is the cache: ``status`` reads as the primary worker's
+# (a fleet of one: the engine's), ``available`` as "some worker answers".
+EngineStateCache = Fleet
+CACHE = Fleet()
 _ORIGIN = f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
 
 
@@ -85,37 +66,67 @@ def engine_state() -> EngineStatus | None:
 
 
 def engine_available() -> bool:
-    """False only while a listener runs and the engine missed its heartbeats (or never sent one)."""
+    """False only while a listener runs and every worker missed its heartbeats (or none sent one)."""
     return CACHE.available or not CACHE.listening
 
 
-def request_sent(request_id: str, reply_channel: str) -> None:
-    """The engine client sent this request: it ends here should the engine go."""
+def worker_timeout() -> float:
+    """Seconds of silence that take a worker out of the table (server.worker_timeout, 0: engine_timeout)."""
+    cfg = settings.IGNIS
+    return float(cfg.get("server.worker_timeout") or 0) or float(cfg.get("server.engine_timeout", 5.0))
+
+
+def request_route(add_message: dict) -> str:
+    """The channel an AddRequest goes to (the worker serving its model), noted so it can be ended or
+    sent again should that worker go."""
+    channel = CACHE.channel_for(add_message.get("model"))
     if CACHE.listening:
-        CACHE.sent[request_id] = (reply_channel, time.monotonic())
+        CACHE.record(add_message["request_id"], channel, add_message, time.monotonic())
+    return channel
 
 
-def request_done(request_id: str) -> None:
-    CACHE.sent.pop(request_id, None)
+def request_sent(request_id: str, reply_channel: str) -> None:
+    """The engine client sent this request (to the one engine channel): it ends here should the engine go."""
+    if CACHE.listening:
+        CACHE.record(request_id, ENGINE_CHANNEL, {"reply_channel": reply_channel}, time.monotonic())
 
 
-async def _end_sent(layer) -> None:
-    """The engine is gone: every request it held ends, each the way docs/API.md says."""
-    sent, CACHE.sent = CACHE.sent, {}
-    for request_id, (channel, _) in sent.items():
-        # Waiting at the last heartbeat: not begun, so 503 engine_unavailable. Anything else (it
-        # streamed, or was sent after that beat) may have begun: an engine_error event ends it.
-        if request_id not in CACHE.waiting:
-            failed = RequestFailed(request_id, "The engine stopped answering while this request ran.", "engine_error")
-        else:
+def request_done(request_id: str) -> str | None:
+    """The request ended on this side; the channel of the worker it went to (None: not known here)."""
+    sent = CACHE.sent.pop(request_id, None)
+    return sent.channel if sent is not None else None
+
+
+async def _end_orphans(layer, worker: Worker | None, orphans: dict[str, Sent]) -> None:
+    """``worker`` is gone (or restarted): each request it held ends the way docs/FLEET.md says,
+    or, queued and not begun, is sent again to a live worker serving its model."""
+    waiting = worker.waiting if worker is not None else set(orphans)  # none known: none can have begun
+    for request_id, sent in orphans.items():
+        # Waiting at the last heartbeat: not begun. Anything else (it streamed, or was sent after
+        # that beat) may have begun: an engine_error event ends it.
+        if request_id in waiting:
+            target = CACHE.route(sent.message.get("model")) if "prompt_token_ids" in sent.message else None
+            if target is not None:
+                try:
+                    await layer.send(target.channel, sent.message)
+                    CACHE.record(request_id, target.channel, sent.message, time.monotonic())
+                    log.info(
+                        "ignis.fleet.resent",
+                        extra={"request_id": request_id, "from": worker.name, "to": target.name},
+                    )
+                    continue
+                except Exception:
+                    log.exception("ignis.fleet.resend_failed", extra={"request_id": request_id})
             failed = RequestFailed(
                 request_id,
                 "The engine is not answering; retry shortly.",
                 "engine_unavailable",
                 retry_after=RETRY_AFTER,
             )
+        else:
+            failed = RequestFailed(request_id, "The engine stopped answering while this request ran.", "engine_error")
         try:
-            await layer.send(channel, failed.to_message())
+            await layer.send(sent.reply_channel, failed.to_message())
         except Exception:
             log.exception("ignis.engine.end_failed", extra={"request_id": request_id})
 
@@ -127,6 +138,8 @@ STATUS_HOOKS: list[Callable[[EngineStatus], Awaitable[None]]] = []
 
 async def _took(beat: EngineHeartbeat, came_back: bool) -> None:
     status = CACHE.status
+    if status is None:  # the last worker said goodbye (a leaving beat): nothing to follow
+        return
     if came_back:
         log.info("ignis.engine.available", extra={"engine_id": beat.engine_id, "status": str(status.status)})
     for hook in STATUS_HOOKS:
@@ -134,21 +147,25 @@ async def _took(beat: EngineHeartbeat, came_back: bool) -> None:
 
 
 async def _watch(layer) -> None:
-    """Mark the engine gone after ``server.engine_timeout`` seconds without a heartbeat."""
+    """Take a worker out of the table after ``server.worker_timeout`` seconds without its heartbeat."""
     tick = time.monotonic()
     while True:
-        timeout = float(settings.IGNIS.get("server.engine_timeout", 5.0))
+        timeout = worker_timeout()
         interval = min(timeout / 4, 0.5)
         await asyncio.sleep(interval)
         now, last = time.monotonic(), tick
         tick = now
         if now - last > 2 * interval:
             continue  # this loop stalled, not (for all we know) the engine: its beats may be queued here
-        if CACHE.expired(now, timeout):
-            CACHE.available = False
-            log.warning("ignis.engine.unavailable", extra={"engine_id": CACHE.engine_id, "silent_for": timeout})
-        if not CACHE.available and CACHE.sent:
-            await _end_sent(layer)
+        for worker in CACHE.expire(now, timeout):
+            log.warning(
+                "ignis.engine.unavailable" if not CACHE.available else "ignis.fleet.worker_gone",
+                extra={"engine_id": worker.engine_id, "worker_id": worker.name, "silent_for": timeout},
+            )
+            await _end_orphans(layer, worker, CACHE.orphans(worker))
+        if not CACHE.available and CACHE.sent:  # sent while no worker was known
+            sent, CACHE.sent = CACHE.sent, {}
+            await _end_orphans(layer, None, sent)
 
 
 async def engine_state_listen() -> None:
@@ -174,6 +191,10 @@ async def engine_state_listen() -> None:
             if msg.get("type") != EngineHeartbeat.TYPE:
                 continue
             beat = EngineHeartbeat.from_message(msg)
+            old = CACHE.restarted(beat)
+            if old is not None:  # the same worker id, another engine: what the old one held is lost
+                log.warning("ignis.fleet.worker_restarted", extra={"worker_id": old.name, "engine_id": beat.engine_id})
+                await _end_orphans(layer, old, CACHE.orphans(old))
             came_back = CACHE.take(beat, time.monotonic())
             try:
                 await _took(beat, came_back)

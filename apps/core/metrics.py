@@ -228,6 +228,40 @@ class EngineCollector:
         return engine_families(status)
 
 
+def fleet_families(workers) -> list[Metric]:
+    """Per-worker gauges from the routing table (apps/core/fleet.py), each with a ``worker`` label:
+    what this front end's last heartbeat of every live worker said (docs/FLEET.md)."""
+    import time
+
+    now = time.monotonic()
+    specs = [
+        ("ignis_worker_up", "1 for each engine worker in this front end's routing table.", lambda w: 1),
+        ("ignis_worker_lanes_busy", "Busy decode lanes, per worker (its last heartbeat).", lambda w: w.lanes_busy),
+        ("ignis_worker_lanes_total", "Decode lanes, per worker.", lambda w: w.lanes_total),
+        ("ignis_worker_kv_pages_free", "Free (and evictable) KV pages, per worker.", lambda w: w.kv_pages_free),
+        ("ignis_worker_draining", "1 while the worker drains (SIGTERM).", lambda w: int(w.draining)),
+        ("ignis_worker_heartbeat_age_seconds", "Seconds since the worker's last heartbeat.", lambda w: now - w.seen_at),
+    ]
+    out = []
+    for name, doc, value in specs:
+        fam = GaugeMetricFamily(name, doc, labels=["worker", "model", "host"])
+        for worker in workers:
+            fam.add_metric([worker.name, worker.model, worker.host], value(worker))
+        out.append(fam)
+    return out
+
+
+class FleetCollector:
+    """The routing table's per-worker gauges (only where a listener keeps one)."""
+
+    def collect(self) -> Iterable[Metric]:
+        from apps.core import engine_state
+
+        if not engine_state.CACHE.listening:
+            return []
+        return fleet_families(list(engine_state.CACHE.workers.values()))
+
+
 class _DefaultRegistry:
     """This process's default registry (django-prometheus, process metrics) as one collector."""
 
@@ -274,6 +308,7 @@ def start_listener(bind: str, loop: asyncio.AbstractEventLoop, public_port: int 
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_DefaultRegistry())
     registry.register(EngineCollector(loop))
+    registry.register(FleetCollector())
     try:
         server, _thread = start_http_server(port, addr=host, registry=registry)
     except OSError as exc:

@@ -25,10 +25,11 @@ from channels.db import database_sync_to_async
 from channels.layers import get_channel_layer
 from django.conf import settings
 
+from apps.core.engine_client import engine_configure
 from apps.core.errors import InvalidRequest, ModelSwitchFailed
 from apps.core.groups import join_forever
 from apps.models.services import SwitchTarget, path_confine, servable_lookup, served_id_check, served_model
-from engine.messages import ENGINE_CHANNEL, SWITCHED, UNCHANGED, ConfigureEngine
+from engine.messages import SWITCHED, UNCHANGED
 from ignis_site import config
 
 # Config keys the engine applies live, and the name the engine knows each by.
@@ -161,7 +162,7 @@ async def config_update(*, patch: dict[str, Any]) -> dict:
     _apply_local(changed)
     live = {ENGINE_LIVE[k]: v for k, v in changed.items() if k in ENGINE_LIVE}
     if live:
-        await get_channel_layer().send(ENGINE_CHANNEL, ConfigureEngine(values=live).to_message())
+        await engine_configure(live)  # every worker of a fleet
     await database_sync_to_async(_persist)(changed)
     if changed:
         await get_channel_layer().group_send(

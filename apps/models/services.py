@@ -113,6 +113,35 @@ def served_model_update(*, served_id: str, path: str | Path) -> ServedModel:
         return model
 
 
+def served_model_for(*, served_id: str, path: str | Path) -> ServedModel:
+    """The ServedModel (and its tokenizer, cached by path) of a model a fleet worker serves."""
+    path = Path(path)
+    with _lock:
+        model = _by_path.get(path)
+        if model is None or model.served_id != served_id:
+            model = _by_path[path] = ServedModel(served_id=served_id, path=path)
+        return model
+
+
+def fleet_model(served_id: str | None) -> ServedModel | None:
+    """In a fleet of more than one worker: the model a live worker serves under ``served_id`` (no id:
+    the primary worker's, the default model's); None otherwise, or where no worker serves it."""
+    from apps.core import engine_state
+
+    fleet = engine_state.CACHE
+    if len(fleet.workers) < 2:
+        return None
+    if served_id is None:
+        worker = fleet.primary(settings.IGNIS["model.id"])
+        workers = [worker] if worker is not None else []
+    else:
+        workers = [w for w in fleet.live() if w.model == served_id]
+    for worker in workers:
+        if worker.model and worker.status.path:
+            return served_model_for(served_id=worker.model, path=worker.status.path)
+    return None
+
+
 def served_id_check(served_id: str | None, *, param: str = "model") -> None:
     """A served id a client names is at most MAX_ID_CHARS characters (None passes)."""
     if served_id is not None and len(served_id) > MAX_ID_CHARS:
@@ -139,6 +168,9 @@ def model_name_resolve(name: str | None) -> tuple[ServedModel, str | None]:
     already run for the routes that switch, before they prepare the request.
     """
     name, request_class = model_name_split(name)  # a bad name is a 400 whatever is on disk
+    in_fleet = fleet_model(name)
+    if in_fleet is not None:  # a fleet: the model of the workers the request will go to
+        return in_fleet, request_class
     served = served_model()
     if name and name != served.served_id:
         hint = (

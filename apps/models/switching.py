@@ -9,6 +9,13 @@ front end (apps/core/engine_state.py): each front end's listener records the
 ones it has not seen in the history (idempotent by switch id) and points its
 tokenizer at the model served, so the gate and the hold read a cached status:
 no round trip and no database write on a request's path.
+
+In a fleet (docs/FLEET.md) a switch goes to one worker: the one an explicit
+switch names (``worker``), else one that serves the target already (it answers
+``unchanged``), else the one ``switch.fleet_policy`` picks. An implicit switch
+happens only when no worker serves the model a request names. A config reload
+goes to the primary worker (the default model's). Live configuration goes to
+every worker (``engine_client.engine_configure``).
 """
 
 from __future__ import annotations
@@ -26,8 +33,16 @@ from django.db import IntegrityError
 from django.utils import timezone
 
 from apps.core import engine_client, engine_state
-from apps.core.errors import IgnisError, ModelSwitchFailed, ModelSwitching, SwitchInProgress
-from apps.models.services import SwitchTarget, model_name_split, servable_lookup, served_model, served_model_update
+from apps.core.errors import IgnisError, ModelNotFound, ModelSwitchFailed, ModelSwitching, SwitchInProgress
+from apps.core.fleet import POLICIES, Worker
+from apps.models.services import (
+    SwitchTarget,
+    model_name_split,
+    servable_lookup,
+    served_model,
+    served_model_for,
+    served_model_update,
+)
 from engine.messages import ENGINE_CHANNEL, RESTORED, SWITCHED, UNCHANGED, SwitchModel
 from engine.status import EngineState, EngineStatus
 
@@ -115,15 +130,18 @@ async def switch_history_note(status: EngineStatus | None) -> None:
     _recorded.update(sw["switch_id"] for sw in fresh)
 
 
-async def _wait_done(layer, reply: str, sw: SwitchModel) -> dict | None:
-    """The engine's SwitchDone for ``sw``; the model it reports serving becomes this side's model.
+async def _wait_done(layer, reply: str, sw: SwitchModel, channel: str = ENGINE_CHANNEL) -> dict | None:
+    """The engine's SwitchDone for ``sw``; the model it reports serving becomes this side's model
+    (in a fleet of more than one: the routing table's for that worker, until its next beat).
     The history row is finished in the background (the listener records it too)."""
     try:
         done = await asyncio.wait_for(layer.receive(reply), timeout=24 * 3600)
     except TimeoutError:
         return None
     if done.get("path") and done.get("outcome") in (SWITCHED, RESTORED):
-        served_model_update(served_id=done["served_id"], path=done["path"])
+        engine_state.CACHE.note_model(channel, done["served_id"], done["path"])
+        if len(engine_state.CACHE.workers) <= 1:
+            served_model_update(served_id=done["served_id"], path=done["path"])
     _spawn(_record_end(done))
     if not engine_state.CACHE.listening:
         await status_sync()
@@ -140,15 +158,51 @@ def _spawn(coro) -> None:
     task.add_done_callback(_background_done)
 
 
+def switch_worker(*, target_id: str, trigger: str, worker: str | None = None) -> Worker | None:
+    """The worker a switch to ``target_id`` goes to (None: the one ENGINE_CHANNEL, no table here).
+
+    A named ``worker`` (an explicit switch) or ModelNotFound; a config reload: the primary; else one
+    that serves the target already, else ``switch.fleet_policy``'s pick; ModelSwitchFailed when the
+    policy picks none (``none``, or every worker drains or switches).
+    """
+    fleet = engine_state.CACHE
+    if worker is not None:
+        named = [w for w in fleet.live() if w.name == worker]
+        if not named:
+            raise ModelNotFound(f"No live engine worker is named '{worker}'.", param="worker")
+        return named[0]
+    if not fleet.workers:
+        return None
+    if trigger == "config":
+        return fleet.primary(settings.IGNIS["model.id"])
+    serving = fleet.serving(target_id)
+    if serving:
+        return serving[0]
+    policy = settings.IGNIS.get("switch.fleet_policy", "idle")
+    picked = fleet.switch_candidate(policy if policy in POLICIES else "idle", target_id)
+    if picked is None:
+        raise ModelSwitchFailed(
+            f"No engine worker serves '{target_id}' and switch.fleet_policy '{policy}' picks none to switch."
+        )
+    return picked
+
+
 async def model_switch(
-    *, target: SwitchTarget, trigger: str = "explicit", config: dict | None = None, wait: bool = False
+    *,
+    target: SwitchTarget,
+    trigger: str = "explicit",
+    config: dict | None = None,
+    wait: bool = False,
+    worker: str | None = None,
 ) -> dict:
-    """Ask the engine to switch to ``target``.
+    """Ask the engine (in a fleet: the worker ``switch_worker`` picks) to switch to ``target``.
 
     Returns the switch's description at once (``wait=False``: the rest runs in
     the background and is recorded) or once it ended (``wait=True``: the
     engine's SwitchDone). A switch already running raises SwitchInProgress.
     """
+    picked = switch_worker(target_id=target.served_id, trigger=trigger, worker=worker)
+    channel = picked.channel if picked is not None else ENGINE_CHANNEL
     layer = get_channel_layer()
     # The default prefix: channels_redis pops every process-specific channel of one prefix under
     # one receive lock, so a long wait here must share its prefix with the other replies.
@@ -163,8 +217,8 @@ async def model_switch(
         reply_channel=reply,
         refuse=target.refuse,
     )
-    from_id = served_model().served_id
-    await layer.send(ENGINE_CHANNEL, sw.to_message())
+    from_id = picked.model if picked is not None else served_model().served_id
+    await layer.send(channel, sw.to_message())
     try:
         ack = await asyncio.wait_for(layer.receive(reply), ACK_TIMEOUT)
     except TimeoutError:
@@ -179,13 +233,15 @@ async def model_switch(
         "trigger": trigger,
         "status": "switching",
     }
+    if picked is not None and picked.worker_id:
+        described["worker"] = picked.name
     if ack.get("unchanged"):  # it serves already: answered at once, no SwitchDone, not in the history
         return {**described, "status": "done", "outcome": UNCHANGED, "reason": ack.get("message", ""), "seconds": 0.0}
     await _record_start(sw, from_id)
     if wait:
-        done = await _wait_done(layer, reply, sw)
+        done = await _wait_done(layer, reply, sw, channel)
         return {**described, **(done or {}), "status": "done"}
-    _spawn(_wait_done(layer, reply, sw))
+    _spawn(_wait_done(layer, reply, sw, channel))
     return described
 
 
@@ -242,7 +298,15 @@ async def model_hold(*, name: str | None) -> None:
         return
     served_id, _ = model_name_split(name)
     status = await status_sync()  # the cached status: no round trip where a listener runs
-    if not served_id or served_id == served_model().served_id:
+    if not served_id:
+        return
+    fleet = engine_state.CACHE
+    if len(fleet.workers) > 1:  # a fleet (docs/FLEET.md): a switch only when no worker serves it
+        if fleet.serving(served_id):
+            return
+        if any(w.model == served_id for w in fleet.live()):
+            raise _switching()  # its workers are switching or draining: back shortly
+    elif served_id == served_model().served_id:
         return
     if not settings.IGNIS["switch.allow_implicit"]:
         return
@@ -253,7 +317,7 @@ async def model_hold(*, name: str | None) -> None:
         done = await model_switch(target=target, trigger="implicit", wait=True)
     except SwitchInProgress:
         raise _switching() from None
-    if done.get("outcome") != SWITCHED or served_model().served_id != served_id:
+    if done.get("outcome") != SWITCHED or (served_model().served_id != served_id and not fleet.serving(served_id)):
         raise ModelSwitchFailed(
             f"The switch to '{served_id}' did not land ({done.get('outcome')}): "
             f"{done.get('reason') or 'no reason given'}."
@@ -271,6 +335,11 @@ async def switch_gate(*, method: str, path: str) -> None:
     if not path.startswith("/v1/") or (method, path.rstrip("/")) in GATE_EXEMPT or _is_model_read(method, path):
         return
     _refuse_while_gone()
+    fleet = engine_state.CACHE
+    if len(fleet.workers) > 1:  # a fleet: only when no worker can take anything
+        if all(w.state is EngineState.SWITCHING for w in fleet.live()):
+            raise _switching()
+        return
     _refuse_while_switching(engine_state.engine_state())
 
 
@@ -290,3 +359,8 @@ async def status_took(status: EngineStatus) -> None:
             served = served_model_update(served_id=status.model, path=status.path)
         if "tokenizer" not in served.__dict__:
             await asyncio.to_thread(lambda: served.tokenizer)
+    for model, workers in engine_state.CACHE.models().items():  # a fleet: every model a worker serves
+        if workers[0].status.path:
+            other = served_model_for(served_id=model, path=workers[0].status.path)
+            if "tokenizer" not in other.__dict__:
+                await asyncio.to_thread(lambda m=other: m.tokenizer)

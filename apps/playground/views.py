@@ -11,7 +11,7 @@ from django.http import HttpRequest, JsonResponse
 from django.shortcuts import render
 from django.views.decorators.http import require_GET
 
-from apps.core import engine_client
+from apps.core import engine_client, engine_state
 from apps.core.metrics import engine_samples
 
 STATIC_DIR = Path(__file__).resolve().parent / "static" / "playground"
@@ -47,5 +47,7 @@ async def monitor(request: HttpRequest) -> JsonResponse:
             "lanes": lanes.get("lanes") or [],
             "prefill": lanes.get("prefill"),
             "metrics": engine_samples(status),
+            # A fleet (docs/FLEET.md): every live worker from the routing table ([] where none is kept).
+            "workers": [{**w.describe(), "model": w.model} for w in engine_state.CACHE.live()],
         }
     )

@@ -21,6 +21,7 @@ class SwitchBody(serializers.Serializer):
 
     model = Str(nonblank=True, max_length=1 << 20)
     path = Str(nonblank=True, max_length=1 << 20)
+    worker = Str(nonblank=True, max_length=1 << 20, description="a fleet: the engine worker to switch")
 
 
 class CatalogDownloadBody(serializers.Serializer):

@@ -525,6 +525,10 @@
       const mib = (b) => (b / 1048576).toFixed(0) + " MiB";
       $("#monitor-plan").textContent = ["weights", "kv", "workspace", "host_kv"]
         .map((p) => p + " " + mib(g('ignis_memory_plan_bytes{part="' + p + '"}'))).join(" · ");
+      // A fleet (docs/FLEET.md): one line per engine worker, from the front end's routing table.
+      const workers = data.workers || [];
+      $("#monitor-workers").textContent = workers.length ? workers.map((w) => w.id + " (" + w.model + ") " + w.status +
+        " · " + w.lanes_busy + "/" + w.lanes_total + " lanes · " + w.kv_pages_free + " pages free").join(" | ") : "–";
       if (!$("#tab-monitor").hidden) this.draw();
     },
 
