@@ -2,7 +2,9 @@
 
 ``TextStream`` is fed the token ids each engine round commits and gives back
 the text that is safe to show: never half a UTF-8 character, never the start
-of what may turn out to be a stop string.
+of what may turn out to be a stop string. Its cost per token does not grow with
+the text: the ids go through ``tokenizers``' DecodeStream (engine.tokenizer's
+IncrementalDetokenizer), and only the held-back tail is searched for stop strings.
 """
 
 from __future__ import annotations
@@ -19,14 +21,22 @@ class TextStream:
         self._detok = IncrementalDetokenizer(bundle, prompt_ids, skip_special_tokens=skip_special_tokens)
         self._stop = stop
         self._held = ""  # text withheld because it could begin a stop string
-        self.text = ""  # everything emitted so far
+        self._pieces: list[str] = []  # everything emitted so far (``text``)
         self.stopped = False  # a stop string matched: the caller aborts the sequence
+
+    @property
+    def text(self) -> str:
+        """Everything emitted so far."""
+        return "".join(self._pieces)
 
     def feed(self, token_ids: list[int]) -> str:
         """New visible text for these tokens ('' while holding back)."""
         if self.stopped:
             return ""
-        pending = self._held + self._detok.feed(token_ids)
+        new = self._detok.feed(token_ids)
+        if not self._stop:
+            return self._emit(new)
+        pending = self._held + new
         cut = min((i for i in (pending.find(s) for s in self._stop) if i >= 0), default=-1)
         if cut >= 0:
             self.stopped = True
@@ -51,7 +61,8 @@ class TextStream:
         return best
 
     def _emit(self, piece: str) -> str:
-        self.text += piece
+        if piece:
+            self._pieces.append(piece)
         return piece
 
 
