@@ -11,14 +11,13 @@ one thread per stream, all released together. Per stream count it reports:
   the first stream ends), so a prefill in the middle does not count;
 * TTFT (median and the slowest), from the request to the first content chunk;
 * aggregate tok/s over that all-decode window;
-* the engine's own round: ``stats.round_seconds`` (the scheduler's moving average of
-  the backend's decode-round time, the step alone) sampled from GET /health every
-  0.1 s during the window, the mean of the samples; and the engine's cadence, the
-  window's wall time over the decode rounds it ran (``stats.decode_rounds``): the
-  round plus whatever sits between two rounds on the engine's loop;
-* client / round: the mean gap over the mean round, the figure issue 15 targets
-  (<= 1.03x at 1 stream, <= 1.05x at 8). Means, not medians: the round is known only
-  as a moving average, whose mean is the rounds' mean but whose median is no round's.
+* the engine's own round: the backend's time for each decode round of the window, from
+  the engine's DEBUG ``ignis.engine.round`` lines (the server runs with
+  ``--server-log-level debug``), mean and median; and the engine's cadence, the wall
+  time from one round's line to the next: the round plus whatever sits between two
+  rounds on the engine's loop;
+* client / round: the client's gap over the engine's round (means; medians), the
+  figure issue 15 targets (<= 1.03x at 1 stream, <= 1.05x at 8).
 
 Speculative rounds are off (``--spec-enabled false``) unless ``--spec``: a verify round
 commits a varying number of tokens, and then a token's gap is no round's time.
@@ -75,7 +74,8 @@ def start_server(root: Path, port: int, data_dir: Path, flags: list[str]) -> tup
     subprocess.run([python, "manage.py", "migrate", "--noinput", "-v", "0"], cwd=root, env=env, check=True)
     log_path = data_dir / "server.log"
     log = open(log_path, "wb")
-    cmd = [python, "manage.py", "serve", "--port", str(port), "--no-download", "--model-idle-unload", "0", *flags]
+    cmd = [python, "manage.py", "serve", "--port", str(port), "--no-download", "--model-idle-unload", "0"]
+    cmd += ["--server-log-level", "debug", *flags]  # debug: the engine's ignis.engine.round lines
     proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
@@ -95,7 +95,7 @@ def stream_one(base: str, prompt: str, tokens: int, go: threading.Barrier, out: 
     """One stream; ``out`` gets the send time and each content chunk's arrival time."""
     client = OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=600)
     go.wait()
-    sent = time.perf_counter()
+    sent = time.time()  # the server log's clock: its round lines are placed on the same axis
     stream = client.chat.completions.create(
         model=MODEL,
         messages=[{"role": "user", "content": prompt}],
@@ -110,20 +110,8 @@ def stream_one(base: str, prompt: str, tokens: int, go: threading.Barrier, out: 
         if chunk.usage is not None:
             usage = chunk.usage
         if any(c.delta.content for c in chunk.choices):
-            arrivals.append(time.perf_counter())
+            arrivals.append(time.time())
     out.update(sent=sent, arrivals=arrivals, completion_tokens=usage.completion_tokens if usage else None)
-
-
-def watch_engine(base: str, stop: threading.Event, samples: list[tuple[float, float | None, int]]) -> None:
-    """(time, round_seconds, decode_rounds) from GET /health every 0.1 s until ``stop``."""
-    with httpx.Client(timeout=10) as http:
-        while not stop.is_set():
-            try:
-                stats = (http.get(base + "/health").json().get("engine") or {}).get("stats") or {}
-                samples.append((time.perf_counter(), stats.get("round_seconds"), int(stats.get("decode_rounds", 0))))
-            except (httpx.HTTPError, ValueError):
-                pass
-            stop.wait(0.1)
 
 
 def quantile(values: list[float], q: float) -> float:
@@ -131,7 +119,19 @@ def quantile(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))]
 
 
-def run_streams(base: str, n: int, tokens: int) -> dict:
+def engine_rounds(log_path: Path, start: float, end: float, lanes: int) -> list[tuple[float, float]]:
+    """(log time, decode seconds) of the decode-only rounds of ``lanes`` lanes logged in [start, end]."""
+    out = []
+    for line in log_path.read_text(errors="replace").splitlines():
+        if '"ignis.engine.round"' not in line:
+            continue
+        e = json.loads(line)
+        if start <= e["ts"] <= end and e["lanes"] == lanes and not e["prefill_seconds"]:
+            out.append((e["ts"], e["decode_seconds"]))
+    return out
+
+
+def run_streams(base: str, log_path: Path, n: int, tokens: int) -> dict:
     results = [dict() for _ in range(n)]
     go = threading.Barrier(n + 1)
     threads = [
@@ -140,14 +140,9 @@ def run_streams(base: str, n: int, tokens: int) -> dict:
     ]
     for t in threads:
         t.start()
-    stop, samples = threading.Event(), []
-    watcher = threading.Thread(target=watch_engine, args=(base, stop, samples))
-    watcher.start()
     go.wait()
     for t in threads:
         t.join()
-    stop.set()
-    watcher.join()
     if any(len(r.get("arrivals", ())) < 2 for r in results):
         raise RuntimeError(f"a stream came back short: {[len(r.get('arrivals', ())) for r in results]}")
     start = max(r["arrivals"][0] for r in results)  # every stream decodes from here ...
@@ -157,11 +152,9 @@ def run_streams(base: str, n: int, tokens: int) -> dict:
         a = r["arrivals"]
         gaps += [b - x for x, b in zip(a, a[1:]) if x >= start and b <= end]
         chunks += sum(1 for t in a if start < t <= end)
-    inside = [s for s in samples if start <= s[0] <= end]
-    rounds = [s[1] for s in inside if s[1]]
-    cadence = None
-    if len(inside) >= 2 and inside[-1][2] > inside[0][2]:
-        cadence = (inside[-1][0] - inside[0][0]) / (inside[-1][2] - inside[0][2])
+    logged = engine_rounds(log_path, start, end, n)
+    rounds = [seconds for _, seconds in logged]
+    cadence = (logged[-1][0] - logged[0][0]) / (len(logged) - 1) if len(logged) > 1 else None
     ttfts = [r["arrivals"][0] - r["sent"] for r in results]
     return {
         "streams": n,
@@ -174,8 +167,9 @@ def run_streams(base: str, n: int, tokens: int) -> dict:
         "ttft_max": max(ttfts),
         "agg_tok_s": chunks / (end - start) if end > start else None,
         "round": statistics.fmean(rounds) if rounds else None,
+        "round_median": statistics.median(rounds) if rounds else None,
         "cadence": cadence,
-        "num_samples": len(rounds),
+        "num_rounds": len(rounds),
     }
 
 
@@ -183,18 +177,21 @@ def table(runs: list[dict]) -> list[str]:
     def ms(v):
         return f"{v * 1000:.1f}" if v else "-"
 
+    def ratio(a, b):
+        return f"{a / b:.3f}x" if a and b else "-"
+
     lines = [
-        "| tree | streams | client inter-token mean / median / p90 (ms) | engine round (ms) | client / round "
-        "| engine cadence (ms) | TTFT median / max (ms) | aggregate tok/s |",
+        "| tree | streams | client inter-token mean / median / p90 (ms) | engine round mean / median (ms) "
+        "| client / round: means; medians | engine cadence (ms) | TTFT median / max (ms) | aggregate tok/s |",
         "|" + "---|" * 8,
     ]
     for run in runs:
         for r in run["figures"]:
-            ratio = f"{r['itl_mean'] / r['round']:.3f}x" if r.get("itl_mean") and r["round"] else "-"
             lines.append(
-                f"| {run['label']} | {r['streams']} | {ms(r.get('itl_mean'))} / {ms(r['itl_median'])} / "
-                f"{ms(r['itl_p90'])} | {ms(r['round'])} | {ratio} | {ms(r['cadence'])} "
-                f"| {ms(r['ttft_median'])} / {ms(r['ttft_max'])} | {r['agg_tok_s']:.1f} |"
+                f"| {run['label']} | {r['streams']} | {ms(r['itl_mean'])} / {ms(r['itl_median'])} / "
+                f"{ms(r['itl_p90'])} | {ms(r['round'])} / {ms(r['round_median'])} "
+                f"| {ratio(r['itl_mean'], r['round'])}; {ratio(r['itl_median'], r['round_median'])} "
+                f"| {ms(r['cadence'])} | {ms(r['ttft_median'])} / {ms(r['ttft_max'])} | {r['agg_tok_s']:.1f} |"
             )
     return lines
 
@@ -220,8 +217,8 @@ def main() -> None:
         proc, log_path = start_server(root, args.port, Path(tmp), flags)
         base = f"http://127.0.0.1:{args.port}"
         try:
-            run_streams(base, 1, 16)  # warm: the first request pays for lazy imports and caches
-            figures = [run_streams(base, int(n), args.tokens) for n in args.streams.split(",")]
+            run_streams(base, log_path, 1, 16)  # warm: the first request pays for lazy imports and caches
+            figures = [run_streams(base, log_path, int(n), args.tokens) for n in args.streams.split(",")]
         finally:
             proc.terminate()
             try:
@@ -239,9 +236,8 @@ def main() -> None:
         f"Model {MODEL} (GGUF Q4_1), cpu backend, {args.tokens} tokens a stream (`ignore_eos`), greedy, "
         + ("speculative rounds on, " if args.spec else "speculative rounds off (one token a stream a round), ")
         + "one openai client and thread per stream. Inter-token gaps and aggregate tok/s only while every stream "
-        "decodes; engine round = the scheduler's moving average of the backend's decode round "
-        "(GET /health `stats.round_seconds`, mean of 0.1 s samples), cadence = wall time per decode round "
-        "(`stats.decode_rounds`). Trees: "
+        "decodes; engine round = the backend's decode round (the engine's `ignis.engine.round` log lines), cadence = "
+        "wall time from one round's line to the next. Trees: "
         + "; ".join(f"{r['label']} = {r['commit'] or r['root']}" for r in runs)
         + ".",
     ]

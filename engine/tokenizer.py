@@ -288,9 +288,9 @@ class IncrementalDetokenizer:
             context + self._ids[len(self._ids) - self._held :], skip_special_tokens=self._skip
         )
         delta = full[len(prefix) :] if full.startswith(prefix) else ""
-        self._held = 0
-        del self._ids[: -self.CONTEXT]
-        self._stream = DecodeStream(ids=self._ids, skip_special_tokens=self._skip)
+        # Whatever follows starts afresh, with no left context (the held ids may end mid-character).
+        self._held, self._ids = 0, []
+        self._stream = DecodeStream(skip_special_tokens=self._skip)
         if delta:
             self._pieces.append(delta)
         return delta

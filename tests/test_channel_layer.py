@@ -105,10 +105,13 @@ async def test_a_receiver_on_another_loop_gets_what_this_loop_sends(other):
 @on_a_loop
 async def test_a_message_is_a_copy():
     layer = CrossLoopChannelLayer()
-    msg = {"type": "x", "ids": [1]}
+    msg = {"type": "x", "ids": [1], "items": [{"top": [[1, -0.5]]}], "raw": b"\x00", "pair": (1, [2])}
     await layer.send("c", msg)
     msg["ids"].append(2)
-    assert await layer.receive("c") == {"type": "x", "ids": [1]}
+    msg["items"][0]["top"][0].append(9)
+    msg["pair"][1].append(3)
+    got = await layer.receive("c")
+    assert got == {"type": "x", "ids": [1], "items": [{"top": [[1, -0.5]]}], "raw": b"\x00", "pair": (1, [2])}
 
 
 @on_a_loop

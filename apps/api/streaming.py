@@ -66,8 +66,27 @@ class TextStream:
         return piece
 
 
+def _dumps(value) -> str:
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+
+
+class ChatChunks:
+    """One chat completion stream's SSE chunks, rendered cheaply: what every chunk repeats (id,
+    object, created, model, fingerprint) is serialized once, and each chunk serializes only its
+    delta (and logprobs). The bytes are exactly ``sse(chat_chunk(...))``'s."""
+
+    def __init__(self, request_id: str, model: str, created: int) -> None:
+        head = _dumps(chat_chunk(request_id, model, created, {}, choices=False))
+        self._head = "data: " + head[: -len("[]}")] + '[{"index":'  # the head ends in "choices":[]}
+
+    def render(self, index: int, delta: dict, finish_reason: str | None = None, logprobs: dict | None = None) -> bytes:
+        lp = "null" if logprobs is None else _dumps(logprobs)
+        reason = "null" if finish_reason is None else _dumps(finish_reason)
+        return f'{self._head}{index},"delta":{_dumps(delta)},"logprobs":{lp},"finish_reason":{reason}}}]}}\n\n'.encode()
+
+
 def sse(data: dict | str) -> bytes:
-    payload = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"), ensure_ascii=False)
+    payload = data if isinstance(data, str) else _dumps(data)
     return f"data: {payload}\n\n".encode()
 
 
