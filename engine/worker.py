@@ -1,6 +1,7 @@
 """The engine loop, hosted on an asyncio event loop.
 
-Embedded, this task runs on Daphne's loop with the in-memory Channels layer;
+Embedded, this task runs on a thread and loop of its own beside Daphne's (``serve``'s
+EngineThread), with an in-process Channels layer that bridges the two loops;
 ``manage.py runengine`` runs the very same task under its own loop against
 ``channels_redis``. Its shape is nano-vllm's: take messages, ``schedule()``
 a plan, ``backend.step(plan)`` on one dedicated thread (so numpy or CUDA work
