@@ -9,11 +9,12 @@ process (the engine thread is stopped after Daphne has ended the open requests).
 from __future__ import annotations
 
 import concurrent.futures
+import shutil
 
 import pytest
 from openai import OpenAI
 
-from tests.e2e.server import start_server
+from tests.e2e.server import LiveProcess, free_port, server_env, start_server
 from tests.helpers import wait_for
 
 pytestmark = pytest.mark.e2e
@@ -74,3 +75,31 @@ def test_the_engine_loop_is_not_daphnes_and_streams_cross_it(tmp_path, default_g
         assert "Traceback" not in proc.log_text()
     finally:
         proc.stop()
+
+
+def test_with_engine_over_redis_the_engine_thread_has_its_own_layer(tmp_path, default_gguf_path):
+    """``serve --with-engine`` under Redis: the engine thread talks through a channels_redis
+    instance of its own (one per loop), the front end through another."""
+    exe = shutil.which("redis-server")
+    if exe is None:
+        pytest.fail("redis-server is not installed (.ci/run installs it)")
+    port = free_port()
+    redis = LiveProcess(
+        [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+        server_env(tmp_path),
+        tmp_path / "redis.log",
+    )
+    try:
+        env_extra = {"IGNIS_SERVER_REDIS_URL": f"redis://127.0.0.1:{port}/0", "IGNIS_SERVER_CELERY_WORKER": "false"}
+        proc, base = start_server(tmp_path, "--with-engine", "--server-metrics-bind", "", env_extra=env_extra)
+        try:
+            hosted = [e for e in proc.events() if e["event"] == "ignis.server.engine_loop"]
+            assert len(hosted) == 1 and hosted[0]["own_loop"] is True, hosted
+            client = OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=120)
+            with concurrent.futures.ThreadPoolExecutor(2) as pool:
+                texts = list(pool.map(lambda _: stream_text(client, "Name three colors.", 8), range(2)))
+            assert texts[0] and texts[0] == texts[1]
+        finally:
+            proc.stop()
+    finally:
+        redis.stop()
