@@ -54,7 +54,9 @@ from bench.bench_numpy import cpu_model  # noqa: E402
 from bench.perfdoc import command_line, report  # noqa: E402
 
 SECTION = "## The serving path (issue 15): client inter-token time against the engine's round"
+GGUF = "smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf"
 MODEL = "smollm2-135m-instruct"
+TINY = "tiny-llama"  # --tiny: tests/models/tiny.py's random 2-layer llama, rounds of a few ms as a GPU's are
 PROMPTS = [
     "Tell me a long story about a lighthouse keeper.",
     "Describe, in detail, how bread is baked.",
@@ -67,8 +69,12 @@ PROMPTS = [
 ]
 
 
-def start_server(root: Path, port: int, data_dir: Path, flags: list[str]) -> tuple[subprocess.Popen, Path]:
+def start_server(
+    root: Path, port: int, data_dir: Path, flags: list[str], models_dir: Path | None = None
+) -> tuple[subprocess.Popen, Path]:
     env = dict(os.environ, IGNIS_SERVER_DATA_DIR=str(data_dir), PYTHONUNBUFFERED="1")
+    if models_dir is not None:
+        env["IGNIS_SERVER_MODELS_DIR"] = str(models_dir)
     env["IGNIS_SERVER_CELERY_WORKER"] = "false"  # no downloads here: keep its process off the two cores
     python = str(root / ".venv/bin/python") if (root / ".venv/bin/python").exists() else sys.executable
     subprocess.run([python, "manage.py", "migrate", "--noinput", "-v", "0"], cwd=root, env=env, check=True)
@@ -91,13 +97,13 @@ def start_server(root: Path, port: int, data_dir: Path, flags: list[str]) -> tup
     raise RuntimeError(f"server never healthy:\n{log_path.read_text()[-3000:]}")
 
 
-def stream_one(base: str, prompt: str, tokens: int, go: threading.Barrier, out: dict) -> None:
+def stream_one(base: str, model: str, prompt: str, tokens: int, go: threading.Barrier, out: dict) -> None:
     """One stream; ``out`` gets the send time and each content chunk's arrival time."""
     client = OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=600)
     go.wait()
     sent = time.time()  # the server log's clock: its round lines are placed on the same axis
     stream = client.chat.completions.create(
-        model=MODEL,
+        model=model,
         messages=[{"role": "user", "content": prompt}],
         temperature=0,
         max_tokens=tokens,
@@ -131,11 +137,11 @@ def engine_rounds(log_path: Path, start: float, end: float, lanes: int) -> list[
     return out
 
 
-def run_streams(base: str, log_path: Path, n: int, tokens: int) -> dict:
+def run_streams(base: str, model: str, log_path: Path, n: int, tokens: int) -> dict:
     results = [dict() for _ in range(n)]
     go = threading.Barrier(n + 1)
     threads = [
-        threading.Thread(target=stream_one, args=(base, PROMPTS[i % len(PROMPTS)], tokens, go, r))
+        threading.Thread(target=stream_one, args=(base, model, PROMPTS[i % len(PROMPTS)], tokens, go, r))
         for i, r in enumerate(results)
     ]
     for t in threads:
@@ -180,10 +186,14 @@ def table(runs: list[dict]) -> list[str]:
     def ratio(a, b):
         return f"{a / b:.3f}x" if a and b else "-"
 
+    def over(r):
+        return f"{(r['itl_mean'] - r['round']) * 1000:.1f}" if r["itl_mean"] and r["round"] else "-"
+
     lines = [
         "| tree | streams | client inter-token mean / median / p90 (ms) | engine round mean / median (ms) "
-        "| client / round: means; medians | engine cadence (ms) | TTFT median / max (ms) | aggregate tok/s |",
-        "|" + "---|" * 8,
+        "| client / round: means; medians | engine cadence (ms) | client - round (ms) | TTFT median / max (ms) "
+        "| aggregate tok/s |",
+        "|" + "---|" * 9,
     ]
     for run in runs:
         for r in run["figures"]:
@@ -191,7 +201,8 @@ def table(runs: list[dict]) -> list[str]:
                 f"| {run['label']} | {r['streams']} | {ms(r['itl_mean'])} / {ms(r['itl_median'])} / "
                 f"{ms(r['itl_p90'])} | {ms(r['round'])} / {ms(r['round_median'])} "
                 f"| {ratio(r['itl_mean'], r['round'])}; {ratio(r['itl_median'], r['round_median'])} "
-                f"| {ms(r['cadence'])} | {ms(r['ttft_median'])} / {ms(r['ttft_max'])} | {r['agg_tok_s']:.1f} |"
+                f"| {ms(r['cadence'])} | {over(r)} | {ms(r['ttft_median'])} / {ms(r['ttft_max'])} "
+                f"| {r['agg_tok_s']:.1f} |"
             )
     return lines
 
@@ -209,16 +220,28 @@ def main() -> None:
         "--spec", action="store_true", help="keep speculative rounds (then a round may commit several tokens)"
     )
     ap.add_argument("flags", nargs="*", help="extra flags for manage.py serve (after --)")
+    ap.add_argument("--tiny", action="store_true", help="serve tests/models/tiny.py's 2-layer llama (ms rounds)")
+    ap.add_argument("--render", action="store_true", help="run nothing: print (and --write) the runs in --results")
     args = ap.parse_args()
     flags = args.flags if args.spec else ["--spec-enabled", "false", *args.flags]
+    if args.render:
+        render(json.loads(args.results.read_text()), args)
+        return
     root = args.root.resolve()
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True)
+    model = TINY if args.tiny else MODEL
     with tempfile.TemporaryDirectory(prefix="ignis-bench-serving-") as tmp:
-        proc, log_path = start_server(root, args.port, Path(tmp), flags)
+        models_dir = None
+        if args.tiny:
+            from tests.models.tiny import models_dir_with_two
+
+            models_dir = models_dir_with_two(Path(tmp) / "models", ROOT / "models" / GGUF)
+            flags = ["--model-id", TINY, "--model-path", TINY, *flags]
+        proc, log_path = start_server(root, args.port, Path(tmp), flags, models_dir)
         base = f"http://127.0.0.1:{args.port}"
         try:
-            run_streams(base, log_path, 1, 16)  # warm: the first request pays for lazy imports and caches
-            figures = [run_streams(base, log_path, int(n), args.tokens) for n in args.streams.split(",")]
+            run_streams(base, model, log_path, 1, 16)  # warm: the first request pays for lazy imports and caches
+            figures = [run_streams(base, model, log_path, int(n), args.tokens) for n in args.streams.split(",")]
         finally:
             proc.terminate()
             try:
@@ -226,14 +249,20 @@ def main() -> None:
             except subprocess.TimeoutExpired:
                 proc.kill()
     run = {"label": args.label, "root": str(root), "commit": commit.stdout.strip() or None, "figures": figures}
+    run["model"] = model
     runs = [run]
     if args.results:
         previous = json.loads(args.results.read_text()) if args.results.exists() else []
         runs = [r for r in previous if r["label"] != args.label] + [run]
         args.results.write_text(json.dumps(runs, indent=1))
+    render(runs, args)
+
+
+def render(runs: list[dict], args) -> None:
     body = table(runs) + [
         "",
-        f"Model {MODEL} (GGUF Q4_1), cpu backend, {args.tokens} tokens a stream (`ignore_eos`), greedy, "
+        f"Model {'tiny-llama (tests/models/tiny.py: 2 layers, hidden 64, random weights)' if args.tiny else MODEL + ' (GGUF Q4_1)'}, "
+        f"cpu backend, {args.tokens} tokens a stream (`ignore_eos`), greedy, "
         + ("speculative rounds on, " if args.spec else "speculative rounds off (one token a stream a round), ")
         + "one openai client and thread per stream. Inter-token gaps and aggregate tok/s only while every stream "
         "decodes; engine round = the backend's decode round (the engine's `ignis.engine.round` log lines), cadence = "
