@@ -64,6 +64,13 @@ class PrefillSpan:
     # token of the next chunk; None on the prompt's last chunk, whose last row samples instead).
     want_prompt_logprobs: int | None = None
     next_prompt_token: int | None = None
+    # A vision-language model (engine.models.qwen2_5_vl): the rows' three rope positions
+    # (int64 [3, len(token_ids)], ``ops.MRope``; None: ``start_pos`` on, alike in all three), and
+    # the prompt's images (``engine.models.vision.Image``) whose placeholders the span reaches:
+    # the backend encodes one whose ``embeds`` is None, keeps its rows there (the sequence holds
+    # them until its last placeholder is computed) and puts them in place of the placeholders'.
+    rope_positions: np.ndarray | None = None
+    images: list = field(default_factory=list)
 
 
 @dataclass
@@ -80,6 +87,7 @@ class DecodeLane:
     position: int
     block_table: Sequence[int]
     sample: SampleRequest
+    rope_delta: int = 0  # rope rotates at position + rope_delta (multimodal rope after images)
 
 
 @dataclass

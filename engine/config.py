@@ -29,6 +29,7 @@ class EngineConfig:
     default_max_tokens: int = 1024  # model.default_max_tokens
     max_context: int = 8192  # model.max_context (clamped to the model's own)
     block_size: int = 16  # model.kv_block_size
+    weight_format: str = "auto"  # model.weight_format: auto (as stored) | bf16 | fp8 (engine/loaders/fp8.py)
     kv_ram_budget: int = 768 * MiB  # numpy backend: RAM for the device-tier KV pool
     host_kv_budget: int = 2048 * MiB  # the host-RAM tier for swapped pages
     retry_after_floor: float = 1.0  # seconds; the least Retry-After an engine_full gets

@@ -52,8 +52,18 @@ def release_window(cfg: ModelConfig, backend_releases: bool) -> int | None:
     return max(cfg.layer_window(i) for i in range(cfg.num_layers))
 
 
-def block_hash(prev: int | None, tokens: Seq[int]) -> int:
+def block_hash(prev: int | None, tokens: Seq[int] | tuple) -> int:
     return hash((prev, tuple(tokens)))
+
+
+def block_content(token_ids: Seq[int], images: Seq, i: int, block_size: int) -> tuple:
+    """What block ``i`` of a prompt holds, for its hash: its tokens, plus (where it starts
+    within the block, content hash) of each image whose placeholders it holds -- the same
+    placeholder tokens of another image are other content (engine.models.vision.Image)."""
+    lo, hi = i * block_size, (i + 1) * block_size
+    chunk = tuple(token_ids[lo:hi])
+    marks = tuple((img.offset - lo, img.hash) for img in images if img.offset < hi and img.end > lo)
+    return (chunk, marks) if marks else chunk
 
 
 class KVManager:
@@ -64,7 +74,7 @@ class KVManager:
         self.ref_count = [0] * num_blocks
         self.pins = [0] * num_blocks
         self.hashes: list[int | None] = [None] * num_blocks
-        self.tokens: list[tuple[int, ...]] = [()] * num_blocks  # of hashed blocks, to rule out collisions
+        self.tokens: list[tuple] = [()] * num_blocks  # block_content of hashed blocks, to rule out collisions
         self.hash_to_block: dict[int, int] = {}
         self.free_blocks: deque[int] = deque(range(num_blocks))
         self.evictable: OrderedDict[int, None] = OrderedDict()  # retained, LRU first
@@ -105,13 +115,14 @@ class KVManager:
 
     # -- prefix matching -----------------------------------------------------
 
-    def _match(self, token_ids: Seq[int], max_blocks: int) -> list[tuple[int, int]]:
-        """(block, hash) for the longest run of retained/live full blocks prefixing ``token_ids``."""
+    def _match(self, token_ids: Seq[int], max_blocks: int, images: Seq = ()) -> list[tuple[int, int]]:
+        """(block, hash) for the longest run of retained/live full blocks prefixing ``token_ids``
+        (with ``images`` at their placeholders)."""
         out: list[tuple[int, int]] = []
         prev: int | None = None
         bs = self.block_size
         for i in range(min(max_blocks, len(token_ids) // bs)):
-            chunk = tuple(token_ids[i * bs : (i + 1) * bs])
+            chunk = block_content(token_ids, images, i, bs)
             h = block_hash(prev, chunk)
             b = self.hash_to_block.get(h)
             if b is None or self.tokens[b] != chunk:
@@ -125,7 +136,7 @@ class KVManager:
         # its prompt claims nothing: every position must run to give its logits.
         if seq.prompt_logprobs is not None:
             return []
-        return self._match(seq.prompt_token_ids, (seq.num_prompt_tokens - 1) // self.block_size)
+        return self._match(seq.prompt_token_ids, (seq.num_prompt_tokens - 1) // self.block_size, seq.images)
 
     def num_blocks_to_allocate(self, seq: Sequence) -> int:
         """Available blocks ``allocate(seq)`` would take (claiming a retained block takes one)."""
@@ -200,7 +211,7 @@ class KVManager:
         bs = self.block_size
         full = min(num_computed_tokens, seq.num_prompt_tokens) // bs
         for i in range(len(seq.block_hashes), full):
-            chunk = tuple(seq.prompt_token_ids[i * bs : (i + 1) * bs])
+            chunk = block_content(seq.prompt_token_ids, seq.images, i, bs)
             h = block_hash(seq.block_hashes[-1] if seq.block_hashes else None, chunk)
             seq.block_hashes.append(h)
             b = seq.block_table[i]
@@ -283,7 +294,7 @@ class KVManager:
         hits, bs = [], self.block_size
         for i in range(seq.num_released_blocks, min(len(seq.block_hashes), len(seq.host_block_table))):
             b = self.hash_to_block.get(seq.block_hashes[i])
-            if b is None or self.tokens[b] != tuple(seq.prompt_token_ids[i * bs : (i + 1) * bs]):
+            if b is None or self.tokens[b] != block_content(seq.prompt_token_ids, seq.images, i, bs):
                 break
             hits.append(b)
         return hits
@@ -321,11 +332,11 @@ class KVManager:
 
     # -- shared prefixes -----------------------------------------------------
 
-    def pin_prefix(self, token_ids: Seq[int]) -> int:
-        """Mark the computed full blocks prefixing ``token_ids`` (e.g. a system block) as a
-        shared prefix: evicted only after every unpinned retained block. Idempotent;
-        returns the pinned token count."""
-        hits = self._match(token_ids, len(token_ids) // self.block_size)
+    def pin_prefix(self, token_ids: Seq[int], images: Seq = ()) -> int:
+        """Mark the computed full blocks prefixing ``token_ids`` (e.g. a system block; ``images``
+        at their placeholders) as a shared prefix: evicted only after every unpinned retained
+        block. Idempotent; returns the pinned token count."""
+        hits = self._match(token_ids, len(token_ids) // self.block_size, images)
         for b, _ in hits:
             if not self.pins[b]:
                 self.pins[b] = 1

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import asdict
 from pathlib import Path
 
@@ -29,7 +29,7 @@ Loader = Callable[[Path, Callable[[int, int], None]], tuple[ModelConfig, dict[st
 BackendFactory = Callable[[str, EngineConfig], Backend]
 
 
-def load_artifact(path: Path, progress: Callable[[int, int], None], *, as_stored: bool = False
+def load_artifact(path: Path, progress: Callable[[int, int], None], *, as_stored: bool | Collection[str] = False
                   ) -> tuple[ModelConfig, dict[str, np.ndarray]]:  # fmt: skip
     """The default loader: engine.loaders.load_artifact (imported when first needed)."""
     from engine.loaders import load_artifact as load
@@ -42,6 +42,23 @@ def create_backend(name: str, cfg: EngineConfig) -> Backend:
     from engine.backends import create_backend as create
 
     return create(name, cfg)
+
+
+def fp8_options(cfg: EngineConfig, backend: Backend) -> dict:
+    """The loader's fp8 arguments for ``backend`` (none where it takes no fp8 weights, so FP8
+    checkpoints come as float32); ``model.weight_format = fp8`` there is refused (ValueError)."""
+    from engine.loaders.hf import check_weight_format
+
+    takes_fp8 = getattr(backend, "takes_fp8", False)
+    try:
+        check_weight_format(cfg.weight_format, takes_fp8)
+    except ValueError:
+        if cfg.weight_format == "fp8":
+            raise ValueError(
+                f"model.weight_format 'fp8': the {backend.name} backend does not take fp8 weights (use auto or bf16)"
+            ) from None
+        raise
+    return {"fp8_as_stored": True, "weight_format": cfg.weight_format} if takes_fp8 else {}
 
 
 def load_draft(cfg: EngineConfig, target: ModelConfig, loader: Loader, backend_factory: BackendFactory):
@@ -95,12 +112,16 @@ def load_model(
 
     t0 = time.perf_counter()
     # The backend first: the cpu backend compiles its kernels here (or the factory falls
-    # back to numpy), and asks for the GGUF's quantized blocks as stored.
+    # back to numpy), and names the GGUF block types it keeps as stored (``weights_as_stored``).
     backend = backend_factory(cfg.backend, cfg)
-    if getattr(backend, "weights_as_stored", False):
-        model_cfg, weights = loader(path, progress, as_stored=True)
+    kw = fp8_options(cfg, backend)
+    stored = getattr(backend, "weights_as_stored", False)
+    if stored and cfg.weight_format == "bf16" and backend.name == "cuda":
+        stored = False  # model.weight_format bf16: GGUF blocks dequantized to bf16 at load, as before
+    if stored:
+        model_cfg, weights = loader(path, progress, as_stored=stored, **kw)
     else:
-        model_cfg, weights = loader(path, progress)
+        model_cfg, weights = loader(path, progress, **kw)
     cfg.max_context = min(max_context, model_cfg.max_position)
     on_context(cfg.max_context)
     kv_budget = None
@@ -146,6 +167,7 @@ def load_model(
             kv_window=release_window(model_cfg, backend.releases_window_pages),
             max_round_rows=backend.max_round_rows,
             draft_model=draft,
+            vision=model_cfg.vision,
         )
     except BaseException:
         backend.unload()

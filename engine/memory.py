@@ -55,6 +55,14 @@ def workspace_bytes(cfg: ModelConfig, *, rows: int = WORKSPACE_LANES, logit_rows
     return bytes_per_value * (rows * per_row + logit_rows * cfg.vocab_size)
 
 
+def dequant_scratch_bytes(cfg: ModelConfig) -> int:
+    """bf16 bytes of a layer's largest matrix (q|k|v, o, gate|up, down): where the CUDA backend's
+    prefill dequantizes a matrix kept in GGUF blocks for the GEMM (the weights count as stored)."""
+    hid, inter = cfg.hidden_size, cfg.intermediate_size
+    qkv = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+    return 2 * max(qkv * hid, hid * cfg.num_heads * cfg.head_dim, 2 * inter * hid)
+
+
 def kv_block_bytes(cfg: ModelConfig, block_size: int, *, bytes_per_value: int = 4) -> int:
     """K and V of ``block_size`` tokens across all layers."""
     return 2 * block_size * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * bytes_per_value

@@ -13,6 +13,42 @@ from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
+class VisionConfig:
+    """A vision tower in front of the language model (qwen2_5_vl: ``engine.models.vision``).
+
+    Images arrive as patches (``patch_dim`` = ``in_channels * temporal_patch_size * patch_size**2``
+    values each, the processor's order); every ``spatial_merge_size**2`` patches become one
+    placeholder token of ``image_token_id`` in the prompt, whose embedding the tower's output replaces.
+    """
+
+    depth: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    out_hidden_size: int  # = the language model's hidden size
+    patch_size: int = 14
+    temporal_patch_size: int = 2
+    spatial_merge_size: int = 2
+    in_channels: int = 3
+    window_size: int = 112  # pixels a side of an attention window (blocks not in fullatt_block_indexes)
+    fullatt_block_indexes: tuple[int, ...] = ()
+    hidden_act: str = "silu"
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-6
+    image_token_id: int | None = None
+    video_token_id: int | None = None
+    vision_start_token_id: int | None = None
+
+    @property
+    def patch_dim(self) -> int:
+        return self.in_channels * self.temporal_patch_size * self.patch_size**2
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     arch: str  # a model definition's name (engine.models.DEFINITIONS): "llama", "qwen2", ...
     vocab_size: int
@@ -44,6 +80,8 @@ class ModelConfig:
     # Settings only the architecture's own definition reads (gemma's softcaps and
     # query_pre_attn_scalar, qwen3_moe's mlp_only_layers, gpt-oss's swiglu_limit, ...).
     params: dict = field(default_factory=dict, compare=False, hash=False)
+    # A vision-language model's tower (None: text only); its images' rows replace placeholder tokens.
+    vision: VisionConfig | None = None
 
     def layer_window(self, layer: int) -> int | None:
         """The attention window of ``layer`` (None: full causal attention)."""

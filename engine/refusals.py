@@ -37,6 +37,7 @@ KINDS: dict[str, _Kind] = {
         "Prompt logprobs (echo with logprobs) are not available on this engine's backend.",
     ),
     "invalid_grammar": _Kind(400, _INVALID, "response_format"),
+    "invalid_image": _Kind(400, _INVALID, "messages"),  # AddRequest.images (engine.models.vision.check_images)
     # The model host (engine/worker.py): no model to serve the request right now.
     "model_switching": _Kind(503, _SERVER, None, "The server is switching models; retry shortly."),
     "model_load_failed": _Kind(503, _SERVER),

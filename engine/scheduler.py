@@ -43,6 +43,8 @@ from engine.backend import PrefillSpan, StepOutput, StepPlan, TokenLogprob
 from engine.config import EngineConfig
 from engine.kv_manager import KVManager
 from engine.messages import AddRequest, RequestFailed, RequestFinished
+from engine.model_config import VisionConfig
+from engine.models.vision import ImageError, check_images, rope_index
 from engine.outputs import EngineOutput, logprob_item, request_finished, take_back_event, token_event
 from engine.pacing import PrefillPacer
 from engine.refusals import refusal
@@ -65,7 +67,9 @@ class Scheduler:
     ``constraints`` is the load's engine.constraint.ConstraintFactory (None:
     a request naming a grammar is refused); ``supports_prompt_logprobs`` is the
     backend's (Backend.supports_prompt_logprobs; False: prompt scoring is refused);
-    ``kv_window``: release pages behind this window during decode (None: never).
+    ``kv_window``: release pages behind this window during decode (None: never);
+    ``vision``: the model's vision tower (ModelConfig.vision; None: a request with images is
+    refused, invalid_image, as is one whose images do not match its prompt).
     """
 
     def __init__(
@@ -80,6 +84,7 @@ class Scheduler:
         kv_window: int | None = None,
         max_round_rows: int = 0,
         draft_model=None,
+        vision: VisionConfig | None = None,
     ) -> None:
         self.cfg = cfg
         self.kv = kv
@@ -90,6 +95,7 @@ class Scheduler:
         self.kv_window = kv_window
         self.max_round_rows = max_round_rows  # Backend.max_round_rows: 0 = no speculation
         self.draft_model = draft_model  # engine.spec.draft_model.DraftModel (spec.draft_model), or None
+        self.vision = vision  # ModelConfig.vision: the tower AddRequest.images are checked against (None: no images)
         self.seqs: dict[str, Sequence] = {}  # live, by request_id
         self.by_seq_id: dict[int, Sequence] = {}
         self.waiting: list[Sequence] = []  # rank order
@@ -130,6 +136,8 @@ class Scheduler:
                 constraints=self.constraints,
                 compiled=compiled,
             )
+        if not isinstance(seq, RequestFailed):
+            seq = self._attach_images(seq, msg)
         if isinstance(seq, RequestFailed):
             self.counters["refused"] += 1
             return seq
@@ -141,6 +149,17 @@ class Scheduler:
         _insort(self.waiting, seq)
         self.counters["admitted"] += 1
         return None
+
+    def _attach_images(self, seq: Sequence, msg: AddRequest) -> Sequence | RequestFailed:
+        """``seq`` with its images and their rope positions, or the invalid_image refusal."""
+        try:
+            seq.images = check_images(msg.images, seq.prompt_token_ids, self.vision)
+        except ImageError as exc:
+            return refusal("invalid_image", msg.request_id, str(exc))
+        if seq.images:
+            merge = self.vision.spatial_merge_size
+            seq.rope_positions, seq.rope_delta = rope_index(seq.num_prompt_tokens, seq.images, merge)
+        return seq
 
     def finish_requests(self, request_ids: str | Iterable[str], status: SequenceStatus) -> list[RequestFinished]:
         """End live requests from outside a step (an abort, a step that raised, a
@@ -212,7 +231,10 @@ class Scheduler:
                 drafts = []
             if drafts:
                 plan.drafts[seq.seq_id] = drafts
-            plan.decode += spec.lane_rows(seq, drafts, known)
+            rows = spec.lane_rows(seq, drafts, known)
+            for row in rows if seq.rope_delta else ():
+                row.rope_delta = seq.rope_delta
+            plan.decode += rows
 
     def _grow_running(self, plan: StepPlan) -> None:
         """Give every decoding lane a slot for the token it feeds; preempt the
@@ -265,6 +287,7 @@ class Scheduler:
             self.counters["recomputed"] += 1
             self.kv.free(seq)
             seq.num_computed_tokens = 0
+            seq.drop_image_rows(0)
             seq.status = S.WAITING
             _insort(self.waiting, seq)
 
@@ -283,6 +306,8 @@ class Scheduler:
             want_logits=last and seq.is_decide,
             want_prompt_logprobs=seq.prompt_logprobs if score else None,
             next_prompt_token=seq.prompt_token_ids[end] if score and end < seq.num_prompt_tokens else None,
+            rope_positions=seq.rope_positions_at(start, end),
+            images=seq.images_at(start, end),
         )
 
     # -- results -------------------------------------------------------------
@@ -336,13 +361,14 @@ class Scheduler:
         if seq is None or seq.status != S.PREFILLING:
             return  # finished while the chunk ran
         self.kv.mark_computed(seq, span.start_pos + len(span.token_ids))
+        seq.drop_image_rows(seq.num_computed_tokens)
         if span.want_prompt_logprobs is not None and out.prompt_logprobs is not None:
             seq.prompt_lps = (seq.prompt_lps or []) + [logprob_item(lp) for lp in out.prompt_logprobs]
         if seq.num_computed_tokens < seq.num_tokens:
             return
         self.prefilling = None
         if seq.shared_prefix_len:  # its system block outlives plain retention (idempotent)
-            self.kv.pin_prefix(seq.prompt_token_ids[: seq.shared_prefix_len])
+            self.kv.pin_prefix(seq.prompt_token_ids[: seq.shared_prefix_len], seq.images)
         if seq.is_decide:
             seq.first_token_time = now
             outputs.append(self._finish(seq, S.FINISHED_STOPPED, logits=out.prefill_logits))

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import IntEnum
 
+import numpy as np
+
 from engine.backend import SampleRequest
 from engine.sampling import SamplingParams
 
@@ -78,6 +80,14 @@ class Sequence:
     # tokens taken back from the books so far (they were generated and streamed: they count).
     reasoning: object | None = None
     num_taken_back: int = 0
+    # A vision-language model's request: its images (engine.models.vision.Image, prompt order;
+    # each keeps its encoded rows from the chunk that first reaches it until its last
+    # placeholder is computed), its prompt rows' three rope positions [3, num_prompt_tokens]
+    # (None: a text-only prompt, rows rotate at their position) and the offset every later
+    # position rotates at (engine.models.vision.rope_index).
+    images: list = field(default_factory=list)
+    rope_positions: np.ndarray | None = None
+    rope_delta: int = 0
 
     @property
     def rank(self) -> tuple[int, int]:
@@ -118,6 +128,25 @@ class Sequence:
         if start >= p:
             return self.output_token_ids[start - p : end - p]
         return self.prompt_token_ids[start:end] + self.output_token_ids[: max(0, end - p)]
+
+    def rope_positions_at(self, start: int, end: int) -> np.ndarray | None:
+        """The three rope positions [3, end - start] of positions ``start`` to ``end`` (None: text only)."""
+        if self.rope_positions is None:
+            return None
+        p = self.num_prompt_tokens
+        later = np.arange(max(start, p), max(end, p), dtype=np.int64) + self.rope_delta
+        return np.concatenate([self.rope_positions[:, start:end], np.broadcast_to(later, (3, len(later)))], axis=1)
+
+    def images_at(self, start: int, end: int) -> list:
+        """The images with placeholders among positions ``start`` to ``end``."""
+        return [img for img in self.images if img.offset < end and img.end > start]
+
+    def drop_image_rows(self, computed: int) -> None:
+        """Forget the encoded rows of images whose placeholders are all below ``computed``
+        (every image when 0: a recompute encodes again)."""
+        for img in self.images:
+            if computed == 0 or img.end <= computed:
+                img.embeds = None
 
     @property
     def holds_lane(self) -> bool:

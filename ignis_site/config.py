@@ -27,6 +27,7 @@ class Field:
     help: str
     minimum: float | None = None
     maximum: float | None = None
+    choices: tuple[str, ...] = ()  # a str key's only values (empty: any string)
 
     @property
     def env_name(self) -> str:
@@ -73,7 +74,10 @@ class Field:
             return value
         if raw is None:
             return None
-        return str(raw)
+        value = str(raw)
+        if self.choices and value not in self.choices:
+            raise ValueError(f"{self.key} must be one of {' | '.join(self.choices)}")
+        return value
 
     def _check_json_type(self, raw: Any) -> None:
         if isinstance(raw, list | dict) or (self.type is str and not isinstance(raw, str)):
@@ -153,6 +157,13 @@ FIELDS: dict[str, Field] = {
         Field("model.path", str, "", "artifact path (default: the catalog's file for model.id)"),
         Field(
             "model.backend", str, "cpu", "cpu | numpy | cuda (cpu falls back to numpy where its kernels do not build)"
+        ),
+        Field(
+            "model.weight_format",
+            str,
+            "auto",
+            "weights on the backend: auto (as stored) | bf16 | fp8 (e4m3, quantized at load; backends that take fp8)",
+            choices=("auto", "bf16", "fp8"),
         ),
         Field("model.prefill_chunk", int, 1024, "tokens per prefill chunk", 16, 1 << 20),
         Field("model.decode_share", float, 0.25, "fraction of time decoding lanes keep during a prefill", 0.0, 0.95),
@@ -266,6 +277,7 @@ RELOAD_KEYS = frozenset(
         "model.id",
         "model.path",
         "model.backend",
+        "model.weight_format",
         "model.max_context",
         "model.kv_block_size",
         "model.kv_ram_budget",
@@ -345,6 +357,7 @@ def engine_config_dict(values: dict[str, Any]) -> dict[str, Any]:
         "default_max_tokens": values["model.default_max_tokens"],
         "max_context": values["model.max_context"],
         "block_size": values["model.kv_block_size"],
+        "weight_format": values["model.weight_format"],
         "kv_ram_budget": values["model.kv_ram_budget"],
         "host_kv_budget": values["model.host_kv_budget"],
         "blas_threads": values["model.blas_threads"],

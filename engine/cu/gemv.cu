@@ -80,16 +80,10 @@ struct TcRope {  // EPI_ROPE_KV only
     float factor;
 };
 
-template <int U, int EPI>
-__device__ __forceinline__ void gemv_tc_body(const bf16* __restrict__ x, const bf16* __restrict__ W,
-                                             const float* __restrict__ bias, void* __restrict__ out, int M,
-                                             int N, int K, int ldo, const TcNorm& nm, const TcRope& rp) {
-    const float* __restrict__ ss_in = nm.ss_in;
-    const int ss_nparts = nm.ss_nparts;
-    const float eps = nm.eps;
-    const bf16* __restrict__ nw = nm.nw;
-    bf16* __restrict__ xw = nm.xw;
-    float* __restrict__ ss_out = nm.ss_out;
+// The bf16 main loop: this warp's share of the 16 x 8 tile, c[4] as mma_bf16's accumulator.
+template <int U>
+__device__ __forceinline__ void gemv_tc_main(const bf16* __restrict__ x, const bf16* __restrict__ W, int M,
+                                             int N, int K, float* c) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int n0 = blockIdx.x * TC_ROWS;
     const int K8 = K >> 3;
@@ -99,7 +93,6 @@ __device__ __forceinline__ void gemv_tc_body(const bf16* __restrict__ x, const b
     const uint4* wa_p = W4 + (size_t)(ra ? n0 + g : 0) * K8;
     const uint4* wb_p = W4 + (size_t)(rb ? n0 + g + 8 : 0) * K8;
     const uint4* x_p = x4 + (size_t)(rx ? g : 0) * K8;
-    float c[4] = {0.f, 0.f, 0.f, 0.f};
     // Step s covers chunks [8s, 8s + 8); this thread takes chunks 8s + t and 8s + t + 4.
     const int steps = (K8 + 7) / 8;
     for (int s0 = warp; s0 < steps; s0 += 8 * U) {
@@ -121,6 +114,24 @@ __device__ __forceinline__ void gemv_tc_body(const bf16* __restrict__ x, const b
 #pragma unroll
             for (int h = 0; h < 2; h++) tc_step(c, wa[u][h], wb[u][h], xv[u][h]);
     }
+}
+
+// Every epilogue, after a main loop (bf16 here, the quantized ones in gemv_q.cu) left this warp's
+// accumulators in c (rows n0 + g, n0 + g + 8; columns = lanes 2t, 2t + 1). n_base: the row of
+// the whole fused matrix this block's row 0 is (a q|k|v matrix launched in parts of one format
+// each, gemv_q.cu); the rope epilogue's head arithmetic uses it.
+template <int EPI>
+__device__ __forceinline__ void gemv_tc_epilogue(const float* c, const float* __restrict__ bias,
+                                                 void* __restrict__ out, int M, int N, int K, int ldo,
+                                                 const TcNorm& nm, const TcRope& rp, int n_base) {
+    const float* __restrict__ ss_in = nm.ss_in;
+    const int ss_nparts = nm.ss_nparts;
+    const float eps = nm.eps;
+    const bf16* __restrict__ nw = nm.nw;
+    bf16* __restrict__ xw = nm.xw;
+    float* __restrict__ ss_out = nm.ss_out;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int n0 = blockIdx.x * TC_ROWS;
     __shared__ float red[8][TC_ROWS][8];
     __shared__ float rs[8];
     red[warp][g][2 * t] = c[0];
@@ -172,7 +183,7 @@ __device__ __forceinline__ void gemv_tc_body(const bf16* __restrict__ x, const b
                 }
                 // Rows r, r + 8 of this block are head dims ia, ib: a rotation pair inside the
                 // first rotary_dim dims, or two pass-through dims after them.
-                const int D = rp.D, hh = n0 / D, o = n0 % D, hr = rp.rotary_dim >> 1;
+                const int D = rp.D, hh = (n_base + n0) / D, o = (n_base + n0) % D, hr = rp.rotary_dim >> 1;
                 const bool rot = o < rp.rotary_dim;
                 const int ia = rot ? (o >> 1) + r : o + r, ib = rot ? ia + hr : ia + 8;
                 float sn = 0.f, cs = 1.f;
@@ -237,6 +248,16 @@ __device__ __forceinline__ void gemv_tc_body(const bf16* __restrict__ x, const b
     }
 }
 
+template <int U, int EPI>
+__device__ __forceinline__ void gemv_tc_body(const bf16* __restrict__ x, const bf16* __restrict__ W,
+                                             const float* __restrict__ bias, void* __restrict__ out, int M,
+                                             int N, int K, int ldo, const TcNorm& nm, const TcRope& rp) {
+    float c[4] = {0.f, 0.f, 0.f, 0.f};
+    gemv_tc_main<U>(x, W, M, N, K, c);
+    gemv_tc_epilogue<EPI>(c, bias, out, M, N, K, ldo, nm, rp, 0);
+}
+
+#ifndef GEMV_EPILOGUES_ONLY  // gemv_q.cu compiles the main loop and epilogues above, not these entry points
 // MINB: blocks per SM the register allocation must allow. Without it ptxas sinks each load down
 // to its mma (3 loads in flight per warp); with it every load of a batch issues first.
 // store / acc: out fp32 [M, ldo]; with nw, also the next norm's xw / ss_out.
@@ -279,3 +300,4 @@ GEMV_TC_SWIGLU(gemv_tc_geglu, 4, 2, EPI_GEGLU)
 GEMV_TC_SWIGLU(gemv_tc_geglu_u2, 2, 4, EPI_GEGLU)
 GEMV_TC_ROPE(gemv_tc_rope, 4, 2)
 GEMV_TC_ROPE(gemv_tc_rope_u2, 2, 4)
+#endif  // GEMV_EPILOGUES_ONLY

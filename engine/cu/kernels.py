@@ -3,6 +3,9 @@
 Every kernel is declared once, in ``Kernels.__init__``: its source, compile-time
 constants, block size and parameter list (``engine.cu.launch.Kernel``); the
 wrappers below compute grids, check preconditions and pass parameters by name.
+A weight matrix is a device pointer (bf16) or an ``engine.cu.quant.Matrix`` (parts in
+GGUF block formats, read as stored by gemv_q.cu in decode rounds; dequantized into
+``scratch`` for the prefill GEMM).
 Block sizes that a source depends on reach it as a define from the same
 constant (``TC_THREADS``, ``GEMM_THREADS``, ``DECODE_THREADS``,
 ``PREFILL_THREADS``, ``SAMPLE_THREADS``), and so does the greedy floor
@@ -16,7 +19,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from engine.cu.hopper import route_gemm
 from engine.cu.launch import Kernel, module
+from engine.cu.quant import BF16, Matrix, QuantKernels
 from engine.sampling import MIN_TEMPERATURE
 
 GEMV_MAX_ROWS = 8
@@ -68,9 +73,13 @@ class Kernels:
     ``u2_below``: matrices of fewer weights use gemv_tc's 2-step variant (4 blocks an SM;
     q|k|v and o on the 8B shape: 0.02-0.04 ms less a round on the H200, docs/PERFORMANCE.md).
     ``cache_dir``: PyCUDA's kernel cache ("" = the default, ``launch.DEFAULT_CACHE_DIR``).
+    ``formats``: the GGUF block formats of the model's matrices (gemv_q.cu compiled for each now;
+    ``quant(fmt)`` compiles any other when first asked). ``scratch`` (set by the backend): a bf16
+    buffer as large as the largest quantized matrix, where prefill dequantizes it for the GEMM.
     """
 
-    def __init__(self, head_dim: int, group: int, *, u2_below: int = 40 << 20, cache_dir: str = "") -> None:
+    def __init__(self, head_dim: int, group: int, *, u2_below: int = 40 << 20, cache_dir: str = "",
+                 formats=()) -> None:  # fmt: skip
         if head_dim not in (64, 128, 256):
             raise ValueError(f"head_dim {head_dim} not supported (64, 128 or 256)")
         if not 1 <= group <= 8:
@@ -78,6 +87,10 @@ class Kernels:
         import pycuda.driver as cuda
 
         self.head_dim, self.group, self.u2_below = head_dim, group, u2_below
+        self.cache_dir, self._quant, self.scratch, self.scratch_bytes = cache_dir, {}, 0, 0
+        for fmt in formats:
+            if fmt != BF16:
+                self.quant(fmt)
 
         def mod(name: str, *defines: tuple[str, int]):
             return module(name, tuple(defines), cache_dir)
@@ -104,6 +117,7 @@ class Kernels:
         self._gemm = Kernel(mod("gemm", ("GEMM_THREADS", GEMM_THREADS)), "gemm_bf16", "A:ptr W:ptr bias:ptr C:ptr "
                             "M:i32 N:i32 K:i32 ldc:i32 accumulate:i32", GEMM_THREADS, shared=GEMM_SMEM)  # fmt: skip
         self._gemm.fn.set_attribute(cuda.function_attribute.MAX_DYNAMIC_SHARED_SIZE_BYTES, GEMM_SMEM)
+        self._gemm = route_gemm(self._gemm, cache_dir)  # gemm_hopper on sm_90 (engine/cu/hopper.py)
         dec = mod("attention_decode", *attn, ("NUM_SPLITS", DECODE_SPLITS), ("DECODE_THREADS", DECODE_THREADS))
         self._decode_attn = Kernel(dec, "decode_attn", "q:ptr positions:ptr block_tables:ptr bt_stride:i32 cache:ptr "
                                    "block_stride:i64 block_size:i32 KVH:i32 scale_log2:f32 o_part:ptr ml:ptr "
@@ -195,12 +209,64 @@ class Kernels:
             return (n + 15) // 16 if norm_out[0] else 0
         if ss_in[0] or norm_out[0]:
             raise ValueError(f"fused RMSNorm needs 1..{GEMV_MAX_ROWS} rows, got {rows}")
-        self._gemm(s, ((rows + 127) // 128, (n + 127) // 128), A=x, W=w, bias=bias, C=out, M=rows, N=n, K=k, ldc=ldo,
-                   accumulate=int(accumulate))  # fmt: skip
+        self._gemm(s, ((rows + 127) // 128, (n + 127) // 128), A=x, W=self.as_bf16(s, w, n, k), bias=bias, C=out,
+                   M=rows, N=n, K=k, ldc=ldo, accumulate=int(accumulate))  # fmt: skip
         return 0
 
-    def _gemv_tc(self, s, epi: str, x: int, w: int, out: int, rows: int, n: int, k: int, ldo: int,
+    def quant(self, fmt: str) -> QuantKernels:
+        """gemv_q.cu's kernels for ``fmt`` (compiled on first use)."""
+        if fmt not in self._quant:
+            self._quant[fmt] = QuantKernels(fmt, TC_PARAMS, self.cache_dir)
+        return self._quant[fmt]
+
+    def as_bf16(self, s, w, n: int, k: int) -> int:
+        """A bf16 pointer to weight ``w``: itself when it is bf16, else its parts dequantized (or copied)
+        into ``scratch``, row after row (valid until the next call)."""
+        if not isinstance(w, Matrix):
+            return w
+        if w.formats == (BF16,):
+            return w.ptr
+        import pycuda.driver as cuda
+
+        if w.rows != n or w.k != k or n * k * 2 > self.scratch_bytes:
+            raise ValueError(f"a {w.rows} x {w.k} quantized matrix as {n} x {k}, scratch {self.scratch_bytes} B")
+        off = 0
+        for p in w.parts:
+            if p.fmt == BF16:
+                cuda.memcpy_dtod_async(self.scratch + off, p.ptr, p.rows * k * 2, s)
+            else:
+                self.quant(p.fmt).dequantize(s, p.ptr, self.scratch + off, p.rows, k)
+            off += p.rows * k * 2
+        return self.scratch
+
+    def _gemv_tc(self, s, epi: str, x: int, w, out: int, rows: int, n: int, k: int, ldo: int,
                  ss_in: tuple[int, int], eps: float, **extra) -> None:  # fmt: skip
+        """One GEMV launch per part of ``w`` (bf16: gemv.cu, a block format: gemv_q.cu), each over its
+        rows: store / acc write their columns of ``out``, rope its heads (``n_base``)."""
+        if isinstance(w, Matrix) and w.formats != (BF16,):
+            if w.rows != n or w.k != k:
+                raise ValueError(f"a {w.rows} x {w.k} matrix as {n} x {k}")
+            if len(w.parts) > 1 and (extra.get("nw") or epi in (SWIGLU, GEGLU)):
+                raise ValueError(f"the {epi} epilogue{' with norm_out' if extra.get('nw') else ''} needs one part")
+            r0 = 0
+            for p in w.parts:
+                part = dict(extra)
+                if part.get("bias"):
+                    part["bias"] += 4 * r0
+                o = out + 4 * r0 if epi in (STORE, ACC) else out
+                if p.fmt == BF16:
+                    if epi == ROPE_KV and r0:
+                        raise ValueError("a bf16 part after row 0 of a q|k|v matrix")
+                    self._gemv_tc(s, epi, x, p.ptr, o, rows, p.rows, k, ldo, ss_in, eps, **part)
+                else:
+                    if epi == ROPE_KV:
+                        part["n_base"] = r0
+                    self.quant(p.fmt).gemv[epi](s, ((p.rows + 15) // 16,), x=x, W=p.ptr, out=o, M=rows, N=p.rows,
+                                                K=k, ldo=ldo, ss_in=ss_in[0], ss_nparts=ss_in[1], eps=eps, **part)  # fmt: skip
+                r0 += p.rows
+            return
+        if isinstance(w, Matrix):
+            w = w.ptr
         kern = self._tc[(epi, n * k < self.u2_below)]
         kern(s, ((n + 15) // 16,), x=x, W=w, out=out, M=rows, N=n, K=k, ldo=ldo, ss_in=ss_in[0], ss_nparts=ss_in[1],
              eps=eps, **extra)  # fmt: skip

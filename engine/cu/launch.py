@@ -48,13 +48,14 @@ TYPES = {"ptr": ("P", _ptr), "i32": ("i", _i32), "i64": ("q", _i64), "f32": ("f"
 
 
 @functools.cache
-def module(name: str, defines: tuple[tuple[str, int], ...] = (), cache_dir: str = ""):
-    """Compile ``engine/cu/<name>.cu`` (once per process, set of ``defines`` and cache dir)."""
+def module(name: str, defines: tuple[tuple[str, int], ...] = (), cache_dir: str = "", after: tuple[str, ...] = ()):
+    """Compile ``engine/cu/<name>.cu`` (once per process, set of ``defines`` and cache dir), after
+    ``common.cuh`` and the sources named in ``after`` (``gemv_q`` reuses ``gemv``'s epilogues)."""
     from pycuda.compiler import SourceModule
 
     cache = cache_dir or DEFAULT_CACHE_DIR
     os.makedirs(cache, exist_ok=True)
-    src = (CU_DIR / "common.cuh").read_text() + "\n" + (CU_DIR / f"{name}.cu").read_text()
+    src = "\n".join((CU_DIR / f).read_text() for f in ("common.cuh", *(a + ".cu" for a in after), name + ".cu"))
     options = ["-O3", "-std=c++17"] + [f"-D{k}={v}" for k, v in defines]
     return SourceModule(src, options=options, no_extern_c=True, arch=ARCH, cache_dir=cache)
 

@@ -8,7 +8,7 @@ see the difference.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 
 import numpy as np
@@ -38,17 +38,35 @@ def read_config(path: str | Path) -> ModelConfig:
 
 
 def load_artifact(
-    path: str | Path, progress: Callable[[int, int], None] | None = None, *, as_stored: bool = False
+    path: str | Path,
+    progress: Callable[[int, int], None] | None = None,
+    *,
+    as_stored: bool | Collection[str] = False,
+    fp8_as_stored: bool = False,
+    weight_format: str = "auto",
 ) -> tuple[ModelConfig, dict[str, np.ndarray]]:
     """Load any supported artifact; ``progress(done, total)`` reports load progress.
 
-    ``as_stored``: a GGUF's block-quantized matrices stay quantized
-    (``engine.loaders.gguf.QuantizedTensor``); safetensors are float32 either way.
+    ``as_stored``: a GGUF's matrices of these block types (GGML type names; True: the cpu
+    backend's, ``engine.loaders.gguf.STORED_TYPES``) stay quantized
+    (``engine.loaders.gguf.QuantizedTensor``). ``fp8_as_stored`` (a backend that takes
+    fp8): an FP8 checkpoint's matrices stay ``engine.loaders.fp8.Fp8Tensor``, else they
+    are float32. ``weight_format`` is ``model.weight_format``: ``fp8`` (only with
+    ``fp8_as_stored``) quantizes float projections to e4m3 per output channel at load,
+    ``bf16`` dequantizes FP8 checkpoints, ``auto`` keeps what is stored.
     """
+    from engine.loaders.hf import check_weight_format
+
+    check_weight_format(weight_format, fp8_as_stored)
     if artifact_format(path) == "gguf":
         from engine.loaders.gguf import load_gguf
 
-        return load_gguf(path, progress, as_stored=as_stored)
+        cfg, weights = load_gguf(path, progress, as_stored=as_stored)
+        if weight_format == "fp8":
+            from engine.loaders.fp8 import quantize_weights
+
+            weights = quantize_weights(weights)
+        return cfg, weights
     from engine.loaders.hf import load_hf
 
-    return load_hf(path, progress)
+    return load_hf(path, progress, fp8_as_stored=fp8_as_stored, weight_format=weight_format)

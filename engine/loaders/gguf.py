@@ -10,16 +10,19 @@ and every other type the ``gguf`` package knows). GGUF stores a 2-D tensor with
 ggml shape ``[in, out]``, which numpy sees as ``[out, in]`` -- already the
 ``torch.nn.Linear`` layout the backends expect.
 
-As stored (``as_stored=True``, for the cpu backend): 2-D Q8_0 / Q4_0 / Q4_1
-tensors stay in their blocks, as a :class:`QuantizedTensor` over the raw rows.
-Blocks run along the input dimension, so a row of blocks is one output row and
-the definitions' row splits and q/k row un-permutation apply to the raw rows.
+As stored (``as_stored``): 2-D tensors of the GGML block types a backend keeps
+(its ``weights_as_stored``: the cpu backend Q8_0 / Q4_0 / Q4_1, the cuda backend
+those plus Q5_0 / Q5_1 / Q4_K / Q5_K / Q6_K) stay in their blocks, as a
+:class:`QuantizedTensor` over the raw rows; every other tensor is float32 as
+above. Blocks run along the input dimension, so a row of blocks is one output
+row and the definitions' row splits and q/k row un-permutation apply to the
+raw rows.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 
 import numpy as np
@@ -27,14 +30,33 @@ import numpy as np
 from engine.model_config import ModelConfig
 from engine.models import definition, for_gguf
 
-# GGML block types a backend can take as stored (gguf.GGMLQuantizationType values).
+# GGML block types a backend can take as stored (gguf.GGMLQuantizationType values); ``as_stored=True``
+# means these (the cpu backend's).
 STORED_TYPES = {"Q8_0": 8, "Q4_0": 2, "Q4_1": 3}
+# Every block type some backend keeps: name -> (type id, values a block, bytes a block).
+BLOCK_TYPES = {
+    "Q4_0": (2, 32, 18), "Q4_1": (3, 32, 20), "Q5_0": (6, 32, 22), "Q5_1": (7, 32, 24), "Q8_0": (8, 32, 34),
+    "Q4_K": (12, 256, 144), "Q5_K": (13, 256, 176), "Q6_K": (14, 256, 210),
+}  # fmt: skip
+TYPE_NAMES = {tid: name for name, (tid, _, _) in BLOCK_TYPES.items()}
+
+
+def stored_type_ids(as_stored: bool | Collection[str]) -> frozenset[int]:
+    """The GGML type ids ``as_stored`` names: False none, True ``STORED_TYPES``, else type names."""
+    if as_stored is True:
+        return frozenset(STORED_TYPES.values())
+    if not as_stored:
+        return frozenset()
+    unknown = set(as_stored) - set(BLOCK_TYPES)
+    if unknown:
+        raise ValueError(f"no block type {sorted(unknown)} (known: {', '.join(BLOCK_TYPES)})")
+    return frozenset(BLOCK_TYPES[n][0] for n in as_stored)
 
 
 @dataclasses.dataclass(frozen=True)
 class QuantizedTensor:
     """A matrix ``[out, in]`` kept as GGML stores it: ``data`` uint8 ``[out, row_bytes]``,
-    ``type`` the GGML type id (``STORED_TYPES``). Only ``load_gguf(as_stored=True)`` makes these."""
+    ``type`` the GGML type id (``BLOCK_TYPES``). Only ``load_gguf(as_stored=...)`` makes these."""
 
     type: int
     shape: tuple[int, int]
@@ -43,6 +65,10 @@ class QuantizedTensor:
     @property
     def nbytes(self) -> int:
         return self.data.nbytes
+
+    @property
+    def type_name(self) -> str:
+        return TYPE_NAMES.get(self.type, str(self.type))
 
 
 def read_metadata(reader) -> dict:
@@ -79,12 +105,16 @@ def read_config(path: str | Path) -> ModelConfig:
 
 
 def load_gguf(
-    path: str | Path, progress: Callable[[int, int], None] | None = None, *, as_stored: bool = False
+    path: str | Path,
+    progress: Callable[[int, int], None] | None = None,
+    *,
+    as_stored: bool | Collection[str] = False,
 ) -> tuple[ModelConfig, dict[str, np.ndarray]]:
     """Read a GGUF file; return its config and float32 weights in canonical naming.
 
-    ``progress(done, total)`` is called after each tensor. ``as_stored``: block-quantized
-    matrices come as :class:`QuantizedTensor` instead (see the module docstring).
+    ``progress(done, total)`` is called after each tensor. ``as_stored``: matrices of these
+    block types (names of ``BLOCK_TYPES``; True: ``STORED_TYPES``) come as
+    :class:`QuantizedTensor` instead (see the module docstring).
     """
     import gguf
     from gguf.quants import dequantize
@@ -97,8 +127,9 @@ def load_gguf(
     model = definition(cfg.arch)  # a llama GGUF with experts is mixtral's
     weights: dict[str, np.ndarray] = {}
     total = len(reader.tensors)
+    keep = stored_type_ids(as_stored)
     for done, t in enumerate(reader.tensors, 1):
-        if as_stored and int(t.tensor_type) in STORED_TYPES.values() and len(t.shape) == 2:
+        if int(t.tensor_type) in keep and len(t.shape) == 2:
             raw = np.asarray(t.data, dtype=np.uint8)  # [out, row_bytes], a view of the mapped file
             for name, part in model.from_gguf(cfg, t.name, raw):
                 weights[name] = QuantizedTensor(int(t.tensor_type), (part.shape[0], int(t.shape[0])), part)

@@ -15,11 +15,12 @@ from engine.models.llama import LLAMA, MISTRAL
 from engine.models.mixtral import MIXTRAL
 from engine.models.phi3 import PHI3
 from engine.models.qwen2 import QWEN2
+from engine.models.qwen2_5_vl import QWEN2_5_VL
 from engine.models.qwen3 import QWEN3, QWEN3_MOE
 
 DEFINITIONS: dict[str, ModelDefinition] = {d.name: d for d in (LLAMA, MISTRAL, QWEN2, PHI3, GEMMA2, GEMMA3, GPT_OSS)}
 DEFINITIONS.update({d.name: d for d in (QWEN3, QWEN3_MOE)})
-DEFINITIONS.update({d.name: d for d in (MIXTRAL,)})
+DEFINITIONS.update({d.name: d for d in (MIXTRAL, QWEN2_5_VL)})
 
 
 def definition(arch: str) -> ModelDefinition:

@@ -56,6 +56,20 @@ class Rope:
 
 
 @dataclass(frozen=True)
+class MRope(Rope):
+    """Multimodal rope (Qwen2-VL, Qwen2.5-VL): every row carries three positions (temporal,
+    height, width) and the rotary pairs are split in ``section`` runs (summing to
+    ``rotary_dim / 2``), run k rotating by position ``k % 3``. A text row's three positions are
+    equal, so it rotates as ``Rope``; an image's placeholder rows take their patch's (t, h, w).
+    The step interface carries the three positions of a prefill span's rows
+    (``PrefillSpan.rope_positions``) and, for decode rows, the offset from the KV position
+    (``DecodeLane.rope_delta``)."""
+
+    style: str = "mrope"
+    section: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
 class QKNorm:
     """RMSNorm over each head's ``head_dim`` values of q and of k, after the
     projections (and biases) and before rope (qwen3, gemma3); eps as RMSNorm's."""

@@ -48,7 +48,8 @@ class CpuBackend(Backend):
 
     name = "cpu"
     supports_prompt_logprobs = True
-    weights_as_stored = True  # the loader keeps GGUF blocks (engine.loaders.gguf.QuantizedTensor)
+    # The GGUF block types the loader keeps as stored (engine.loaders.gguf.QuantizedTensor).
+    weights_as_stored = frozenset({"Q8_0", "Q4_0", "Q4_1"})
     # A lane's verify rows are rows of the round, each attending up to its own position
     # (tests/engine/test_spec_model.py: tokens identical to speculation off).
     max_round_rows = 16

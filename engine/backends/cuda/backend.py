@@ -1,6 +1,7 @@
 """CudaBackend: the step interface over the pieces of this package.
 
-A load uploads the weights (``weights``), allocates the activations for up to
+A load uploads the weights (``weights``: a GGUF's block-quantized matrices as stored,
+``weights_as_stored``), allocates the activations for up to
 ``PREFILL_CHUNK`` rows (``forward.Workspace``) and two staging areas (decode round,
 prefill span), sizes the KV pool from what is left (``kv``), and captures one decode
 graph per width (``graphs``). A prefill span runs in chunks through ``Forward``; a
@@ -20,7 +21,8 @@ from engine.backend import Backend, DecodeLane, PrefillSpan, StepOutput
 from engine.backends.cuda import sampling
 from engine.backends.cuda.forward import MAX_LANES, PREFILL_CHUNK, Forward, Workspace, check_model
 from engine.config import CudaTuning
-from engine.memory import MemoryPlan, workspace_bytes
+from engine.cu.quant import QUANT_FORMATS
+from engine.memory import MemoryPlan, dequant_scratch_bytes, workspace_bytes
 from engine.model_config import ModelConfig
 
 
@@ -32,6 +34,9 @@ class CudaBackend(Backend):
     # A speculating lane's rows are rows of the round (tests/kernels/test_cuda_spec.py): up to the
     # widest decode graph.
     max_round_rows = MAX_LANES
+    # The GGUF block types the loader keeps as stored (engine.loaders.gguf.QuantizedTensor): decode
+    # GEMVs read them (engine/cu/gemv_q.cu); F16 / BF16 / F32 arrive as floats and go up as bf16.
+    weights_as_stored = frozenset(QUANT_FORMATS)
 
     def __init__(self, tuning: CudaTuning | None = None) -> None:
         super().__init__()
@@ -58,7 +63,7 @@ class CudaBackend(Backend):
 
         from engine.backends.cuda.graphs import GraphRunner, decode_fields
         from engine.backends.cuda.kv import KVPool
-        from engine.backends.cuda.weights import upload
+        from engine.backends.cuda.weights import quant_formats, upload
         from engine.cu.runtime import Allocations, Staging
         from engine.models import definition
 
@@ -70,12 +75,17 @@ class CudaBackend(Backend):
         self.config = cfg
         self.block_size, self.max_context = block_size, max_context
         self.mem = Allocations()
+        self.formats = quant_formats(weights)
         self.kern = self._kernels()  # compiles everything now
         self.stream = cuda.Stream()
-        self.weights = upload(cfg, blocks, head, weights, self.mem, embed_scale=embedding.scale)
+        self.weights = upload(cfg, blocks, head, weights, self.mem, embed_scale=embedding.scale, kern=self.kern)
         self.moe, moe_bytes = self._upload_moe(cfg, blocks, weights)
         post_norms = any(b.attn_post_norm is not None or b.mlp_post_norm is not None for b in blocks)
         self.ws = Workspace.allocate(cfg, self.mem, post_norms=post_norms)
+        # Prefill dequantizes a quantized matrix here for the GEMM (decode rounds read the blocks).
+        scratch = dequant_scratch_bytes(cfg) if self.weights.quantized else 0
+        self.scratch = (self.mem.alloc(scratch), scratch) if scratch else (0, 0)
+        self.kern.scratch, self.kern.scratch_bytes = self.scratch
         self.logits_host = cuda.pagelocked_empty((MAX_LANES, cfg.vocab_size), np.float32)
         self.bt_stride = -(-max_context // block_size)
         self.pen_stride = pen = min(cfg.vocab_size, max_context)
@@ -93,7 +103,7 @@ class CudaBackend(Backend):
         self.graphs.capture()
         # The workspace figure is engine.memory's formula (the same one the switch precheck uses):
         # activations of PREFILL_CHUNK rows plus MAX_LANES rows of logits.
-        work = workspace_bytes(cfg, rows=PREFILL_CHUNK, logit_rows=MAX_LANES)
+        work = workspace_bytes(cfg, rows=PREFILL_CHUNK, logit_rows=MAX_LANES) + scratch
         kv_bytes = self.kv.num_blocks * self.kv.block_bytes
         weight_bytes = self.weights.nbytes + moe_bytes
         self.plan = MemoryPlan(
@@ -130,8 +140,10 @@ class CudaBackend(Backend):
             return None, 0
         from engine.backends.cuda.expert_cache import expert_nbytes, upload_moe
         from engine.backends.cuda.moe import DeviceMoE, MoEKernels, MoEWorkspace
+        from engine.backends.cuda.weights import Dequantized
 
         op, budget = blocks[0].mlp, self.tuning.expert_budget or None
+        weights = Dequantized(weights)  # the expert kernels read bf16
         layers, cache = upload_moe(cfg, op, weights, self.mem, gpu_budget=budget)  # (primes the cache)
         ws = MoEWorkspace(op.num_experts, op.top_k, cfg.hidden_size, cfg.moe_intermediate_size, PREFILL_CHUNK,
                           self.mem)  # fmt: skip
@@ -148,7 +160,7 @@ class CudaBackend(Backend):
 
         c, t = self.config, self.tuning
         return Kernels(c.head_dim, c.num_heads // c.num_kv_heads, u2_below=t.gemv_u2_below,
-                       cache_dir=t.kernel_cache_dir)  # fmt: skip
+                       cache_dir=t.kernel_cache_dir, formats=self.formats)  # fmt: skip
 
     def retune(self, tuning: CudaTuning) -> None:
         """Switch kernel settings on a loaded model and recapture the decode graphs (benchmarks)."""
@@ -157,6 +169,7 @@ class CudaBackend(Backend):
         with runtime.current():
             self.tuning = tuning
             self.kern = self.forward.kern = self._kernels()
+            self.kern.scratch, self.kern.scratch_bytes = self.scratch
             self.graphs.recapture()
 
     def _decode_body(self, rows: int) -> None:

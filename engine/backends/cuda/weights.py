@@ -1,6 +1,13 @@
 """The model's weights on the device, in the layouts the kernels read.
 
-bf16 (biases fp32), torch ``[out, in]``. q|k|v are fused into one matrix with each
+bf16 (biases fp32), torch ``[out, in]``; a GGUF matrix the loader kept as stored
+(``QuantizedTensor``, the block types of ``engine.cu.quant.QUANT_FORMATS``) stays in its
+blocks, every row as the file holds it (row permutations below move whole rows of
+blocks). Each matrix is an ``engine.cu.quant.Matrix``: parts of one format each (a fused
+q|k|v whose v has another block type than q and k is two parts; a fused gate|up whose
+halves differ, or whose parts mix blocks and floats, is dequantized to bf16 instead).
+The embedding table is bf16 (a quantized one is dequantized; a tied LM head then keeps
+the blocks as its own matrix). q|k|v are fused into one matrix with each
 head's rows rope-interleaved in 8-row groups (``interleave_rope``) and gate|up into one
 matrix interleaved in 8-row groups (``interleave_gate_up``; plain gate-then-up when
 I % 8 != 0), so a decode GEMV block holds both members of its rope pairs or matching
@@ -16,11 +23,14 @@ to device).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
 
 from engine.cu.kernels import AttnArgs, attention_scales
+from engine.cu.quant import QUANT_FORMATS, Matrix, Part
+from engine.loaders.gguf import QuantizedTensor
 from engine.model_config import ModelConfig
 from engine.models.ops import Block, Head, MoE, RMSNorm, Rope
 
@@ -32,12 +42,12 @@ class Layer:
     block: Block
     ln1: int
     ln2: int
-    qkv: int
+    qkv: Matrix
     qkv_bias: int  # 0 when the model has none
-    o: int
+    o: Matrix
     o_bias: int  # fp32 [hidden] or 0
-    gate_up: int
-    down: int
+    gate_up: Matrix | int  # 0 in a sparse layer
+    down: Matrix | int
     inv_freq: int  # fp32 [rotary_dim / 2], this layer's rope (0 without rope)
     rope_factor: float  # multiplies cos and sin (rope_tables' attention factor)
     rotary_dim: int  # dims of each head rotated (0: no rope)
@@ -51,28 +61,65 @@ class Layer:
 @dataclass
 class DeviceWeights:
     embed: int
-    lm_head: int
+    lm_head: Matrix
     final_norm: int
     layers: list[Layer]
     gate_up_interleaved: bool
-    nbytes: int  # weight bytes uploaded (a tied head counts once)
+    nbytes: int  # weight bytes uploaded, as stored (a tied head counts once, or twice when it keeps blocks)
     embed_scale: float = 1.0
     head_softcap: float | None = None
 
+    @property
+    def quantized(self) -> bool:
+        """Whether a layer matrix is in blocks (prefill then needs the dequant scratch)."""
+        mats = [m for L in self.layers for m in (L.qkv, L.o, L.gate_up, L.down) if isinstance(m, Matrix)]
+        return any(f != "bf16" for m in mats for f in m.formats)
 
-def upload(cfg: ModelConfig, blocks: list[Block], head: Head, weights, mem, embed_scale: float = 1.0) -> DeviceWeights:
+
+def upload(cfg: ModelConfig, blocks: list[Block], head: Head, weights, mem, embed_scale: float = 1.0,
+           kern=None) -> DeviceWeights:  # fmt: skip
     """Copy ``weights`` to the device through ``mem`` (``runtime.Allocations``); every layer's tensor
-    names and options come from the definition's ``blocks`` (one per layer) and ``head``."""
+    names and options come from the definition's ``blocks`` (one per layer) and ``head``. ``kern``
+    (``Kernels``): a quantized embedding table is dequantized on the device (else on the host)."""
     up = _Uploader(weights, mem)
     interleaved = cfg.intermediate_size % 8 == 0
-    embed = up(["model.embed_tokens.weight"])
-    lm_head = embed if cfg.tie_word_embeddings else up(["lm_head.weight"])
+    table = weights["model.embed_tokens.weight"]
+    quant_table = isinstance(table, QuantizedTensor) and table.type_name in QUANT_FORMATS
+    tied_blocks = up.matrix(["model.embed_tokens.weight"]) if quant_table and cfg.tie_word_embeddings else None
+    if quant_table and kern is not None:
+        embed = _dequantized_table(table, tied_blocks, mem, kern)
+        up.nbytes += 2 * table.shape[0] * table.shape[1]
+    else:
+        embed = up(["model.embed_tokens.weight"])
+    if not cfg.tie_word_embeddings:
+        lm_head = up.matrix(["lm_head.weight"])
+    elif tied_blocks is not None:  # the LM head reads the blocks, beside the bf16 table
+        lm_head = tied_blocks
+    else:
+        lm_head = Matrix.bf16(embed, cfg.vocab_size, cfg.hidden_size)
     final_norm = up.norm(head.final_norm)
     ropes: dict[Rope, tuple[int, float]] = {}
     layers = [_layer(cfg, i, b, up, ropes, interleaved) for i, b in enumerate(blocks)]
     return DeviceWeights(embed=embed, lm_head=lm_head, final_norm=final_norm, layers=layers,
                          gate_up_interleaved=interleaved, nbytes=up.nbytes, embed_scale=embed_scale,
                          head_softcap=head.softcap)  # fmt: skip
+
+
+def _dequantized_table(table: QuantizedTensor, blocks: Matrix | None, mem, kern) -> int:
+    """The bf16 embedding table from its blocks, dequantized on the device (``blocks``: already there,
+    the tied LM head's; else uploaded to a buffer freed here)."""
+    import pycuda.driver as cuda
+
+    rows, k = table.shape
+    out = mem.alloc(2 * rows * k)
+    tmp = None
+    if blocks is None:
+        tmp = cuda.to_device(np.ascontiguousarray(table.data))
+    kern.quant(table.type_name).dequantize(None, int(tmp) if tmp is not None else blocks.ptr, out, rows, k)
+    cuda.Context.synchronize()
+    if tmp is not None:
+        tmp.free()
+    return out
 
 
 def _layer(cfg: ModelConfig, i: int, block: Block, up, ropes: dict, interleaved: bool) -> Layer:
@@ -103,13 +150,15 @@ def _layer(cfg: ModelConfig, i: int, block: Block, up, ropes: dict, interleaved:
         block=block,
         ln1=norm(block.attn_norm),
         ln2=norm(block.mlp_norm),
-        qkv=up([x + "weight" for x in proj], rope_dim=d, rotary_dim=rd),
+        qkv=up.matrix([x + "weight" for x in proj], rope_dim=d, rotary_dim=rd),
         qkv_bias=up([x + "bias" for x in proj], fp32=True, rope_dim=d, rotary_dim=rd) if attn.qkv_bias else 0,
-        o=up([p + "self_attn.o_proj.weight"]),
+        o=up.matrix([p + "self_attn.o_proj.weight"]),
         o_bias=up([p + "self_attn.o_proj.bias"], fp32=True) if attn.o_bias else 0,
         # A sparse layer's experts are uploaded by expert_cache.upload_moe.
-        gate_up=0 if sparse else up([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"], interleave=interleaved),
-        down=0 if sparse else up([p + "mlp.down_proj.weight"]),
+        gate_up=0
+        if sparse
+        else up.matrix([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"], interleave=interleaved),  # fmt: skip
+        down=0 if sparse else up.matrix([p + "mlp.down_proj.weight"]),
         inv_freq=inv_freq,
         rope_factor=factor,
         rotary_dim=rd,
@@ -137,7 +186,7 @@ class _Uploader:
         rows (None: all); ``plus_one``: upload ``1 + w`` (computed in float32)."""
         import pycuda.driver as cuda
 
-        parts = [self.weights[n] for n in names]
+        parts = [dequantized(self.weights[n]) for n in names]
         if plus_one:
             parts = [(p.float() if _is_torch(p) else np.asarray(p, np.float32)) + 1.0 for p in parts]
         if rope_dim:
@@ -164,6 +213,80 @@ class _Uploader:
                 cuda.memcpy_htod(dst + off, a)
                 off += a.nbytes
         return dst
+
+    def matrix(self, names: list[str], interleave: bool = False, rope_dim: int = 0,
+               rotary_dim: int | None = None) -> Matrix:  # fmt: skip
+        """Tensors ``names`` stacked along the rows as one weight matrix (``interleave``, ``rope_dim``,
+        ``rotary_dim`` as ``__call__``): quantized parts stay in their blocks (the row permutations
+        move rows of blocks), one ``Part`` per run of one block type; bf16 otherwise (see the module
+        docstring for when a quantized matrix is dequantized)."""
+        import pycuda.driver as cuda
+
+        parts = [self.weights[n] for n in names]
+        k = int(parts[0].shape[1])
+        if not _keeps_blocks(parts, interleave):
+            return Matrix.bf16(self(names, interleave=interleave, rope_dim=rope_dim, rotary_dim=rotary_dim),
+                               sum(int(p.shape[0]) for p in parts), k)  # fmt: skip
+        raws = [np.asarray(p.data, dtype=np.uint8) for p in parts]
+        if rope_dim:
+            raws = [interleave_rope(r, rope_dim, rotary_dim) for r in raws]
+        types = [p.type_name for p in parts]
+        if interleave:
+            raws, types = [interleave_gate_up(*raws)], types[:1]
+        runs: list[tuple[str, list[np.ndarray]]] = []
+        for t, r in zip(types, raws):
+            if runs and runs[-1][0] == t:
+                runs[-1][1].append(r)
+            else:
+                runs.append((t, [r]))
+        out = []
+        for t, rs in runs:
+            a = np.ascontiguousarray(np.concatenate(rs) if len(rs) > 1 else rs[0])
+            dst = self.mem.alloc(a.nbytes)
+            cuda.memcpy_htod(dst, a)
+            self.nbytes += a.nbytes
+            out.append(Part(int(dst), t, a.shape[0]))
+        return Matrix(tuple(out), k)
+
+
+def quant_formats(weights) -> tuple[str, ...]:
+    """The block formats of ``weights``' quantized matrices that gemv_q.cu reads (compiled at load)."""
+    found = {w.type_name for w in weights.values() if isinstance(w, QuantizedTensor)}
+    return tuple(sorted(found & set(QUANT_FORMATS)))
+
+
+class Dequantized(Mapping):
+    """``weights`` with every ``QuantizedTensor`` read as float32 (for code that uploads bf16 only)."""
+
+    def __init__(self, weights) -> None:
+        self.weights = weights
+
+    def __getitem__(self, name: str):
+        return dequantized(self.weights[name])
+
+    def __iter__(self):
+        return iter(self.weights)
+
+    def __len__(self) -> int:
+        return len(self.weights)
+
+
+def _keeps_blocks(parts: list, interleave: bool) -> bool:
+    """Whether a fused matrix of ``parts`` stays in blocks: every part quantized in a format gemv_q.cu
+    reads, and for gate|up (``interleave``) one format for both."""
+    if not all(isinstance(p, QuantizedTensor) and p.type_name in QUANT_FORMATS for p in parts):
+        return False
+    return not interleave or len({p.type for p in parts}) == 1
+
+
+def dequantized(w):
+    """A weight as float32 numpy (a ``QuantizedTensor`` through gguf's dequantize); others as they are."""
+    if not isinstance(w, QuantizedTensor):
+        return w
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    return np.asarray(dequantize(np.asarray(w.data), GGMLQuantizationType(w.type)), np.float32).reshape(w.shape)
 
 
 def _is_torch(x) -> bool:

@@ -25,6 +25,7 @@ from engine.backend import Backend, DecodeLane, PrefillSpan, StepOutput, TokenLo
 from engine.memory import MemoryPlan, kv_block_bytes, workspace_bytes
 
 from .forward import KVViews, NumpyModel
+from .vision import VisionTower
 
 # Without a KV budget the pool holds this many max-context sequences.
 _LANES_FOR_DEFAULT_BUDGET = 8
@@ -62,6 +63,7 @@ class NumpyBackend(Backend):
         cfg = self.config = config
         limit_blas_threads(self.blas_threads)
         self.model = NumpyModel(cfg, weights)
+        self.vision = VisionTower(cfg.vision, weights) if cfg.vision is not None else None
         self.block_size = block_size
         block_bytes = kv_block_bytes(cfg, block_size)
         if kv_budget_bytes is None:
@@ -80,7 +82,7 @@ class NumpyBackend(Backend):
         self.kv = KVViews.of(self.k, self.v)
         self.num_host_blocks = num_host_blocks
         self.host_k = self.host_v = None  # allocated on the first swap_out
-        weight_bytes = self.model.nbytes
+        weight_bytes = self.model.nbytes + (self.vision.nbytes if self.vision is not None else 0)
         workspace = workspace_bytes(cfg)  # one 8-lane round plus its logits; prefill chunks reuse it
         self.plan = MemoryPlan(
             budget_bytes=weight_bytes + workspace + num_blocks * block_bytes,
@@ -116,7 +118,8 @@ class NumpyBackend(Backend):
         ctx = np.arange(self._window_start(span.start_pos), end, dtype=np.int64)
         ctx_slots = self._slots(span.block_table, ctx)
         write = ctx_slots[span.start_pos - int(ctx[0]) :]
-        h = self.model.forward(span.token_ids, positions, write, ctx_slots[None], ctx[None], self.kv)
+        h = self.model.forward(span.token_ids, positions, write, ctx_slots[None], ctx[None], self.kv,
+                               rope_positions=span.rope_positions, embeds=self._image_rows(span))  # fmt: skip
         if span.want_prompt_logprobs is not None:
             out.prompt_logprobs = self._prompt_logprobs(h, span)
         if span.sample is None and not span.want_logits:
@@ -127,6 +130,21 @@ class NumpyBackend(Backend):
         if span.sample is not None:
             tokens, lps = sampler.sample_rows(logits, [span.sample], [end])
             out.prefill_token, out.prefill_logprob = tokens[0], lps[0]
+
+    def _image_rows(self, span: PrefillSpan) -> list[tuple[int, np.ndarray]]:
+        """(span row, rows) of every image the span reaches, encoding an image the first time."""
+        if not span.images:
+            return []
+        if self.vision is None:
+            raise ValueError("a prefill span with images on a model without a vision tower")
+        out, end = [], span.start_pos + len(span.token_ids)
+        for img in span.images:
+            if img.embeds is None:
+                img.embeds = self.vision.encode(img.pixel_values, img.grid_thw)
+            lo, hi = max(img.offset, span.start_pos), min(img.end, end)
+            if lo < hi:
+                out.append((lo - span.start_pos, img.embeds[lo - img.offset : hi - img.offset]))
+        return out
 
     def _prompt_logprobs(self, h: np.ndarray, span: PrefillSpan, rows: int = 64) -> list[TokenLogprob]:
         """Row j's log-softmax scores the token after it (see PrefillSpan.want_prompt_logprobs), top-n too."""
@@ -161,7 +179,10 @@ class NumpyBackend(Backend):
         write = ctx_slots[np.arange(len(lanes)), positions - int(span[0])]
         tokens = [ln.token_id for ln in lanes]
         ctx = np.broadcast_to(span, ctx_slots.shape)
-        return self.model.logits(self.model.forward(tokens, positions, write, ctx_slots, ctx, self.kv))
+        deltas = np.array([ln.rope_delta for ln in lanes], dtype=np.int64)
+        rope = positions + deltas if deltas.any() else None
+        return self.model.logits(self.model.forward(tokens, positions, write, ctx_slots, ctx, self.kv,
+                                                    rope_positions=rope))  # fmt: skip
 
     def _window_start(self, position: int) -> int:
         """The first position any layer of a query at ``position`` reads: behind every
@@ -192,7 +213,7 @@ class NumpyBackend(Backend):
         _copy_blocks(self._host(), (self.k, self.v), pairs)
 
     def unload(self) -> None:
-        for attr in ("model", "k", "v", "k_cache", "v_cache", "kv"):
+        for attr in ("model", "vision", "k", "v", "k_cache", "v_cache", "kv"):
             self.__dict__.pop(attr, None)
         self.host_k = self.host_v = None
         self.config = None

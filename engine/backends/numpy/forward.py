@@ -21,7 +21,7 @@ import numpy as np
 
 from engine.model_config import ModelConfig
 from engine.models import definition
-from engine.models.ops import Attention, Block, GatedMLP, Head, MoE, RMSNorm
+from engine.models.ops import Attention, Block, GatedMLP, Head, MoE, MRope, RMSNorm
 from engine.models.rope import rope_tables
 
 from . import ops
@@ -189,7 +189,8 @@ class NumpyModel:
         return n
 
     def forward(self, token_ids, positions: np.ndarray, write_slots: np.ndarray, ctx_slots: np.ndarray,
-                ctx_positions: np.ndarray, kv: KVViews) -> np.ndarray:  # fmt: skip
+                ctx_positions: np.ndarray, kv: KVViews, *, rope_positions: np.ndarray | None = None,
+                embeds: list[tuple[int, np.ndarray]] = ()) -> np.ndarray:  # fmt: skip
         """Run every layer over rows ``token_ids`` at ``positions``; return final-normed hidden [n, H].
 
         Rows are ``ctx_slots.shape[0]`` sequences of equal row counts (prefill: one;
@@ -198,6 +199,10 @@ class NumpyModel:
         [seqs, S], the slots of positions ``ctx_positions`` [seqs, S], which
         include its own rows; a context position after a row's own (padding) or
         outside its layer's window is masked.
+
+        ``rope_positions``: where the rows rotate when that is not ``positions`` ([n], or
+        [3, n] for ``MRope``; a 1-D one is alike in all three). ``embeds``: (first row, rows)
+        runs that replace the token embeddings there (an image's placeholder rows).
         """
         cfg = self.cfg
         n = len(token_ids)
@@ -206,7 +211,9 @@ class NumpyModel:
         x = self.embed[np.asarray(token_ids, dtype=np.int64)]
         if self.embed_scale != 1.0:
             x = x * self.embed_scale
-        tables = {rope: ops.rope_cos_sin(positions, inv, factor) for rope, (inv, factor) in self.ropes.items()}
+        for row, rows in embeds:
+            x[row : row + len(rows)] = rows
+        tables = self._rope_tables(positions if rope_positions is None else rope_positions)
         q_pos = positions.reshape(ctx_slots.shape[0], -1)
         masks: dict[int | None, np.ndarray | None] = {}
         eps = cfg.rms_norm_eps
@@ -248,6 +255,16 @@ class NumpyModel:
                     out = ops.rms_norm(out, lw.mlp_post_norm, eps)
                 x = x + out
         return ops.rms_norm(x, self.final_norm, eps)
+
+    def _rope_tables(self, positions: np.ndarray) -> dict:
+        tables = {}
+        for rope, (inv, factor) in self.ropes.items():
+            if isinstance(rope, MRope):
+                three = np.broadcast_to(positions, (3, positions.shape[-1]))
+                tables[rope] = ops.mrope_cos_sin(three, inv, rope.section, factor)
+            else:
+                tables[rope] = ops.rope_cos_sin(positions, inv, factor)
+        return tables
 
     def logits(self, h: np.ndarray) -> np.ndarray:
         logits = self.lm_head(h)

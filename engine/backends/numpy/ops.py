@@ -53,7 +53,22 @@ def rope_neox(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
     return x * cos + rot * sin
 
 
-ROPE: dict[str, Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray]] = {"neox": rope_neox}
+def mrope_cos_sin(positions: np.ndarray, inv_freq: np.ndarray, section: tuple[int, ...], factor: float = 1.0
+                  ) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
+    """Multimodal rope's cos and sin ``[n, 1, rotary_dim]`` (``engine.models.ops.MRope``): rows at
+    ``positions`` [3, n] (temporal, height, width), pair j of run k of ``section`` at position k % 3."""
+    ang = positions.astype(np.float32)[:, :, None] * inv_freq[None, None, :]  # [3, n, pairs]
+    which = np.repeat(np.arange(len(section)) % 3, section)  # the position each pair rotates by
+    ang = ang[which, :, np.arange(len(which))].T  # [n, pairs]
+    ang = np.concatenate([ang, ang], axis=-1)[:, None, :]
+    cos, sin = np.cos(ang), np.sin(ang)
+    if factor != 1.0:
+        cos, sin = cos * np.float32(factor), sin * np.float32(factor)
+    return cos, sin
+
+
+# Rotations by style; both styles pair dims as HF's rotate_half (mrope differs in its angles only).
+ROPE: dict[str, Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray]] = {"neox": rope_neox, "mrope": rope_neox}
 
 
 def softmax_inplace(s: np.ndarray, sink: np.ndarray | None = None) -> np.ndarray:

@@ -1,0 +1,472 @@
+// gemv_q.cu: GEMV / skinny GEMM over GGUF block-quantized weights read as stored, and the
+// dequant of such a matrix to bf16 (prefill's GEMM input) or fp32 (tests).
+//
+// out[m, n] (+)= sum_k x[m, k] * W[n, k] (+ bias[n]), then any epilogue of gemv.cu, for M = 1..8.
+//   x bf16 [M, K]; W: N rows of K / QK blocks of one GGML type (QTYPE), each row row_bytes =
+//   K / QK * BB bytes, rows back to back, blocks exactly as the GGUF file holds them (no repack).
+// Formats (QK values, BB bytes a block; w = the value gguf's dequantize gives):
+//   Q4_0 (32, 18): d f16, qs[16]           w = d * (q - 8), q = nibble
+//   Q4_1 (32, 20): d, m f16, qs[16]        w = d * q + m
+//   Q5_0 (32, 22): d, qh u32, qs[16]       w = d * (q - 16), q = nibble | qh bit << 4
+//   Q5_1 (32, 24): d, m, qh, qs            w = d * q + m
+//   Q8_0 (32, 34): d, qs int8[32]          w = d * q
+//   Q4_K (256, 144): d, dmin f16, scales[12] (8 x 6-bit sc, m), qs[128]   w = (d sc_j) q - (dmin m_j)
+//   Q5_K (256, 176): as Q4_K plus qh[32] (bit j of byte i: sub-block j, element i)
+//   Q6_K (256, 210): ql[128], qh[64], sc int8[16], d f16            w = (d sc_j) (q - 32), 16 a scale
+// Element order inside a 32-value group (a block, or a sub-block pair's half for K-quants): the
+// nibble formats store element i and i + 16 in byte i (low, high nibble); K-quants store 64
+// values as 32 bytes, sub-block 2c in the low nibbles and 2c + 1 in the high ones.
+//
+// Thread mapping: as gemv_tc (a block of 256 threads, 16 output rows, 8 warps splitting K). A
+// warp's step is one unit of two 32-value groups of its 16 rows (two blocks; a K-quant sub-block
+// pair whose values share qs bytes; Q6_K groups a and a + 2 of a half, which share ql / qh
+// bytes): per group, thread (g = lane / 4, t = lane % 4) takes values 4t..4t+3 (first mma) and
+// 16+4t..16+4t+3 (second mma) of rows g and g + 8, and the same values of activation row g. Their
+// quant bytes are one or two 32-bit words of the block; 0x4300 | q is bf16 128 + q exactly, the
+// mma sums (128 + q) x over the group in fp32, and with the group's fp32 scale s and min term mn
+// (w = s (q - OFF) + mn) the group adds s * that + (mn - s (128 + OFF)) * sum(x), sum(x) from an
+// mma with all-ones A (Q6_K: a scale per mma, its 16-value sub-blocks; Q8_0: int8 -> fp32 ->
+// bf16, exact, no offset). So no dequantized weight is rounded to bf16 for the product. Warp w
+// owns units w, w + 8, ...: the block's warps read neighbouring units at once, QU in flight per
+// warp, and the block first asks L2 for its whole 16-row tile (one contiguous range: the rows
+// are back to back). The accumulators then go through gemv.cu's epilogues (the same code as
+// bf16), so every row's arithmetic is independent of M: width-invariant lanes.
+//
+// dequant_q_bf16 / dequant_q_f32: out[n, k] = w, computed in fp32 exactly as gguf's numpy
+// dequantize (no fused multiply-add: __fmul_rn / __fadd_rn), then rounded to bf16 (or not).
+// One thread a (row, unit, t): the same fetch and byte decode as the GEMV.
+//
+// Preconditions (wrapper): K % QK == 0, M in 1..8, W 16-byte aligned (every row's loads then
+// stay aligned: 16-byte headers of Q4_K / Q5_K, 4-byte words of Q4_1 / Q5_1, 2-byte pieces of
+// the others), x 16-byte aligned. Compile-time: QTYPE (the GGML type id),
+// TC_THREADS, QU, QMINB. Compiled after common.cuh and gemv.cu (GEMV_EPILOGUES_ONLY).
+
+#ifndef QTYPE
+#error "QTYPE is defined by engine/cu/quant.py"
+#endif
+#ifndef QU
+#define QU 4
+#endif
+#ifndef QMINB
+#define QMINB 2
+#endif
+
+enum { GGML_Q4_0 = 2, GGML_Q4_1 = 3, GGML_Q5_0 = 6, GGML_Q5_1 = 7, GGML_Q8_0 = 8, GGML_Q4_K = 12,
+       GGML_Q5_K = 13, GGML_Q6_K = 14 };
+
+__device__ __forceinline__ uint32_t ld16(const uint8_t* p) { return __ldg(reinterpret_cast<const unsigned short*>(p)); }
+__device__ __forceinline__ uint32_t ld32(const uint8_t* p) { return __ldg(reinterpret_cast<const unsigned int*>(p)); }
+// A 32-bit word at a 2-byte aligned address (blocks of 18, 22, 34, 210 bytes).
+__device__ __forceinline__ uint32_t ld32_2(const uint8_t* p) { return ld16(p) | (ld16(p + 2) << 16); }
+__device__ __forceinline__ float f16_lo(uint32_t v) { return __half2float(__ushort_as_half((unsigned short)(v & 0xffff))); }
+__device__ __forceinline__ float f16_hi(uint32_t v) { return __half2float(__ushort_as_half((unsigned short)(v >> 16))); }
+
+// One row's bytes of one group, for one thread: v0 / v1 hold the 4 + 4 quant values (one a byte,
+// unsigned, below 128; Q8_0: int8), s0 / s1 the fp32 scales of the two halves, mn the min term:
+// w = s * (q - OFF) + mn.
+struct QVals {
+    uint32_t v0, v1;
+    float s0, s1, mn;
+};
+
+// K-quant 6-bit scale and min of sub-block j (gguf's Q4_K.get_scale_min), from scale bytes 0..11.
+__device__ __forceinline__ void k_scale_min(uint32_t s03, uint32_t s47, uint32_t s811, int j, int& sc, int& m) {
+    if (j < 4) {
+        sc = (s03 >> (8 * j)) & 63;
+        m = (s47 >> (8 * j)) & 63;
+    } else {
+        const int jj = j - 4;
+        const uint32_t a = (s811 >> (8 * jj)) & 0xff, lo = (s03 >> (8 * jj)) & 0xff, hi = (s47 >> (8 * jj)) & 0xff;
+        sc = (a & 0xf) | ((lo >> 6) << 4);
+        m = (a >> 4) | ((hi >> 6) << 4);
+    }
+}
+
+// Bits 0..3 of a Q5 block's (shifted) qh, one a byte, at bit 4 of each.
+__device__ __forceinline__ uint32_t spread4(uint32_t bits) { return ((bits & 0xfu) * 0x00204081u & 0x01010101u) << 4; }
+
+// A format is read in units of two 32-value groups (h = 0, 1) that share loaded words where the
+// layout allows: fetch(row, P, t) loads unit P's bytes for thread t, decode(raw, P, h) gives group
+// h's values, base(P, h) the group's first value in the row. Units per row: units(K).
+template <int T>
+struct QFmt;
+
+// The 32-value block formats: unit P = blocks 2P and 2P + 1 (the second may be past the row's end).
+template <int T, int BB_>
+struct QBlock32 {
+    static constexpr int QK = 32, BB = BB_;
+    static __device__ __forceinline__ int units(int K) { return (K / 32 + 1) >> 1; }
+    static __device__ __forceinline__ int base(int P, int h) { return 64 * P + 32 * h; }
+    static __device__ __forceinline__ const uint8_t* block(const uint8_t* row, int P, int h) {
+        return row + (size_t)(2 * P + h) * BB;
+    }
+};
+
+template <>
+struct QFmt<GGML_Q4_0> : QBlock32<GGML_Q4_0, 18> {
+    static constexpr int OFF = 8;
+    static constexpr bool MIN = false, SPLIT = false, INT8 = false;
+    struct Raw { uint32_t d[2], qs[2]; };
+    static __device__ __forceinline__ Raw fetch(const uint8_t* row, int P, int t, bool ok0, bool ok1) {
+        Raw r{{0u, 0u}, {0u, 0u}};
+        if (ok0) r.d[0] = ld16(block(row, P, 0)), r.qs[0] = ld32_2(block(row, P, 0) + 2 + 4 * t);
+        if (ok1) r.d[1] = ld16(block(row, P, 1)), r.qs[1] = ld32_2(block(row, P, 1) + 2 + 4 * t);
+        return r;
+    }
+    static __device__ __forceinline__ QVals decode(const Raw& r, int P, int h) {
+        const float d = f16_lo(r.d[h]);
+        return QVals{r.qs[h] & 0x0f0f0f0fu, (r.qs[h] >> 4) & 0x0f0f0f0fu, d, d, 0.f};
+    }
+};
+
+template <>
+struct QFmt<GGML_Q4_1> : QBlock32<GGML_Q4_1, 20> {
+    static constexpr int OFF = 0;
+    static constexpr bool MIN = true, SPLIT = false, INT8 = false;
+    struct Raw { uint32_t dm[2], qs[2]; };
+    static __device__ __forceinline__ Raw fetch(const uint8_t* row, int P, int t, bool ok0, bool ok1) {
+        Raw r{{0u, 0u}, {0u, 0u}};
+        if (ok0) r.dm[0] = ld32(block(row, P, 0)), r.qs[0] = ld32(block(row, P, 0) + 4 + 4 * t);
+        if (ok1) r.dm[1] = ld32(block(row, P, 1)), r.qs[1] = ld32(block(row, P, 1) + 4 + 4 * t);
+        return r;
+    }
+    static __device__ __forceinline__ QVals decode(const Raw& r, int P, int h) {
+        const float d = f16_lo(r.dm[h]);
+        return QVals{r.qs[h] & 0x0f0f0f0fu, (r.qs[h] >> 4) & 0x0f0f0f0fu, d, d, f16_hi(r.dm[h])};
+    }
+};
+
+template <>
+struct QFmt<GGML_Q5_0> : QBlock32<GGML_Q5_0, 22> {
+    static constexpr int OFF = 16;
+    static constexpr bool MIN = false, SPLIT = false, INT8 = false;
+    struct Raw { uint32_t d[2], qh[2], qs[2]; };
+    static __device__ __forceinline__ Raw fetch(const uint8_t* row, int P, int t, bool ok0, bool ok1) {
+        Raw r{{0u, 0u}, {0u, 0u}, {0u, 0u}};
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            const uint8_t* p = block(row, P, h);
+            if (h ? ok1 : ok0) r.d[h] = ld16(p), r.qh[h] = ld32_2(p + 2) >> (4 * t), r.qs[h] = ld32_2(p + 6 + 4 * t);
+        }
+        return r;
+    }
+    static __device__ __forceinline__ QVals decode(const Raw& r, int P, int h) {
+        const float d = f16_lo(r.d[h]);
+        return QVals{(r.qs[h] & 0x0f0f0f0fu) | spread4(r.qh[h]), ((r.qs[h] >> 4) & 0x0f0f0f0fu) | spread4(r.qh[h] >> 16),
+                     d, d, 0.f};
+    }
+};
+
+template <>
+struct QFmt<GGML_Q5_1> : QBlock32<GGML_Q5_1, 24> {
+    static constexpr int OFF = 0;
+    static constexpr bool MIN = true, SPLIT = false, INT8 = false;
+    struct Raw { uint32_t dm[2], qh[2], qs[2]; };
+    static __device__ __forceinline__ Raw fetch(const uint8_t* row, int P, int t, bool ok0, bool ok1) {
+        Raw r{{0u, 0u}, {0u, 0u}, {0u, 0u}};
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            const uint8_t* p = block(row, P, h);
+            if (h ? ok1 : ok0) r.dm[h] = ld32(p), r.qh[h] = ld32(p + 4) >> (4 * t), r.qs[h] = ld32(p + 8 + 4 * t);
+        }
+        return r;
+    }
+    static __device__ __forceinline__ QVals decode(const Raw& r, int P, int h) {
+        const float d = f16_lo(r.dm[h]);
+        return QVals{(r.qs[h] & 0x0f0f0f0fu) | spread4(r.qh[h]), ((r.qs[h] >> 4) & 0x0f0f0f0fu) | spread4(r.qh[h] >> 16),
+                     d, d, f16_hi(r.dm[h])};
+    }
+};
+
+template <>
+struct QFmt<GGML_Q8_0> : QBlock32<GGML_Q8_0, 34> {
+    static constexpr int OFF = 0;
+    static constexpr bool MIN = false, SPLIT = false, INT8 = true;
+    struct Raw { uint32_t d[2], q0[2], q1[2]; };
+    static __device__ __forceinline__ Raw fetch(const uint8_t* row, int P, int t, bool ok0, bool ok1) {
+        Raw r{{0u, 0u}, {0u, 0u}, {0u, 0u}};
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            const uint8_t* p = block(row, P, h);
+            if (h ? ok1 : ok0) r.d[h] = ld16(p), r.q0[h] = ld32_2(p + 2 + 4 * t), r.q1[h] = ld32_2(p + 18 + 4 * t);
+        }
+        return r;
+    }
+    static __device__ __forceinline__ QVals decode(const Raw& r, int P, int h) {
+        const float d = f16_lo(r.d[h]);
+        return QVals{r.q0[h], r.q1[h], d, d, 0.f};
+    }
+};
+
+// Q4_K / Q5_K: unit P = sub-blocks 2c, 2c + 1 of super-block P / 4 (c = P % 4): values 64c.. of the
+// super-block, in the low and high nibbles of the same 32 qs bytes.
+template <>
+struct QFmt<GGML_Q4_K> {
+    static constexpr int QK = 256, BB = 144, OFF = 0;
+    static constexpr bool MIN = true, SPLIT = false, INT8 = false;
+    static __device__ __forceinline__ int units(int K) { return K / 64; }
+    static __device__ __forceinline__ int base(int P, int h) { return 64 * P + 32 * h; }
+    struct Raw { uint4 hd; uint32_t qa, qb; };
+    static __device__ __forceinline__ Raw fetch(const uint8_t* row, int P, int t, bool ok0, bool ok1) {
+        const uint8_t* p = row + (size_t)(P >> 2) * BB;
+        const int c = P & 3;
+        Raw r{make_uint4(0u, 0u, 0u, 0u), 0u, 0u};
+        if (ok0) r = Raw{__ldg(reinterpret_cast<const uint4*>(p)), ld32(p + 16 + 32 * c + 4 * t),
+                         ld32(p + 32 + 32 * c + 4 * t)};
+        return r;
+    }
+    static __device__ __forceinline__ QVals decode(const Raw& r, int P, int h) {
+        const int j = 2 * (P & 3) + h, sh = 4 * h;
+        int sc, m;
+        k_scale_min(r.hd.y, r.hd.z, r.hd.w, j, sc, m);
+        const float s = __fmul_rn(f16_lo(r.hd.x), (float)sc), dm = __fmul_rn(f16_hi(r.hd.x), (float)m);
+        return QVals{(r.qa >> sh) & 0x0f0f0f0fu, (r.qb >> sh) & 0x0f0f0f0fu, s, s, -dm};
+    }
+};
+
+template <>
+struct QFmt<GGML_Q5_K> {
+    static constexpr int QK = 256, BB = 176, OFF = 0;
+    static constexpr bool MIN = true, SPLIT = false, INT8 = false;
+    static __device__ __forceinline__ int units(int K) { return K / 64; }
+    static __device__ __forceinline__ int base(int P, int h) { return 64 * P + 32 * h; }
+    struct Raw { uint4 hd; uint32_t ha, hb, qa, qb; };
+    static __device__ __forceinline__ Raw fetch(const uint8_t* row, int P, int t, bool ok0, bool ok1) {
+        const uint8_t* p = row + (size_t)(P >> 2) * BB;
+        const int c = P & 3;
+        Raw r{make_uint4(0u, 0u, 0u, 0u), 0u, 0u, 0u, 0u};
+        if (ok0) r = Raw{__ldg(reinterpret_cast<const uint4*>(p)), ld32(p + 16 + 4 * t), ld32(p + 32 + 4 * t),
+                         ld32(p + 48 + 32 * c + 4 * t), ld32(p + 64 + 32 * c + 4 * t)};
+        return r;
+    }
+    static __device__ __forceinline__ QVals decode(const Raw& r, int P, int h) {
+        const int j = 2 * (P & 3) + h, sh = 4 * h;
+        int sc, m;
+        k_scale_min(r.hd.y, r.hd.z, r.hd.w, j, sc, m);
+        const float s = __fmul_rn(f16_lo(r.hd.x), (float)sc), dm = __fmul_rn(f16_hi(r.hd.x), (float)m);
+        return QVals{((r.qa >> sh) & 0x0f0f0f0fu) | (((r.ha >> j) & 0x01010101u) << 4),
+                     ((r.qb >> sh) & 0x0f0f0f0fu) | (((r.hb >> j) & 0x01010101u) << 4), s, s, -dm};
+    }
+};
+
+// Q6_K: values 128n + 32a + l (l < 32) of a super-block have their low 4 bits in
+// ql[64n + 32(a & 1) + l] (nibble a >> 1), their high 2 in qh[32n + l] (bits 2a, 2a + 1), scale
+// sc[8n + 2a + l / 16]. Unit P (u = P % 4: n = u / 2, a = u % 2) = groups a and a + 2 of half n,
+// which share their ql and qh bytes.
+template <>
+struct QFmt<GGML_Q6_K> {
+    static constexpr int QK = 256, BB = 210, OFF = 32;
+    static constexpr bool MIN = false, SPLIT = true, INT8 = false;
+    static __device__ __forceinline__ int units(int K) { return K / 64; }
+    static __device__ __forceinline__ int base(int P, int h) {
+        const int u = P & 3;
+        return 256 * (P >> 2) + 128 * (u >> 1) + 32 * ((u & 1) + 2 * h);
+    }
+    struct Raw { uint32_t la, lb, ha, hb, s01, s45, d; };
+    static __device__ __forceinline__ Raw fetch(const uint8_t* row, int P, int t, bool ok0, bool ok1) {
+        const uint8_t* p = row + (size_t)(P >> 2) * BB;
+        const int n = (P & 3) >> 1, a = P & 1;
+        const uint8_t* ql = p + 64 * n + 32 * a + 4 * t;
+        const uint8_t* qh = p + 128 + 32 * n + 4 * t;
+        const uint8_t* sc = p + 192 + 8 * n + 2 * a;
+        Raw r{0u, 0u, 0u, 0u, 0u, 0u, 0u};
+        if (ok0) r = Raw{ld32_2(ql), ld32_2(ql + 16), ld32_2(qh), ld32_2(qh + 16), ld16(sc), ld16(sc + 4), ld16(p + 208)};
+        return r;
+    }
+    static __device__ __forceinline__ QVals decode(const Raw& r, int P, int h) {
+        const int sl = 4 * h, sh = 2 * ((P & 1) + 2 * h);
+        const uint32_t sc = h ? r.s45 : r.s01;
+        const float d = f16_lo(r.d);
+        const float s0 = __fmul_rn(d, (float)(int8_t)(sc & 0xff)), s1 = __fmul_rn(d, (float)(int8_t)(sc >> 8));
+        return QVals{((r.la >> sl) & 0x0f0f0f0fu) | (((r.ha >> sh) & 0x03030303u) << 4),
+                     ((r.lb >> sl) & 0x0f0f0f0fu) | (((r.hb >> sh) & 0x03030303u) << 4), s0, s1, 0.f};
+    }
+};
+
+using Fmt = QFmt<QTYPE>;
+
+// Values h..h+1 (h = 0 or 2) of a QVals word as a bf16 pair: 128 + q exactly (Q8_0: q exactly).
+__device__ __forceinline__ uint32_t q_pair(uint32_t v, int h) {
+    if constexpr (Fmt::INT8) {
+        // int8 -> fp32 exactly: 2^23 + (q + 128) from the bits, less 2^23 + 128; then a bf16 pair (exact).
+        const uint32_t u = v ^ 0x80808080u;
+        const float a = __int_as_float(__byte_perm(u, 0x4b000000u, 0x7440 + h)) - 8388736.f;
+        const float b = __int_as_float(__byte_perm(u, 0x4b000000u, 0x7441 + h)) - 8388736.f;
+        return pack_bf162(a, b);
+    } else {
+        return __byte_perm(v, 0u, h ? 0x4342 : 0x4140) | 0x43004300u;  // bf16 0x4300 | q = 128 + q
+    }
+}
+
+// One group of rows g (qa) and g + 8 (qb) against activation elements x0 (4t..4t+3), x1 (16+4t..).
+// The mma sums (128 + q) x exactly-ish in fp32; w = s (q - OFF) + mn, so
+// sum w x = s * sum (128 + q) x + (mn - s (128 + OFF)) * sum x, sum x from the all-ones mma.
+__device__ __forceinline__ void q_group(float* c, const QVals& qa, const QVals& qb, uint2 x0, uint2 x1) {
+    float s[4] = {0.f, 0.f, 0.f, 0.f}, s2[4] = {0.f, 0.f, 0.f, 0.f};
+    const uint32_t a0[4] = {q_pair(qa.v0, 0), q_pair(qb.v0, 0), q_pair(qa.v0, 2), q_pair(qb.v0, 2)};
+    const uint32_t a1[4] = {q_pair(qa.v1, 0), q_pair(qb.v1, 0), q_pair(qa.v1, 2), q_pair(qb.v1, 2)};
+    mma_bf16(s, a0, x0.x, x0.y);
+    mma_bf16(Fmt::SPLIT ? s2 : s, a1, x1.x, x1.y);
+    c[0] += qa.s0 * s[0];
+    c[1] += qa.s0 * s[1];
+    c[2] += qb.s0 * s[2];
+    c[3] += qb.s0 * s[3];
+    if constexpr (Fmt::SPLIT) {
+        c[0] += qa.s1 * s2[0];
+        c[1] += qa.s1 * s2[1];
+        c[2] += qb.s1 * s2[2];
+        c[3] += qb.s1 * s2[3];
+    }
+    if constexpr (!Fmt::INT8) {
+        constexpr float off = 128.f + Fmt::OFF;
+        const uint32_t ones[4] = {0x3f803f80u, 0x3f803f80u, 0x3f803f80u, 0x3f803f80u};
+        float sx[4] = {0.f, 0.f, 0.f, 0.f}, sx2[4] = {0.f, 0.f, 0.f, 0.f};
+        mma_bf16(sx, ones, x0.x, x0.y);
+        mma_bf16(Fmt::SPLIT ? sx2 : sx, ones, x1.x, x1.y);
+        const float ma = qa.mn - qa.s0 * off, mb = qb.mn - qb.s0 * off;
+        c[0] += ma * sx[0];
+        c[1] += ma * sx[1];
+        c[2] += mb * sx[2];
+        c[3] += mb * sx[3];
+        if constexpr (Fmt::SPLIT) {  // no min: -s1 (128 + OFF) for the second half
+            const float ma2 = -qa.s1 * off, mb2 = -qb.s1 * off;
+            c[0] += ma2 * sx2[0];
+            c[1] += ma2 * sx2[1];
+            c[2] += mb2 * sx2[2];
+            c[3] += mb2 * sx2[3];
+        }
+    }
+}
+
+template <int U>
+__device__ __forceinline__ void gemv_q_main(const bf16* __restrict__ x, const uint8_t* __restrict__ W, int M, int N,
+                                            int K, float* c) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int n0 = blockIdx.x * TC_ROWS;
+    const int NP = Fmt::units(K), NG = K >> 5;
+    const size_t row_bytes = (size_t)(K / Fmt::QK) * Fmt::BB;
+    const bool ra = n0 + g < N, rb = n0 + g + 8 < N, rx = g < M;
+    const uint8_t* wa = W + (ra ? n0 + g : 0) * row_bytes;
+    const uint8_t* wb = W + (rb ? n0 + g + 8 : 0) * row_bytes;
+    const bf16* xr = x + (size_t)(rx ? g : 0) * K + 4 * t;
+    // The block's 16 rows are one contiguous range: ask L2 for all of it now, so the small loads
+    // below find it there (a warp keeps only a few of them in flight).
+    prefetch_l2(W + n0 * row_bytes, (long long)min(TC_ROWS, N - n0) * row_bytes, threadIdx.x, TC_THREADS);
+    for (int P0 = warp; P0 < NP; P0 += 8 * U) {
+        typename Fmt::Raw A[U], B[U];
+        uint2 xv[U][4];
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            const int P = P0 + 8 * u;
+            const bool ok0 = P < NP, ok1 = ok0 && (Fmt::QK != 32 || 2 * P + 1 < NG);
+            A[u] = Fmt::fetch(wa, P, t, ok0 && ra, ok1 && ra);
+            B[u] = Fmt::fetch(wb, P, t, ok0 && rb, ok1 && rb);
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                const bool okx = (h ? ok1 : ok0) && rx;
+                const bf16* xp = xr + (okx ? Fmt::base(P, h) : 0);
+                xv[u][2 * h] = okx ? __ldg(reinterpret_cast<const uint2*>(xp)) : make_uint2(0u, 0u);
+                xv[u][2 * h + 1] = okx ? __ldg(reinterpret_cast<const uint2*>(xp + 16)) : make_uint2(0u, 0u);
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            const int P = P0 + 8 * u;
+            if (P < NP) {  // warp-uniform
+#pragma unroll
+                for (int h = 0; h < 2; h++)
+                    q_group(c, Fmt::decode(A[u], P, h), Fmt::decode(B[u], P, h), xv[u][2 * h], xv[u][2 * h + 1]);
+            }
+        }
+    }
+}
+
+// store / acc: out fp32 [M, ldo]; with nw, also the next norm's xw / ss_out (gemv.cu).
+#define GEMV_Q_LINEAR(NAME, EPI)                                                                             \
+    extern "C" __global__ void __launch_bounds__(TC_THREADS, QMINB)                                          \
+        NAME(const bf16* x, const uint8_t* W, const float* bias, float* out, int M, int N, int K, int ldo,    \
+             const float* ss_in, int ss_nparts, float eps, const bf16* nw, bf16* xw, float* ss_out) {         \
+        const TcNorm nm{ss_in, ss_nparts, eps, nw, xw, ss_out};                                              \
+        const TcRope rp{};                                                                                   \
+        float c[4] = {0.f, 0.f, 0.f, 0.f};                                                                   \
+        gemv_q_main<QU>(x, W, M, N, K, c);                                                                   \
+        gemv_tc_epilogue<EPI>(c, bias, out, M, N, K, ldo, nm, rp, 0);                                        \
+    }
+// swiglu / geglu: out bf16 act [M, ldo]; W the gate|up matrix interleaved in 8-row groups.
+#define GEMV_Q_SWIGLU(NAME, EPI)                                                                             \
+    extern "C" __global__ void __launch_bounds__(TC_THREADS, QMINB)                                          \
+        NAME(const bf16* x, const uint8_t* W, bf16* out, int M, int N, int K, int ldo, const float* ss_in,    \
+             int ss_nparts, float eps) {                                                                     \
+        const TcNorm nm{ss_in, ss_nparts, eps, nullptr, nullptr, nullptr};                                   \
+        const TcRope rp{};                                                                                   \
+        float c[4] = {0.f, 0.f, 0.f, 0.f};                                                                   \
+        gemv_q_main<QU>(x, W, M, N, K, c);                                                                   \
+        gemv_tc_epilogue<EPI>(c, nullptr, out, M, N, K, ldo, nm, rp, 0);                                     \
+    }
+GEMV_Q_LINEAR(gemv_q_store, EPI_STORE)
+GEMV_Q_LINEAR(gemv_q_acc, EPI_ACC)
+GEMV_Q_SWIGLU(gemv_q_swiglu, EPI_SWIGLU)
+GEMV_Q_SWIGLU(gemv_q_geglu, EPI_GEGLU)
+
+// rope: out bf16 q [M, H, D], K and V into the cache. W is rows n_base.. of the fused q|k|v
+// matrix (a part of one format; bias points at its row n_base too).
+extern "C" __global__ void __launch_bounds__(TC_THREADS, QMINB)
+    gemv_q_rope(const bf16* x, const uint8_t* W, const float* bias, bf16* out, int M, int N, int K, int ldo,
+                const float* ss_in, int ss_nparts, float eps, const int* positions, const int* slots,
+                const float* inv_freq, bf16* cache, int H, int KVH, int D, int block_size, long long block_stride,
+                int rotary_dim, float rope_factor, int n_base) {
+    const TcNorm nm{ss_in, ss_nparts, eps, nullptr, nullptr, nullptr};
+    const TcRope rp{positions, slots, inv_freq, cache, H, KVH, D, block_size, block_stride, rotary_dim, rope_factor};
+    float c[4] = {0.f, 0.f, 0.f, 0.f};
+    gemv_q_main<QU>(x, W, M, N, K, c);
+    gemv_tc_epilogue<EPI_ROPE_KV>(c, bias, out, M, N, K, ldo, nm, rp, n_base);
+}
+
+// --- dequant -------------------------------------------------------------------------------
+
+__device__ __forceinline__ float q_value(uint32_t v, int i) {
+    const uint32_t b = (v >> (8 * i)) & 0xffu;
+    if constexpr (Fmt::INT8) return (float)(int8_t)b;
+    return (float)((int)b - Fmt::OFF);
+}
+
+__device__ __forceinline__ float w_value(float s, float q, float mn) {
+    if constexpr (Fmt::MIN) return __fadd_rn(__fmul_rn(s, q), mn);
+    return __fmul_rn(s, q);
+}
+
+__device__ __forceinline__ void store4(bf16* p, const float* v) {
+    *reinterpret_cast<uint2*>(p) = make_uint2(pack_bf162(v[0], v[1]), pack_bf162(v[2], v[3]));
+}
+__device__ __forceinline__ void store4(float* p, const float* v) {
+    *reinterpret_cast<float4*>(p) = make_float4(v[0], v[1], v[2], v[3]);
+}
+
+template <typename T>
+__device__ __forceinline__ void dequant_body(const uint8_t* __restrict__ W, T* __restrict__ out, int N, int K) {
+    const long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    const int NP = Fmt::units(K), NG = K >> 5, t = (int)(idx & 3);
+    const long long rp = idx >> 2;
+    if (rp >= (long long)N * NP) return;
+    const int n = (int)(rp / NP), P = (int)(rp % NP);
+    const size_t row_bytes = (size_t)(K / Fmt::QK) * Fmt::BB;
+    const bool ok1 = Fmt::QK != 32 || 2 * P + 1 < NG;
+    const typename Fmt::Raw r = Fmt::fetch(W + n * row_bytes, P, t, true, ok1);
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        if (h && !ok1) break;
+        const QVals q = Fmt::decode(r, P, h);
+        float lo[4], hi[4];
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            lo[i] = w_value(q.s0, q_value(q.v0, i), q.mn);
+            hi[i] = w_value(q.s1, q_value(q.v1, i), q.mn);
+        }
+        T* o = out + (size_t)n * K + Fmt::base(P, h) + 4 * t;
+        store4(o, lo);
+        store4(o + 16, hi);
+    }
+}
+
+extern "C" __global__ void dequant_q_bf16(const uint8_t* W, bf16* out, int N, int K) { dequant_body(W, out, N, K); }
+extern "C" __global__ void dequant_q_f32(const uint8_t* W, float* out, int N, int K) { dequant_body(W, out, N, K); }

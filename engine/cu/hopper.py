@@ -1,0 +1,228 @@
+"""The Hopper prefill GEMM (engine/cu/gemm_hopper.cu): its TMA descriptors, variants and launch.
+
+``HopperGemm`` compiles gemm_hopper.cu for sm_90a in four variants (``VARIANTS``: consumer
+warpgroups x tile width, each with as many pipeline stages as fit in shared memory) and
+launches the one ``pick`` chooses for the shape: ``gemm(s, A, W, bias, C, M, N, K, ldc,
+accumulate)`` has ``Kernels.linear``'s GEMM contract, C fp32 [M, ldc] (+)= A bf16 [M, K] @
+W bf16 [N, K]^T (+ bias fp32 [N]).
+
+The TMA tensor maps (``CUtensorMap``, 128 opaque bytes) are encoded on the host by the
+driver's ``cuTensorMapEncodeTiled`` (through ctypes: no binding beyond PyCUDA) and passed
+by value as the kernel's first two parameters; one is cached per (pointer, rows, K, box),
+since the forward pass reuses the same workspace buffers chunk after chunk.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+import struct
+
+import numpy as np
+
+from engine.cu.launch import CU_DIR, DEFAULT_CACHE_DIR
+
+ARCH = "sm_90a"  # wgmma and setmaxnreg exist only on the "a" target
+BK = 64
+SMEM_LIMIT = 227 * 1024  # the H100 / H200 per-block opt-in maximum
+MAX_STAGES = 8
+# (consumer warpgroups, tile width): BM = 64 * warpgroups rows by BN columns a tile
+VARIANTS = ((2, 256), (2, 128), (1, 256), (1, 128))
+PARAMS = ["128s", "128s", "P", "P", "i", "i", "i", "i", "i"]  # tmA, tmW, bias, C, M, N, K, ldc, accumulate
+_KPARAM_INFO = 0x17
+
+# CUtensorMap enums (cuda.h)
+_BF16, _INTERLEAVE_NONE, _SWIZZLE_128B, _L2_256B, _OOB_ZERO = 9, 0, 3, 3, 0
+
+
+# A tile's cost in units of a 128 x 256 one: its area over the rate that variant reached at
+# M = 8192 on the H200 (bench/bench_gemm.py --variants: 740, 693, 670, 575 TFLOP/s).
+TILE_COST = {(2, 256): 1.0, (2, 128): 0.533, (1, 256): 0.553, (1, 128): 0.321}
+
+
+def pick(m: int, n: int, sms: int) -> tuple[int, int]:
+    """The variant for an M x N product: the fewest rounds of tiles over the SMs times the tile's
+    cost (``TILE_COST``); on a tie the larger tile. Small M gets small tiles (more blocks to
+    stream W); 1,024 rows of q,k,v get 128 x 128 (384 tiles, 3 rounds on 132 SMs, cost less
+    than 192 wide ones in 2)."""
+
+    def cost(v: tuple[int, int]) -> float:
+        tiles = -(-m // (64 * v[0])) * -(-n // v[1])
+        return -(-tiles // sms) * TILE_COST[v]
+
+    return min(VARIANTS, key=cost)
+
+
+def stages(nc: int, bn: int) -> int:
+    per_stage = (64 * nc + bn) * BK * 2
+    return min(MAX_STAGES, (SMEM_LIMIT - 1024 - 256) // per_stage)
+
+
+def smem_bytes(nc: int, bn: int) -> int:
+    return stages(nc, bn) * (64 * nc + bn) * BK * 2 + 1024 + 256
+
+
+@functools.cache
+def _libcuda():
+    lib = ctypes.CDLL("libcuda.so.1")
+    f = lib.cuTensorMapEncodeTiled
+    f.restype = ctypes.c_int
+    f.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p, ctypes.c_void_p,
+                  ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                  ctypes.c_int]  # fmt: skip
+    return f
+
+
+def tensor_map(ptr: int, rows: int, cols: int, box_rows: int) -> bytes:
+    """The 128-byte CUtensorMap of a row-major bf16 [rows, cols] matrix at ``ptr``, read in boxes of
+    ``box_rows`` x 64 with the 128-byte swizzle (zeros outside the matrix)."""
+    if ptr % 16 or cols % 8:
+        raise ValueError(f"TMA needs a 16-byte aligned matrix and cols % 8 == 0 (ptr={ptr:#x}, cols={cols})")
+    out = (ctypes.c_uint64 * 16)()
+    dims = (ctypes.c_uint64 * 2)(cols, rows)
+    strides = (ctypes.c_uint64 * 1)(cols * 2)
+    box = (ctypes.c_uint32 * 2)(BK, box_rows)
+    elem = (ctypes.c_uint32 * 2)(1, 1)
+    res = _libcuda()(out, _BF16, 2, ctypes.c_void_p(ptr), dims, strides, box, elem, _INTERLEAVE_NONE, _SWIZZLE_128B,
+                     _L2_256B, _OOB_ZERO)  # fmt: skip
+    if res != 0:
+        raise RuntimeError(f"cuTensorMapEncodeTiled failed (CUresult {res}) for [{rows}, {cols}] box {box_rows}")
+    return bytes(out)
+
+
+def param_layout(cubin: bytes, name: str) -> list[tuple[int, int]]:
+    """(offset, size) in bytes of each parameter of kernel ``name``, read from the cubin's
+    ``.nv.info.<name>`` section (EIATTR_KPARAM_INFO records). PyCUDA passes parameters as one packed
+    buffer, which must follow these offsets; with 64-byte aligned parameters (the tensor maps) they
+    do not start at 0 (the parameter bank's base is not 64-byte aligned)."""
+    shoff = struct.unpack_from("<Q", cubin, 0x28)[0]
+    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", cubin, 0x3A)
+
+    def section(i: int) -> tuple[int, int, int]:
+        base = shoff + i * shentsize
+        return struct.unpack_from("<I", cubin, base)[0], *struct.unpack_from("<QQ", cubin, base + 0x18)
+
+    strtab = section(shstrndx)[1]
+    want = f".nv.info.{name}".encode()
+    for i in range(shnum):
+        name_off, off, size = section(i)
+        start = strtab + name_off
+        if cubin[start : cubin.index(b"\0", start)] == want:
+            break
+    else:
+        raise ValueError(f"no {want.decode()} section in the cubin")
+    params: dict[int, tuple[int, int]] = {}
+    p, end = off, off + size
+    while p < end:
+        fmt, attr = cubin[p], cubin[p + 1]
+        if fmt == 4:  # EIFMT_SVAL: u16 size, then the value
+            (n,) = struct.unpack_from("<H", cubin, p + 2)
+            if attr == _KPARAM_INFO:
+                _, ordinal, offset, flags = struct.unpack_from("<IHHI", cubin, p + 4)
+                params[ordinal] = (offset, flags >> 18)
+            p += 4 + n
+        else:  # EIFMT_NVAL / BVAL / HVAL: no value or one in the next two bytes
+            p += 2 if fmt == 1 else 4
+    return [params[i] for i in range(len(params))]
+
+
+def pack_format(layout: list[tuple[int, int]], codes: list[str]) -> str:
+    """A struct format placing each parameter (``codes``: struct letters) at its offset."""
+    out, pos = "", 0
+    for (off, size), code in zip(layout, codes, strict=True):
+        if struct.calcsize(code) != size or off < pos:
+            raise ValueError(f"parameter layout {layout} does not fit {codes}")
+        out += (f"{off - pos}x" if off > pos else "") + code
+        pos = off + size
+    return out
+
+
+@functools.cache
+def _module(nc: int, bn: int, cache_dir: str):
+    """(module, its gemm_hopper parameter format) of one variant."""
+    import pycuda.driver as cuda
+    from pycuda.compiler import compile as nvcc
+
+    cache = cache_dir or DEFAULT_CACHE_DIR
+    os.makedirs(cache, exist_ok=True)
+    src = (CU_DIR / "common.cuh").read_text() + "\n" + (CU_DIR / "gemm_hopper.cu").read_text()
+    defines = {"HG_NC": nc, "HG_BN": bn, "HG_STAGES": stages(nc, bn)}
+    options = ["-O3", "-std=c++17"] + [f"-D{k}={v}" for k, v in defines.items()]
+    cubin = nvcc(src, options=options, no_extern_c=True, arch=ARCH, cache_dir=cache)
+    return cuda.module_from_buffer(cubin), pack_format(param_layout(cubin, "gemm_hopper"), PARAMS)
+
+
+def supported() -> bool:
+    """Whether the current device runs sm_90a code (compute capability 9.0: H100, H200)."""
+    import pycuda.driver as cuda
+
+    return cuda.Context.get_device().compute_capability() == (9, 0)
+
+
+class HopperGemm:
+    """gemm_hopper's variants, compiled and prepared for the current context's device."""
+
+    def __init__(self, cache_dir: str = "") -> None:
+        import pycuda.driver as cuda
+
+        dev = cuda.Context.get_device()
+        self.sms = dev.get_attribute(cuda.device_attribute.MULTIPROCESSOR_COUNT)
+        self._fns = {}
+        for nc, bn in VARIANTS:
+            mod, fmt = _module(nc, bn, cache_dir)
+            fn = mod.get_function("gemm_hopper")
+            fn.set_attribute(cuda.function_attribute.MAX_DYNAMIC_SHARED_SIZE_BYTES, smem_bytes(nc, bn))
+            fn.prepare(fmt)
+            self._fns[(nc, bn)] = fn
+        self._maps: dict[tuple[int, int, int, int], bytes] = {}
+
+    def pick(self, m: int, n: int) -> tuple[int, int]:
+        return pick(m, n, self.sms)
+
+    def _map(self, ptr: int, rows: int, k: int, box: int) -> bytes:
+        key = (ptr, rows, k, box)
+        tm = self._maps.get(key)
+        if tm is None:
+            if len(self._maps) > 4096:
+                self._maps.clear()
+            tm = self._maps[key] = tensor_map(ptr, rows, k, box)
+        return tm
+
+    def __call__(self, s, a: int, w: int, bias: int, c: int, m: int, n: int, k: int, ldc: int | None = None,
+                 accumulate: bool = False, variant: tuple[int, int] | None = None) -> None:  # fmt: skip
+        """c[m, :n] (+)= a[m, k] @ w[n, k].T (+ bias) on stream ``s``; ``variant`` forces one of ``VARIANTS``."""
+        ldc = n if ldc is None else ldc
+        if k % 8 or ldc % 2 or ldc < n or int(c) % 8:
+            raise ValueError(f"gemm_hopper needs K % 8 == 0, an even ldc >= N, C 8-byte aligned (K={k}, ldc={ldc})")
+        if m <= 0 or n <= 0:
+            return
+        nc, bn = variant or self.pick(m, n)
+        bm = 64 * nc
+        tiles = -(-m // bm) * -(-n // bn)
+        fn = self._fns[(nc, bn)]
+        fn.prepared_async_call((min(tiles, self.sms), 1, 1), (128 * (nc + 1), 1, 1), s,
+                               self._map(int(a), m, k, bm), self._map(int(w), n, k, bn), int(bias), int(c),
+                               np.int32(m), np.int32(n), np.int32(k), np.int32(ldc), np.int32(int(accumulate)),
+                               shared_size=smem_bytes(nc, bn))  # fmt: skip
+
+
+class GemmRoute:
+    """Kernels' GEMM launch (a ``launch.Kernel`` call: ``(s, grid, A=, W=, bias=, C=, M=, N=, K=, ldc=,
+    accumulate=)``) sent to gemm_hopper, or to ``fallback`` (gemm_bf16) where gemm_hopper's
+    alignment preconditions do not hold."""
+
+    def __init__(self, fallback, hopper: HopperGemm) -> None:
+        self.fallback, self.hopper = fallback, hopper
+        self.fn = fallback.fn
+
+    def __call__(self, s, grid, *, A, W, bias, C, M, N, K, ldc, accumulate) -> None:
+        if K % 8 == 0 and ldc % 2 == 0 and ldc >= N and int(A) % 16 == 0 and int(W) % 16 == 0 and int(C) % 8 == 0:
+            self.hopper(s, A, W, bias, C, M, N, K, ldc, accumulate=bool(accumulate))
+        else:
+            self.fallback(s, grid, A=A, W=W, bias=bias, C=C, M=M, N=N, K=K, ldc=ldc, accumulate=accumulate)
+
+
+def route_gemm(gemm, cache_dir: str = ""):
+    """``gemm`` (gemm_bf16's Kernel) behind gemm_hopper on an sm_90 device; ``gemm`` itself elsewhere."""
+    return GemmRoute(gemm, HopperGemm(cache_dir)) if supported() else gemm

@@ -1,0 +1,103 @@
+"""Weight formats on the device, and the kernels of gemv_q.cu (one compiled module per format).
+
+A weight matrix is a :class:`Matrix`: its rows as one or more :class:`Part`, each part in
+one format, stacked along the rows (a fused q|k|v whose v is stored in another GGML type
+than q and k is two parts). Formats: ``"bf16"`` (gemv.cu / gemm.cu read it), and the GGUF
+block types of ``QUANT_FORMATS``, kept exactly as the file stores them (rows of blocks,
+``row_bytes``); gemv_q.cu reads those in decode rounds, and prefill dequantizes a matrix
+to a bf16 scratch buffer for the GEMM (``QuantKernels.dequantize``). A new format (fp8
+e4m3 with per-output-channel scales, say) is one more tag here and its own kernels: the
+backend only passes ``Matrix`` objects around.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.cu.launch import Kernel, module
+
+BF16 = "bf16"
+# GGUF block types gemv_q.cu reads as stored: name -> (GGML type id, values a block, bytes a block),
+# as engine.loaders.gguf.BLOCK_TYPES.
+QUANT_FORMATS = {
+    "Q4_0": (2, 32, 18), "Q4_1": (3, 32, 20), "Q5_0": (6, 32, 22), "Q5_1": (7, 32, 24), "Q8_0": (8, 32, 34),
+    "Q4_K": (12, 256, 144), "Q5_K": (13, 256, 176), "Q6_K": (14, 256, 210),
+}  # fmt: skip
+# Groups in flight per warp and blocks per SM the registers must allow (gemv_q.cu's QU, QMINB).
+QUANT_TUNING = {"Q5_K": (3, 2)}  # 4 spills
+DEFAULT_TUNING = (4, 2)
+TC_THREADS = 256
+DEQUANT_THREADS = 256
+
+
+def row_bytes(fmt: str, k: int) -> int:
+    """Bytes of one row of ``k`` values in ``fmt``."""
+    if fmt == BF16:
+        return 2 * k
+    _, qk, bb = QUANT_FORMATS[fmt]
+    if k % qk:
+        raise ValueError(f"{fmt} rows hold whole blocks of {qk} values, not {k}")
+    return k // qk * bb
+
+
+@dataclass(frozen=True)
+class Part:
+    ptr: int  # device address of the part's first row
+    fmt: str  # BF16 or a QUANT_FORMATS name
+    rows: int
+
+
+@dataclass(frozen=True)
+class Matrix:
+    """A ``[rows, k]`` weight on the device, as parts of one format each stacked along the rows."""
+
+    parts: tuple[Part, ...]
+    k: int
+
+    @classmethod
+    def bf16(cls, ptr: int, rows: int, k: int) -> Matrix:
+        return cls((Part(ptr, BF16, rows),), k)
+
+    @property
+    def rows(self) -> int:
+        return sum(p.rows for p in self.parts)
+
+    @property
+    def formats(self) -> tuple[str, ...]:
+        return tuple(p.fmt for p in self.parts)
+
+    @property
+    def ptr(self) -> int:
+        """The first part's address (a one-part bf16 matrix: the plain pointer the bf16 kernels take)."""
+        return self.parts[0].ptr
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.rows * row_bytes(p.fmt, self.k) for p in self.parts)
+
+
+# gemv_q.cu's parameters: gemv.cu's per epilogue (kernels.TC_PARAMS), the rope one with its part's row.
+def _gemv_params(tc_params: dict[str, str], epi: str) -> str:
+    return tc_params[epi] + (" n_base:i32" if epi == "rope" else "")
+
+
+class QuantKernels:
+    """gemv_q.cu compiled for one format: the GEMV per epilogue and the dequant to bf16 / fp32."""
+
+    def __init__(self, fmt: str, tc_params: dict[str, str], cache_dir: str = "",
+                 tuning: tuple[int, int] | None = None) -> None:  # fmt: skip
+        tid, _, _ = QUANT_FORMATS[fmt]
+        u, minb = tuning or QUANT_TUNING.get(fmt, DEFAULT_TUNING)
+        self.fmt = fmt
+        defines = (("TC_THREADS", TC_THREADS), ("GEMV_EPILOGUES_ONLY", 1), ("QTYPE", tid), ("QU", u), ("QMINB", minb))
+        mod = module("gemv_q", defines, cache_dir, ("gemv",))
+        self.gemv = {epi: Kernel(mod, f"gemv_q_{epi}", _gemv_params(tc_params, epi), TC_THREADS) for epi in tc_params}
+        self._dequant = {
+            dt: Kernel(mod, f"dequant_q_{dt}", "W:ptr out:ptr N:i32 K:i32", DEQUANT_THREADS) for dt in ("bf16", "f32")
+        }
+
+    def dequantize(self, s, w: int, out: int, n: int, k: int, dtype: str = "bf16") -> None:
+        """out[n, k] (bf16 or fp32) = the ``n`` rows of blocks at ``w``, as gguf's dequantize computes them."""
+        row_bytes(self.fmt, k)  # checks whole blocks
+        threads = n * -(-k // 64) * 4  # a thread: 8 + 8 values of each of a unit's two groups (gemv_q.cu)
+        self._dequant[dtype](s, (-(-threads // DEQUANT_THREADS),), W=w, out=out, N=n, K=k)
