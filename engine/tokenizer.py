@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tokenizers import Tokenizer
+from tokenizers.decoders import DecodeStream
 
 from engine.tokenizer_gguf import GGUFVocab, build_gguf_tokenizer
 
@@ -239,39 +240,57 @@ def stop_token_ids(tok: Tokenizer, eos_ids: Sequence[int | None], template: str)
 class IncrementalDetokenizer:
     """Turn a stream of token ids into text deltas, never splitting a UTF-8 character.
 
-    The prefix-offset / read-offset technique: decode a short window of ids
-    before and after the last emitted point and emit only the difference, so
-    tokenizers whose decoding depends on neighbours (leading spaces, byte-level
-    pieces of one character) come out right. Text ending in U+FFFD means a
-    character is still incomplete: it is held back until more ids arrive.
+    ``tokenizers``' own ``DecodeStream`` does the work (in Rust, one call a round): it
+    decodes a short window of ids before and after the last emitted point and yields
+    only the difference, so tokenizers whose decoding depends on neighbours (leading
+    spaces, byte-level pieces of one character) come out right, and holds back text
+    that ends in an incomplete character until more ids arrive. ``flush`` says what is
+    still held at the end of a stream (DecodeStream has no such call).
     """
 
+    CONTEXT = 6  # ids of left context: a few prompt tokens, so the first output token decodes as mid-text
+
     def __init__(self, bundle: TokenizerBundle, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = True):
-        self._decode = lambda ids: bundle.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
-        # A few prompt tokens as left context, so the first output token decodes as it would mid-text.
-        self.ids: list[int] = list(prompt_ids[-6:])
-        self.prefix_offset = max(len(self.ids) - 5, 0)
-        self.read_offset = len(self.ids)
-        self.text = ""
+        self._tokenizer = bundle.tokenizer
+        self._skip = skip_special_tokens
+        self._ids: list[int] = [int(t) for t in prompt_ids[-self.CONTEXT :]]  # context, then the held ids
+        self._held = 0
+        self._stream = DecodeStream(ids=self._ids, skip_special_tokens=skip_special_tokens)
+        self._pieces: list[str] = []
+
+    @property
+    def text(self) -> str:
+        """Everything emitted so far."""
+        return "".join(self._pieces)
 
     def feed(self, token_ids: Sequence[int]) -> str:
         """Append one round's ids; return the text that became final."""
-        self.ids.extend(int(t) for t in token_ids)
-        prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
-        full = self._decode(self.ids[self.prefix_offset :])
-        if len(full) > len(prefix) and not full.endswith("\ufffd"):
-            delta = full[len(prefix) :]
-            self.prefix_offset = self.read_offset
-            self.read_offset = len(self.ids)
-            self.text += delta
-            return delta
-        return ""
+        ids = [int(t) for t in token_ids]
+        if not ids:
+            return ""
+        delta = self._stream.step(self._tokenizer, ids)
+        self._ids.extend(ids)
+        if not delta:
+            self._held += len(ids)
+            return ""
+        self._held = 0
+        del self._ids[: -self.CONTEXT]
+        self._pieces.append(delta)
+        return delta
 
     def flush(self) -> str:
         """At the end of a stream: whatever is still held back (incomplete bytes included)."""
-        prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
-        full = self._decode(self.ids[self.prefix_offset :])
+        if not self._held:
+            return ""
+        context = self._ids[: len(self._ids) - self._held][-(self.CONTEXT - 1) :]
+        prefix = self._tokenizer.decode(context, skip_special_tokens=self._skip)
+        full = self._tokenizer.decode(
+            context + self._ids[len(self._ids) - self._held :], skip_special_tokens=self._skip
+        )
         delta = full[len(prefix) :] if full.startswith(prefix) else ""
-        self.prefix_offset = self.read_offset = len(self.ids)
-        self.text += delta
+        # Whatever follows starts afresh, with no left context (the held ids may end mid-character).
+        self._held, self._ids = 0, []
+        self._stream = DecodeStream(skip_special_tokens=self._skip)
+        if delta:
+            self._pieces.append(delta)
         return delta

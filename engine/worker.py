@@ -1,6 +1,7 @@
 """The engine loop, hosted on an asyncio event loop.
 
-Embedded, this task runs on Daphne's loop with the in-memory Channels layer;
+Embedded, this task runs on a thread and loop of its own beside Daphne's (``serve``'s
+EngineThread), with an in-process Channels layer that bridges the two loops;
 ``manage.py runengine`` runs the very same task under its own loop against
 ``channels_redis``. Its shape is nano-vllm's: take messages, ``schedule()``
 a plan, ``backend.step(plan)`` on one dedicated thread (so numpy or CUDA work
@@ -136,6 +137,7 @@ class EngineWorker:
                     plan, out = await self._isolate(plan)
                 await self._send_outputs(sched.update_from_output(plan, out))
                 host.touch()
+                self._log_round(plan, out)
                 self._log_interval()
         finally:
             receiver.cancel()
@@ -421,6 +423,18 @@ class EngineWorker:
         for done in self.host.scheduler.finish_requests(request_ids, SequenceStatus.FINISHED_ABORTED):
             failed: RequestFailed = refusal("engine_error", done.request_id, message)
             await self._send(self._replies.pop(done.request_id), failed.to_message())
+
+    def _log_round(self, plan: StepPlan, out: StepOutput) -> None:
+        """DEBUG ``ignis.engine.round``: one line a step, what the backend took (bench/bench_serving.py)."""
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug(
+                "ignis.engine.round",
+                extra={
+                    "decode_seconds": round(out.decode_seconds, 6),
+                    "prefill_seconds": round(out.prefill_seconds, 6),
+                    "lanes": len(plan.decode),
+                },
+            )
 
     def _log_interval(self, every: float = 5.0) -> None:
         """DEBUG ``ignis.scheduler.interval``: the scheduler's counters, at most every ``every`` s of work."""

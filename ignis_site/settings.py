@@ -88,8 +88,13 @@ if REDIS_URL:
         }
     }
 else:
+    # In-process, and safe across the two event loops of the embedded mode (Daphne's and the
+    # engine's own, on its thread): channels' InMemoryChannelLayer is bound to one loop.
     CHANNEL_LAYERS = {
-        "default": {"BACKEND": "channels.layers.InMemoryChannelLayer", "CONFIG": {"capacity": 2000, "expiry": 120}}
+        "default": {
+            "BACKEND": "ignis_site.channel_layer.CrossLoopChannelLayer",
+            "CONFIG": {"capacity": 2000, "expiry": 120},
+        }
     }
 
 # Celery runs downloads and imports. Embedded: a filesystem broker and file

@@ -2,7 +2,9 @@
 
 ``TextStream`` is fed the token ids each engine round commits and gives back
 the text that is safe to show: never half a UTF-8 character, never the start
-of what may turn out to be a stop string.
+of what may turn out to be a stop string. Its cost per token does not grow with
+the text: the ids go through ``tokenizers``' DecodeStream (engine.tokenizer's
+IncrementalDetokenizer), and only the held-back tail is searched for stop strings.
 """
 
 from __future__ import annotations
@@ -19,14 +21,22 @@ class TextStream:
         self._detok = IncrementalDetokenizer(bundle, prompt_ids, skip_special_tokens=skip_special_tokens)
         self._stop = stop
         self._held = ""  # text withheld because it could begin a stop string
-        self.text = ""  # everything emitted so far
+        self._pieces: list[str] = []  # everything emitted so far (``text``)
         self.stopped = False  # a stop string matched: the caller aborts the sequence
+
+    @property
+    def text(self) -> str:
+        """Everything emitted so far."""
+        return "".join(self._pieces)
 
     def feed(self, token_ids: list[int]) -> str:
         """New visible text for these tokens ('' while holding back)."""
         if self.stopped:
             return ""
-        pending = self._held + self._detok.feed(token_ids)
+        new = self._detok.feed(token_ids)
+        if not self._stop:
+            return self._emit(new)
+        pending = self._held + new
         cut = min((i for i in (pending.find(s) for s in self._stop) if i >= 0), default=-1)
         if cut >= 0:
             self.stopped = True
@@ -51,12 +61,32 @@ class TextStream:
         return best
 
     def _emit(self, piece: str) -> str:
-        self.text += piece
+        if piece:
+            self._pieces.append(piece)
         return piece
 
 
+def _dumps(value) -> str:
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+
+
+class ChatChunks:
+    """One chat completion stream's SSE chunks, rendered cheaply: what every chunk repeats (id,
+    object, created, model, fingerprint) is serialized once, and each chunk serializes only its
+    delta (and logprobs). The bytes are exactly ``sse(chat_chunk(...))``'s."""
+
+    def __init__(self, request_id: str, model: str, created: int) -> None:
+        head = _dumps(chat_chunk(request_id, model, created, {}, choices=False))
+        self._head = "data: " + head[: -len("[]}")] + '[{"index":'  # the head ends in "choices":[]}
+
+    def render(self, index: int, delta: dict, finish_reason: str | None = None, logprobs: dict | None = None) -> bytes:
+        lp = "null" if logprobs is None else _dumps(logprobs)
+        reason = "null" if finish_reason is None else _dumps(finish_reason)
+        return f'{self._head}{index},"delta":{_dumps(delta)},"logprobs":{lp},"finish_reason":{reason}}}]}}\n\n'.encode()
+
+
 def sse(data: dict | str) -> bytes:
-    payload = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"), ensure_ascii=False)
+    payload = data if isinstance(data, str) else _dumps(data)
     return f"data: {payload}\n\n".encode()
 
 

@@ -8,11 +8,13 @@ from apps.api.chat.service import PreparedChat, chat_prepare
 from apps.api.consumer import Choice, MultiRequestConsumer
 from apps.api.harmony_split import splitter_for
 from apps.api.logprobs import chat_logprobs
-from apps.api.streaming import TextStream, chat_chunk, sse
+from apps.api.streaming import ChatChunks, TextStream, chat_chunk, sse
 
 
 class ChatCompletionsConsumer(MultiRequestConsumer):
     """POST /v1/chat/completions, streamed (SSE chunks) or whole; n choices; reasoning and tool calls."""
+
+    _chunks: ChatChunks | None = None  # made with the first chunk (``created`` is set at submit)
 
     async def handle(self, body: dict) -> None:
         prep: PreparedChat = await asyncio.to_thread(chat_prepare, body)
@@ -32,15 +34,16 @@ class ChatCompletionsConsumer(MultiRequestConsumer):
         await self.submit(prep.adds, choices, req.deadline, req.stream)
 
     def _chunk(self, choice: Choice, delta: dict, finish_reason: str | None = None) -> bytes:
-        chunk = chat_chunk(self.prep.id, self.prep.served.served_id, self.created, delta, finish_reason)
-        chunk["choices"][0]["index"] = choice.index
+        if self._chunks is None:
+            self._chunks = ChatChunks(self.prep.id, self.prep.served.served_id, self.created)
+        logprobs = None
         if self.prep.request.logprobs and choice.pending_logprobs:
             items, choice.pending_logprobs = choice.pending_logprobs, []
-            chunk["choices"][0]["logprobs"] = {
+            logprobs = {
                 "content": chat_logprobs(self.prep.served.tokenizer, items, self.prep.request.top_logprobs),
                 "refusal": None,
             }
-        return sse(chunk)
+        return self._chunks.render(choice.index, delta, finish_reason, logprobs)
 
     def _deltas(self, choice: Choice, events) -> list[dict]:
         deltas = []

@@ -1,14 +1,19 @@
 """Serve the API, the Playground and the engine from one process (the embedded mode).
 
-Daphne serves the ASGI application; the engine loop runs as a task on
-Daphne's own asyncio loop, talking to the API only through the Channels layer.
+Daphne serves the ASGI application on the main thread's asyncio loop; the engine
+loop runs on a thread and event loop of its own (``EngineThread``), so SSE writes,
+detokenizing and JSON for every stream never sit between two engine rounds. The two
+talk only through the Channels layer, which embedded is
+``ignis_site.channel_layer.CrossLoopChannelLayer`` (safe across the two loops).
 With ``--server-redis-url`` (or IGNIS_SERVER_REDIS_URL) the engine runs in
 ``manage.py runengine`` instead, unless ``--with-engine`` is given.
 """
 
+import asyncio
 import logging
 import os
 import sys
+import threading
 
 from django.conf import settings
 from django.core.management.base import BaseCommand
@@ -35,7 +40,7 @@ class Command(BaseCommand):
         add_config_flags(parser, skip=("server.host", "server.port"))
 
     def handle(self, *args, **options):
-        from channels.layers import get_channel_layer
+        from channels.layers import channel_layers, get_channel_layer
         from channels.routing import get_default_application
         from daphne.endpoints import build_endpoint_description_strings
         from daphne.server import twisted_loop
@@ -48,6 +53,7 @@ class Command(BaseCommand):
         from apps.models.services import served_model
         from engine.config import EngineConfig
         from engine.worker import EngineWorker
+        from ignis_site.channel_layer import CrossLoopChannelLayer
         from ignis_site.config import engine_config_dict, worker_options
         from ignis_site.daphne_gate import IgnisServer
 
@@ -62,17 +68,22 @@ class Command(BaseCommand):
         host, port = values["server.host"], values["server.port"]
         embedded = not settings.REDIS_URL or options["with_engine"]
         tasks = []
+        layer = get_channel_layer()  # made here, on this thread, before any other thread asks for it
 
-        def start_engine():
-            worker = EngineWorker(
-                get_channel_layer(),
+        def make_worker():
+            # The in-process layer bridges the two loops; a Redis layer (--with-engine) is one per loop,
+            # the engine's own as runengine's is its own process's.
+            engine_layer = layer if isinstance(layer, CrossLoopChannelLayer) else channel_layers.make_backend("default")
+            return EngineWorker(
+                engine_layer,
                 EngineConfig.from_dict(engine_config_dict(values)),
                 served.path,
                 served.served_id,
                 **worker_options(values),
                 on_progress=ProgressBar(self.stdout) if self.stdout.isatty() else None,
             )
-            tasks.append(twisted_loop.create_task(worker.run()))
+
+        engine_thread = EngineThread(make_worker, server_loop=twisted_loop)
 
         def ready():
             # The listener is up; the URL is announced once the model serves (announce_when_serving).
@@ -82,7 +93,9 @@ class Command(BaseCommand):
             tasks.append(twisted_loop.create_task(announce_when_serving(self.stdout, url, engine)))
 
         if embedded:
-            reactor.callWhenRunning(start_engine)
+            reactor.callWhenRunning(engine_thread.start)
+            # After Daphne's own "before" trigger has ended the open requests (their aborts reach the engine).
+            reactor.addSystemEventTrigger("during", "shutdown", engine_thread.stop)
         # Live config changes other front ends take (scaled mode) reach this one's settings.IGNIS.
         reactor.callWhenRunning(lambda: tasks.append(twisted_loop.create_task(config_listen())))
         # The engine's pushed status (and its heartbeats) feed this front end's cache.
@@ -111,6 +124,63 @@ class Command(BaseCommand):
             ready_callable=ready,
         )
         server.run()
+
+
+class EngineThread:
+    """The embedded engine loop on a thread and asyncio loop of its own (docs/ARCHITECTURE.md, Hosting).
+
+    ``make_worker`` builds the EngineWorker on that thread, so everything the worker
+    makes belongs to the engine's loop; the worker's step thread stays inside it, as in
+    ``runengine``. ``stop`` cancels ``worker.run()`` (whose ``finally`` ends its receive
+    and heartbeat tasks and the step thread) and waits for the thread, at most
+    ``timeout`` seconds: a step still running holds the process's exit, as it always did.
+    """
+
+    NAME = "ignis-engine"
+
+    def __init__(self, make_worker, *, server_loop: asyncio.AbstractEventLoop | None = None) -> None:
+        self.make_worker = make_worker
+        self.server_loop = server_loop  # Daphne's: said in the start log, to show they differ
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.task: asyncio.Task | None = None
+        self.thread = threading.Thread(target=self._run, name=self.NAME, daemon=True)
+        self._ready = threading.Event()
+
+    def start(self) -> None:
+        self.thread.start()
+        self._ready.wait()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if self.loop is not None and self.task is not None and not self.loop.is_closed():
+            try:
+                self.loop.call_soon_threadsafe(self.task.cancel)
+            except RuntimeError:  # the loop closed meanwhile: nothing left to cancel
+                pass
+        if self.thread.is_alive():
+            self.thread.join(timeout)
+
+    def _run(self) -> None:
+        try:
+            asyncio.run(self._serve())  # its end cancels what the worker left and closes the loop
+        except asyncio.CancelledError:  # stop()
+            pass
+        except Exception:
+            log.exception("ignis.server.engine_loop_failed")
+        finally:
+            self._ready.set()
+
+    async def _serve(self) -> None:
+        self.loop, self.task = asyncio.get_running_loop(), asyncio.current_task()
+        self._ready.set()
+        log.info(
+            "ignis.server.engine_loop",
+            extra={
+                "engine_thread": threading.current_thread().name,
+                "server_thread": threading.main_thread().name,
+                "own_loop": self.loop is not self.server_loop,
+            },
+        )
+        await self.make_worker().run()
 
 
 async def announce_when_serving(out, url: str, engine: str, interval: float = 0.25) -> None:

@@ -1,0 +1,278 @@
+"""The serving path's overhead: client-observed inter-token time against the engine's round.
+
+Starts the real server (``manage.py serve``, the default model and backend, a fresh
+data directory) from a checkout (``--root``, default this one), then drives 1 and 8
+concurrent streamed chat completions of ``--tokens`` tokens each (``ignore_eos``, so
+every stream runs its full length) with the official openai client, one client and
+one thread per stream, all released together. Per stream count it reports:
+
+* client inter-token time (mean, median and p90): the gaps between a stream's content
+  chunks, taken only while every stream decodes (after the last first token, before
+  the first stream ends), so a prefill in the middle does not count;
+* TTFT (median and the slowest), from the request to the first content chunk;
+* aggregate tok/s over that all-decode window;
+* the engine's own round: the backend's time for each decode round of the window, from
+  the engine's DEBUG ``ignis.engine.round`` lines (the server runs with
+  ``--server-log-level debug``), mean and median; and the engine's cadence, the wall
+  time from one round's line to the next: the round plus whatever sits between two
+  rounds on the engine's loop;
+* client / round: the client's gap over the engine's round (means; medians), the
+  figure issue 15 targets (<= 1.03x at 1 stream, <= 1.05x at 8).
+
+Speculative rounds are off (``--spec-enabled false``) unless ``--spec``: a verify round
+commits a varying number of tokens, and then a token's gap is no round's time.
+
+A run appends its figures to ``--results`` (JSON) under ``--label``; ``--write``
+renders every run in that file as one table in docs/PERFORMANCE.md. Before / after a
+change: run once with ``--root`` at a checkout of the old tree, once on this one.
+
+    .venv/bin/python bench/bench_serving.py --root /tmp/ignis-base --label main --results /tmp/serving.json
+    .venv/bin/python bench/bench_serving.py --label "engine thread" --results /tmp/serving.json --write
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+from openai import OpenAI
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.bench_numpy import cpu_model  # noqa: E402
+from bench.perfdoc import command_line, report  # noqa: E402
+
+SECTION = "## The serving path (issue 15): client inter-token time against the engine's round"
+GGUF = "smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf"
+MODEL = "smollm2-135m-instruct"
+TINY = "tiny-llama"  # --tiny: tests/models/tiny.py's random 2-layer llama, rounds of a few ms as a GPU's are
+PROMPTS = [
+    "Tell me a long story about a lighthouse keeper.",
+    "Describe, in detail, how bread is baked.",
+    "Write a long letter to a friend about autumn.",
+    "Explain how a steam engine works, step by step.",
+    "Describe a walk through a busy city market.",
+    "Tell me about the history of sailing ships.",
+    "Write a long poem about the mountains.",
+    "Describe the life of a honeybee through one summer.",
+]
+
+
+def start_server(
+    root: Path, port: int, data_dir: Path, flags: list[str], models_dir: Path | None = None
+) -> tuple[subprocess.Popen, Path]:
+    env = dict(os.environ, IGNIS_SERVER_DATA_DIR=str(data_dir), PYTHONUNBUFFERED="1")
+    if models_dir is not None:
+        env["IGNIS_SERVER_MODELS_DIR"] = str(models_dir)
+    env["IGNIS_SERVER_CELERY_WORKER"] = "false"  # no downloads here: keep its process off the two cores
+    python = str(root / ".venv/bin/python") if (root / ".venv/bin/python").exists() else sys.executable
+    subprocess.run([python, "manage.py", "migrate", "--noinput", "-v", "0"], cwd=root, env=env, check=True)
+    log_path = data_dir / "server.log"
+    log = open(log_path, "wb")
+    cmd = [python, "manage.py", "serve", "--port", str(port), "--no-download", "--model-idle-unload", "0"]
+    cmd += ["--server-log-level", "debug", *flags]  # debug: the engine's ignis.engine.round lines
+    proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited ({proc.returncode}):\n{log_path.read_text()[-3000:]}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200:
+                return proc, log_path
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    proc.terminate()
+    raise RuntimeError(f"server never healthy:\n{log_path.read_text()[-3000:]}")
+
+
+def stream_one(base: str, model: str, prompt: str, tokens: int, go: threading.Barrier, out: dict) -> None:
+    """One stream; ``out`` gets the send time and each content chunk's arrival time."""
+    client = OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=600)
+    go.wait()
+    sent = time.time()  # the server log's clock: its round lines are placed on the same axis
+    stream = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": prompt}],
+        temperature=0,
+        max_tokens=tokens,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
+    arrivals, usage = [], None
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        if any(c.delta.content for c in chunk.choices):
+            arrivals.append(time.time())
+    out.update(sent=sent, arrivals=arrivals, completion_tokens=usage.completion_tokens if usage else None)
+
+
+def quantile(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+def engine_rounds(log_path: Path, start: float, end: float, lanes: int) -> list[tuple[float, float]]:
+    """(log time, decode seconds) of the decode-only rounds of ``lanes`` lanes logged in [start, end]."""
+    out = []
+    for line in log_path.read_text(errors="replace").splitlines():
+        if '"ignis.engine.round"' not in line:
+            continue
+        e = json.loads(line)
+        if start <= e["ts"] <= end and e["lanes"] == lanes and not e["prefill_seconds"]:
+            out.append((e["ts"], e["decode_seconds"]))
+    return out
+
+
+def run_streams(base: str, model: str, log_path: Path, n: int, tokens: int) -> dict:
+    results = [dict() for _ in range(n)]
+    go = threading.Barrier(n + 1)
+    threads = [
+        threading.Thread(target=stream_one, args=(base, model, PROMPTS[i % len(PROMPTS)], tokens, go, r))
+        for i, r in enumerate(results)
+    ]
+    for t in threads:
+        t.start()
+    go.wait()
+    for t in threads:
+        t.join()
+    if any(len(r.get("arrivals", ())) < 2 for r in results):
+        raise RuntimeError(f"a stream came back short: {[len(r.get('arrivals', ())) for r in results]}")
+    start = max(r["arrivals"][0] for r in results)  # every stream decodes from here ...
+    end = min(r["arrivals"][-1] for r in results)  # ... to here
+    gaps, chunks = [], 0
+    for r in results:
+        a = r["arrivals"]
+        gaps += [b - x for x, b in zip(a, a[1:]) if x >= start and b <= end]
+        chunks += sum(1 for t in a if start < t <= end)
+    logged = engine_rounds(log_path, start, end, n)
+    rounds = [seconds for _, seconds in logged]
+    cadence = (logged[-1][0] - logged[0][0]) / (len(logged) - 1) if len(logged) > 1 else None
+    ttfts = [r["arrivals"][0] - r["sent"] for r in results]
+    return {
+        "streams": n,
+        "tokens": tokens,
+        "itl_mean": statistics.fmean(gaps) if gaps else None,
+        "itl_median": statistics.median(gaps) if gaps else None,
+        "itl_p90": quantile(gaps, 0.9) if gaps else None,
+        "num_gaps": len(gaps),
+        "ttft_median": statistics.median(ttfts),
+        "ttft_max": max(ttfts),
+        "agg_tok_s": chunks / (end - start) if end > start else None,
+        "round": statistics.fmean(rounds) if rounds else None,
+        "round_median": statistics.median(rounds) if rounds else None,
+        "cadence": cadence,
+        "num_rounds": len(rounds),
+    }
+
+
+def table(runs: list[dict]) -> list[str]:
+    def ms(v):
+        return f"{v * 1000:.1f}" if v else "-"
+
+    def ratio(a, b):
+        return f"{a / b:.3f}x" if a and b else "-"
+
+    def over(r):
+        return f"{(r['itl_mean'] - r['round']) * 1000:.1f}" if r["itl_mean"] and r["round"] else "-"
+
+    lines = [
+        "| tree | streams | client inter-token mean / median / p90 (ms) | engine round mean / median (ms) "
+        "| client / round: means; medians | engine cadence (ms) | client - round (ms) | TTFT median / max (ms) "
+        "| aggregate tok/s |",
+        "|" + "---|" * 9,
+    ]
+    for run in runs:
+        for r in run["figures"]:
+            lines.append(
+                f"| {run['label']} | {r['streams']} | {ms(r['itl_mean'])} / {ms(r['itl_median'])} / "
+                f"{ms(r['itl_p90'])} | {ms(r['round'])} / {ms(r['round_median'])} "
+                f"| {ratio(r['itl_mean'], r['round'])}; {ratio(r['itl_median'], r['round_median'])} "
+                f"| {ms(r['cadence'])} | {over(r)} | {ms(r['ttft_median'])} / {ms(r['ttft_max'])} "
+                f"| {r['agg_tok_s']:.1f} |"
+            )
+    return lines
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--root", type=Path, default=ROOT, help="the checkout whose manage.py serve is measured")
+    ap.add_argument("--label", default="this tree", help="the run's row label")
+    ap.add_argument("--tokens", type=int, default=128, help="tokens per stream")
+    ap.add_argument("--streams", default="1,8", help="concurrent stream counts, comma-separated")
+    ap.add_argument("--port", type=int, default=18093)
+    ap.add_argument("--results", type=Path, default=None, help="JSON file the run is appended to")
+    ap.add_argument("--write", action="store_true", help="render every run in --results into docs/PERFORMANCE.md")
+    ap.add_argument(
+        "--spec", action="store_true", help="keep speculative rounds (then a round may commit several tokens)"
+    )
+    ap.add_argument("flags", nargs="*", help="extra flags for manage.py serve (after --)")
+    ap.add_argument("--tiny", action="store_true", help="serve tests/models/tiny.py's 2-layer llama (ms rounds)")
+    ap.add_argument("--render", action="store_true", help="run nothing: print (and --write) the runs in --results")
+    args = ap.parse_args()
+    flags = args.flags if args.spec else ["--spec-enabled", "false", *args.flags]
+    if args.render:
+        render(json.loads(args.results.read_text()), args)
+        return
+    root = args.root.resolve()
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True)
+    model = TINY if args.tiny else MODEL
+    with tempfile.TemporaryDirectory(prefix="ignis-bench-serving-") as tmp:
+        models_dir = None
+        if args.tiny:
+            from tests.models.tiny import models_dir_with_two
+
+            models_dir = models_dir_with_two(Path(tmp) / "models", ROOT / "models" / GGUF)
+            flags = ["--model-id", TINY, "--model-path", TINY, *flags]
+        proc, log_path = start_server(root, args.port, Path(tmp), flags, models_dir)
+        base = f"http://127.0.0.1:{args.port}"
+        try:
+            run_streams(base, model, log_path, 1, 16)  # warm: the first request pays for lazy imports and caches
+            figures = [run_streams(base, model, log_path, int(n), args.tokens) for n in args.streams.split(",")]
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+    run = {"label": args.label, "root": str(root), "commit": commit.stdout.strip() or None, "figures": figures}
+    run["model"] = model
+    runs = [run]
+    if args.results:
+        previous = json.loads(args.results.read_text()) if args.results.exists() else []
+        runs = [r for r in previous if r["label"] != args.label] + [run]
+        args.results.write_text(json.dumps(runs, indent=1))
+    render(runs, args)
+
+
+def render(runs: list[dict], args) -> None:
+    body = table(runs) + [
+        "",
+        f"Model {'tiny-llama (tests/models/tiny.py: 2 layers, hidden 64, random weights)' if args.tiny else MODEL + ' (GGUF Q4_1)'}, "
+        f"cpu backend, {args.tokens} tokens a stream (`ignore_eos`), greedy, "
+        + ("speculative rounds on, " if args.spec else "speculative rounds off (one token a stream a round), ")
+        + "one openai client and thread per stream. Inter-token gaps and aggregate tok/s only while every stream "
+        "decodes; engine round = the backend's decode round (the engine's `ignis.engine.round` log lines), cadence = "
+        "wall time from one round's line to the next. Trees: "
+        + "; ".join(f"{r['label']} = {r['commit'] or r['root']}" for r in runs)
+        + ".",
+    ]
+    machine = f"{cpu_model()}, {os.cpu_count()} cores, Python {platform.python_version()}"
+    report(SECTION, machine=machine, command=command_line(".venv/bin/python"), body=body, write=args.write)
+
+
+if __name__ == "__main__":
+    main()
