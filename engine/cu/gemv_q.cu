@@ -36,7 +36,7 @@
 // dequantize (no fused multiply-add: __fmul_rn / __fadd_rn), then rounded to bf16 (or not).
 // One thread a (row, unit, t): the same fetch and byte decode as the GEMV.
 //
-// Preconditions (wrapper): K % QK == 0, M in 1..8, W 16-byte aligned (every row's loads then
+// Preconditions (wrapper): K % QK == 0 (FP8: K % 16 == 0), M in 1..8, W 16-byte aligned (every row's loads then
 // stay aligned: 16-byte headers of Q4_K / Q5_K, 4-byte words of Q4_1 / Q5_1, 2-byte pieces of
 // the others), x 16-byte aligned. Compile-time: QTYPE (the GGML type id),
 // TC_THREADS, QU, QMINB. Compiled after common.cuh and gemv.cu (GEMV_EPILOGUES_ONLY).

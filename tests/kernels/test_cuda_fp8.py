@@ -409,6 +409,7 @@ def test_8b_shape_fp8_vs_bf16(dev):
                 std /= (2 * layers) ** 0.5
             w = torch.randn(shape, generator=gen, device="cuda", dtype=torch.float32) * std
             bf[name] = w.to(torch.bfloat16)
+    # The name decides (every 2-D weight here is a matrix): the layer projections become fp8.
     f8 = {n: _torch_fp8(torch, w) if is_quantizable(n, np.empty((1, 1))) else w for n, w in bf.items()}
     kw = dict(block_size=16, kv_budget_bytes=4 << 30, host_kv_budget_bytes=0, max_context=4096)
     greedy = SampleRequest(params=SamplingParams(temperature=0.0), seed=1)

@@ -3,12 +3,12 @@
 bf16 (biases fp32), torch ``[out, in]``; a GGUF matrix the loader kept as stored
 (``QuantizedTensor``, the block types of ``engine.cu.quant.QUANT_FORMATS``) stays in its
 blocks, every row as the file holds it (row permutations below move whole rows of
-blocks). An fp8 matrix (``engine.loaders.fp8.Fp8Tensor``, per-output-channel scales) stays as
-e4m3 bytes followed by its fp32 scales (format ``FP8``; the row permutations move a row's scale
-with it); block-scaled fp8 is refused. Each matrix is an ``engine.cu.quant.Matrix``: parts of one format each (a fused
-q|k|v whose v has another block type than q and k is two parts; a fused gate|up whose
-halves differ, or whose parts mix blocks and floats, is dequantized to bf16 instead).
-The embedding table is bf16 (a quantized one is dequantized; a tied LM head then keeps
+blocks). An fp8 matrix (``engine.loaders.fp8.Fp8Tensor``, per-output-channel scales) stays
+as e4m3 bytes followed by its fp32 scales (format ``FP8``; the row permutations move a row's
+scale with it); block-scaled fp8 is refused. Each matrix is an ``engine.cu.quant.Matrix``:
+parts of one format each (a fused q|k|v whose v has another block type than q and k is two
+parts; a fused gate|up whose halves differ, or whose parts mix blocks and floats, is
+dequantized to bf16 instead). The embedding table is bf16 (a quantized one is dequantized; a tied LM head then keeps
 the blocks as its own matrix). q|k|v are fused into one matrix with each
 head's rows rope-interleaved in 8-row groups (``interleave_rope``) and gate|up into one
 matrix interleaved in 8-row groups (``interleave_gate_up``; plain gate-then-up when
