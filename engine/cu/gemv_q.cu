@@ -36,7 +36,7 @@
 // dequantize (no fused multiply-add: __fmul_rn / __fadd_rn), then rounded to bf16 (or not).
 // One thread a (row, unit, t): the same fetch and byte decode as the GEMV.
 //
-// Preconditions (wrapper): K % QK == 0, M in 1..8, W 16-byte aligned (every row's loads then
+// Preconditions (wrapper): K % QK == 0 (FP8: K % 16 == 0), M in 1..8, W 16-byte aligned (every row's loads then
 // stay aligned: 16-byte headers of Q4_K / Q5_K, 4-byte words of Q4_1 / Q5_1, 2-byte pieces of
 // the others), x 16-byte aligned. Compile-time: QTYPE (the GGML type id),
 // TC_THREADS, QU, QMINB. Compiled after common.cuh and gemv.cu (GEMV_EPILOGUES_ONLY).
@@ -51,6 +51,17 @@
 #define QMINB 2
 #endif
 
+// FP8 (QTYPE 200, not a GGML id): rows of K float8_e4m3fn bytes (the torch [out, in] layout,
+// engine/loaders/fp8.py's Fp8Tensor with per-output-channel scales), all N rows back to back, then
+// the N fp32 scales at W + N * K (the part's own: a fused matrix's parts each carry theirs).
+// w[n, k] = decode(W[n, k]) * scale[n]. Its main loop is gemv_fp8.cu's: a thread loads 16 bytes of
+// rows g and g + 8 (chunk t of a warp's 64-byte step) and the same 16 activations, e4m3 -> f16 ->
+// bf16 is exact, four bf16 mma a step with the k order permuted alike for W and x; the row scale
+// multiplies the accumulators once, before gemv.cu's epilogues. Dequant: one thread 16 values,
+// bf16(__fmul_rn(decode, scale)) (numpy's float32 product, then rounded). K % 16 == 0.
+#define QFP8 200
+
+#if QTYPE != QFP8
 enum { GGML_Q4_0 = 2, GGML_Q4_1 = 3, GGML_Q5_0 = 6, GGML_Q5_1 = 7, GGML_Q8_0 = 8, GGML_Q4_K = 12,
        GGML_Q5_K = 13, GGML_Q6_K = 14 };
 
@@ -381,6 +392,65 @@ __device__ __forceinline__ void gemv_q_main(const bf16* __restrict__ x, const ui
     }
 }
 
+#else  // QTYPE == QFP8
+#include <cuda_fp8.h>
+
+// Two e4m3 bytes (the low byte first) -> a bf16 pair packed as mma operands are (low element low).
+__device__ __forceinline__ uint32_t fp8x2_to_bf162(uint32_t two) {
+    __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(two & 0xffffu), __NV_E4M3);
+    float2 f = __half22float2(*reinterpret_cast<__half2*>(&h));
+    return pack_bf162(f.x, f.y);
+}
+
+__device__ __forceinline__ const float* fp8_scales(const uint8_t* W, int N, int K) {
+    return reinterpret_cast<const float*>(W + (size_t)N * K);
+}
+
+template <int U>
+__device__ __forceinline__ void gemv_q_main(const bf16* __restrict__ x, const uint8_t* __restrict__ W, int M, int N,
+                                            int K, float* c) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int n0 = blockIdx.x * TC_ROWS;
+    const bool ra = n0 + g < N, rb = n0 + g + 8 < N, rx = g < M;
+    const uint8_t* wa_p = W + (size_t)(ra ? n0 + g : 0) * K + 16 * t;
+    const uint8_t* wb_p = W + (size_t)(rb ? n0 + g + 8 : 0) * K + 16 * t;
+    const bf16* x_p = x + (size_t)(rx ? g : 0) * K + 16 * t;
+    float acc[4] = {0.f, 0.f, 0.f, 0.f};
+    for (int s0 = warp; s0 * 64 < K; s0 += 8 * U) {
+        uint4 wa[U], wb[U], xa[U], xb[U];
+#pragma unroll
+        for (int l = 0; l < U; ++l) {
+            const int k = (s0 + 8 * l) * 64;
+            const bool in = k + 16 * t < K;
+            wa[l] = ld_stream_if(wa_p + k, in && ra);
+            wb[l] = ld_stream_if(wb_p + k, in && rb);
+            xa[l] = ldg_if(x_p + k, in && rx);
+            xb[l] = ldg_if(x_p + k + 8, in && rx);
+        }
+#pragma unroll
+        for (int l = 0; l < U; ++l) {
+            const uint32_t wa4[4] = {wa[l].x, wa[l].y, wa[l].z, wa[l].w};
+            const uint32_t wb4[4] = {wb[l].x, wb[l].y, wb[l].z, wb[l].w};
+            const uint32_t xs[8] = {xa[l].x, xa[l].y, xa[l].z, xa[l].w, xb[l].x, xb[l].y, xb[l].z, xb[l].w};
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                // mma j: k-slots 2t, 2t+1 <- bytes 4j, 4j+1; slots 2t+8, 2t+9 <- bytes 4j+2, 4j+3.
+                const uint32_t a[4] = {fp8x2_to_bf162(wa4[j]), fp8x2_to_bf162(wb4[j]), fp8x2_to_bf162(wa4[j] >> 16),
+                                       fp8x2_to_bf162(wb4[j] >> 16)};
+                mma_bf16(acc, a, xs[2 * j], xs[2 * j + 1]);
+            }
+        }
+    }
+    const float* sc = fp8_scales(W, N, K);
+    const float sa = ra ? __ldg(sc + n0 + g) : 0.f, sb = rb ? __ldg(sc + n0 + g + 8) : 0.f;
+    c[0] += acc[0] * sa;
+    c[1] += acc[1] * sa;
+    c[2] += acc[2] * sb;
+    c[3] += acc[3] * sb;
+}
+
+#endif  // QTYPE
+
 // store / acc: out fp32 [M, ldo]; with nw, also the next norm's xw / ss_out (gemv.cu).
 #define GEMV_Q_LINEAR(NAME, EPI)                                                                             \
     extern "C" __global__ void __launch_bounds__(TC_THREADS, QMINB)                                          \
@@ -424,6 +494,15 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS, QMINB)
 
 // --- dequant -------------------------------------------------------------------------------
 
+__device__ __forceinline__ void store4(bf16* p, const float* v) {
+    *reinterpret_cast<uint2*>(p) = make_uint2(pack_bf162(v[0], v[1]), pack_bf162(v[2], v[3]));
+}
+__device__ __forceinline__ void store4(float* p, const float* v) {
+    *reinterpret_cast<float4*>(p) = make_float4(v[0], v[1], v[2], v[3]);
+}
+
+#if QTYPE != QFP8
+
 __device__ __forceinline__ float q_value(uint32_t v, int i) {
     const uint32_t b = (v >> (8 * i)) & 0xffu;
     if constexpr (Fmt::INT8) return (float)(int8_t)b;
@@ -433,13 +512,6 @@ __device__ __forceinline__ float q_value(uint32_t v, int i) {
 __device__ __forceinline__ float w_value(float s, float q, float mn) {
     if constexpr (Fmt::MIN) return __fadd_rn(__fmul_rn(s, q), mn);
     return __fmul_rn(s, q);
-}
-
-__device__ __forceinline__ void store4(bf16* p, const float* v) {
-    *reinterpret_cast<uint2*>(p) = make_uint2(pack_bf162(v[0], v[1]), pack_bf162(v[2], v[3]));
-}
-__device__ __forceinline__ void store4(float* p, const float* v) {
-    *reinterpret_cast<float4*>(p) = make_float4(v[0], v[1], v[2], v[3]);
 }
 
 template <typename T>
@@ -467,6 +539,29 @@ __device__ __forceinline__ void dequant_body(const uint8_t* __restrict__ W, T* _
         store4(o + 16, hi);
     }
 }
+
+#else  // QTYPE == QFP8
+
+// One thread: 16 values (one 16-byte chunk) of a row.
+template <typename T>
+__device__ __forceinline__ void dequant_body(const uint8_t* __restrict__ W, T* __restrict__ out, int N, int K) {
+    const long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x, per_row = K >> 4;
+    if (idx >= (long long)N * per_row) return;
+    const int n = (int)(idx / per_row), ch = (int)(idx % per_row);
+    const uint4 q = __ldg(reinterpret_cast<const uint4*>(W + (size_t)n * K + 16 * ch));
+    const float s = __ldg(fp8_scales(W, N, K) + n);
+    const uint32_t w4[4] = {q.x, q.y, q.z, q.w};
+    T* o = out + (size_t)n * K + 16 * ch;
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+        const uint32_t lo = fp8x2_to_bf162(w4[j]), hi = fp8x2_to_bf162(w4[j] >> 16);  // exact
+        const float v[4] = {__fmul_rn(__uint_as_float(lo << 16), s), __fmul_rn(__uint_as_float(lo & 0xffff0000u), s),
+                            __fmul_rn(__uint_as_float(hi << 16), s), __fmul_rn(__uint_as_float(hi & 0xffff0000u), s)};
+        store4(o + 4 * j, v);
+    }
+}
+
+#endif  // QTYPE
 
 extern "C" __global__ void dequant_q_bf16(const uint8_t* W, bf16* out, int N, int K) { dequant_body(W, out, N, K); }
 extern "C" __global__ void dequant_q_f32(const uint8_t* W, float* out, int N, int K) { dequant_body(W, out, N, K); }

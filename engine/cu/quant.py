@@ -5,8 +5,9 @@ one format, stacked along the rows (a fused q|k|v whose v is stored in another G
 than q and k is two parts). Formats: ``"bf16"`` (gemv.cu / gemm.cu read it), and the GGUF
 block types of ``QUANT_FORMATS``, kept exactly as the file stores them (rows of blocks,
 ``row_bytes``); gemv_q.cu reads those in decode rounds, and prefill dequantizes a matrix
-to a bf16 scratch buffer for the GEMM (``QuantKernels.dequantize``). A new format (fp8
-e4m3 with per-output-channel scales, say) is one more tag here and its own kernels: the
+to a bf16 scratch buffer for the GEMM (``QuantKernels.dequantize``). ``"FP8"``: float8_e4m3fn
+bytes ``[rows, k]`` then the part's fp32 per-output-channel scales ``[rows]`` (an
+``engine.loaders.fp8.Fp8Tensor`` with ``block`` None), read by gemv_q.cu's fp8 main loop. The
 backend only passes ``Matrix`` objects around.
 """
 
@@ -23,6 +24,8 @@ QUANT_FORMATS = {
     "Q4_0": (2, 32, 18), "Q4_1": (3, 32, 20), "Q5_0": (6, 32, 22), "Q5_1": (7, 32, 24), "Q8_0": (8, 32, 34),
     "Q4_K": (12, 256, 144), "Q5_K": (13, 256, 176), "Q6_K": (14, 256, 210),
 }  # fmt: skip
+FP8 = "FP8"  # e4m3 rows then fp32 scales (not a GGUF type: the loader never keeps it as stored)
+FP8_QTYPE = 200  # gemv_q.cu's QFP8
 # Groups in flight per warp and blocks per SM the registers must allow (gemv_q.cu's QU, QMINB).
 QUANT_TUNING = {"Q5_K": (3, 2)}  # 4 spills
 DEFAULT_TUNING = (4, 2)
@@ -34,6 +37,10 @@ def row_bytes(fmt: str, k: int) -> int:
     """Bytes of one row of ``k`` values in ``fmt``."""
     if fmt == BF16:
         return 2 * k
+    if fmt == FP8:
+        if k % 16:
+            raise ValueError(f"FP8 rows are read in 16-byte chunks: K={k} must be a multiple of 16")
+        return k + 4  # the bytes and the row's fp32 scale
     _, qk, bb = QUANT_FORMATS[fmt]
     if k % qk:
         raise ValueError(f"{fmt} rows hold whole blocks of {qk} values, not {k}")
@@ -43,7 +50,7 @@ def row_bytes(fmt: str, k: int) -> int:
 @dataclass(frozen=True)
 class Part:
     ptr: int  # device address of the part's first row
-    fmt: str  # BF16 or a QUANT_FORMATS name
+    fmt: str  # BF16, FP8 or a QUANT_FORMATS name
     rows: int
 
 
@@ -86,7 +93,7 @@ class QuantKernels:
 
     def __init__(self, fmt: str, tc_params: dict[str, str], cache_dir: str = "",
                  tuning: tuple[int, int] | None = None) -> None:  # fmt: skip
-        tid, _, _ = QUANT_FORMATS[fmt]
+        tid = FP8_QTYPE if fmt == FP8 else QUANT_FORMATS[fmt][0]
         u, minb = tuning or QUANT_TUNING.get(fmt, DEFAULT_TUNING)
         self.fmt = fmt
         defines = (("TC_THREADS", TC_THREADS), ("GEMV_EPILOGUES_ONLY", 1), ("QTYPE", tid), ("QU", u), ("QMINB", minb))
@@ -99,5 +106,8 @@ class QuantKernels:
     def dequantize(self, s, w: int, out: int, n: int, k: int, dtype: str = "bf16") -> None:
         """out[n, k] (bf16 or fp32) = the ``n`` rows of blocks at ``w``, as gguf's dequantize computes them."""
         row_bytes(self.fmt, k)  # checks whole blocks
-        threads = n * -(-k // 64) * 4  # a thread: 8 + 8 values of each of a unit's two groups (gemv_q.cu)
+        if self.fmt == FP8:
+            threads = n * k // 16  # a thread: one 16-byte chunk
+        else:
+            threads = n * -(-k // 64) * 4  # a thread: 8 + 8 values of each of a unit's two groups (gemv_q.cu)
         self._dequant[dtype](s, (-(-threads // DEQUANT_THREADS),), W=w, out=out, N=n, K=k)

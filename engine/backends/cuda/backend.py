@@ -37,6 +37,9 @@ class CudaBackend(Backend):
     # The GGUF block types the loader keeps as stored (engine.loaders.gguf.QuantizedTensor): decode
     # GEMVs read them (engine/cu/gemv_q.cu); F16 / BF16 / F32 arrive as floats and go up as bf16.
     weights_as_stored = frozenset(QUANT_FORMATS)
+    # fp8 matrices (engine.loaders.fp8.Fp8Tensor, per-output-channel scales) go up as e4m3 bytes and
+    # fp32 scales; decode reads them in gemv_q.cu, prefill dequantizes them for the GEMM.
+    takes_fp8 = True
 
     def __init__(self, tuning: CudaTuning | None = None) -> None:
         super().__init__()

@@ -3,10 +3,12 @@
 bf16 (biases fp32), torch ``[out, in]``; a GGUF matrix the loader kept as stored
 (``QuantizedTensor``, the block types of ``engine.cu.quant.QUANT_FORMATS``) stays in its
 blocks, every row as the file holds it (row permutations below move whole rows of
-blocks). Each matrix is an ``engine.cu.quant.Matrix``: parts of one format each (a fused
-q|k|v whose v has another block type than q and k is two parts; a fused gate|up whose
-halves differ, or whose parts mix blocks and floats, is dequantized to bf16 instead).
-The embedding table is bf16 (a quantized one is dequantized; a tied LM head then keeps
+blocks). An fp8 matrix (``engine.loaders.fp8.Fp8Tensor``, per-output-channel scales) stays
+as e4m3 bytes followed by its fp32 scales (format ``FP8``; the row permutations move a row's
+scale with it); block-scaled fp8 is refused. Each matrix is an ``engine.cu.quant.Matrix``:
+parts of one format each (a fused q|k|v whose v has another block type than q and k is two
+parts; a fused gate|up whose halves differ, or whose parts mix blocks and floats, is
+dequantized to bf16 instead). The embedding table is bf16 (a quantized one is dequantized; a tied LM head then keeps
 the blocks as its own matrix). q|k|v are fused into one matrix with each
 head's rows rope-interleaved in 8-row groups (``interleave_rope``) and gate|up into one
 matrix interleaved in 8-row groups (``interleave_gate_up``; plain gate-then-up when
@@ -29,7 +31,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from engine.cu.kernels import AttnArgs, attention_scales
-from engine.cu.quant import QUANT_FORMATS, Matrix, Part
+from engine.cu.quant import FP8, QUANT_FORMATS, Matrix, Part
+from engine.loaders.fp8 import Fp8Tensor
 from engine.loaders.gguf import QuantizedTensor
 from engine.model_config import ModelConfig
 from engine.models.ops import Block, Head, MoE, RMSNorm, Rope
@@ -224,6 +227,8 @@ class _Uploader:
 
         parts = [self.weights[n] for n in names]
         k = int(parts[0].shape[1])
+        if all(isinstance(p, Fp8Tensor) for p in parts):
+            return self._fp8(parts, k, interleave, rope_dim, rotary_dim)
         if not _keeps_blocks(parts, interleave):
             return Matrix.bf16(self(names, interleave=interleave, rope_dim=rope_dim, rotary_dim=rotary_dim),
                                sum(int(p.shape[0]) for p in parts), k)  # fmt: skip
@@ -248,11 +253,43 @@ class _Uploader:
             out.append(Part(int(dst), t, a.shape[0]))
         return Matrix(tuple(out), k)
 
+    def _fp8(self, parts: list[Fp8Tensor], k: int, interleave: bool, rope_dim: int,
+             rotary_dim: int | None) -> Matrix:  # fmt: skip
+        """fp8 ``parts`` as one ``FP8`` part: the rows' e4m3 bytes, then their fp32 scales."""
+        import pycuda.driver as cuda
+
+        check_fp8(parts)
+        data = [p.data for p in parts]
+        scale = [p.scale.reshape(-1, 1) for p in parts]
+        if rope_dim:
+            data = [interleave_rope(d, rope_dim, rotary_dim) for d in data]
+            scale = [interleave_rope(s, rope_dim, rotary_dim) for s in scale]
+        if interleave:
+            data, scale = [interleave_gate_up(*data)], [interleave_gate_up(*scale)]
+        a = np.ascontiguousarray(np.concatenate(data))
+        sc = np.ascontiguousarray(np.concatenate(scale).reshape(-1), dtype=np.float32)
+        dst = self.mem.alloc(a.nbytes + sc.nbytes)
+        cuda.memcpy_htod(dst, a)
+        cuda.memcpy_htod(int(dst) + a.nbytes, sc)
+        self.nbytes += a.nbytes + sc.nbytes
+        return Matrix((Part(int(dst), FP8, a.shape[0]),), k)
+
+
+def check_fp8(parts) -> None:
+    """ValueError unless every fp8 matrix has per-output-channel scales and K % 16 == 0 (gemv_q.cu)."""
+    for p in parts:
+        if p.block is not None:
+            raise ValueError(f"fp8 weights with {p.block}x{p.block} block scales: the cuda backend reads "
+                             "per-output-channel scales only (set model.weight_format bf16 to load them as bf16)")  # fmt: skip
+        if p.shape[1] % 16:
+            raise ValueError(f"fp8 weights of {p.shape[1]} columns: the cuda backend needs a multiple of 16")
+
 
 def quant_formats(weights) -> tuple[str, ...]:
-    """The block formats of ``weights``' quantized matrices that gemv_q.cu reads (compiled at load)."""
+    """The formats of ``weights``' quantized matrices that gemv_q.cu reads (compiled at load)."""
     found = {w.type_name for w in weights.values() if isinstance(w, QuantizedTensor)}
-    return tuple(sorted(found & set(QUANT_FORMATS)))
+    fp8 = {FP8} if any(isinstance(w, Fp8Tensor) for w in weights.values()) else set()
+    return tuple(sorted(found & set(QUANT_FORMATS) | fp8))
 
 
 class Dequantized(Mapping):
@@ -280,7 +317,10 @@ def _keeps_blocks(parts: list, interleave: bool) -> bool:
 
 
 def dequantized(w):
-    """A weight as float32 numpy (a ``QuantizedTensor`` through gguf's dequantize); others as they are."""
+    """A weight as float32 numpy (a ``QuantizedTensor`` through gguf's dequantize, an ``Fp8Tensor``
+    through its own); others as they are."""
+    if isinstance(w, Fp8Tensor):
+        return w.dequantize()
     if not isinstance(w, QuantizedTensor):
         return w
     from gguf import GGMLQuantizationType
