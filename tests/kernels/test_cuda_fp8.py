@@ -348,13 +348,50 @@ def test_tiny_llama_fp8_matches_numpy(dev):
         ref.unload()
 
 
-def test_fp8_block_scales_refused(dev):
-    """Block-scaled fp8 (128 x 128 tiles) is refused at upload with the way out named."""
-    from engine.backends.cuda.weights import check_fp8
+def test_fp8_block_scales_not_read_as_stored(dev):
+    """Block-scaled fp8 (128 x 128 tiles) is not what gemv_q.cu reads: check_fp8 says so, naming the way out."""
+    from engine.backends.cuda.weights import check_fp8, fp8_readable
 
     rng = np.random.default_rng()
+    tiles = [quantize_fp8(rng.standard_normal((256, 256)).astype(np.float32), block=128)]
     with pytest.raises(ValueError, match="block scales.*weight_format bf16"):
-        check_fp8([quantize_fp8(rng.standard_normal((256, 256)).astype(np.float32), block=128)])
+        check_fp8(tiles)
+    assert not fp8_readable(tiles)
+    assert fp8_readable([quantize_fp8(rng.standard_normal((256, 256)).astype(np.float32))])
+
+
+def test_block_scaled_fp8_loads_as_bf16(dev):
+    """A checkpoint whose fp8 matrices carry 128 x 128 block scales (DeepSeek-style) loads on CUDA:
+    its matrices go up dequantized to bf16, and the prefill logits match the numpy backend's."""
+    from engine.backends import create_backend
+    from engine.backends.cuda import CudaBackend
+    from engine.loaders.fp8 import Fp8Tensor, quantize_weights
+    from engine.model_config import ModelConfig
+    from engine.models import definition
+    from tests.kernels.test_cuda_model import cosine, prefill_logits
+
+    rng = np.random.default_rng()
+    cfg = ModelConfig(arch="llama", vocab_size=1024, hidden_size=256, intermediate_size=512, num_layers=2,
+                      num_heads=4, num_kv_heads=2, head_dim=64, max_position=2048)  # fmt: skip
+    floats = {}
+    for name, shape in definition("llama").tensors(cfg).items():
+        std = 0.1 if len(shape) == 1 else (1.0 if "embed" in name else shape[1] ** -0.5)
+        base = 1.0 if len(shape) == 1 else 0.0
+        floats[name] = (base + rng.standard_normal(shape) * std).astype(np.float32)
+    q = quantize_weights(floats, block=128)
+    assert any(isinstance(t, Fp8Tensor) and t.block == 128 for t in q.values())
+    deq = {n: t.dequantize() if isinstance(t, Fp8Tensor) else t for n, t in q.items()}
+    be, ref = CudaBackend(), create_backend("numpy")
+    be.load(cfg, q, block_size=16, kv_budget_bytes=64 << 20, host_kv_budget_bytes=0, max_context=1024)
+    ref.load(cfg, deq, block_size=16, kv_budget_bytes=64 << 20, host_kv_budget_bytes=0, max_context=1024)
+    try:
+        assert be.weights.layers[0].qkv.formats == ("bf16",)
+        ids = rng.integers(0, cfg.vocab_size, 24).tolist()
+        got, want = prefill_logits(be, ids, [0, 1]), prefill_logits(ref, ids, [0, 1])
+        assert cosine(got, want) >= 0.999
+    finally:
+        be.unload()
+        ref.unload()
 
 
 def _torch_fp8(torch, w):

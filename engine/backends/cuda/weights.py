@@ -227,8 +227,9 @@ class _Uploader:
 
         parts = [self.weights[n] for n in names]
         k = int(parts[0].shape[1])
-        if all(isinstance(p, Fp8Tensor) for p in parts):
+        if all(isinstance(p, Fp8Tensor) for p in parts) and fp8_readable(parts):
             return self._fp8(parts, k, interleave, rope_dim, rotary_dim)
+        # Anything else (block-scaled fp8 as well: gemv_q.cu reads per-channel scales only) goes up as bf16.
         if not _keeps_blocks(parts, interleave):
             return Matrix.bf16(self(names, interleave=interleave, rope_dim=rope_dim, rotary_dim=rotary_dim),
                                sum(int(p.shape[0]) for p in parts), k)  # fmt: skip
@@ -273,6 +274,15 @@ class _Uploader:
         cuda.memcpy_htod(int(dst) + a.nbytes, sc)
         self.nbytes += a.nbytes + sc.nbytes
         return Matrix((Part(int(dst), FP8, a.shape[0]),), k)
+
+
+def fp8_readable(parts) -> bool:
+    """Whether gemv_q.cu reads these fp8 matrices as stored (see ``check_fp8``)."""
+    try:
+        check_fp8(parts)
+    except ValueError:
+        return False
+    return True
 
 
 def check_fp8(parts) -> None:
