@@ -114,7 +114,8 @@ def test_metrics_move_under_load(served):
     before = Scrape(metrics_url)
     results: list = []
     threads = [
-        threading.Thread(target=_chat, args=(base, f"Tell me a story about the number {i}.", 12, results))
+        # 48 tokens each: long enough that the three overlap for many scrapes on a fast backend too.
+        threading.Thread(target=_chat, args=(base, f"Tell me a story about the number {i}.", 48, results))
         for i in range(3)
     ]
     for t in threads:
@@ -123,7 +124,7 @@ def test_metrics_move_under_load(served):
     while any(t.is_alive() for t in threads):
         during = Scrape(metrics_url)
         max_busy = max(max_busy, during.value("ignis_lanes_busy"))
-        time.sleep(0.2)
+        time.sleep(0.05)
     for t in threads:
         t.join()
     after = Scrape(metrics_url)
