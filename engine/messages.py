@@ -8,8 +8,7 @@ handler (``engine.tokens`` -> ``engine_tokens``).
 
 from __future__ import annotations
 
-import functools
-from dataclasses import dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields
 
 ENGINE_CHANNEL = "ignis.engine"
 STATUS_GROUP = "ignis.status"  # every front end: EngineHeartbeat, on each change and every heartbeat seconds
@@ -32,18 +31,11 @@ def worker_id_check(worker_id: str) -> str:
     return worker_id
 
 
-@functools.cache
-def _field_names(cls) -> tuple[str, ...]:
-    return tuple(f.name for f in fields(cls))
-
-
 class _Msg:
     TYPE = ""
 
     def to_message(self) -> dict:
-        # A shallow dict (not dataclasses.asdict's recursive copy, ~5x the cost): every layer copies
-        # or serialises a message as it sends it (CrossLoopChannelLayer, channels_redis' msgpack).
-        d = {name: getattr(self, name) for name in _field_names(type(self))}
+        d = asdict(self)
         d["type"] = self.TYPE
         return d
 
