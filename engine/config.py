@@ -18,6 +18,9 @@ class CudaTuning:
     gemv_u2_below: int = 40 << 20  # cuda.gemv_u2_below: matrices under this many weights use gemv_tc's 2-step variant
     kernel_cache_dir: str = ""  # compiled kernels (PyCUDA's cache); "" = <models dir>/.cache/pycuda
     expert_budget: int = 0  # cuda.expert_budget: device bytes for MoE experts (0 = all resident); beyond: cache
+    # model.gpu_budget (carried here: the backend's own knob): what a load may take of the card,
+    # <= 1 a fraction of its free memory at load, > 1 bytes (engine/backends/cuda/kv.py kv_budget).
+    gpu_budget: float = 0.9
 
 
 @dataclass

@@ -207,6 +207,15 @@ FIELDS: dict[str, Field] = {
         Field("model.kv_block_size", int, 16, "tokens per KV page", 1, 1024),
         Field("model.kv_ram_budget", int, 768 * MiB, "numpy backend: bytes for the KV pool", MiB, 1 << 40),
         Field("model.host_kv_budget", int, 2048 * MiB, "bytes of host RAM for swapped KV pages", 0, 1 << 42),
+        Field(
+            "model.gpu_budget",
+            float,
+            0.9,
+            "CUDA backend: device memory a load may take (weights + workspace + KV pool): up to 1 a fraction"
+            " of the card's free memory at load, above 1 bytes",
+            0.01,
+            float(1 << 50),
+        ),
         Field("model.blas_threads", int, 1, "numpy backend: BLAS threads (0 = BLAS's own default)", 0, 256),
         Field("model.cpu_threads", int, 0, "cpu backend: kernel threads (0 = every core)", 0, 1024),
         Field("model.idle_unload", int, 300, "seconds idle before unloading (0 = never)", 0, 1 << 31),
@@ -347,6 +356,7 @@ RELOAD_KEYS = frozenset(
         "model.kv_block_size",
         "model.kv_ram_budget",
         "model.host_kv_budget",
+        "model.gpu_budget",
         "model.ram_budget",
         "spec.decode_lanes",
         "spec.draft_model",
@@ -504,4 +514,5 @@ def cuda_tuning_dict(values: dict[str, Any]) -> dict[str, Any]:
         "gemv_u2_below": values["cuda.gemv_u2_below"],
         "kernel_cache_dir": values["cuda.kernel_cache_dir"] or os.path.join(models, ".cache", "pycuda"),
         "expert_budget": values["cuda.expert_budget"],
+        "gpu_budget": values["model.gpu_budget"],
     }

@@ -77,6 +77,7 @@ class CudaBackend(Backend):
             raise ValueError("num_heads must be a multiple of num_kv_heads")
         self.config = cfg
         self.block_size, self.max_context = block_size, max_context
+        free_at_load = cuda.mem_get_info()[0]  # model.gpu_budget's fraction is of this
         self.mem = Allocations()
         self.formats = quant_formats(weights)
         self.kern = self._kernels()  # compiles everything now
@@ -99,7 +100,8 @@ class CudaBackend(Backend):
             "positions": (np.int32, max_context), "slots": (np.int32, max_context),
             "pen_tokens": (np.int32, pen), "pen_counts": (np.int32, pen),
         })  # fmt: skip
-        self.kv = KVPool(cfg, block_size, self.mem, kv_budget_bytes, host_kv_budget_bytes)
+        self.kv = KVPool(cfg, block_size, self.mem, kv_budget_bytes, host_kv_budget_bytes,
+                         gpu_budget=self.tuning.gpu_budget, free_at_load=free_at_load)  # fmt: skip
         self.forward = Forward(cfg, self.kern, self.stream, self.weights, self.ws, self.kv.layout, moe=self.moe)
         eager = self.moe is not None and not self.moe.graph_safe  # the expert cache reads routing back
         self.graphs = GraphRunner(self.stream, self.dstage, self._decode_body, MAX_LANES, eager=eager)

@@ -16,19 +16,42 @@ from engine.memory import kv_block_bytes
 from engine.model_config import ModelConfig
 
 _GiB = 1 << 30
+HEADROOM = _GiB  # left free beside the pool: graphs, modules, the runtime's own allocations
+
+
+def kv_budget(gpu_budget: float, *, free_at_load: int, used_by_load: int, free_now: int, block_bytes: int) -> int:
+    """Bytes of the KV pool under ``model.gpu_budget``: the load's budget (``gpu_budget`` <= 1: that
+    fraction of ``free_at_load``, the card's free memory when the load began; above 1: bytes) less
+    what the load already took (weights, workspace, staging), and never more than the card has free
+    now less ``HEADROOM``. A budget over the free memory, or one the weights and workspace leave no
+    block of, is a ValueError with the numbers."""
+    if gpu_budget <= 1.0:
+        budget, said = int(free_at_load * gpu_budget), f"{gpu_budget:g} of the {free_at_load} B free at load = "
+    else:
+        budget, said = int(gpu_budget), ""
+        if budget > free_at_load:
+            raise ValueError(f"model.gpu_budget {budget} B is more than the card's {free_at_load} B free at load")
+    kv = min(budget - used_by_load, free_now - HEADROOM)
+    if kv < block_bytes:
+        raise ValueError(
+            f"model.gpu_budget {said}{budget} B: the weights and workspace took {used_by_load} B, leaving "
+            f"{max(kv, 0)} B for the KV pool, less than one {block_bytes} B block (raise model.gpu_budget)"
+        )
+    return kv
 
 
 class KVPool:
     def __init__(self, cfg: ModelConfig, block_size: int, mem, kv_budget_bytes: int | None,
-                 host_kv_budget_bytes: int) -> None:  # fmt: skip
-        """Size the pool: ``kv_budget_bytes``, or what the card has left (92% of its free memory,
-        less 1 GiB of headroom for graphs, modules and the runtime)."""
+                 host_kv_budget_bytes: int, *, gpu_budget: float = 0.9, free_at_load: int = 0) -> None:  # fmt: skip
+        """Size the pool: ``kv_budget_bytes`` (a draft model's ``spec.draft_kv``), or what
+        ``model.gpu_budget`` leaves of the card once the load's other allocations (``mem``) are made."""
         import pycuda.driver as cuda
 
         self.block_bytes = kv_block_bytes(cfg, block_size, bytes_per_value=2)
         if kv_budget_bytes is None:
             free, _total = cuda.mem_get_info()
-            kv_budget_bytes = int(free * 0.92) - _GiB
+            kv_budget_bytes = kv_budget(gpu_budget, free_at_load=free_at_load or free, used_by_load=mem.nbytes,
+                                        free_now=free, block_bytes=self.block_bytes)  # fmt: skip
         self.num_blocks = int(kv_budget_bytes // self.block_bytes)
         if self.num_blocks < 1:
             raise ValueError(f"KV budget {kv_budget_bytes} B holds no block of {self.block_bytes} B")
