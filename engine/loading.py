@@ -44,9 +44,10 @@ def create_backend(name: str, cfg: EngineConfig) -> Backend:
     return create(name, cfg)
 
 
-def fp8_options(cfg: EngineConfig, backend: Backend) -> dict:
-    """The loader's fp8 arguments for ``backend`` (none where it takes no fp8 weights, so FP8
-    checkpoints come as float32); ``model.weight_format = fp8`` there is refused (ValueError)."""
+def loader_options(cfg: EngineConfig, backend: Backend) -> dict:
+    """The loader's arguments for ``backend``: fp8 ones (none where it takes no fp8 weights, so FP8
+    checkpoints come as float32; ``model.weight_format = fp8`` there is refused, ValueError), and
+    ``bf16_as_stored`` where it takes bf16 tensors as stored."""
     from engine.loaders.hf import check_weight_format
 
     takes_fp8 = getattr(backend, "takes_fp8", False)
@@ -58,7 +59,10 @@ def fp8_options(cfg: EngineConfig, backend: Backend) -> dict:
                 f"model.weight_format 'fp8': the {backend.name} backend does not take fp8 weights (use auto or bf16)"
             ) from None
         raise
-    return {"fp8_as_stored": True, "weight_format": cfg.weight_format} if takes_fp8 else {}
+    kw = {"fp8_as_stored": True, "weight_format": cfg.weight_format} if takes_fp8 else {}
+    if getattr(backend, "takes_bf16", False):  # bf16 tensors stay bf16 (engine.loaders.bf16): no float32 copy
+        kw["bf16_as_stored"] = True
+    return kw
 
 
 def load_draft(cfg: EngineConfig, target: ModelConfig, loader: Loader, backend_factory: BackendFactory):
@@ -114,7 +118,7 @@ def load_model(
     # The backend first: the cpu backend compiles its kernels here (or the factory falls
     # back to numpy), and names the GGUF block types it keeps as stored (``weights_as_stored``).
     backend = backend_factory(cfg.backend, cfg)
-    kw = fp8_options(cfg, backend)
+    kw = loader_options(cfg, backend)
     stored = getattr(backend, "weights_as_stored", False)
     if stored and cfg.weight_format == "bf16" and backend.name == "cuda":
         stored = False  # model.weight_format bf16: GGUF blocks dequantized to bf16 at load, as before

@@ -44,6 +44,7 @@ def load_artifact(
     as_stored: bool | Collection[str] = False,
     fp8_as_stored: bool = False,
     weight_format: str = "auto",
+    bf16_as_stored: bool = False,
 ) -> tuple[ModelConfig, dict[str, np.ndarray]]:
     """Load any supported artifact; ``progress(done, total)`` reports load progress.
 
@@ -53,7 +54,9 @@ def load_artifact(
     fp8): an FP8 checkpoint's matrices stay ``engine.loaders.fp8.Fp8Tensor``, else they
     are float32. ``weight_format`` is ``model.weight_format``: ``fp8`` (only with
     ``fp8_as_stored``) quantizes float projections to e4m3 per output channel at load,
-    ``bf16`` dequantizes FP8 checkpoints, ``auto`` keeps what is stored.
+    ``bf16`` dequantizes FP8 checkpoints, ``auto`` keeps what is stored. ``bf16_as_stored``
+    (a backend that takes bf16): a Hugging Face checkpoint's bf16 tensors stay bf16
+    (``engine.loaders.bf16``); GGUF floats still come as float32.
     """
     from engine.loaders.hf import check_weight_format
 
@@ -69,4 +72,5 @@ def load_artifact(
         return cfg, weights
     from engine.loaders.hf import load_hf
 
-    return load_hf(path, progress, fp8_as_stored=fp8_as_stored, weight_format=weight_format)
+    return load_hf(path, progress, fp8_as_stored=fp8_as_stored, weight_format=weight_format,
+                   bf16_as_stored=bf16_as_stored)  # fmt: skip

@@ -7,7 +7,9 @@ Weights come back as float32 in canonical naming and ``[out, in]`` layout.
 
 ``safetensors.numpy`` cannot produce bfloat16 arrays, so bf16 tensors are read
 raw from the file (the header gives each tensor's byte range) and widened with
-a uint16 -> float32 shift: bf16 is the top half of an IEEE float32. uint8
+a uint16 -> float32 shift: bf16 is the top half of an IEEE float32; for a backend
+that takes bf16 (``bf16_as_stored``) they stay bf16 bit patterns instead
+(``engine.loaders.bf16``), so a load holds no float32 copy of the model. uint8
 tensors come through raw: they are quantized data, not values, and so do
 F8_E4M3 ones (as their uint8 bit patterns), which the numpy reader cannot
 produce. Two quantizations are read:
@@ -36,7 +38,7 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.loaders import fp8, mxfp4
+from engine.loaders import bf16, fp8, mxfp4
 from engine.model_config import ModelConfig
 from engine.models import definition, for_hf
 
@@ -68,8 +70,9 @@ def read_config(root: Path) -> ModelConfig:
     return config_from_hf(json.loads((root / "config.json").read_text()), generation)
 
 
-def read_safetensors(path: Path) -> dict[str, np.ndarray]:
-    """Every tensor of one .safetensors file as a float32 numpy array (uint8 and F8_E4M3 ones raw, uint8)."""
+def read_safetensors(path: Path, *, keep_bf16: bool = False) -> dict[str, np.ndarray]:
+    """Every tensor of one .safetensors file as a float32 numpy array (uint8 and F8_E4M3 ones raw, uint8);
+    with ``keep_bf16`` the BF16 ones as stored (``engine.loaders.bf16``: no float32 copy)."""
     from safetensors import safe_open
 
     with open(path, "rb") as f:
@@ -93,8 +96,8 @@ def read_safetensors(path: Path) -> dict[str, np.ndarray]:
             start, end = header[name]["data_offsets"]
             raw = mm[base + start : base + end].tobytes()
             if header[name]["dtype"] == "BF16":
-                bits = np.frombuffer(raw, dtype="<u2")
-                out[name] = (bits.astype(np.uint32) << 16).view(np.float32).reshape(header[name]["shape"])
+                t = bf16.from_bits(np.frombuffer(raw, dtype="<u2")).reshape(header[name]["shape"])
+                out[name] = t if keep_bf16 else bf16.to_float32(t)
             else:  # F8_E4M3: the bit patterns, one byte each
                 out[name] = np.frombuffer(raw, dtype=np.uint8).reshape(header[name]["shape"])
         del mm
@@ -107,8 +110,13 @@ def load_hf(
     *,
     fp8_as_stored: bool = False,
     weight_format: str = "auto",
+    bf16_as_stored: bool = False,
 ) -> tuple[ModelConfig, dict[str, np.ndarray]]:
     """Read a Hugging Face directory; ``progress(done, total)`` counts safetensors files.
+
+    ``bf16_as_stored`` (a backend that takes bf16): a float checkpoint's BF16 tensors stay bf16
+    (``engine.loaders.bf16``), unless ``weight_format`` is ``fp8`` (quantizing computes on them)
+    or the checkpoint is quantized (its scales are computed on).
 
     ``fp8_as_stored``: an FP8 checkpoint's matrices come as ``Fp8Tensor`` (unless
     ``weight_format`` is ``bf16``), and ``weight_format`` ``fp8`` quantizes a float
@@ -131,10 +139,11 @@ def load_hf(
     is_mxfp4 = method == "mxfp4"
     fp8_block = fp8.checkpoint_block(raw_config["quantization_config"]) if method == "fp8" else None
     keep_fp8 = fp8_as_stored and weight_format != "bf16"
+    keep_bf16 = bf16_as_stored and method is None and weight_format != "fp8"
     weights: dict[str, np.ndarray] = {}
     halves: dict[str, np.ndarray] = {}  # MXFP4 blocks or scales whose partner is in a later shard
     for done, name in enumerate(files, 1):
-        tensors = read_safetensors(root / name)
+        tensors = read_safetensors(root / name, keep_bf16=keep_bf16)
         if is_mxfp4:
             tensors = mxfp4.join_pairs(tensors, halves)
         if method == "fp8":

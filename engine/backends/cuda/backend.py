@@ -40,6 +40,8 @@ class CudaBackend(Backend):
     # fp8 matrices (engine.loaders.fp8.Fp8Tensor, per-output-channel scales) go up as e4m3 bytes and
     # fp32 scales; decode reads them in gemv_q.cu, prefill dequantizes them for the GEMM.
     takes_fp8 = True
+    # bf16 checkpoint tensors arrive as stored (engine.loaders.bf16) and go up as their bits.
+    takes_bf16 = True
 
     def __init__(self, tuning: CudaTuning | None = None) -> None:
         super().__init__()

@@ -32,6 +32,8 @@ import numpy as np
 
 from engine.cu.kernels import AttnArgs, attention_scales
 from engine.cu.quant import FP8, QUANT_FORMATS, Matrix, Part
+from engine.loaders import bf16
+from engine.loaders.bf16 import is_bf16
 from engine.loaders.fp8 import Fp8Tensor
 from engine.loaders.gguf import QuantizedTensor
 from engine.model_config import ModelConfig
@@ -189,7 +191,9 @@ class _Uploader:
         rows (None: all); ``plus_one``: upload ``1 + w`` (computed in float32)."""
         import pycuda.driver as cuda
 
-        parts = [dequantized(self.weights[n]) for n in names]
+        # bf16 kept as stored goes up as its bits (to_bf16) unless it is computed on first.
+        parts = [self.weights[n] for n in names]
+        parts = [p if is_bf16(p) and not (fp32 or plus_one) else dequantized(p) for p in parts]
         if plus_one:
             parts = [(p.float() if _is_torch(p) else np.asarray(p, np.float32)) + 1.0 for p in parts]
         if rope_dim:
@@ -328,9 +332,11 @@ def _keeps_blocks(parts: list, interleave: bool) -> bool:
 
 def dequantized(w):
     """A weight as float32 numpy (a ``QuantizedTensor`` through gguf's dequantize, an ``Fp8Tensor``
-    through its own); others as they are."""
+    through its own, bf16 kept as stored widened); others as they are."""
     if isinstance(w, Fp8Tensor):
         return w.dequantize()
+    if is_bf16(w):
+        return bf16.to_float32(w)
     if not isinstance(w, QuantizedTensor):
         return w
     from gguf import GGMLQuantizationType
@@ -380,7 +386,9 @@ def interleave_rope(w, head_dim: int, rotary_dim: int | None = None):
 
 
 def to_bf16(a: np.ndarray) -> np.ndarray:
-    """float32 -> bf16 bits (uint16), round to nearest even."""
+    """float32 -> bf16 bits (uint16), round to nearest even; bf16 kept as stored -> its bits."""
+    if is_bf16(a):
+        return bf16.bits(a)
     u = np.ascontiguousarray(a, dtype=np.float32).view(np.uint32)
     return ((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)).astype(np.uint16)
 
