@@ -1,0 +1,153 @@
+"""Cold load of a Llama-3.1-8B-shaped bf16 Hugging Face checkpoint on the CUDA backend:
+the loader's read (and widening, on the float32 path) then the upload, and the peak host RSS,
+with bf16 tensors kept as stored (engine/loaders/bf16.py, what the server does for the card)
+against widened to float32 first (what it did before). Each variant runs in its own process
+(peak RSS is per process); the checkpoint is written once with random weights (a shared random
+pool, so 16 GB take seconds) and read from the page cache by both, so the figures are the
+loader's and the upload's, not the disk's. With ``--write`` the table replaces its section of
+docs/PERFORMANCE.md.
+
+    python3 bench/bench_load.py --write [--layers 32] [--dir /tmp/ignis-load-8b]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import resource
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+SECTION = "## Cold load (H200, issue 15)"
+SHAPE = dict(hidden=4096, inter=14336, heads=32, kv_heads=8, head_dim=128, vocab=128256)
+SHARD = 4 << 30  # bytes of a safetensors shard
+
+
+def tensors(layers: int) -> list[tuple[str, tuple[int, ...]]]:
+    h, i, kv = SHAPE["hidden"], SHAPE["inter"], SHAPE["kv_heads"] * SHAPE["head_dim"]
+    out = [("model.embed_tokens.weight", (SHAPE["vocab"], h))]
+    for n in range(layers):
+        p = f"model.layers.{n}."
+        out += [(p + "input_layernorm.weight", (h,)), (p + "post_attention_layernorm.weight", (h,)),
+                (p + "self_attn.q_proj.weight", (h, h)), (p + "self_attn.k_proj.weight", (kv, h)),
+                (p + "self_attn.v_proj.weight", (kv, h)), (p + "self_attn.o_proj.weight", (h, h)),
+                (p + "mlp.gate_proj.weight", (i, h)), (p + "mlp.up_proj.weight", (i, h)),
+                (p + "mlp.down_proj.weight", (h, i))]  # fmt: skip
+    return out + [("model.norm.weight", (h,)), ("lm_head.weight", (SHAPE["vocab"], h))]
+
+
+def write_checkpoint(root: Path, layers: int) -> int:
+    """config.json and bf16 safetensors shards of random weights (N(0, 0.02), norms near 1)."""
+    root.mkdir(parents=True, exist_ok=True)
+    config = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": SHAPE["hidden"],
+        "intermediate_size": SHAPE["inter"], "num_hidden_layers": layers, "num_attention_heads": SHAPE["heads"],
+        "num_key_value_heads": SHAPE["kv_heads"], "head_dim": SHAPE["head_dim"], "vocab_size": SHAPE["vocab"],
+        "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+        "tie_word_embeddings": False, "torch_dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 2,
+    }  # fmt: skip
+    (root / "config.json").write_text(json.dumps(config))
+    pool = (np.random.default_rng(0).standard_normal(1 << 24).astype(np.float32) * 0.02).view(np.uint32)
+    pool = ((pool + 0x7FFF + ((pool >> 16) & 1)) >> 16).astype(np.uint16).tobytes()
+    ones = np.full(SHAPE["inter"], 0x3F80, np.uint16).tobytes()  # bf16 1.0
+    shards, cur, size = [], [], 0
+    for name, shape in tensors(layers):
+        n = int(np.prod(shape)) * 2
+        if cur and size + n > SHARD:
+            shards.append(cur)
+            cur, size = [], 0
+        cur.append((name, shape, n))
+        size += n
+    shards.append(cur)
+    weight_map, total = {}, 0
+    for k, shard in enumerate(shards):
+        fname = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
+        header, off = {}, 0
+        for name, shape, n in shard:
+            header[name] = {"dtype": "BF16", "shape": list(shape), "data_offsets": [off, off + n]}
+            off += n
+            weight_map[name] = fname
+        blob = json.dumps(header).encode()
+        blob += b" " * (-len(blob) % 8)
+        with open(root / fname, "wb") as f:
+            f.write(struct.pack("<Q", len(blob)) + blob)
+            for _name, shape, n in shard:
+                src = ones if len(shape) == 1 else pool
+                for start in range(0, n, len(src)):
+                    f.write(src[: min(len(src), n - start)])
+        total += off
+    (root / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    return total
+
+
+def run_variant(root: Path, keep: bool) -> dict:
+    """In this process: the loader, then the CUDA upload; seconds and peak RSS."""
+    from engine.backends import create_backend
+    from engine.loaders import load_artifact
+
+    t0 = time.perf_counter()
+    cfg, weights = load_artifact(root, bf16_as_stored=keep)
+    t1 = time.perf_counter()
+    be = create_backend("cuda")
+    be.load(cfg, weights, block_size=16, kv_budget_bytes=1 << 30, host_kv_budget_bytes=0, max_context=4096)
+    t2 = time.perf_counter()
+    del weights
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    weights_bytes = be.plan.weights_bytes
+    be.unload()
+    return {"read": t1 - t0, "upload": t2 - t1, "rss": rss, "weights_bytes": weights_bytes}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--dir", default="/tmp/ignis-load-8b")
+    ap.add_argument("--write", action="store_true", help="replace this section of docs/PERFORMANCE.md")
+    ap.add_argument("--variant", choices=("bf16", "float32"), help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    root = Path(args.dir)
+    if args.variant:
+        print(json.dumps(run_variant(root, args.variant == "bf16")))
+        return
+    t = time.perf_counter()
+    nbytes = write_checkpoint(root, args.layers)
+    print(f"wrote {nbytes / 1e9:.2f} GB in {time.perf_counter() - t:.1f} s", flush=True)
+    rows = {}
+    for variant in ("bf16", "float32"):
+        cmd = [sys.executable, __file__, "--variant", variant, "--dir", str(root), "--layers", str(args.layers)]
+        out = subprocess.run(cmd, capture_output=True, text=True, check=True)
+        rows[variant] = json.loads(out.stdout.strip().splitlines()[-1])
+        print(variant, rows[variant], flush=True)
+    from bench.perfdoc import command_line, report
+
+    gpu = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                         text=True).stdout.strip() or "no GPU"  # fmt: skip
+    body = [
+        "",
+        f"Llama-3.1-8B shape with {args.layers} layers, random bf16 weights, {nbytes / 1e9:.2f} GB of safetensors "
+        "in 4 GB shards read from the page cache (the disk is not in these figures); the KV pool 1 GiB.",
+        "",
+        "| tensors | read (loader) | upload | load in all | peak host RSS |",
+        "|---|---|---|---|---|",
+    ]
+    for variant, label in (("bf16", "bf16 as stored (now)"), ("float32", "widened to float32 (before)")):
+        r = rows[variant]
+        body.append(f"| {label} | {r['read']:.1f} s | {r['upload']:.1f} s | {r['read'] + r['upload']:.1f} s "
+                    f"| {r['rss'] / 1e9:.1f} GB |")  # fmt: skip
+    b, f = rows["bf16"], rows["float32"]
+    body += ["", f"bf16 as stored: {(f['read'] + f['upload']) / (b['read'] + b['upload']):.2f}x faster, "
+             f"{f['rss'] / b['rss']:.2f}x less peak RSS."]  # fmt: skip
+    report(SECTION, machine=f"{gpu}, {platform.node()}", command=command_line("python3"), body=body, write=args.write)
+
+
+if __name__ == "__main__":
+    main()
