@@ -56,7 +56,7 @@ def load_artifact(
     ``fp8_as_stored``) quantizes float projections to e4m3 per output channel at load,
     ``bf16`` dequantizes FP8 checkpoints, ``auto`` keeps what is stored. ``bf16_as_stored``
     (a backend that takes bf16): a Hugging Face checkpoint's bf16 tensors stay bf16
-    (``engine.loaders.bf16``); GGUF floats still come as float32.
+    (``engine.loaders.bf16``), a GGUF's F16 / BF16 matrices float16 / bf16.
     """
     from engine.loaders.hf import check_weight_format
 
@@ -64,7 +64,8 @@ def load_artifact(
     if artifact_format(path) == "gguf":
         from engine.loaders.gguf import load_gguf
 
-        cfg, weights = load_gguf(path, progress, as_stored=as_stored)
+        keep16 = bf16_as_stored and weight_format != "fp8"  # quantizing to fp8 computes on the floats
+        cfg, weights = load_gguf(path, progress, as_stored=as_stored, bf16_as_stored=keep16)
         if weight_format == "fp8":
             from engine.loaders.fp8 import quantize_weights
 

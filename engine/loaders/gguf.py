@@ -14,7 +14,8 @@ As stored (``as_stored``): 2-D tensors of the GGML block types a backend keeps
 (its ``weights_as_stored``: the cpu backend Q8_0 / Q4_0 / Q4_1, the cuda backend
 those plus Q5_0 / Q5_1 / Q4_K / Q5_K / Q6_K) stay in their blocks, as a
 :class:`QuantizedTensor` over the raw rows; every other tensor is float32 as
-above. Blocks run along the input dimension, so a row of blocks is one output
+above, except, for a backend that takes 16-bit floats (``bf16_as_stored``), F16 and BF16
+matrices, which stay float16 and ``engine.loaders.bf16`` tensors (no float32 copy). Blocks run along the input dimension, so a row of blocks is one output
 row and the definitions' row splits and q/k row un-permutation apply to the
 raw rows.
 """
@@ -27,6 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
+from engine.loaders import bf16
 from engine.model_config import ModelConfig
 from engine.models import definition, for_gguf
 
@@ -109,12 +111,16 @@ def load_gguf(
     progress: Callable[[int, int], None] | None = None,
     *,
     as_stored: bool | Collection[str] = False,
+    bf16_as_stored: bool = False,
 ) -> tuple[ModelConfig, dict[str, np.ndarray]]:
     """Read a GGUF file; return its config and float32 weights in canonical naming.
 
     ``progress(done, total)`` is called after each tensor. ``as_stored``: matrices of these
     block types (names of ``BLOCK_TYPES``; True: ``STORED_TYPES``) come as
-    :class:`QuantizedTensor` instead (see the module docstring).
+    :class:`QuantizedTensor` instead (see the module docstring). ``bf16_as_stored`` (a backend
+    that takes 16-bit floats): F16 matrices come as float16 and BF16 ones as
+    ``engine.loaders.bf16`` tensors, not widened (vectors stay float32: definitions compute on
+    norms, and only move matrices' rows).
     """
     import gguf
     from gguf.quants import dequantize
@@ -134,7 +140,9 @@ def load_gguf(
             for name, part in model.from_gguf(cfg, t.name, raw):
                 weights[name] = QuantizedTensor(int(t.tensor_type), (part.shape[0], int(t.shape[0])), part)
         elif model.is_known_gguf(t.name):
-            w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+            w = _half(t) if bf16_as_stored and len(t.shape) == 2 else None
+            if w is None:
+                w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
             # ggml shape is [in, out] (reversed); numpy's view is [out, in].
             w = w.reshape([int(d) for d in reversed(t.shape)])
             for name, part in model.from_gguf(cfg, t.name, w):
@@ -152,6 +160,18 @@ def load_gguf(
     if "model.embed_tokens.weight" in weights:
         cfg = dataclasses.replace(cfg, vocab_size=weights["model.embed_tokens.weight"].shape[0])
     return cfg, weights
+
+
+def _half(t) -> np.ndarray | None:
+    """An F16 tensor's data as float16, a BF16 one's as ``engine.loaders.bf16`` (views of the mapped
+    file); None for any other type."""
+    import gguf
+
+    if t.tensor_type == gguf.GGMLQuantizationType.F16:
+        return np.asarray(t.data).view(np.float16).reshape(-1)
+    if t.tensor_type == gguf.GGMLQuantizationType.BF16:
+        return bf16.from_bits(np.asarray(t.data).view(np.uint16).reshape(-1))
+    return None
 
 
 # GGUF tensor -> the rope_scaling key its values fill (longrope's per-pair factors).

@@ -35,3 +35,24 @@ def test_kept_bf16_runs_as_widened(arch, tmp_path):
         finally:
             be.unload()
     np.testing.assert_array_equal(logits[0], logits[1])
+
+
+@pytest.mark.parametrize("qtype", ["F16", "BF16"])
+def test_a_half_gguf_kept_runs_as_widened(qtype, tmp_path):
+    from engine.backends import create_backend
+    from engine.loaders import load_artifact
+    from tests.kernels.test_cuda_model import prefill_logits
+    from tests.loaders.tiny_gguf import write_quantized
+
+    path = write_quantized(tmp_path / f"tiny-{qtype}.gguf", qtype)
+    logits = []
+    for keep in (False, True):
+        cfg, weights = load_artifact(path, bf16_as_stored=keep)
+        be = create_backend("cuda")
+        be.load(cfg, weights, block_size=16, kv_budget_bytes=64 << 20, host_kv_budget_bytes=0, max_context=1024)
+        try:
+            ids = np.random.default_rng(5).integers(0, cfg.vocab_size, 29).tolist()
+            logits.append(prefill_logits(be, ids, list(range(2))))
+        finally:
+            be.unload()
+    np.testing.assert_array_equal(logits[0], logits[1])

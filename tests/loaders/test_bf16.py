@@ -87,3 +87,23 @@ def test_only_a_backend_that_takes_bf16_is_given_them():
 
     assert loader_options(EngineConfig(), Card())["bf16_as_stored"] is True
     assert "bf16_as_stored" not in loader_options(EngineConfig(), Host())
+
+
+@pytest.mark.parametrize("qtype", ["F16", "BF16"])
+def test_a_ggufs_half_matrices_stay_half(tmp_path, qtype):
+    from engine.backends.cuda.weights import to_bf16
+    from tests.loaders.tiny_gguf import write_quantized
+
+    path = write_quantized(tmp_path / f"tiny-{qtype}.gguf", qtype)
+    cfg, as_float = load_artifact(path)
+    cfg2, kept = load_artifact(path, bf16_as_stored=True)
+    assert cfg2 == cfg and kept.keys() == as_float.keys()
+    q = "model.layers.0.self_attn.q_proj.weight"  # un-permuted from llama.cpp's row order on the way
+    assert kept[q].dtype == (np.float16 if qtype == "F16" else bf16.BF16)
+    assert kept["model.norm.weight"].dtype == np.float32  # vectors stay float32
+    for name, w in kept.items():
+        wide = bf16.to_float32(w) if bf16.is_bf16(w) else np.asarray(w, np.float32)
+        np.testing.assert_array_equal(wide, as_float[name])
+        np.testing.assert_array_equal(to_bf16(w), to_bf16(as_float[name]))
+    _, q8 = load_artifact(path, bf16_as_stored=True, fp8_as_stored=True, weight_format="fp8")
+    assert not any(bf16.is_bf16(w) or getattr(w, "dtype", None) == np.float16 for w in q8.values())
