@@ -28,6 +28,9 @@ class EngineConfig:
     backend: str = "numpy"  # numpy | cpu | cuda
     decode_lanes: int = 8  # spec.decode_lanes
     prefill_chunk: int = 1024  # model.prefill_chunk
+    # model.short_prefill: a prompt whose uncached tail is at most this many tokens is fed as rows of
+    # the decode round instead of a prefill pass (0 = never); engine/scheduler.py _admit_short.
+    short_prefill: int = 16
     decode_share: float = 0.25  # model.decode_share (fraction of time the lanes keep)
     default_max_tokens: int = 1024  # model.default_max_tokens
     max_context: int = 8192  # model.max_context (clamped to the model's own)

@@ -138,6 +138,10 @@ class KVManager:
             return []
         return self._match(seq.prompt_token_ids, (seq.num_prompt_tokens - 1) // self.block_size, seq.images)
 
+    def num_claimable_tokens(self, seq: Sequence) -> int:
+        """Prompt tokens ``allocate(seq)`` would claim from retained state now."""
+        return len(self._claimable(seq)) * self.block_size
+
     def num_blocks_to_allocate(self, seq: Sequence) -> int:
         """Available blocks ``allocate(seq)`` would take (claiming a retained block takes one)."""
         hits = self._claimable(seq)

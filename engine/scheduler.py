@@ -10,7 +10,10 @@ Invariants:
 
 * one prompt prefills at a time, at most ``cfg.prefill_chunk`` tokens a step,
   and while lanes decode its chunks wait on the decode-share gate
-  (engine/pacing.py);
+  (engine/pacing.py); a prompt whose uncached tail is at most
+  ``cfg.short_prefill`` tokens skips the prefill pass instead: it joins the
+  lanes at once and its tail is fed as known rows of the decode round
+  (``_admit_short``), so a burst of short prompts starts in one round;
 * every decoding sequence is a row of the step's one decode round;
 * when pages run short, the lowest-ranked decoding sequence moves to host
   (PREEMPTED) and later resumes without recomputing; if the host tier is full
@@ -186,6 +189,7 @@ class Scheduler:
         plan = StepPlan()
         self._grow_running(plan)
         swapped_in = self._swap_in(plan)
+        self._admit_short()
         if self.prefilling is None:
             self._start_prefill(plan, protected=swapped_in)
         if self.prefilling is not None and self.pacer.may_run_chunk(self.clock(), bool(self.running)):
@@ -200,14 +204,18 @@ class Scheduler:
         all the lanes it serves in one batched set of rounds. A backend of one row a lane feeds
         forced tokens one a round."""
         spare = max(0, self.max_round_rows - len(self.running))
+        # Known tokens first (a prompt's tail, forced tokens), better-ranked lanes first: they are
+        # owed, drafts are a bet.
+        known_rows: dict[int, int] = {}
+        for seq in self.running:
+            if behind := spec.num_behind(seq):
+                known_rows[seq.seq_id] = 1 + min(behind, spare)
+                spare -= known_rows[seq.seq_id] - 1
         chosen: list[tuple[Sequence, list[int] | None, int]] = []  # (seq, drafts | None: the draft model's, known)
         by_model: dict[int, int] = {}  # seq_id -> drafts the draft model is asked for
         for seq in self.running:
-            behind = spec.num_behind(seq)
-            if behind:
-                known = 1 + min(behind, spare)
-                spare -= known - 1
-                chosen.append((seq, [], known))
+            if seq.seq_id in known_rows:
+                chosen.append((seq, [], known_rows[seq.seq_id]))
                 continue
             budget = min(spare, self.cfg.spec_max_draft) if self.cfg.spec_enabled else 0
             if self.draft_model is not None and seq.drafter is not None and seq.drafter.name == "draft_model":
@@ -257,6 +265,31 @@ class Scheduler:
             _insort(self.running, seq)
             done.add(seq.seq_id)
         return done
+
+    def _admit_short(self) -> None:
+        """Waiting prompts whose uncached tail is at most ``cfg.short_prefill`` tokens skip the
+        prefill pass: they take their pages (claiming the retained prefix) and join the running
+        lanes at once, and their tails are fed as known rows of the decode round (``_plan_rows``),
+        the last row sampling the first token. A burst of short prompts (agents' follow-up turns
+        over a retained prefix) then starts in one round, not one prefill pass each, and the
+        weights stream once for all. Whether a prompt goes this way depends on the request and the
+        retained state alone, never on what shares the round (the rows of a lane compute as they
+        would in any round). Never for images, prompt scoring, decide requests, or while a
+        better-ranked preempted lane waits for pages; never preempting for pages."""
+        limit = self.cfg.short_prefill if self.max_round_rows > 1 else 0
+        if limit <= 0:
+            return
+        for seq in list(self.waiting):
+            if self.preempted and self.preempted[0].rank < seq.rank:
+                return
+            if seq.images or seq.prompt_logprobs is not None or seq.is_decide:
+                continue
+            if seq.num_tokens - self.kv.num_claimable_tokens(seq) > limit or not self.kv.can_allocate(0, seq):
+                continue
+            self.waiting.remove(seq)
+            self.kv.allocate(seq)
+            seq.status, seq.prompt_in_round = S.DECODING, True
+            _insort(self.running, seq)
 
     def _start_prefill(self, plan: StepPlan, protected: set[int]) -> None:
         if not self.waiting:
@@ -324,7 +357,7 @@ class Scheduler:
         logprobs = out.decode_logprobs or [None] * len(out.decode_tokens)
         i = 0
         while i < len(plan.decode):
-            lane = plan.decode[i]
+            lane, i_start = plan.decode[i], i
             end = i + 1  # a lane's rows are consecutive
             while end < len(plan.decode) and plan.decode[end].seq_id == lane.seq_id:
                 end += 1
@@ -335,10 +368,17 @@ class Scheduler:
             seq = self.by_seq_id.get(lane.seq_id)
             if seq is None or seq.status != S.DECODING:
                 continue  # finished while the round ran
-            if last_known < seq.num_tokens - 1:  # still behind on forced tokens: nothing to sample yet
+            if seq.prompt_in_round:
+                self.counters["prefilled_tokens"] += end - i_start
+            if last_known < seq.num_tokens - 1:  # still behind on known tokens: nothing to sample yet
                 self.kv.mark_computed(seq, last_known + 1)
                 continue
             lane = plan.decode[rows.start]
+            if seq.prompt_in_round:  # its prompt's last row sampled: what a finished prefill does
+                seq.prompt_in_round = False
+                self.kv.mark_computed(seq, seq.num_tokens)
+                if not self._prompt_done(seq, now, outputs):
+                    continue
             kept = spec.accepted(seq, drafts, out.decode_tokens[rows])
             if drafts:
                 name = spec.source(seq)
@@ -367,19 +407,28 @@ class Scheduler:
         if seq.num_computed_tokens < seq.num_tokens:
             return
         self.prefilling = None
-        if seq.shared_prefix_len:  # its system block outlives plain retention (idempotent)
-            self.kv.pin_prefix(seq.prompt_token_ids[: seq.shared_prefix_len], seq.images)
         if seq.is_decide:
-            seq.first_token_time = now
+            self._prompt_done(seq, now, outputs)
             outputs.append(self._finish(seq, S.FINISHED_STOPPED, logits=out.prefill_logits))
             return
         seq.status = S.DECODING
         _insort(self.running, seq)
         assert out.prefill_token is not None, "the last prefill chunk carried a SampleRequest"
+        if self._prompt_done(seq, now, outputs):
+            self._append_token(seq, out.prefill_token, out.prefill_logprob, now, outputs)
+
+    def _prompt_done(self, seq: Sequence, now: float, outputs: list[EngineOutput]) -> bool:
+        """``seq``'s prompt is computed (by prefill, or as decode rows): pin its shared prefix; False
+        when its first sample must not be used (a thinking budget of 0 takes the thinking back)."""
+        if seq.shared_prefix_len:  # its system block outlives plain retention (idempotent)
+            self.kv.pin_prefix(seq.prompt_token_ids[: seq.shared_prefix_len], seq.images)
+        if seq.is_decide:
+            seq.first_token_time = now
+            return False
         if seq.reasoning is not None and not seq.output_token_ids and seq.reasoning.due_now():
             self._take_back(seq, "budget", 0, 0, now, outputs)  # a budget of 0: the sample is not used
-            return
-        self._append_token(seq, out.prefill_token, out.prefill_logprob, now, outputs)
+            return False
+        return True
 
     def _append_token(
         self, seq: Sequence, token: int, lp: TokenLogprob | None, now: float, outputs: list[EngineOutput]

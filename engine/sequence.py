@@ -67,6 +67,7 @@ class Sequence:
     num_released_blocks: int = 0  # leading block_table entries released behind the window (KVManager.RELEASED)
     num_computed_tokens: int = 0  # positions whose K/V are written
     num_cached_tokens: int = 0  # prompt tokens claimed from retained state
+    prompt_in_round: bool = False  # its prompt's tail is fed as decode rows (Scheduler._admit_short)
     # Speculation (engine/spec): the drafter that proposes this sequence's next tokens (None:
     # it never speculates), its k controller, and the request's prediction tokens drafted /
     # accepted so far (Predicted Outputs' usage).

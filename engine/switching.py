@@ -20,6 +20,7 @@ from engine.model_config import ModelConfig
 # Live engine fields (applied without a reload) and the worker's own timings.
 LIVE_FIELDS = (
     "prefill_chunk",
+    "short_prefill",
     "decode_share",
     "default_max_tokens",
     "spec_enabled",

@@ -201,6 +201,14 @@ FIELDS: dict[str, Field] = {
             choices=("auto", "bf16", "fp8"),
         ),
         Field("model.prefill_chunk", int, 1024, "tokens per prefill chunk", 16, 1 << 20),
+        Field(
+            "model.short_prefill",
+            int,
+            16,
+            "a prompt whose uncached tail is at most this many tokens joins the decode round as rows (0 = never)",
+            0,
+            64,
+        ),
         Field("model.decode_share", float, 0.25, "fraction of time decoding lanes keep during a prefill", 0.0, 0.95),
         Field("model.default_max_tokens", int, 1024, "generation cap when a request sets none", 1, 1 << 20),
         Field("model.max_context", int, 8192, "largest prompt + generation, in tokens", 64, 1 << 22),
@@ -367,6 +375,7 @@ RELOAD_KEYS = frozenset(
 LIVE_KEYS = frozenset(
     {
         "model.prefill_chunk",
+        "model.short_prefill",
         "model.decode_share",
         "model.default_max_tokens",
         "model.idle_unload",
@@ -466,6 +475,7 @@ def engine_config_dict(values: dict[str, Any]) -> dict[str, Any]:
         "backend": values["model.backend"],
         "decode_lanes": values["spec.decode_lanes"],
         "prefill_chunk": values["model.prefill_chunk"],
+        "short_prefill": values["model.short_prefill"],
         "decode_share": values["model.decode_share"],
         "default_max_tokens": values["model.default_max_tokens"],
         "max_context": values["model.max_context"],

@@ -35,6 +35,7 @@ from ignis_site import config
 # Config keys the engine applies live, and the name the engine knows each by.
 ENGINE_LIVE = {
     "model.prefill_chunk": "prefill_chunk",
+    "model.short_prefill": "short_prefill",
     "model.decode_share": "decode_share",
     "model.default_max_tokens": "default_max_tokens",
     "spec.enabled": "spec_enabled",
