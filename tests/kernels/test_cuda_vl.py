@@ -150,14 +150,20 @@ def test_last_position_logits_match_transformers(case, vl):
     assert cosine(got, want) >= 0.999, (case, cosine(got, want))
 
 
+@pytest.mark.parametrize("tensor_cores", [True, False])
 @pytest.mark.parametrize("grid", [(1, 8, 12), (1, 10, 6), (1, 20, 28), (2, 4, 4)])
-def test_the_device_tower_matches_the_numpy_tower(grid, vl):
+def test_the_device_tower_matches_the_numpy_tower(grid, tensor_cores, vl):
+    """With either attention kernel (vis_attn_tc, the default, or the fp32 vis_attn)."""
     from engine.cu import runtime
 
     _, cfg, be, ref = vl
     pixels = np.random.default_rng(sum(grid)).standard_normal((int(np.prod(grid)), 1176)).astype(np.float32)
-    with runtime.current():
-        ours = be.vision.encode(be.stream, pixels, grid)
+    be.vision.vk.tensor_cores = tensor_cores
+    try:
+        with runtime.current():
+            ours = be.vision.encode(be.stream, pixels, grid)
+    finally:
+        be.vision.vk.tensor_cores = True
     theirs = ref.vision.encode(pixels, grid)
     assert ours.shape == theirs.shape == (np.prod(grid) // 4, cfg.hidden_size)
     rows = [cosine(a, b) for a, b in zip(ours, theirs)]  # a row out of place shows in its own cosine
@@ -251,16 +257,18 @@ def _rel(a, b) -> float:
     return float(np.linalg.norm(np.asarray(a, np.float64) - b) / np.linalg.norm(b))
 
 
+@pytest.mark.parametrize("tensor_cores", [True, False])
 @pytest.mark.parametrize("d", [32, 80, 128])
-def test_vis_qkv_rope_and_vis_attn_match_numpy(dev, d):
-    """Segments of odd lengths (one row, a partial 32-key chunk, several chunks), heads head-major."""
+def test_vis_qkv_rope_and_vis_attn_match_numpy(dev, d, tensor_cores):
+    """Segments of odd lengths (one row, partial key chunks, several chunks and query tiles), heads
+    head-major; vis_attn_tc (64-row tiles, 64-key chunks) and vis_attn (32, 32)."""
     import pycuda.gpuarray as ga
 
     from engine.backends.cuda.weights import from_bf16
     from engine.cu.vision import VisionKernels, attention_tiles
 
     _, s = dev
-    vk, heads, bounds = VisionKernels(d), 3, [0, 1, 17, 49, 50, 161]
+    vk, heads, bounds = VisionKernels(d, tensor_cores=tensor_cores), 3, [0, 1, 17, 49, 50, 161]
     rng = np.random.default_rng(d)
     n = bounds[-1]
     qkv = rng.standard_normal((n, 3, heads, d)).astype(np.float32)
@@ -269,7 +277,7 @@ def test_vis_qkv_rope_and_vis_attn_match_numpy(dev, d):
     g = {name: ga.to_gpu(a) for name, a in {"qkv": qkv, "hw": hw, "inv": inv}.items()}
     for name in "qkv":
         g[name + "_out"] = ga.zeros(heads * n * d, np.uint16)
-    tiles = attention_tiles(bounds)
+    tiles = attention_tiles(bounds, vk.query_rows)
     g["tiles"], g["out"] = ga.to_gpu(tiles), ga.zeros(n * heads * d, np.uint16)
     vk.qkv_rope(s, g["qkv"].ptr, g["hw"].ptr, g["inv"].ptr, g["q_out"].ptr, g["k_out"].ptr, g["v_out"].ptr, n, heads)
     vk.attention(s, g["q_out"].ptr, g["k_out"].ptr, g["v_out"].ptr, g["tiles"].ptr, len(tiles), g["out"].ptr, n,

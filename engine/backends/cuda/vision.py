@@ -9,7 +9,7 @@ One image at a time, on the backend's stream:
 | patch embedding (no bias) | GEMM (``Kernels.linear``) |
 | norm1, q\\|k\\|v (+ bias) | rmsnorm, GEMM |
 | 2D rotary, q / k / v to head-major bf16 | vis_qkv_rope |
-| attention within windows (frames in the full-attention blocks) | vis_attn over (q0, q1, k0, k1) tiles |
+| attention within windows (frames in the full-attention blocks) | vis_attn_tc over (q0, q1, k0, k1) tiles |
 | proj (+ bias), residual add | GEMM (accumulate) |
 | norm2, gate\\|up (+ bias), SwiGLU, down (+ bias), residual add | rmsnorm, GEMM, swiglu, GEMM (accumulate) |
 | merger: ln_q, 4 rows as one, mlp.0, exact GELU, mlp.2 | rmsnorm, GEMM, vis_gelu, GEMM |
@@ -147,7 +147,8 @@ class VisionTower:
         index, windows = window_index(grid_thw, cfg)
         order = (index[:, None] * unit + np.arange(unit)).reshape(-1)
         hw = rotary_positions(grid_thw, cfg.spatial_merge_size)[order]
-        tiles = {"tiles_w": attention_tiles(windows), "tiles_f": attention_tiles(frame_bounds(grid_thw))}
+        qrows = vk.query_rows
+        tiles = {"tiles_w": attention_tiles(windows, qrows), "tiles_f": attention_tiles(frame_bounds(grid_thw), qrows)}
         # Synchronous copies on the legacy stream: they wait for earlier work on ``s`` (a blocking stream).
         cuda.memcpy_htod(ws["gu"], np.ascontiguousarray(pixel_values, dtype=np.float32))
         cuda.memcpy_htod(ws["idx"], order.astype(np.int32))
