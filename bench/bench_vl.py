@@ -18,7 +18,8 @@ the tower alone (``VisionTower.encode``: patches up from the host, rows back to 
 (one ``PrefillSpan`` of the whole prompt with a greedy draw and its image not yet encoded, as a
 request's first step: tower + LM prefill in 2,048-row chunks + the draw, at the backend: no HTTP,
 no queue); the LM prefill alone (the same span with the rows already encoded); and the tower's
-attention kernel alone for a full-attention and a window block (CUDA events).
+attention kernels alone (vis_attn_tc, the default, and the fp32 vis_attn) for a full-attention
+and a window block (CUDA events).
 """
 
 from __future__ import annotations
@@ -132,28 +133,34 @@ def main() -> None:
 
         return run
 
+    from engine.cu.vision import attention_tiles
+    from engine.models.vision import frame_bounds, window_index
+
+    vt, s = be.vision, be.stream
+    vt.vk.tensor_cores = False
+    t_tower_fp32 = timed(encode, args.reps)
+    vt.vk.tensor_cores = True
     t_tower = timed(encode, args.reps)
     t_ttft = timed(chat(True), args.reps)
     t_lm = timed(chat(False), args.reps)
-    with runtime.current():  # the attention kernel alone, over the q / k / v the last encode left
-        vt, s = be.vision, be.stream
+    attn = {}  # the attention kernels alone, over the q / k / v the last encode left
+    with runtime.current():
         a, b = cuda.Event(), cuda.Event()
-        attn = {}
-        for which in ("tiles_f", "tiles_w"):
-            from engine.cu.vision import attention_tiles
-            from engine.models.vision import frame_bounds, window_index
-
-            bounds = frame_bounds(GRID) if which == "tiles_f" else window_index(GRID, cfg.vision)[1]
-            nt = len(attention_tiles(bounds))
-            ts = []
-            for _ in range(args.reps + 1):
-                a.record(s)
-                vt.vk.attention(s, vt.ws["q"], vt.ws["k"], vt.ws["v"], vt.ws[which], nt, vt.ws["attn"], n_patch,
-                                cfg.vision.num_heads)  # fmt: skip
-                b.record(s)
-                b.synchronize()
-                ts.append(b.time_since(a) / 1e3)
-            attn[which] = statistics.median(ts[1:])
+        for tc in (True, False):
+            vt.vk.tensor_cores = tc
+            for which in ("tiles_f", "tiles_w"):
+                bounds = frame_bounds(GRID) if which == "tiles_f" else window_index(GRID, cfg.vision)[1]
+                tiles = attention_tiles(bounds, vt.vk.query_rows)
+                cuda.memcpy_htod(vt.ws[which], tiles)
+                ts = []
+                for _ in range(args.reps + 1):
+                    a.record(s)
+                    vt.vk.attention(s, vt.ws["q"], vt.ws["k"], vt.ws["v"], vt.ws[which], len(tiles), vt.ws["attn"],
+                                    n_patch, cfg.vision.num_heads)  # fmt: skip
+                    b.record(s)
+                    b.synchronize()
+                    ts.append(b.time_since(a) / 1e3)
+                attn[which, tc] = statistics.median(ts[1:])
     be.unload()
 
     scale = LM_LAYERS / args.layers
@@ -173,11 +180,18 @@ def main() -> None:
         "| measure | ms |",
         "|---|---|",
         f"| vision tower, one image (patches up, 32 blocks, merger, rows down) | {t_tower * 1e3:.1f} |",
+        f"| ... with the fp32 attention kernel (vis_attn) instead | {t_tower_fp32 * 1e3:.1f} |",
         f"| LM prefill of the chat ({len(ids)} rows) + greedy draw, image rows already encoded | {lm * 1e3:.1f} |",
         f"| **TTFT of the chat** (one prefill span: tower + LM + draw) | {ttft * 1e3:.1f} |",
-        f"| tower attention, one full-attention block (vis_attn over {n_patch} rows, "
-        f"{flops_full / attn['tiles_f'] / 1e12:.1f} TFLOP/s) | {attn['tiles_f'] * 1e3:.2f} |",
-        f"| tower attention, one window block (64-row windows) | {attn['tiles_w'] * 1e3:.2f} |",
+        *(
+            f"| tower attention, one full-attention block ({name} over {n_patch} rows, "
+            f"{flops_full / attn['tiles_f', tc] / 1e12:.1f} TFLOP/s) | {attn['tiles_f', tc] * 1e3:.2f} |"
+            for tc, name in ((True, "vis_attn_tc"), (False, "vis_attn"))
+        ),
+        *(
+            f"| tower attention, one window block ({name}, 64-row windows) | {attn['tiles_w', tc] * 1e3:.2f} |"
+            for tc, name in ((True, "vis_attn_tc"), (False, "vis_attn"))
+        ),
     ]
     report(SECTION, machine=machine, command=command_line("python3"), body=body, write=args.write)
 
