@@ -106,7 +106,8 @@ class Kernels:
         self._softcap = Kernel(norm, "softcap", "x:ptr n:i64 cap:f32", 256)
         self._rope = Kernel(mod("rope"), "rope_kv_write", "qkv:ptr positions:ptr slots:ptr inv_freq:ptr q_out:ptr "
                             "cache:ptr H:i32 KVH:i32 D:i32 block_size:i32 block_stride:i64 rows:i32 pf:ptr "
-                            "pf_bytes:i64 interleaved:i32 rotary_dim:i32 factor:f32 q_norm:ptr k_norm:ptr eps:f32",
+                            "pf_bytes:i64 interleaved:i32 rotary_dim:i32 factor:f32 q_norm:ptr k_norm:ptr eps:f32 "
+                            "mrope1:i32 mrope2:i32",
                             head_dim // 2)  # fmt: skip
         gemv = mod("gemv", ("TC_THREADS", TC_THREADS))
         self._tc = {
@@ -173,18 +174,21 @@ class Kernels:
     def rope_kv_write(self, s, qkv: int, positions: int, slots: int, inv_freq: int, q_out: int, cache: int, rows: int,
                       heads: int, kv_heads: int, block_size: int, block_stride: int,
                       prefetch: tuple[int, int] = (0, 0), interleaved: bool = False, rotary_dim: int | None = None,
-                      factor: float = 1.0, qk_norm: tuple[int, int] = (0, 0), eps: float = 0.0) -> None:  # fmt: skip
+                      factor: float = 1.0, qk_norm: tuple[int, int] = (0, 0), eps: float = 0.0,
+                      mrope: tuple[int, int] = (0, 0)) -> None:  # fmt: skip
         """Rope on q and k of fp32 ``qkv``, K and V into their cache slots. ``interleaved``: qkv's heads
         are in the rope-interleaved row order (``weights.interleave_rope``). ``rotary_dim``: rotate
         only a head's first dims (None: all; 0: no rope); cos and sin times ``factor``. ``qk_norm`` =
-        (q weight, k weight) bf16 [head_dim]: RMSNorm each q and k head first (eps)."""
+        (q weight, k weight) bf16 [head_dim]: RMSNorm each q and k head first (eps). ``mrope`` =
+        the cumulative pair bounds of a multimodal rope's first two runs (``positions`` then holds
+        three ints a row, rope.cu); (0, 0): one position a row."""
         pf, nb = prefetch
         rd = self.head_dim if rotary_dim is None else rotary_dim
         self._rope(s, (rows + (1 if nb > 0 else 0), heads + kv_heads), qkv=qkv, positions=positions, slots=slots,
                    inv_freq=inv_freq, q_out=q_out, cache=cache, H=heads, KVH=kv_heads, D=self.head_dim,
                    block_size=block_size, block_stride=block_stride, rows=rows, pf=pf, pf_bytes=nb,
                    interleaved=int(interleaved), rotary_dim=rd, factor=factor, q_norm=qk_norm[0],
-                   k_norm=qk_norm[1], eps=eps)  # fmt: skip
+                   k_norm=qk_norm[1], eps=eps, mrope1=mrope[0], mrope2=mrope[1])  # fmt: skip
 
     # --- matrix products -----------------------------------------------------------------
 

@@ -16,6 +16,9 @@
 //   (the first R values in 8-value groups: position 16j + r holds dim 8j + r, position
 //   16j + 8 + r dim R/2 + 8j + r; the rest in natural order; gemv.cu's gemv_tc_rope);
 //   q and the cache are written in natural order.
+// Multimodal rope (qwen2_5_vl, mrope1 > 0): positions int32 [rows][3] (temporal, height, width);
+//   pair i rotates by component (i >= mrope1) + (i >= mrope2), the cumulative bounds of
+//   mrope_section's runs (in pairs). mrope1 = 0: positions int32 [rows], one per row.
 // Grid (rows + 1, H + KVH), block D/2 threads; blocks with head >= H do one KV head.
 // Thread i handles dims (i, i + R/2) for i < R/2, else two of the pass-through dims.
 // The extra row of blocks (row == rows) only asks L2 to prefetch pf_bytes of pf.
@@ -32,7 +35,7 @@ extern "C" __global__ void rope_kv_write(const float* __restrict__ qkv, const in
                                          int D, int block_size, long long block_stride, int rows, const void* pf,
                                          long long pf_bytes, int interleaved, int rotary_dim, float factor,
                                          const bf16* __restrict__ q_norm, const bf16* __restrict__ k_norm,
-                                         float eps) {
+                                         float eps, int mrope1, int mrope2) {
     __shared__ float scratch[32];
     const int row = blockIdx.x, head = blockIdx.y, i = threadIdx.x, R = rotary_dim, hr = R >> 1;
     if (row >= rows) {
@@ -46,7 +49,8 @@ extern "C" __global__ void rope_kv_write(const float* __restrict__ qkv, const in
     const float* src = qkv + (size_t)row * (H + 2 * KVH) * D;
     float s = 0.f, c = 1.f;
     if (rot) {
-        sincosf((float)positions[row] * inv_freq[i], &s, &c);
+        const int pos = mrope1 > 0 ? positions[row * 3 + (i >= mrope1) + (i >= mrope2)] : positions[row];
+        sincosf((float)pos * inv_freq[i], &s, &c);
         c *= factor;
         s *= factor;
     }

@@ -10,34 +10,12 @@ import pytest
 from channels.layers import get_channel_layer
 from channels.testing import ApplicationCommunicator
 
-from apps.api import consumer as consumers
 from apps.api.chat.consumer import ChatCompletionsConsumer
-from apps.core import engine_client
 
 SCRIPT = (
     "<think>Weather needs a tool.</think>\n\nChecking.<tool_call>\n"
     '{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 )
-
-
-@pytest.fixture
-def offline(monkeypatch):
-    submitted = []
-
-    async def nothing(**kw):
-        return None
-
-    async def submit(add):
-        submitted.append(add)
-
-    async def abort(request_id):
-        submitted.append(("abort", request_id))
-
-    monkeypatch.setattr(consumers, "switch_gate", nothing)
-    monkeypatch.setattr(consumers, "model_hold", nothing)
-    monkeypatch.setattr(engine_client, "request_submit", submit)
-    monkeypatch.setattr(engine_client, "request_abort", abort)
-    return submitted
 
 
 async def _run(body: dict, rounds_of: int, submitted: list, tokenizer) -> list[dict]:

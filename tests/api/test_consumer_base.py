@@ -10,37 +10,13 @@ import asyncio
 import json
 from pathlib import Path
 
-import pytest
 from channels.testing import ApplicationCommunicator, WebsocketCommunicator
 from django.conf import settings
 
-from apps.api import consumer
 from apps.api.completions.consumer import CompletionsConsumer
 from apps.api.responses import socket as responses_socket
-from apps.core import engine_client
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture
-def offline(monkeypatch):
-    submitted = []
-
-    async def nothing(**kw):
-        return None
-
-    async def submit(add):
-        submitted.append(add)
-
-    async def abort(request_id):
-        submitted.append(("abort", request_id))
-
-    for module in (consumer, responses_socket):
-        monkeypatch.setattr(module, "switch_gate", nothing)
-        monkeypatch.setattr(module, "model_hold", nothing)
-    monkeypatch.setattr(engine_client, "request_submit", submit)
-    monkeypatch.setattr(engine_client, "request_abort", abort)
-    return submitted
 
 
 def test_a_waiting_stream_sends_headers_then_keepalives(offline, monkeypatch):

@@ -2,8 +2,8 @@
 becomes on the tiny Qwen2.5-VL checkpoint (its prompt ids against transformers' own processor,
 each image's offset, tokens, grid, pixel values and hash), /v1/tokenize's count, and every
 refusal (400 invalid_image naming the part) through the real consumers, each followed by a
-request that is still served. No engine: the consumers' submit is captured, as in
-test_chat_consumer.py."""
+request that is still served. No engine: the consumers' submit is captured (the ``offline``
+fixture of tests/api/conftest.py)."""
 
 from __future__ import annotations
 
@@ -20,13 +20,11 @@ from channels.testing import ApplicationCommunicator
 from django.conf import settings
 from PIL import Image
 
-from apps.api import consumer as consumers
 from apps.api.chat.consumer import ChatCompletionsConsumer
 from apps.api.chat.service import chat_prepare
 from apps.api.responses.consumer import ResponsesConsumer
 from apps.api.responses.service import response_parse, response_prepare
 from apps.api.tokenize.service import tokenize_chat
-from apps.core import engine_client
 from apps.models.services import served_model, served_model_update
 from tests.helpers import assert_openai_error
 from tests.models.tiny_vl import hf_processor, processor_outputs, write_tiny_qwen2_5_vl
@@ -60,26 +58,6 @@ def vl(vl_dir):
     before = served_model()
     yield served_model_update(served_id="tiny-vl", path=vl_dir)
     served_model_update(served_id=before.served_id, path=before.path)
-
-
-@pytest.fixture
-def offline(monkeypatch):
-    submitted = []
-
-    async def nothing(**kw):
-        return None
-
-    async def submit(add):
-        submitted.append(add)
-
-    async def abort(request_id):
-        pass
-
-    monkeypatch.setattr(consumers, "switch_gate", nothing)
-    monkeypatch.setattr(consumers, "model_hold", nothing)
-    monkeypatch.setattr(engine_client, "request_submit", submit)
-    monkeypatch.setattr(engine_client, "request_abort", abort)
-    return submitted
 
 
 # -- what a request becomes ------------------------------------------------------------------

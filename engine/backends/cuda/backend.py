@@ -6,8 +6,12 @@ A load uploads the weights (``weights``: a GGUF's block-quantized matrices as st
 prefill span), sizes the KV pool from what is left (``kv``), and captures one decode
 graph per width (``graphs``). A prefill span runs in chunks through ``Forward``; a
 decode round stages its lanes and replays its width's graph; both sample on the
-device (``sampling``). Every call pushes the device's primary context, so the engine
-may call from its step thread. Nothing here imports PyCUDA at module import time.
+device (``sampling``). A vision-language model (qwen2_5_vl) also uploads its tower
+(``vision``): a span encodes each image it reaches once and its chunks take the image's
+rows in place of the placeholders' embeddings; its prefill rows stage three rope
+positions each, its decode rows ``rope_positions`` (position + the lane's rope delta).
+Every call pushes the device's primary context, so the engine may call from its step
+thread. Nothing here imports PyCUDA at module import time.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from engine.config import CudaTuning
 from engine.cu.quant import QUANT_FORMATS
 from engine.memory import MemoryPlan, dequant_scratch_bytes, workspace_bytes
 from engine.model_config import ModelConfig
+from engine.models.ops import MRope
 
 
 class CudaBackend(Backend):
@@ -49,6 +54,7 @@ class CudaBackend(Backend):
         self.mem = None
         self.graphs = None
         self.dstage = self.pstage = None
+        self.vision = None
 
     # --- load ------------------------------------------------------------------------------
 
@@ -88,6 +94,8 @@ class CudaBackend(Backend):
         self.moe, moe_bytes = self._upload_moe(cfg, blocks, weights)
         post_norms = any(b.attn_post_norm is not None or b.mlp_post_norm is not None for b in blocks)
         self.ws = Workspace.allocate(cfg, self.mem, post_norms=post_norms)
+        self.vision = self._upload_vision(cfg, weights)
+        self.mrope = any(isinstance(b.attention.rope, MRope) for b in blocks)
         # Prefill dequantizes a quantized matrix here for the GEMM (decode rounds read the blocks).
         scratch = dequant_scratch_bytes(cfg) if self.weights.quantized else 0
         self.scratch = (self.mem.alloc(scratch), scratch) if scratch else (0, 0)
@@ -99,7 +107,7 @@ class CudaBackend(Backend):
         self.pstage = Staging({
             "sample_pos": (np.int32, 1), "seeds": (np.uint64, 1), "params": (np.float32, 8), "pen_num": (np.int32, 1),
             "out": (np.int32, 1), "block_table": (np.int32, self.bt_stride), "tokens": (np.int32, max_context),
-            "positions": (np.int32, max_context), "slots": (np.int32, max_context),
+            "positions": (np.int32, (3 if self.mrope else 1) * max_context), "slots": (np.int32, max_context),
             "pen_tokens": (np.int32, pen), "pen_counts": (np.int32, pen),
         })  # fmt: skip
         self.kv = KVPool(cfg, block_size, self.mem, kv_budget_bytes, host_kv_budget_bytes,
@@ -113,6 +121,9 @@ class CudaBackend(Backend):
         work = workspace_bytes(cfg, rows=PREFILL_CHUNK, logit_rows=MAX_LANES) + scratch
         kv_bytes = self.kv.num_blocks * self.kv.block_bytes
         weight_bytes = self.weights.nbytes + moe_bytes
+        if self.vision is not None:
+            weight_bytes += self.vision.nbytes
+            work += self.vision.workspace_bytes
         self.plan = MemoryPlan(
             budget_bytes=weight_bytes + work + kv_bytes,
             weights_bytes=weight_bytes,
@@ -162,6 +173,14 @@ class CudaBackend(Backend):
             cfg, op, MoEKernels(self.tuning.kernel_cache_dir), layers, ws, cache
         ), resident * expert_nbytes(cfg)
 
+    def _upload_vision(self, cfg, weights):
+        """The vision tower (engine/backends/cuda/vision.py) of a vision-language model, else None."""
+        if cfg.vision is None:
+            return None
+        from engine.backends.cuda.vision import VisionTower
+
+        return VisionTower(cfg.vision, weights, self.mem, self.kern, self.tuning.kernel_cache_dir)
+
     def _kernels(self):
         from engine.cu.kernels import Kernels
 
@@ -208,16 +227,23 @@ class CudaBackend(Backend):
             raise ValueError(f"block table longer than max_context ({self.bt_stride} blocks)")
         v, p = st.view, st.ptr
         v["tokens"][:n] = np.asarray(span.token_ids, dtype=np.int32)
-        v["positions"][:n] = positions
+        per_row = 3 if self.mrope else 1  # multimodal rope: (t, h, w) a row
+        if self.mrope:
+            three = positions if span.rope_positions is None else span.rope_positions
+            v["positions"][: 3 * n] = np.broadcast_to(three, (3, n)).T.reshape(-1)
+        else:
+            v["positions"][:n] = positions
         v["slots"][:n] = slots
         v["block_table"][: len(span.block_table)] = np.asarray(span.block_table, dtype=np.int32)
         st.upload(s, "block_table", nbytes=4 * len(span.block_table))
         for name in ("tokens", "positions", "slots"):
-            st.upload(s, name, nbytes=4 * n)
+            st.upload(s, name, nbytes=4 * n * (per_row if name == "positions" else 1))
+        images = self._image_rows(span)
         for c0 in range(0, n, PREFILL_CHUNK):
             rows = min(PREFILL_CHUNK, n - c0)
-            self.forward.prefill_chunk(rows, p["tokens"] + 4 * c0, p["positions"] + 4 * c0, p["slots"] + 4 * c0,
-                                       p["block_table"], start + c0)  # fmt: skip
+            embeds = [(lo - c0, r) for lo, r in _clip_rows(images, c0, c0 + rows)]
+            self.forward.prefill_chunk(rows, p["tokens"] + 4 * c0, p["positions"] + 4 * per_row * c0,
+                                       p["slots"] + 4 * c0, p["block_table"], start + c0, embeds=embeds)  # fmt: skip
         req = span.sample
         if req is None and not span.want_logits:
             s.synchronize()
@@ -240,6 +266,21 @@ class CudaBackend(Backend):
         if req is not None:
             out.prefill_token, out.prefill_logprob = sampling.finish_row(self.logits_host[1], req, int(v["out"][0]),
                                                                          start + n)  # fmt: skip
+
+    def _image_rows(self, span: PrefillSpan) -> list[tuple[int, np.ndarray]]:
+        """(span row, float32 rows) of every image the span reaches, encoding an image the first time."""
+        if not span.images:
+            return []
+        if self.vision is None:
+            raise ValueError("a prefill span with images on a model without a vision tower")
+        out, start, end = [], span.start_pos, span.start_pos + len(span.token_ids)
+        for img in span.images:
+            if img.embeds is None:
+                img.embeds = self.vision.encode(self.stream, img.pixel_values, img.grid_thw)
+            lo, hi = max(img.offset, start), min(img.end, end)
+            if lo < hi:
+                out.append((lo - start, img.embeds[lo - img.offset : hi - img.offset]))
+        return out
 
     def _slots(self, block_table: Sequence[int], positions: np.ndarray) -> np.ndarray:
         bt = np.asarray(block_table, dtype=np.int64)
@@ -271,11 +312,15 @@ class CudaBackend(Backend):
                 raise ValueError(f"block table of {nb} blocks does not reach position {pos}")
             tokens[i] = ln.token_id
             positions[i] = pos
+            if self.mrope:
+                v["rope_positions"][i] = pos + ln.rope_delta
             slots[i] = int(bt[pos // bs]) * bs + pos % bs
             v["block_tables"][i * stride : i * stride + nb] = bt
             any_pen |= sampling.stage_row(st, i, ln.sample, pos + 1, vocab, self.pen_stride)
         st.upload(s, "tokens", "pen_num")
         st.upload(s, "block_tables", nbytes=4 * M * stride)
+        if self.mrope:
+            st.upload(s, "rope_positions")
         if any_pen:
             st.upload(s, "pen_tokens", nbytes=4 * M * self.pen_stride)
             st.upload(s, "pen_counts", nbytes=4 * M * self.pen_stride)
@@ -321,5 +366,15 @@ class CudaBackend(Backend):
             if self.mem:
                 self.mem.free()
             self.mem = None
-            self.kv = self.logits_host = None
+            self.kv = self.logits_host = self.vision = None
             self.plan = None
+
+
+def _clip_rows(runs: list[tuple[int, np.ndarray]], lo: int, hi: int) -> list[tuple[int, np.ndarray]]:
+    """The parts of (first row, rows) ``runs`` that fall in rows ``lo..hi`` (first rows kept absolute)."""
+    out = []
+    for row, rows in runs:
+        a, b = max(row, lo), min(row + len(rows), hi)
+        if a < b:
+            out.append((a, rows[a - row : b - row]))
+    return out

@@ -10,6 +10,7 @@ launches with its own weights and options (``weights.Layer``).
 | Embedding (scale) | embed, with the first RMSNorm's inputs | embed |
 | RMSNorm (attn_norm; plus_one folded at upload) | folded into its producer (embed, down GEMV or post-norm: ``norm_out``) and the q|k|v GEMV (``ss_in``) | rmsnorm |
 | Attention: q|k|v (+ bias), Rope "neox" (partial, factor), KV write | gemv_tc_rope | GEMM + rope_kv_write |
+| ... with MRope (three positions a prefill row) | gemv_tc_rope at position + rope delta (all three alike) | GEMM + rope_kv_write (mrope) |
 | ... with QKNorm | gemv_tc_store + rope_kv_write (normalises each head) | GEMM + rope_kv_write |
 | Attention: softmax(q k^T * scale, soft-cap, window, sinks) v | decode_attn | prefill_attn |
 | Attention: o_proj (+ o bias), residual add | gemv_tc_acc | GEMM (accumulate) |
@@ -30,7 +31,7 @@ from dataclasses import dataclass
 
 from engine.cu.kernels import GATE_EPILOGUE
 from engine.model_config import ModelConfig
-from engine.models.ops import Attention, Block, Embedding, GatedMLP, Head, MoE, QKNorm, RMSNorm, Rope
+from engine.models.ops import Attention, Block, Embedding, GatedMLP, Head, MoE, MRope, QKNorm, RMSNorm, Rope
 
 MAX_LANES = 8  # rows of one decode round (one graph per width 1..8)
 PREFILL_CHUNK = 2048  # rows of one prefill chunk (activations are sized for it)
@@ -52,8 +53,10 @@ def check_supported(block: Block, head: Head) -> None:
     if not isinstance(attn, Attention):
         refuse(f"block.attention = {attn!r}", "Attention only")
     rope = attn.rope
-    if rope is not None and (not isinstance(rope, Rope) or rope.style != "neox"):
-        refuse(f"attention rope {rope!r}", "Rope 'neox' only")
+    if rope is not None and (not isinstance(rope, Rope) or rope.style not in ("neox", "mrope")):
+        refuse(f"attention rope {rope!r}", "Rope 'neox' or MRope only")
+    if isinstance(rope, MRope) and (len(rope.section) != 3 or rope.rotary_dim is not None):
+        refuse(f"attention rope {rope!r}", "three mrope runs over the whole head")
     if rope is not None and rope.rotary_dim is not None and (rope.rotary_dim <= 0 or rope.rotary_dim % 16):
         refuse(f"attention rope rotary_dim = {rope.rotary_dim}", "a positive multiple of 16")
     if attn.qk_norm is not None and not isinstance(attn.qk_norm, QKNorm):
@@ -148,6 +151,9 @@ class Forward:
     def __init__(self, cfg: ModelConfig, kern, stream, w, ws: Workspace, kv: KVLayout, moe=None) -> None:
         self.cfg, self.kern, self.stream, self.w, self.ws, self.kv = cfg, kern, stream, w, ws, kv
         self.moe = moe  # moe.DeviceMoE of a sparse model (every layer's MLP slot), or None
+        # Multimodal rope: prefill positions are three ints a row; decode rows rotate at the staged
+        # ``rope_positions`` (position + rope delta: the three alike, so plain rope) instead of ``positions``.
+        self.mrope = any(L.mrope[0] for L in w.layers)
 
     def decode(self, rows: int, p: dict[str, int], bt_stride: int) -> None:
         """A decode round's layers and LM head into ``ws.logits``, 5 kernels a llama layer: each residual
@@ -160,7 +166,8 @@ class Forward:
         nparts = k.embed(s, p["tokens"], w.embed, ws.x, rows, hid, norm_out=(first, ws.xn, ws.ss), scale=w.embed_scale)
         for i, L in enumerate(w.layers):
             cache = kv.layer(i)
-            self._qkv(i, L, rows, p["positions"], p["slots"], ss_in=(ws.ss, nparts), fused=True)
+            self._qkv(i, L, rows, p["rope_positions" if self.mrope else "positions"], p["slots"],
+                      ss_in=(ws.ss, nparts), fused=True)  # fmt: skip
             k.decode_attention(s, ws.q, p["positions"], p["block_tables"], bt_stride, cache, kv.block_stride,
                                kv.block_size, KVH, ws.o_part, ws.ml, ws.attn, rows, args=L.attn)  # fmt: skip
             nparts = self._residual(L.o, L.o_bias, ws.attn, H * c.head_dim, L.attn_post_norm, rows,
@@ -169,15 +176,22 @@ class Forward:
         k.linear(s, ws.xn, w.lm_head, 0, ws.logits, rows, c.vocab_size, hid, ss_in=(ws.ss, nparts), eps=eps)
         self._head_softcap(rows)
 
-    def prefill_chunk(self, rows: int, tokens: int, positions: int, slots: int, block_table: int, start: int) -> None:
+    def prefill_chunk(self, rows: int, tokens: int, positions: int, slots: int, block_table: int, start: int,
+                      embeds=()) -> None:  # fmt: skip
         """Embed ``rows`` tokens at positions ``start..`` and run every layer (K and V into their slots);
-        leaves the residual stream in ``ws.x``."""
+        leaves the residual stream in ``ws.x``. ``positions``: the rows' rope positions (three a row
+        with multimodal rope). ``embeds``: (chunk row, float32 host rows) runs that replace the token
+        embeddings there (an image's placeholders)."""
+        import pycuda.driver as cuda
+
         c, k, s, w, ws, kv = self.cfg, self.kern, self.stream, self.w, self.ws, self.kv
         hid, H, KVH, eps = c.hidden_size, c.num_heads, c.num_kv_heads, c.rms_norm_eps
         k.embed(s, tokens, w.embed, ws.x, rows, hid, scale=w.embed_scale)
+        for row, rows_in in embeds:
+            cuda.memcpy_htod_async(ws.x + row * hid * 4, rows_in, s)
         for i, L in enumerate(w.layers):
             k.rmsnorm(s, ws.x, L.ln1, ws.xn, rows, hid, eps)
-            self._qkv(i, L, rows, positions, slots, ss_in=(0, 0), fused=False)
+            self._qkv(i, L, rows, positions, slots, ss_in=(0, 0), fused=False, mrope=L.mrope)
             k.prefill_attention(s, ws.q, block_table, kv.layer(i), kv.block_stride, kv.block_size, KVH, rows, start,
                                 ws.attn, args=L.attn)  # fmt: skip
             self._residual(L.o, L.o_bias, ws.attn, H * c.head_dim, L.attn_post_norm, rows, NO_NORM)
@@ -194,9 +208,11 @@ class Forward:
 
     # --- the pieces of a layer ---------------------------------------------------------------
 
-    def _qkv(self, i: int, L, rows: int, positions: int, slots: int, ss_in: tuple[int, int], fused: bool) -> None:
+    def _qkv(self, i: int, L, rows: int, positions: int, slots: int, ss_in: tuple[int, int], fused: bool,
+             mrope: tuple[int, int] = (0, 0)) -> None:  # fmt: skip
         """q|k|v of ``ws.xn`` (+ bias), QKNorm, rope, K and V into their slots, rotated q into ``ws.q``.
-        ``fused`` (decode): rope and the KV write in the GEMV's epilogue, unless QKNorm needs whole heads."""
+        ``fused`` (decode): rope and the KV write in the GEMV's epilogue, unless QKNorm needs whole heads.
+        ``mrope``: ``positions`` holds three a row (prefill of a multimodal-rope layer, rope.cu)."""
         c, k, s, ws, kv = self.cfg, self.kern, self.stream, self.ws, self.kv
         hid, H, KVH, eps = c.hidden_size, c.num_heads, c.num_kv_heads, c.rms_norm_eps
         cache = kv.layer(i)
@@ -208,7 +224,7 @@ class Forward:
         k.linear(s, ws.xn, L.qkv, L.qkv_bias, ws.qkv, rows, (H + 2 * KVH) * c.head_dim, hid, ss_in=ss_in, eps=eps)
         k.rope_kv_write(s, ws.qkv, positions, slots, L.inv_freq, ws.q, cache, rows, H, KVH, kv.block_size,
                         kv.block_stride, interleaved=True, rotary_dim=L.rotary_dim, factor=L.rope_factor,
-                        qk_norm=(L.q_norm, L.k_norm), eps=eps)  # fmt: skip
+                        qk_norm=(L.q_norm, L.k_norm), eps=eps, mrope=mrope)  # fmt: skip
 
     def _residual(self, weight: int, bias: int, src: int, k_dim: int, post_norm: int, rows: int,
                   norm_out: tuple[int, int, int]) -> int:  # fmt: skip

@@ -21,7 +21,7 @@ def decode_fields(max_lanes: int, bt_stride: int, pen_stride: int) -> dict[str, 
         "tokens": (np.int32, L), "positions": (np.int32, L), "slots": (np.int32, L), "sample_pos": (np.int32, L),
         "seeds": (np.uint64, L), "params": (np.float32, 8 * L), "pen_num": (np.int32, L), "out": (np.int32, L),
         "block_tables": (np.int32, L * bt_stride), "pen_tokens": (np.int32, L * pen_stride),
-        "pen_counts": (np.int32, L * pen_stride),
+        "pen_counts": (np.int32, L * pen_stride), "rope_positions": (np.int32, L),
     }  # fmt: skip
 
 

@@ -37,7 +37,7 @@ from engine.loaders.bf16 import is_bf16
 from engine.loaders.fp8 import Fp8Tensor
 from engine.loaders.gguf import QuantizedTensor
 from engine.model_config import ModelConfig
-from engine.models.ops import Block, Head, MoE, RMSNorm, Rope
+from engine.models.ops import Block, Head, MoE, MRope, RMSNorm, Rope
 
 
 @dataclass
@@ -61,6 +61,7 @@ class Layer:
     attn_post_norm: int  # bf16 [hidden] or 0
     mlp_post_norm: int
     attn: AttnArgs  # scale, soft-cap, window, sinks
+    mrope: tuple[int, int] = (0, 0)  # multimodal rope: cumulative pair bounds of its first two runs (rope.cu)
 
 
 @dataclass
@@ -172,6 +173,7 @@ def _layer(cfg: ModelConfig, i: int, block: Block, up, ropes: dict, interleaved:
         attn_post_norm=norm(block.attn_post_norm),
         mlp_post_norm=norm(block.mlp_post_norm),
         attn=AttnArgs(scale_log2, cap_log2, attn.sliding_window or 0, sinks),
+        mrope=(rope.section[0], rope.section[0] + rope.section[1]) if isinstance(rope, MRope) else (0, 0),
     )
 
 
