@@ -107,3 +107,11 @@ def test_a_ggufs_half_matrices_stay_half(tmp_path, qtype):
         np.testing.assert_array_equal(to_bf16(w), to_bf16(as_float[name]))
     _, q8 = load_artifact(path, bf16_as_stored=True, fp8_as_stored=True, weight_format="fp8")
     assert not any(bf16.is_bf16(w) or getattr(w, "dtype", None) == np.float16 for w in q8.values())
+
+
+def test_the_vision_towers_padding_widens_kept_bf16_first():
+    from engine.backends.cuda.vision import _pad
+
+    w = np.arange(6, dtype=np.float32).reshape(2, 3)
+    kept = bf16.from_bits((w.view(np.uint32) >> 16).astype(np.uint16))  # exact: small integers
+    np.testing.assert_array_equal(_pad(kept, 4, 5), np.pad(w, ((0, 2), (0, 2))))

@@ -63,7 +63,9 @@ def _pad(w, rows: int, cols: int | None = None):
         import torch.nn.functional as F
 
         return F.pad(w, (0, pad_c, 0, pad_r) if w.ndim == 2 else (0, pad_r))
-    w = np.asarray(w, dtype=np.float32)
+    from engine.backends.cuda.weights import dequantized
+
+    w = np.asarray(dequantized(w), dtype=np.float32)  # bf16 kept as stored (engine.loaders.bf16) widened first
     return np.pad(w, ((0, pad_r), (0, pad_c)) if w.ndim == 2 else ((0, pad_r),))
 
 
