@@ -53,6 +53,22 @@ SHAPES = {  # name -> (model_type, config.json fields): the public checkpoints' 
 }  # fmt: skip
 
 
+def llama_8b_on_cuda(torch, *, kv_budget_bytes: int, max_context: int):
+    """The Llama-3.1-8B shape with random bf16 weights loaded on a CudaBackend: (backend, cfg, plan)."""
+    from engine.backends.cuda import CudaBackend
+    from engine.models import for_hf
+
+    d = for_hf("llama")
+    cfg = d.config_from_hf({"model_type": "llama", **LLAMA_8B})
+    weights = make_weights(d, cfg, torch)
+    be = CudaBackend()
+    plan = be.load(cfg, weights, block_size=16, kv_budget_bytes=kv_budget_bytes, host_kv_budget_bytes=0,
+                   max_context=max_context)  # fmt: skip
+    del weights
+    torch.cuda.empty_cache()
+    return be, cfg, plan
+
+
 def make_weights(d, cfg, torch) -> dict:
     """Random bf16 tensors on the GPU for every canonical tensor; norms near their scale."""
     g = torch.Generator(device="cuda").manual_seed(0)

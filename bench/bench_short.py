@@ -74,18 +74,10 @@ def main() -> None:
 
     import torch
 
-    from bench.bench_archs import LLAMA_8B, make_weights
+    from bench.bench_archs import llama_8b_on_cuda
     from bench.perfdoc import command_line, report
-    from engine.backends.cuda import CudaBackend
-    from engine.models import for_hf
 
-    d = for_hf("llama")
-    cfg = d.config_from_hf({"model_type": "llama", **LLAMA_8B})
-    weights = make_weights(d, cfg, torch)
-    be = CudaBackend()
-    plan = be.load(cfg, weights, block_size=16, kv_budget_bytes=8 << 30, host_kv_budget_bytes=0, max_context=2048)
-    del weights
-    torch.cuda.empty_cache()
+    be, cfg, plan = llama_8b_on_cuda(torch, kv_budget_bytes=8 << 30, max_context=2048)
     rng = np.random.default_rng(0)
     burst_ttft(be, cfg, plan, 16, 2, 0, rng)  # warm-up: graphs, modules
     lines = ["| burst | lanes decoding | first token, prefill each (median / last) | as decode rows | last: speed-up |",
