@@ -14,7 +14,7 @@ from apps.api.responses import response_parse, response_prepare
 from apps.api.thinking import thinking_kwargs
 from apps.api.validation import parse_chat_request, parse_completion_request
 from apps.core.errors import InvalidRequest
-from tests.api.test_chat_consumer import _run, offline, tokenizer  # noqa: F401 - fixtures
+from tests.api.test_chat_consumer import _run, tokenizer  # noqa: F401 - fixtures (offline: tests/api/conftest.py)
 
 MSG = [{"role": "user", "content": "Weather in Paris?"}]
 TOOLS = [{"type": "function", "function": {"name": "get_weather"}}]

@@ -16,7 +16,7 @@ from apps.api.chat.consumer import ChatCompletionsConsumer
 from apps.api.responses.events import ResponseEvents
 from apps.api.thinking import EFFORT_BUDGET, reasoning_budget
 from apps.api.usage import usage_object
-from tests.api.test_chat_consumer import offline, tokenizer  # noqa: F401 - fixtures
+from tests.api.test_chat_consumer import tokenizer  # noqa: F401 - fixtures (offline: tests/api/conftest.py)
 from tests.api.test_responses_events import base, through_sdk
 
 LOOP = "<think>I think, I think, I think"
