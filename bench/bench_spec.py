@@ -129,6 +129,14 @@ def main() -> None:
         rows.append(f"| {name} | {n} | {r_on} / {r_off} | {(n - 1) / max(r_on, 1):.2f} | {a}/{d} ({by}) "
                     f"| {tps_off:.1f} | {tps_on:.1f} | {tps_on / tps_off:.2f}x |")  # fmt: skip
         print(rows[-1], flush=True)
+    machine = f"{platform.node()}, {platform.processor() or platform.machine()}, Python {platform.python_version()}"
+    if args.backend == "cuda":
+        import pycuda.driver as cuda
+
+        from engine.cu import runtime
+
+        with runtime.current():
+            machine = f"{cuda.Context.get_device().name()}, {machine}"
     backend.unload()
     fmt = "" if args.weight_format == "auto" else f" ({args.weight_format} weights)"
     body = [
@@ -139,7 +147,6 @@ def main() -> None:
         "",
         *rows,
     ]
-    machine = f"{platform.node()}, {platform.processor() or platform.machine()}, Python {platform.python_version()}"
     report(f"## Speculative rounds ({args.backend})", machine=machine, command=command_line("python3"), body=body,
            write=args.write)  # fmt: skip
 
