@@ -86,6 +86,9 @@ def main() -> None:
     ap.add_argument("--backend", default="numpy")
     ap.add_argument("--model", default=str(ROOT / "models/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf"))
     ap.add_argument("--max-tokens", type=int, default=160)
+    ap.add_argument("--weight-format", default="auto", choices=("auto", "bf16"),
+                    help="bf16: dequantize a GGUF's blocks at load (the CUDA backend's 64-row GEMVs; its quantized "
+                    "GEMV takes 8 rows)")  # fmt: skip
     ap.add_argument("--write", action="store_true")
     args = ap.parse_args()
 
@@ -96,7 +99,8 @@ def main() -> None:
     from engine.tokenizer import load_tokenizer
 
     backend = create_backend(args.backend)
-    as_stored = {"as_stored": True} if getattr(backend, "weights_as_stored", False) else {}
+    stored = getattr(backend, "weights_as_stored", False) and args.weight_format == "auto"
+    as_stored = {"as_stored": True} if stored else {}
     cfg, weights = load_artifact(args.model, None, **as_stored)
     tok = load_tokenizer(args.model)
     plan = backend.load(cfg, weights, block_size=16, kv_budget_bytes=None if args.backend == "numpy" else 256 << 20,
@@ -125,16 +129,24 @@ def main() -> None:
         rows.append(f"| {name} | {n} | {r_on} / {r_off} | {(n - 1) / max(r_on, 1):.2f} | {a}/{d} ({by}) "
                     f"| {tps_off:.1f} | {tps_on:.1f} | {tps_on / tps_off:.2f}x |")  # fmt: skip
         print(rows[-1], flush=True)
+    machine = f"{platform.node()}, {platform.processor() or platform.machine()}, Python {platform.python_version()}"
+    if args.backend == "cuda":
+        import pycuda.driver as cuda
+
+        from engine.cu import runtime
+
+        with runtime.current():
+            machine = f"{cuda.Context.get_device().name()}, {machine}"
     backend.unload()
+    fmt = "" if args.weight_format == "auto" else f" ({args.weight_format} weights)"
     body = [
-        f"Model: {Path(args.model).name} on the {args.backend} backend, greedy, one request at a time, at most "
+        f"Model: {Path(args.model).name}{fmt} on the {args.backend} backend, round rows {backend.max_round_rows}, greedy, one request at a time, at most "
         f"{args.max_tokens} tokens (its EOS ends it); speculation off vs on (prompt lookup, n-grams 2..4, k "
         f"adaptive up to 8; the prediction row adds Predicted Outputs); the output is asserted identical. "
         f"tok/s over the decode phase (after the first token). Median on/off: {statistics.median(ratios):.2f}x.",
         "",
         *rows,
     ]
-    machine = f"{platform.node()}, {platform.processor() or platform.machine()}, Python {platform.python_version()}"
     report(f"## Speculative rounds ({args.backend})", machine=machine, command=command_line("python3"), body=body,
            write=args.write)  # fmt: skip
 

@@ -21,6 +21,9 @@ class CudaTuning:
     # model.gpu_budget (carried here: the backend's own knob): what a load may take of the card,
     # <= 1 a fraction of its free memory at load, > 1 bytes (engine/backends/cuda/kv.py kv_budget).
     gpu_budget: float = 0.9
+    # cuda.round_rows: rows a decode round may hold (lanes and their verify rows; the kernels and
+    # graphs take 64). Past 16 a round costs more than 1.3x the plain one on the H200 (docs/SPECULATION.md).
+    round_rows: int = 16
 
 
 @dataclass

@@ -291,6 +291,14 @@ FIELDS: dict[str, Field] = {
         ),
         Field("cuda.kernel_cache_dir", str, "", "CUDA backend: compiled kernels (default: <models dir>/.cache/pycuda)"),
         Field(
+            "cuda.round_rows",
+            int,
+            16,
+            "CUDA backend: rows one decode round may hold, lanes and their verify rows (8 with quantized weights)",
+            8,
+            64,
+        ),
+        Field(
             "cuda.expert_budget",
             int,
             0,
@@ -525,4 +533,5 @@ def cuda_tuning_dict(values: dict[str, Any]) -> dict[str, Any]:
         "kernel_cache_dir": values["cuda.kernel_cache_dir"] or os.path.join(models, ".cache", "pycuda"),
         "expert_budget": values["cuda.expert_budget"],
         "gpu_budget": values["model.gpu_budget"],
+        "round_rows": values["cuda.round_rows"],
     }

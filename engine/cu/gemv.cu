@@ -1,28 +1,32 @@
-// gemv.cu: bf16 weight GEMV / skinny GEMM on the tensor cores, for decode rounds of width M = 1..8.
+// gemv.cu: bf16 weight GEMV / skinny GEMM on the tensor cores, for decode rounds of M = 1..64 rows
+// (lanes, and a speculating lane's verify rows).
 //
 // out[m, n] (+)= sum_k x[m, k] * W[n, k] (+ bias[n]), then one of four epilogues.
 //   x bf16 [M, K] (contiguous), W bf16 [N, K] (torch Linear layout), bias fp32 [N] or null.
 // Each weight byte is read exactly once per call, whatever M is, and a row's arithmetic does
 // not depend on the other rows: the backend runs every decode width here, so a lane's tokens
 // do not depend on the width of its round.
-// Preconditions (wrapper): K % 8 == 0, pointers 16-byte aligned, 1 <= M <= 8.
-// Compile-time: TC_THREADS (256: 8 warps, the layout below assumes it).
+// Preconditions (wrapper): K % 8 == 0, pointers 16-byte aligned, 1 <= M <= 8 G (the variant's groups).
+// Compile-time: TC_THREADS (256: 8 warps, the layout below assumes it); R16_U, R16_MINB, R32_U,
+// R32_MINB, R64_U, R64_MINB (the wide variants' steps in flight and blocks per SM).
 
 #ifndef TC_THREADS
 #error "TC_THREADS is defined by engine/cu/kernels.py"
 #endif
 static_assert(TC_THREADS == 256, "gemv_tc: 8 warps split K and reduce in shared memory");
 
-// gemv_tc_<epilogue>[_u2]:
+// gemv_tc_<epilogue>[_u2, _r16, _r32, _r64]:
 // A block of 256 threads owns 16 output rows; its 8 warps split K in steps of 64.
 // In a step, thread (g = lane / 4, t = lane % 4) loads chunks t and t + 4 (16 bytes =
-// 8 k each) of W rows g and g + 8 and of activation row g (zero for g >= M): each load
+// 8 k each) of W rows g and g + 8 and of activation rows g, 8 + g, .. (one per group of 8
+// rows; zero for rows >= M, a group wholly past M skipped): each load
 // instruction covers 64 contiguous bytes of 8 rows (whole 32-byte sectors, so no sector
 // is fetched twice). U steps are in flight per warp. Those registers feed four
 // mma.m16n8k16 directly as A (W, 16 rows) and B (x^T, 8 columns): the k order inside a
-// step is permuted, identically for W and x, so the fragments need no shuffles. The
-// 16 x 8 accumulators are summed across warps in shared memory in a fixed order; one
-// thread writes each output.
+// step is permuted, identically for W and x, so the fragments need no shuffles; a group's
+// mma reuses the step's W fragments, so the weights are read once whatever M is. Each
+// group's 16 x 8 accumulators are summed across warps in shared memory in a fixed order
+// (group after group, through one shared tile); one thread writes each output.
 // The epilogue is a compile-time template parameter, one entry point per variant:
 // store (EPI_STORE): out fp32 = acc (+ bias); acc (EPI_ACC): out += acc (the fused residual add);
 // swiglu (EPI_SWIGLU): W is the gate|up matrix interleaved in 8-row groups (rows
@@ -80,23 +84,26 @@ struct TcRope {  // EPI_ROPE_KV only
     float factor;
 };
 
-// The bf16 main loop: this warp's share of the 16 x 8 tile, c[4] as mma_bf16's accumulator.
-template <int U>
+// The bf16 main loop: this warp's share of the 16 x 8G tile, c[j] as mma_bf16's accumulator for
+// activation rows 8j..8j+7 (G groups of 8 rows; a group at or past M is neither loaded nor multiplied).
+// Every group meets the same W fragments in the same step order, so a row's sum does not depend
+// on G, U or the other rows.
+template <int U, int G>
 __device__ __forceinline__ void gemv_tc_main(const bf16* __restrict__ x, const bf16* __restrict__ W, int M,
-                                             int N, int K, float* c) {
+                                             int N, int K, float (*c)[4]) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int n0 = blockIdx.x * TC_ROWS;
     const int K8 = K >> 3;
     const uint4* W4 = reinterpret_cast<const uint4*>(W);
     const uint4* x4 = reinterpret_cast<const uint4*>(x);
-    const bool ra = n0 + g < N, rb = n0 + g + 8 < N, rx = g < M;
+    const bool ra = n0 + g < N, rb = n0 + g + 8 < N;
     const uint4* wa_p = W4 + (size_t)(ra ? n0 + g : 0) * K8;
     const uint4* wb_p = W4 + (size_t)(rb ? n0 + g + 8 : 0) * K8;
-    const uint4* x_p = x4 + (size_t)(rx ? g : 0) * K8;
+    const uint4* x_p = x4 + (size_t)g * K8;  // row 8j + g at x_p + 8j K8 (loaded only below M)
     // Step s covers chunks [8s, 8s + 8); this thread takes chunks 8s + t and 8s + t + 4.
     const int steps = (K8 + 7) / 8;
     for (int s0 = warp; s0 < steps; s0 += 8 * U) {
-        uint4 wa[U][2], wb[U][2], xv[U][2];
+        uint4 wa[U][2], wb[U][2], xv[U][2][G];
 #pragma unroll
         for (int u = 0; u < U; u++) {
             const int s = s0 + u * 8;
@@ -106,13 +113,18 @@ __device__ __forceinline__ void gemv_tc_main(const bf16* __restrict__ x, const b
                 const bool ok = s < steps && ch < K8;
                 wa[u][h] = ld_stream_if(wa_p + ch, ok && ra);
                 wb[u][h] = ld_stream_if(wb_p + ch, ok && rb);
-                xv[u][h] = ldg_if(x_p + ch, ok && rx);
+#pragma unroll
+                for (int j = 0; j < G; j++)
+                    xv[u][h][j] = ldg_if(x_p + (size_t)8 * j * K8 + ch, ok && 8 * j + g < M);
             }
         }
 #pragma unroll
         for (int u = 0; u < U; u++)
 #pragma unroll
-            for (int h = 0; h < 2; h++) tc_step(c, wa[u][h], wb[u][h], xv[u][h]);
+            for (int h = 0; h < 2; h++)
+#pragma unroll
+                for (int j = 0; j < G; j++)
+                    if (j == 0 || 8 * j < M) tc_step(c[j], wa[u][h], wb[u][h], xv[u][h][j]);
     }
 }
 
@@ -248,38 +260,63 @@ __device__ __forceinline__ void gemv_tc_epilogue(const float* c, const float* __
     }
 }
 
-template <int U, int EPI>
+// The main loop, then the epilogue once per group of 8 activation rows, on that group's rows of
+// every per-row array (the epilogue itself sees at most 8 rows, as gemv_q.cu's callers give it).
+template <int U, int G, int EPI>
 __device__ __forceinline__ void gemv_tc_body(const bf16* __restrict__ x, const bf16* __restrict__ W,
                                              const float* __restrict__ bias, void* __restrict__ out, int M,
                                              int N, int K, int ldo, const TcNorm& nm, const TcRope& rp) {
-    float c[4] = {0.f, 0.f, 0.f, 0.f};
-    gemv_tc_main<U>(x, W, M, N, K, c);
-    gemv_tc_epilogue<EPI>(c, bias, out, M, N, K, ldo, nm, rp, 0);
+    float c[G][4];
+#pragma unroll
+    for (int j = 0; j < G; j++) c[j][0] = c[j][1] = c[j][2] = c[j][3] = 0.f;
+    gemv_tc_main<U, G>(x, W, M, N, K, c);
+#pragma unroll
+    for (int j = 0; j < G; j++) {
+        const int m0 = 8 * j;
+        if (m0 >= M) break;  // uniform over the block
+        if (j) __syncthreads();  // the previous group's epilogue has read the shared sums
+        TcNorm nj = nm;
+        if (nj.ss_in) nj.ss_in += (size_t)m0 * nj.ss_nparts;
+        if (nj.xw) nj.xw += (size_t)m0 * N;
+        if (nj.ss_out) nj.ss_out += (size_t)m0 * gridDim.x;
+        TcRope rj = rp;
+        void* oj;
+        if constexpr (EPI == EPI_ROPE_KV) {
+            rj.positions += m0;
+            rj.slots += m0;
+            oj = static_cast<bf16*>(out) + (size_t)m0 * rp.H * rp.D;
+        } else if constexpr (EPI == EPI_SWIGLU || EPI == EPI_GEGLU) {
+            oj = static_cast<bf16*>(out) + (size_t)m0 * ldo;
+        } else {
+            oj = static_cast<float*>(out) + (size_t)m0 * ldo;
+        }
+        gemv_tc_epilogue<EPI>(c[j], bias, oj, min(M - m0, 8), N, K, ldo, nj, rj, 0);
+    }
 }
 
 #ifndef GEMV_EPILOGUES_ONLY  // gemv_q.cu compiles the main loop and epilogues above, not these entry points
 // MINB: blocks per SM the register allocation must allow. Without it ptxas sinks each load down
 // to its mma (3 loads in flight per warp); with it every load of a batch issues first.
 // store / acc: out fp32 [M, ldo]; with nw, also the next norm's xw / ss_out.
-#define GEMV_TC_LINEAR(NAME, U, MINB, EPI)                                                                    \
+#define GEMV_TC_LINEAR(NAME, U, G, MINB, EPI)                                                                    \
     extern "C" __global__ void __launch_bounds__(TC_THREADS, MINB)                                          \
         NAME(const bf16* x, const bf16* W, const float* bias, float* out, int M, int N, int K, int ldo,       \
              const float* ss_in, int ss_nparts, float eps, const bf16* nw, bf16* xw, float* ss_out) {         \
         const TcNorm nm{ss_in, ss_nparts, eps, nw, xw, ss_out};                                              \
         const TcRope rp{};                                                                                   \
-        gemv_tc_body<U, EPI>(x, W, bias, out, M, N, K, ldo, nm, rp);                                          \
+        gemv_tc_body<U, G, EPI>(x, W, bias, out, M, N, K, ldo, nm, rp);                                          \
     }
 // swiglu / geglu: out bf16 act [M, ldo]; no bias, no next norm.
-#define GEMV_TC_SWIGLU(NAME, U, MINB, EPI)                                                                       \
+#define GEMV_TC_SWIGLU(NAME, U, G, MINB, EPI)                                                                       \
     extern "C" __global__ void __launch_bounds__(TC_THREADS, MINB)                                          \
         NAME(const bf16* x, const bf16* W, bf16* out, int M, int N, int K, int ldo, const float* ss_in,       \
              int ss_nparts, float eps) {                                                                     \
         const TcNorm nm{ss_in, ss_nparts, eps, nullptr, nullptr, nullptr};                                   \
         const TcRope rp{};                                                                                   \
-        gemv_tc_body<U, EPI>(x, W, nullptr, out, M, N, K, ldo, nm, rp);                                      \
+        gemv_tc_body<U, G, EPI>(x, W, nullptr, out, M, N, K, ldo, nm, rp);                                      \
     }
 // rope: out bf16 q [M, H, D]; K and V into the cache.
-#define GEMV_TC_ROPE(NAME, U, MINB)                                                                           \
+#define GEMV_TC_ROPE(NAME, U, G, MINB)                                                                           \
     extern "C" __global__ void __launch_bounds__(TC_THREADS, MINB)                                          \
         NAME(const bf16* x, const bf16* W, const float* bias, bf16* out, int M, int N, int K, int ldo,        \
              const float* ss_in, int ss_nparts, float eps, const int* positions, const int* slots,            \
@@ -288,16 +325,20 @@ __device__ __forceinline__ void gemv_tc_body(const bf16* __restrict__ x, const b
         const TcNorm nm{ss_in, ss_nparts, eps, nullptr, nullptr, nullptr};                                   \
         const TcRope rp{positions, slots, inv_freq, cache, H, KVH, D, block_size, block_stride, rotary_dim,  \
                         rope_factor};                                                                        \
-        gemv_tc_body<U, EPI_ROPE_KV>(x, W, bias, out, M, N, K, ldo, nm, rp);                                  \
+        gemv_tc_body<U, G, EPI_ROPE_KV>(x, W, bias, out, M, N, K, ldo, nm, rp);                                  \
     }
-GEMV_TC_LINEAR(gemv_tc_store, 4, 2, EPI_STORE)
-GEMV_TC_LINEAR(gemv_tc_store_u2, 2, 4, EPI_STORE)
-GEMV_TC_LINEAR(gemv_tc_acc, 4, 2, EPI_ACC)
-GEMV_TC_LINEAR(gemv_tc_acc_u2, 2, 4, EPI_ACC)
-GEMV_TC_SWIGLU(gemv_tc_swiglu, 4, 2, EPI_SWIGLU)
-GEMV_TC_SWIGLU(gemv_tc_swiglu_u2, 2, 4, EPI_SWIGLU)
-GEMV_TC_SWIGLU(gemv_tc_geglu, 4, 2, EPI_GEGLU)
-GEMV_TC_SWIGLU(gemv_tc_geglu_u2, 2, 4, EPI_GEGLU)
-GEMV_TC_ROPE(gemv_tc_rope, 4, 2)
-GEMV_TC_ROPE(gemv_tc_rope_u2, 2, 4)
+// Variants by rows: "" and "_u2" 1..8 rows (4 / 2 steps in flight, u2 for small matrices); "_r16",
+// "_r32", "_r64": up to 16 / 32 / 64 rows (2 / 4 / 8 groups; fewer steps in flight, as the
+// activation fragments take the registers).
+#define GEMV_TC_VARIANTS(SUFFIX, U, G, MINB)                                  \
+    GEMV_TC_LINEAR(gemv_tc_store##SUFFIX, U, G, MINB, EPI_STORE)              \
+    GEMV_TC_LINEAR(gemv_tc_acc##SUFFIX, U, G, MINB, EPI_ACC)                  \
+    GEMV_TC_SWIGLU(gemv_tc_swiglu##SUFFIX, U, G, MINB, EPI_SWIGLU)            \
+    GEMV_TC_SWIGLU(gemv_tc_geglu##SUFFIX, U, G, MINB, EPI_GEGLU)              \
+    GEMV_TC_ROPE(gemv_tc_rope##SUFFIX, U, G, MINB)
+GEMV_TC_VARIANTS(, 4, 1, 2)
+GEMV_TC_VARIANTS(_u2, 2, 1, 4)
+GEMV_TC_VARIANTS(_r16, R16_U, 2, R16_MINB)
+GEMV_TC_VARIANTS(_r32, R32_U, 4, R32_MINB)
+GEMV_TC_VARIANTS(_r64, R64_U, 8, R64_MINB)
 #endif  // GEMV_EPILOGUES_ONLY

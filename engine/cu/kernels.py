@@ -24,7 +24,13 @@ from engine.cu.launch import Kernel, module
 from engine.cu.quant import BF16, Matrix, QuantKernels
 from engine.sampling import MIN_TEMPERATURE
 
-GEMV_MAX_ROWS = 8
+GEMV_MAX_ROWS = 64  # gemv.cu's bf16 GEMV (its epilogues and fused norms included)
+QUANT_GEMV_MAX_ROWS = 8  # gemv_q.cu's (GGUF blocks, fp8): one group of 8 activation rows
+# gemv.cu's variants by rows: (most rows, suffix); 1..8 rows pick "" or "_u2" by the matrix's size.
+GEMV_ROW_VARIANTS = ((16, "_r16"), (32, "_r32"), (64, "_r64"))
+# Steps in flight per warp and blocks per SM of the wider variants (their activation fragments
+# take the registers: 102 / 128 / 124 a thread, no spills, ptxas on sm_90a).
+GEMV_ROW_TUNING = (("R16_U", 2), ("R16_MINB", 2), ("R32_U", 2), ("R32_MINB", 2), ("R64_U", 1), ("R64_MINB", 2))
 GEMM_SMEM = 3 * (128 + 128) * 40 * 2  # STAGES * (BM + BN) * LDS * sizeof(bf16)
 DECODE_SPLITS = 32
 MAX_COUNTERS = 8192  # decode attention (lane, KV head) pairs
@@ -55,6 +61,14 @@ def attention_scales(head_dim: int, scale: float | None, softcap: float | None) 
     if softcap:
         return np.float32(scale / softcap), np.float32(softcap * LOG2E)
     return np.float32(scale * np.log2(np.e)), np.float32(0.0)
+
+
+def gemv_rows(w) -> int:
+    """The most rows a decode GEMV takes with weight ``w``: gemv.cu's 64 for bf16, gemv_q.cu's 8 for a
+    matrix with a part in a block format (or fp8)."""
+    if isinstance(w, Matrix) and w.formats != (BF16,):
+        return QUANT_GEMV_MAX_ROWS
+    return GEMV_MAX_ROWS
 
 
 @dataclass(frozen=True)
@@ -109,11 +123,16 @@ class Kernels:
                             "pf_bytes:i64 interleaved:i32 rotary_dim:i32 factor:f32 q_norm:ptr k_norm:ptr eps:f32 "
                             "mrope1:i32 mrope2:i32",
                             head_dim // 2)  # fmt: skip
-        gemv = mod("gemv", ("TC_THREADS", TC_THREADS))
-        self._tc = {
+        gemv = mod("gemv", ("TC_THREADS", TC_THREADS), *GEMV_ROW_TUNING)
+        self._tc = {  # 1..8 rows, keyed (epilogue, u2)
             (epi, u2): Kernel(gemv, f"gemv_tc_{epi}" + ("_u2" if u2 else ""), params, TC_THREADS)
             for epi, params in TC_PARAMS.items()
             for u2 in (False, True)
+        }
+        self._tc_wide = {  # 9..64 rows, keyed (epilogue, most rows)
+            (epi, most): Kernel(gemv, f"gemv_tc_{epi}{sfx}", params, TC_THREADS)
+            for epi, params in TC_PARAMS.items()
+            for most, sfx in GEMV_ROW_VARIANTS
         }
         self._gemm = Kernel(mod("gemm", ("GEMM_THREADS", GEMM_THREADS)), "gemm_bf16", "A:ptr W:ptr bias:ptr C:ptr "
                             "M:i32 N:i32 K:i32 ldc:i32 accumulate:i32", GEMM_THREADS, shared=GEMM_SMEM)  # fmt: skip
@@ -195,9 +214,10 @@ class Kernels:
     def linear(self, s, x: int, w: int, bias: int, out: int, rows: int, n: int, k: int, ldo: int | None = None,
                accumulate: bool = False, ss_in: tuple[int, int] = (0, 0), eps: float = 0.0,
                norm_out: tuple[int, int, int] = (0, 0, 0)) -> int:  # fmt: skip
-        """out[rows, n] (+)= x[rows, k] @ w[n, k].T (+ bias): gemv_tc up to 8 rows, the GEMM above.
+        """out[rows, n] (+)= x[rows, k] @ w[n, k].T (+ bias): gemv_tc up to ``gemv_rows(w)`` rows (64;
+        8 for a quantized matrix), the GEMM above.
 
-        Fused RMSNorm (gemv_tc only, rows <= 8; gemv.cu): ``ss_in`` = (partials, count per row)
+        Fused RMSNorm (gemv_tc only; gemv.cu): ``ss_in`` = (partials, count per row)
         scales each row by rsqrt(sum / k + eps) (x then holds bf16(h * norm weight)); ``norm_out``
         = (norm weight, xw, ss_out) writes the next norm's inputs from the new out. Returns the
         number of ss partials per row written (ceil(n / 16)) or 0."""
@@ -206,13 +226,13 @@ class Kernels:
         ldo = n if ldo is None else ldo
         if norm_out[0] and ldo != n:
             raise ValueError("norm_out needs a contiguous output (ldo == n)")
-        if 1 <= rows <= GEMV_MAX_ROWS:
+        if 1 <= rows <= gemv_rows(w):
             nw, xw, ss_out = norm_out
             self._gemv_tc(s, ACC if accumulate else STORE, x, w, out, rows, n, k, ldo, ss_in, eps, bias=bias, nw=nw,
                           xw=xw, ss_out=ss_out)  # fmt: skip
             return (n + 15) // 16 if norm_out[0] else 0
         if ss_in[0] or norm_out[0]:
-            raise ValueError(f"fused RMSNorm needs 1..{GEMV_MAX_ROWS} rows, got {rows}")
+            raise ValueError(f"fused RMSNorm needs 1..{gemv_rows(w)} rows, got {rows}")
         self._gemm(s, ((rows + 127) // 128, (n + 127) // 128), A=x, W=self.as_bf16(s, w, n, k), bias=bias, C=out,
                    M=rows, N=n, K=k, ldc=ldo, accumulate=int(accumulate))  # fmt: skip
         return 0
@@ -248,6 +268,8 @@ class Kernels:
         """One GEMV launch per part of ``w`` (bf16: gemv.cu, a block format: gemv_q.cu), each over its
         rows: store / acc write their columns of ``out``, rope its heads (``n_base``)."""
         if isinstance(w, Matrix) and w.formats != (BF16,):
+            if rows > QUANT_GEMV_MAX_ROWS:
+                raise ValueError(f"the quantized GEMV takes 1..{QUANT_GEMV_MAX_ROWS} rows, got {rows}")
             if w.rows != n or w.k != k:
                 raise ValueError(f"a {w.rows} x {w.k} matrix as {n} x {k}")
             if len(w.parts) > 1 and (extra.get("nw") or epi in (SWIGLU, GEGLU)):
@@ -271,7 +293,12 @@ class Kernels:
             return
         if isinstance(w, Matrix):
             w = w.ptr
-        kern = self._tc[(epi, n * k < self.u2_below)]
+        if rows > GEMV_MAX_ROWS:
+            raise ValueError(f"gemv_tc takes 1..{GEMV_MAX_ROWS} rows, got {rows}")
+        if rows <= 8:
+            kern = self._tc[(epi, n * k < self.u2_below)]
+        else:
+            kern = self._tc_wide[(epi, next(most for most, _ in GEMV_ROW_VARIANTS if rows <= most))]
         kern(s, ((n + 15) // 16,), x=x, W=w, out=out, M=rows, N=n, K=k, ldo=ldo, ss_in=ss_in[0], ss_nparts=ss_in[1],
              eps=eps, **extra)  # fmt: skip
 
@@ -283,8 +310,8 @@ class Kernels:
         KV write in its epilogue (gemv_tc_rope): q_out bf16 [rows, heads, D] rotated, K rotated and V
         copied into their cache slots, as ``rope_kv_write`` does (``rotary_dim``, ``factor`` as there).
         ``ss_in``: fused RMSNorm as in ``linear``."""
-        if not 1 <= rows <= GEMV_MAX_ROWS or k % 8:
-            raise ValueError(f"qkv_rope needs 1..{GEMV_MAX_ROWS} rows and K % 8 == 0 (rows={rows}, K={k})")
+        if not 1 <= rows <= gemv_rows(w) or k % 8:
+            raise ValueError(f"qkv_rope needs 1..{gemv_rows(w)} rows and K % 8 == 0 (rows={rows}, K={k})")
         d = self.head_dim
         rd = d if rotary_dim is None else rotary_dim
         if rd % 16 or not 0 <= rd <= d:
@@ -296,16 +323,17 @@ class Kernels:
     def gate_up_act(self, s, x: int, w: int, gu: int, act: int, rows: int, inter: int, k: int,
                     ss_in: tuple[int, int] = (0, 0), eps: float = 0.0, fn: str = "silu") -> None:  # fmt: skip
         """act[rows, inter] = bf16(fn(gate) * up) of x @ w.T (``fn`` "silu": SwiGLU, "gelu_tanh": GeGLU),
-        ``w`` the gate|up matrix interleaved in 8-row groups (``weights.interleave_gate_up``). Up to 8 rows
-        the activation is the GEMV's epilogue (no fp32 ``gu`` round trip, one launch); wider, the GEMM
+        ``w`` the gate|up matrix interleaved in 8-row groups (``weights.interleave_gate_up``). Up to
+        ``gemv_rows(w)`` rows the activation is the GEMV's epilogue (no fp32 ``gu`` round trip, one
+        launch); wider, the GEMM
         writes ``gu`` and ``swiglu`` reads it."""
         if k % 8 or inter % 8:
             raise ValueError(f"K={k} and I={inter} must be multiples of 8")
-        if 1 <= rows <= GEMV_MAX_ROWS:
+        if 1 <= rows <= gemv_rows(w):
             self._gemv_tc(s, GATE_EPILOGUE[fn], x, w, act, rows, 2 * inter, k, inter, ss_in, eps)
             return
         if ss_in[0]:
-            raise ValueError(f"fused RMSNorm needs 1..{GEMV_MAX_ROWS} rows, got {rows}")
+            raise ValueError(f"fused RMSNorm needs 1..{gemv_rows(w)} rows, got {rows}")
         self.linear(s, x, w, 0, gu, rows, 2 * inter, k)
         self.swiglu(s, gu, act, inter, rows, interleaved=True, act=fn)
 

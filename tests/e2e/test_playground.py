@@ -147,6 +147,7 @@ def test_three_chats_at_once_fill_three_lanes(page):
     css(page, "#tab-btn-monitor").click()
     wait_for(lambda: css(page, "#monitor-lanes-busy").text.startswith("0 /"), 30, 0.1, "the lanes to free")
     assert int(css(page, "#monitor-decoded").text) > 0
+    assert "tokens a round" in css(page, "#monitor-spec").text  # the Speculation line: drafters, tokens a round
     shot(page, "06-monitor-idle")
 
 
@@ -329,6 +330,11 @@ data.lanes = [
   {state: "decoding", class: "interactive", output_tokens: 1234, max_tokens: 4096},
   {state: "prefilling", class: "batch", output_tokens: 0, max_tokens: 32768},
 ];
+// and speculation at work with both drafters (the Speculation line at its longest)
+data.metrics['ignis_spec_drafted_tokens_total{drafter="prompt_lookup"}'] = 300;
+data.metrics['ignis_spec_accepted_tokens_total{drafter="prompt_lookup"}'] = 120;
+data.metrics['ignis_spec_drafted_tokens_total{drafter="prediction"}'] = 123456;
+data.metrics['ignis_spec_accepted_tokens_total{drafter="prediction"}'] = 120000;
 mon.render(data, data.metrics);
 """
 
@@ -376,6 +382,8 @@ def test_a_375px_window_fits(page, live_server_url):
         # Busy lanes have the most to show: the last status with two lanes at work, polling held.
         page.execute_script(BUSY_LANES)
         assert len(css_all(page, ".lane.busy")) == 2
+        spec = css(page, "#monitor-spec").text
+        assert "prompt_lookup 120/300 kept (40%)" in spec and "prediction 120000/123456 kept (97%)" in spec, spec
         assert_fits(page, "monitor with busy lanes")
         shot(page, "13-375-monitor")
         css(page, "#tab-btn-decide").click()

@@ -120,9 +120,13 @@ def test_rmsnorm_and_swiglu(kern, stream):
         assert rel_err(get(g_o, True, (rows, inter)), ref) < 8e-3
 
 
-@pytest.mark.parametrize("rows,inter,k_", [(1, 1408, 512), (3, 14336, 4096), (8, 64, 200), (12, 1536, 576)])
+@pytest.mark.parametrize(
+    "rows,inter,k_",
+    [(1, 1408, 512), (3, 14336, 4096), (8, 64, 200), (12, 1536, 576), (29, 1408, 512), (40, 14336, 4096),
+     (64, 200, 136), (72, 64, 200)],
+)  # fmt: skip
 def test_gate_up_act(kern, stream, rows, inter, k_):
-    """The gate_up GEMV with SwiGLU in its epilogue (rows <= 8) / GEMM + swiglu (wider), on the
+    """The gate_up GEMV with SwiGLU in its epilogue (rows <= 64) / GEMM + swiglu (wider), on the
     interleaved gate|up matrix, against numpy."""
     from engine.backends.cuda.weights import interleave_gate_up
 
@@ -153,26 +157,35 @@ def kern_by_u2(dev):
 @pytest.mark.parametrize(
     "rows,n,k_",
     [(1, 4096, 4096), (2, 300, 1408), (3, 1001, 576), (8, 256, 14336), (5, 77, 8), (7, 33, 200), (16, 8, 64),
-     (1, 24, 1032)],
+     (1, 24, 1032), (9, 300, 1408), (13, 1001, 576), (24, 256, 14336), (33, 77, 8), (40, 4096, 4096),
+     (57, 33, 200), (64, 1000, 1032), (65, 300, 512)],
 )  # fmt: skip
 def test_linear_gemv_and_gemm(kern_by_u2, stream, rows, n, k_, u2):
     _check_linear(kern_by_u2[u2], stream, rows, n, k_)
 
 
-def test_gemv_tc_width_invariant(kern, stream):
-    """A row's output of gemv_tc is bitwise the same whatever the other rows and the width are."""
-    k = kern[(128, 4)]
+@pytest.mark.parametrize("u2", [False, True])
+def test_gemv_tc_width_invariant(kern_by_u2, stream, u2):
+    """A row's output of gemv_tc is bitwise the same whatever the other rows, its place among them
+    and the width are (every variant: 1..8 rows, 16, 32, 64)."""
+    k = kern_by_u2[u2]
     n, k_ = 1000, 4096
-    x = bf(rng.standard_normal((8, k_)).astype(np.float32))
+    x = bf(rng.standard_normal((64, k_)).astype(np.float32))
     w = put(bf((rng.standard_normal((n, k_)) / np.sqrt(k_)).astype(np.float32)), True)
-    outs = []
-    for rows in (1, 3, 8):
-        g_o = put(np.full((rows, n), np.nan, np.float32))
-        k.linear(stream, put(x[:rows], True).ptr, w.ptr, 0, g_o.ptr, rows, n, k_)
+
+    def run(xs):
+        g_o = put(np.full((len(xs), n), np.nan, np.float32))
+        k.linear(stream, put(np.ascontiguousarray(xs), True).ptr, w.ptr, 0, g_o.ptr, len(xs), n, k_)
         stream.synchronize()
-        outs.append(get(g_o).reshape(rows, n))
-    np.testing.assert_array_equal(outs[0][0], outs[1][0])
-    np.testing.assert_array_equal(outs[1], outs[2][:3])
+        return get(g_o).reshape(len(xs), n)
+
+    full = run(x)
+    for rows in (1, 3, 8, 9, 16, 17, 31, 32, 40, 63):
+        np.testing.assert_array_equal(run(x[:rows]), full[:rows], err_msg=f"width {rows}")
+    # rows moved to other places (other mma columns and row groups) keep their bits
+    perm = rng.permutation(64)
+    np.testing.assert_array_equal(run(x[perm]), full[perm])
+    np.testing.assert_array_equal(run(x[perm[:40]]), full[perm[:40]])
 
 
 def _norm_ref(h, nw, eps=1e-5):
@@ -182,7 +195,7 @@ def _norm_ref(h, nw, eps=1e-5):
 def test_fused_rmsnorm_chain(kern, stream):
     """Decode rounds fold RMSNorm into the GEMVs: embed and accumulate-mode GEMVs write bf16(h * w) and
     per-block sums of h^2; the next GEMV (plain, SwiGLU) scales its rows. Against numpy, and a row's
-    results are bitwise the same at widths 1 and 8."""
+    results are bitwise the same at widths 1, 8, 13 and 64."""
     from engine.backends.cuda.weights import interleave_gate_up
 
     k = kern[(128, 4)]
@@ -195,10 +208,10 @@ def test_fused_rmsnorm_chain(kern, stream):
     up = bf((rng.standard_normal((inter, hid)) / np.sqrt(hid)).astype(np.float32))
     g_tab, g_wo, g_nw, g_wq = put(tab, True), put(w_o, True), put(nw, True), put(w_q, True)
     g_gu = put(interleave_gate_up(gate, up), True)
-    toks = rng.integers(0, vocab, 8).astype(np.int32)
-    a_in = bf(rng.standard_normal((8, n_in)).astype(np.float32))
+    toks = rng.integers(0, vocab, 64).astype(np.int32)
+    a_in = bf(rng.standard_normal((64, n_in)).astype(np.float32))
     res = {}
-    for rows in (1, 8):
+    for rows in (1, 8, 13, 64):
         g_x, g_xw = put(np.full((rows, hid), np.nan, np.float32)), put(np.full((rows, hid), 0x7FC0, np.uint16))
         g_ss = put(np.full(rows * (hid // 16), np.nan, np.float32))
         # embed: x, xw, one partial per row
@@ -238,35 +251,38 @@ def test_fused_rmsnorm_chain(kern, stream):
         act = get(g_act, True, (rows, inter))
         assert rel_err(act, gg / (1 + np.exp(-gg)) * uu) < 1.5e-2
         res[rows] = (emb_out, h2, parts, out, act)
-    for a, b in zip(res[1], res[8]):
-        np.testing.assert_array_equal(a[0], b[0])
+    for rows in (8, 13, 64):
+        for a, b in zip(res[1], res[rows]):
+            np.testing.assert_array_equal(a[0], b[0])
+    for a, b in zip(res[8], res[64]):
+        np.testing.assert_array_equal(a, b[:8])
 
 
 @pytest.mark.parametrize("d,g,bias", [(64, 4, True), (128, 4, False), (128, 1, True)])
 def test_qkv_rope_epilogue(kern, stream, d, g, bias):
     """The q|k|v GEMV with fused RMSNorm scale and rope + KV write in its epilogue (gemv_tc mode 3)
-    against numpy; row 0 is bitwise the same at widths 1 and 7."""
+    against numpy; row 0 is bitwise the same at widths 1, 7, 20 and 64."""
     from engine.backends.cuda.weights import interleave_rope
 
     k = kern[(d, g)]
     kvh, bs, L, nb, hid, eps = 2, 16, 3, 20, 512, 1e-6
     h = kvh * g
     n = (h + 2 * kvh) * d
-    hres = (rng.standard_normal((7, hid)) * 2).astype(np.float32)
+    hres = (rng.standard_normal((64, hid)) * 2).astype(np.float32)
     nw = bf((1 + 0.3 * rng.standard_normal(hid)).astype(np.float32))
     w = bf((rng.standard_normal((n, hid)) / np.sqrt(hid)).astype(np.float32))
     b = rng.standard_normal(n).astype(np.float32) if bias else None
     ss = (hres.astype(np.float64) ** 2).sum(-1)
     parts = np.stack([ss * 0.25, ss * 0.5, ss * 0.25], -1).astype(np.float32)  # any split of the sum
-    pos = rng.integers(0, 5000, 7).astype(np.int32)
-    slots = rng.choice(nb * bs, 7, replace=False).astype(np.int32)
+    pos = rng.integers(0, 5000, 64).astype(np.int32)
+    slots = rng.choice(nb * bs, 64, replace=False).astype(np.int32)
     inv = _inv_freq(d)
     g_w, g_x = put(interleave_rope(w, d), True), put(bf(hres * nw), True)
     g_b = put(interleave_rope(b, d)) if bias else None
     g_pos, g_slots, g_inv, g_parts = put(pos), put(slots), put(inv), put(parts)
     layer, stride = 1, L * 2 * bs * kvh * d
     qs, caches = {}, {}
-    for rows in (1, 7):
+    for rows in (1, 7, 20, 64):
         cache = _cache_setup(nb, L, bs, kvh, d)
         g_cache, g_q = put(cache, True), put(np.full((rows, h, d), 0x7FC0, np.uint16))
         k.qkv_rope(stream, g_x.ptr, g_w.ptr, g_b.ptr if bias else 0, g_q.ptr, rows, h, kvh, hid, g_pos.ptr,
@@ -292,8 +308,10 @@ def test_qkv_rope_epilogue(kern, stream, d, g, bias):
         mask[blk, layer, :, off] = False
         np.testing.assert_array_equal(got[mask], cache[mask])
         caches[rows] = got[blk[0], layer, :, off[0]]
-    np.testing.assert_array_equal(qs[1][0], qs[7][0])
-    np.testing.assert_array_equal(caches[1], caches[7])
+    for rows in (7, 20, 64):
+        np.testing.assert_array_equal(qs[1][0], qs[rows][0])
+        np.testing.assert_array_equal(caches[1], caches[rows])
+    np.testing.assert_array_equal(qs[20], qs[64][:20])
 
 
 def _check_linear(k, stream, rows, n, k_):
@@ -313,7 +331,7 @@ def _check_linear(k, stream, rows, n, k_):
     assert rel_err(get(g_o), ref + base) < 1e-4
 
 
-@pytest.mark.parametrize("rows,n,k_", [(17, 200, 136), (128, 384, 512), (300, 128, 4096), (2048, 512, 1024)])
+@pytest.mark.parametrize("rows,n,k_", [(65, 200, 136), (128, 384, 512), (300, 128, 4096), (2048, 512, 1024)])
 def test_gemm_tensor_cores(kern, stream, rows, n, k_):
     k = kern[(128, 4)]
     x = bf(rng.standard_normal((rows, k_)).astype(np.float32))
@@ -447,6 +465,58 @@ def test_decode_attention(kern, stream, d, g):
             q[i : i + 1], cache[blk, layer, 0, off], cache[blk, layer, 1, off], pos[i : i + 1], d**-0.5
         )
         assert rel_err(got[i], ref[0]) < 1e-2, f"lane {i} ctx {c}"
+
+
+@pytest.mark.parametrize("d,g", [(64, 4), (128, 1), (128, 7), (256, 2)])
+def test_decode_attention_verify_rows(kern, stream, d, g):
+    """A speculative round's rows: lanes of k + 1 consecutive positions on one block table (8 lanes x
+    5 rows, then one lane of 9 and 1-row lanes, 64 rows in all). Each row sees the keys up to its own
+    position (the causal rule among a lane's rows) against numpy, and its output is bitwise the one
+    it gets in a round of its own."""
+    from engine.cu.kernels import DECODE_SPLITS
+
+    k = kern[(d, g)]
+    kvh, bs, L, layer = 2, 16, 2, 1
+    h = kvh * g
+    lanes = [(int(c), 5) for c in rng.integers(1, 2500, 8)] + [(600, 9)] + [(int(c), 1) for c in (1, 40, 3000)]
+    lanes += [(int(c), 1) for c in rng.integers(1, 900, 64 - sum(r for _, r in lanes))]
+    need = [-(-(c + r) // bs) for c, r in lanes]
+    nb = sum(need) + 2
+    perm, o, tables = rng.permutation(nb), 0, []
+    for n in need:
+        tables.append(perm[o : o + n])
+        o += n
+    stride = max(need)
+    rows = [(i, c - 1 + j) for i, (c, r) in enumerate(lanes) for j in range(r)]  # (lane, position)
+    m = len(rows)
+    assert m == 64
+    bt = np.zeros((m, stride), np.int32)
+    for row, (i, _) in enumerate(rows):
+        bt[row, : len(tables[i])] = tables[i]
+    pos = np.array([p for _, p in rows], np.int32)
+    cache = _cache_setup(nb, L, bs, kvh, d)
+    q = bf(rng.standard_normal((m, h, d)).astype(np.float32))
+    g_cache, g_q, g_pos, g_bt = put(cache, True), put(q, True), put(pos), put(bt)
+    o_part = put(np.zeros(m * h * DECODE_SPLITS * d, np.float32))
+    ml = put(np.zeros(m * h * DECODE_SPLITS * 2, np.float32))
+    base, lstride = g_cache.ptr + layer * 2 * bs * kvh * d * 2, L * 2 * bs * kvh * d
+
+    def run(first: int, n: int):
+        g_out = put(np.zeros((n, h * d), np.uint16))
+        k.decode_attention(stream, g_q.ptr + first * h * d * 2, g_pos.ptr + 4 * first, g_bt.ptr + 4 * first * stride,
+                           stride, base, lstride, bs, kvh, o_part.ptr, ml.ptr, g_out.ptr, n)  # fmt: skip
+        stream.synchronize()
+        return get(g_out, True, (n, h, d))
+
+    got = run(0, m)
+    for row, (i, p) in enumerate(rows):
+        t = np.arange(p + 1)
+        blk, off = np.asarray(tables[i])[t // bs], t % bs
+        ref = _ref_attention(q[row : row + 1], cache[blk, layer, 0, off], cache[blk, layer, 1, off], pos[row : row + 1],
+                             d**-0.5)  # fmt: skip
+        assert rel_err(got[row], ref[0]) < 1e-2, f"row {row} lane {i} position {p}"
+    for row in (0, 4, 39, 40, 48, 63):
+        np.testing.assert_array_equal(run(row, 1)[0], got[row])
 
 
 @pytest.mark.parametrize("d,g", [(64, 4), (128, 1), (128, 7), (256, 2)])

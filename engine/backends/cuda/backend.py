@@ -4,8 +4,9 @@ A load uploads the weights (``weights``: a GGUF's block-quantized matrices as st
 ``weights_as_stored``), allocates the activations for up to
 ``PREFILL_CHUNK`` rows (``forward.Workspace``) and two staging areas (decode round,
 prefill span), sizes the KV pool from what is left (``kv``), and captures one decode
-graph per width (``graphs``). A prefill span runs in chunks through ``Forward``; a
-decode round stages its lanes and replays its width's graph; both sample on the
+graph per width (``graphs``: 1..64 rows, 1..8 with quantized matrices). A prefill span
+runs in chunks through ``Forward``; a decode round stages its lanes (a speculating
+lane's verify rows among them) and replays its width's graph; both sample on the
 device (``sampling``). A vision-language model (qwen2_5_vl) also uploads its tower
 (``vision``): a span encodes each image it reaches once and its chunks take the image's
 rows in place of the placeholders' embeddings; its prefill rows stage three rope
@@ -23,7 +24,7 @@ import numpy as np
 
 from engine.backend import Backend, DecodeLane, PrefillSpan, StepOutput
 from engine.backends.cuda import sampling
-from engine.backends.cuda.forward import MAX_LANES, PREFILL_CHUNK, Forward, Workspace, check_model
+from engine.backends.cuda.forward import MAX_LANES, PREFILL_CHUNK, QUANT_LANES, Forward, Workspace, check_model
 from engine.config import CudaTuning
 from engine.cu.quant import QUANT_FORMATS
 from engine.memory import MemoryPlan, dequant_scratch_bytes, workspace_bytes
@@ -36,8 +37,9 @@ class CudaBackend(Backend):
     # Decode and prefill attention never read a KV block before a sliding layer's window
     # (attention_decode.cu / attention_prefill.cu), so the scheduler may release those pages.
     releases_window_pages = True
-    # A speculating lane's rows are rows of the round (tests/kernels/test_cuda_spec.py): up to the
-    # widest decode graph.
+    # A speculating lane's rows are rows of the round (tests/kernels/test_cuda_spec.py): up to
+    # ``cuda.round_rows`` (16; the kernels and graphs take 64), 8 once a load finds quantized
+    # matrices or MoE layers (``_load``).
     max_round_rows = MAX_LANES
     # The GGUF block types the loader keeps as stored (engine.loaders.gguf.QuantizedTensor): decode
     # GEMVs read them (engine/cu/gemv_q.cu); F16 / BF16 / F32 arrive as floats and go up as bf16.
@@ -75,6 +77,7 @@ class CudaBackend(Backend):
         from engine.backends.cuda.graphs import GraphRunner, decode_fields
         from engine.backends.cuda.kv import KVPool
         from engine.backends.cuda.weights import quant_formats, upload
+        from engine.cu.kernels import gemv_rows
         from engine.cu.runtime import Allocations, Staging
         from engine.models import definition
 
@@ -114,7 +117,10 @@ class CudaBackend(Backend):
                          gpu_budget=self.tuning.gpu_budget, free_at_load=free_at_load)  # fmt: skip
         self.forward = Forward(cfg, self.kern, self.stream, self.weights, self.ws, self.kv.layout, moe=self.moe)
         eager = self.moe is not None and not self.moe.graph_safe  # the expert cache reads routing back
-        self.graphs = GraphRunner(self.stream, self.dstage, self._decode_body, MAX_LANES, eager=eager)
+        # gemv_q.cu and the expert kernels take one group of 8 rows; gemv.cu takes 64.
+        narrow = self.weights.quantized or gemv_rows(self.weights.lm_head) < MAX_LANES or self.moe is not None
+        self.max_round_rows = QUANT_LANES if narrow else max(QUANT_LANES, min(self.tuning.round_rows, MAX_LANES))
+        self.graphs = GraphRunner(self.stream, self.dstage, self._decode_body, self.max_round_rows, eager=eager)
         self.graphs.capture()
         # The workspace figure is engine.memory's formula (the same one the switch precheck uses):
         # activations of PREFILL_CHUNK rows plus MAX_LANES rows of logits.
@@ -293,8 +299,9 @@ class CudaBackend(Backend):
         from engine.cu import runtime
 
         with runtime.current():
-            for g in range(0, len(lanes), MAX_LANES):
-                self._decode_group(lanes[g : g + MAX_LANES], out)
+            w = self.max_round_rows
+            for g in range(0, len(lanes), w):
+                self._decode_group(lanes[g : g + w], out)
 
     def _decode_group(self, lanes: Sequence[DecodeLane], out: StepOutput) -> None:
         import pycuda.driver as cuda

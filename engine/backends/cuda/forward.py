@@ -5,7 +5,7 @@ fuses them into 5 kernels a layer, a prefill chunk runs them one by one. Layers 
 differ (gemma3, gpt-oss: sliding and full attention, their own rope): every layer
 launches with its own weights and options (``weights.Layer``).
 
-| operation | decode round (1..8 rows) | prefill chunk |
+| operation | decode round (1..64 rows; 8 quantized) | prefill chunk |
 |---|---|---|
 | Embedding (scale) | embed, with the first RMSNorm's inputs | embed |
 | RMSNorm (attn_norm; plus_one folded at upload) | folded into its producer (embed, down GEMV or post-norm: ``norm_out``) and the q|k|v GEMV (``ss_in``) | rmsnorm |
@@ -33,7 +33,8 @@ from engine.cu.kernels import GATE_EPILOGUE
 from engine.model_config import ModelConfig
 from engine.models.ops import Attention, Block, Embedding, GatedMLP, Head, MoE, MRope, QKNorm, RMSNorm, Rope
 
-MAX_LANES = 8  # rows of one decode round (one graph per width 1..8)
+MAX_LANES = 64  # rows of one decode round (lanes and their verify rows; one graph per width 1..64)
+QUANT_LANES = 8  # ... with a quantized matrix (gemv_q.cu) or MoE layers: their decode kernels take 8
 PREFILL_CHUNK = 2048  # rows of one prefill chunk (activations are sized for it)
 
 

@@ -1,10 +1,12 @@
-"""Decode rounds as CUDA graphs: one per exact width 1..MAX_LANES, replayed per round.
+"""Decode rounds as CUDA graphs: one per exact width 1..max_width (64 rows), replayed per round.
 
 A graph reads its inputs (tokens, positions, KV slots, block tables, sampling
 parameters, penalty lists) from named static staging buffers (``runtime.Staging``:
 pinned host memory mirrored on the device), so a replay needs only one small
 host-to-device copy before it and the sampled tokens copied back after it. A
-narrow round is never padded to a wider graph.
+narrow round is never padded to a wider graph: every width has its own, so no row computes
+for another and each kernel sees the round's exact rows (a lane's result does not depend on
+them, gemv.cu / attention_decode.cu).
 """
 
 from __future__ import annotations

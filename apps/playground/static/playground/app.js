@@ -522,6 +522,15 @@
       $("#monitor-kv").textContent = used + " used · " + kept + " retained · " + g('ignis_kv_pages{state="free"}') +
         " free of " + pool + " pages (" + g("ignis_kv_page_tokens") + " tokens each) · " + g("ignis_kv_pages_on_host") +
         " on host of " + g("ignis_kv_host_pool_pages");
+      // Speculative rounds (docs/SPECULATION.md): drafts kept / proposed by drafter, tokens a decode round.
+      const draftedOf = (d) => g('ignis_spec_drafted_tokens_total{drafter="' + d + '"}');
+      const keptOf = (d) => g('ignis_spec_accepted_tokens_total{drafter="' + d + '"}');
+      const drafters = Object.keys(m).filter((k) => k.startsWith("ignis_spec_drafted_tokens_total{"))
+        .map((k) => k.slice(k.indexOf('"') + 1, k.lastIndexOf('"'))).filter((d) => draftedOf(d) > 0);
+      const rounds = g("ignis_decode_rounds_total");
+      $("#monitor-spec").textContent = (drafters.length ? drafters.map((d) => d + " " + keptOf(d) + "/" + draftedOf(d) +
+        " kept (" + ((100 * keptOf(d)) / draftedOf(d)).toFixed(0) + "%)").join(" · ") : "no drafts yet") +
+        (rounds ? " · " + (g("ignis_decoded_tokens_total") / rounds).toFixed(2) + " tokens a round" : "");
       const mib = (b) => (b / 1048576).toFixed(0) + " MiB";
       $("#monitor-plan").textContent = ["weights", "kv", "workspace", "host_kv"]
         .map((p) => p + " " + mib(g('ignis_memory_plan_bytes{part="' + p + '"}'))).join(" · ");
