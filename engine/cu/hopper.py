@@ -1,4 +1,5 @@
-"""The Hopper prefill GEMM (engine/cu/gemm_hopper.cu): its TMA descriptors, variants and launch.
+"""The Hopper prefill kernels (engine/cu/gemm_hopper.cu, attention_prefill_hopper.cu): their TMA
+descriptors, variants and launches.
 
 ``HopperGemm`` compiles gemm_hopper.cu for sm_90a in four variants (``VARIANTS``: consumer
 warpgroups x tile width, each with as many pipeline stages as fit in shared memory) and
@@ -10,6 +11,10 @@ The TMA tensor maps (``CUtensorMap``, 128 opaque bytes) are encoded on the host 
 driver's ``cuTensorMapEncodeTiled`` (through ctypes: no binding beyond PyCUDA) and passed
 by value as the kernel's first two parameters; one is cached per (pointer, rows, K, box),
 since the forward pass reuses the same workspace buffers chunk after chunk.
+
+``HopperAttention`` is the prefill attention for head_dim 128 (``covers`` says which calls): q and
+the layer's part of the paged KV cache read through 3-D tensor maps, one block a (KV head, 128
+rows of positions x grouped heads); ``route_attention`` gives it on an sm_90 device, else None.
 """
 
 from __future__ import annotations
@@ -74,21 +79,31 @@ def _libcuda():
     return f
 
 
+def encode_map(ptr: int, dims: tuple[int, ...], strides: tuple[int, ...], box: tuple[int, ...]) -> bytes:
+    """The 128-byte CUtensorMap of a bf16 tensor at ``ptr``: ``dims`` innermost first, ``strides`` the
+    byte strides of dims 1.. (multiples of 16), read in boxes of ``box`` with the 128-byte swizzle
+    (zeros outside the tensor)."""
+    if ptr % 16 or any(st % 16 for st in strides):
+        raise ValueError(f"TMA needs a 16-byte aligned tensor and strides (ptr={ptr:#x}, strides={strides})")
+    rank = len(dims)
+    out = (ctypes.c_uint64 * 16)()
+    cdims = (ctypes.c_uint64 * rank)(*dims)
+    cstrides = (ctypes.c_uint64 * (rank - 1))(*strides)
+    cbox = (ctypes.c_uint32 * rank)(*box)
+    elem = (ctypes.c_uint32 * rank)(*([1] * rank))
+    res = _libcuda()(out, _BF16, rank, ctypes.c_void_p(ptr), cdims, cstrides, cbox, elem, _INTERLEAVE_NONE,
+                     _SWIZZLE_128B, _L2_256B, _OOB_ZERO)  # fmt: skip
+    if res != 0:
+        raise RuntimeError(f"cuTensorMapEncodeTiled failed (CUresult {res}) for dims {dims} box {box}")
+    return bytes(out)
+
+
 def tensor_map(ptr: int, rows: int, cols: int, box_rows: int) -> bytes:
-    """The 128-byte CUtensorMap of a row-major bf16 [rows, cols] matrix at ``ptr``, read in boxes of
-    ``box_rows`` x 64 with the 128-byte swizzle (zeros outside the matrix)."""
+    """The tensor map of a row-major bf16 [rows, cols] matrix at ``ptr``, read in boxes of ``box_rows``
+    x 64 with the 128-byte swizzle (zeros outside the matrix)."""
     if ptr % 16 or cols % 8:
         raise ValueError(f"TMA needs a 16-byte aligned matrix and cols % 8 == 0 (ptr={ptr:#x}, cols={cols})")
-    out = (ctypes.c_uint64 * 16)()
-    dims = (ctypes.c_uint64 * 2)(cols, rows)
-    strides = (ctypes.c_uint64 * 1)(cols * 2)
-    box = (ctypes.c_uint32 * 2)(BK, box_rows)
-    elem = (ctypes.c_uint32 * 2)(1, 1)
-    res = _libcuda()(out, _BF16, 2, ctypes.c_void_p(ptr), dims, strides, box, elem, _INTERLEAVE_NONE, _SWIZZLE_128B,
-                     _L2_256B, _OOB_ZERO)  # fmt: skip
-    if res != 0:
-        raise RuntimeError(f"cuTensorMapEncodeTiled failed (CUresult {res}) for [{rows}, {cols}] box {box_rows}")
-    return bytes(out)
+    return encode_map(ptr, (cols, rows), (cols * 2,), (BK, box_rows))
 
 
 def param_layout(cubin: bytes, name: str) -> list[tuple[int, int]]:
@@ -146,7 +161,7 @@ def _module(nc: int, bn: int, cache_dir: str):
 
     cache = cache_dir or DEFAULT_CACHE_DIR
     os.makedirs(cache, exist_ok=True)
-    src = (CU_DIR / "common.cuh").read_text() + "\n" + (CU_DIR / "gemm_hopper.cu").read_text()
+    src = "\n".join((CU_DIR / f).read_text() for f in ("common.cuh", "hopper.cuh", "gemm_hopper.cu"))
     defines = {"HG_NC": nc, "HG_BN": bn, "HG_STAGES": stages(nc, bn)}
     options = ["-O3", "-std=c++17"] + [f"-D{k}={v}" for k, v in defines.items()]
     cubin = nvcc(src, options=options, no_extern_c=True, arch=ARCH, cache_dir=cache)
@@ -226,3 +241,86 @@ class GemmRoute:
 def route_gemm(gemm, cache_dir: str = ""):
     """``gemm`` (gemm_bf16's Kernel) behind gemm_hopper on an sm_90 device; ``gemm`` itself elsewhere."""
     return GemmRoute(gemm, HopperGemm(cache_dir)) if supported() else gemm
+
+
+# --- prefill attention (attention_prefill_hopper.cu) -----------------------------------------
+
+FA_BM, FA_KT, FA_D, FA_STAGES = 128, 128, 128, 2  # rows a block, keys a tile, head_dim, K/V stages
+FA_THREADS = 384
+FA_SMEM = (FA_BM * FA_D + 2 * FA_STAGES * FA_KT * FA_D) * 2 + 1024 + 256
+FA_PARAMS = ["128s", "128s", "P", "i", "i", "i", "i", "i", "f", "P"]  # tmQ, tmKV, block_table, block_size,
+# block_rows, KVH, n, start, scale_log2, out
+KV_ROWS_BOUND = (1 << 31) - 1  # the cache map's row extent: rows are addressed through the block table
+
+
+def attention_covers(head_dim: int, group: int, block_size: int) -> bool:
+    """Whether attention_prefill_hopper.cu takes this shape: head_dim 128, a group dividing the block's 128
+    rows, pages of a multiple of 8 rows that tile the 128-key tiles (or are tiled by them)."""
+    pages_fit = block_size % 8 == 0 and (FA_KT % block_size == 0 or block_size % FA_KT == 0)
+    return head_dim == FA_D and group in (1, 2, 4, 8) and pages_fit
+
+
+@functools.cache
+def _attention_module(group: int, pvn: int, cache_dir: str):
+    import pycuda.driver as cuda
+    from pycuda.compiler import compile as nvcc
+
+    cache = cache_dir or DEFAULT_CACHE_DIR
+    os.makedirs(cache, exist_ok=True)
+    src = "\n".join((CU_DIR / f).read_text() for f in ("common.cuh", "hopper.cuh", "attention_prefill_hopper.cu"))
+    options = ["-O3", "-std=c++17", f"-DGROUP={group}", f"-DFA_PVN={pvn}"]
+    cubin = nvcc(src, options=options, no_extern_c=True, arch=ARCH, cache_dir=cache)
+    return cuda.module_from_buffer(cubin), pack_format(param_layout(cubin, "prefill_attn_hopper"), FA_PARAMS)
+
+
+class HopperAttention:
+    """prefill_attn_hopper for one group size, compiled and prepared for the current device. ``pvn``: the
+    P V product as one n128 wgmma a k16 step (128) or two n64 (64)."""
+
+    def __init__(self, group: int, cache_dir: str = "", pvn: int = 128) -> None:
+        import pycuda.driver as cuda
+
+        self.group = group
+        mod, fmt = _attention_module(group, pvn, cache_dir)
+        self.fn = mod.get_function("prefill_attn_hopper")
+        self.fn.set_attribute(cuda.function_attribute.MAX_DYNAMIC_SHARED_SIZE_BYTES, FA_SMEM)
+        self.fn.prepare(fmt)
+        self._maps: dict[tuple, bytes] = {}
+
+    def covers(self, block_size: int, q: int, cache: int) -> bool:
+        return attention_covers(FA_D, self.group, block_size) and int(q) % 16 == 0 and int(cache) % 16 == 0
+
+    def _map(self, ptr: int, dims: tuple[int, ...], strides: tuple[int, ...], box: tuple[int, ...]) -> bytes:
+        key = (ptr, dims, strides, box)
+        tm = self._maps.get(key)
+        if tm is None:
+            if len(self._maps) > 4096:
+                self._maps.clear()
+            tm = self._maps[key] = encode_map(ptr, dims, strides, box)
+        return tm
+
+    def __call__(self, s, q: int, block_table: int, cache: int, block_stride: int, block_size: int, kv_heads: int,
+                 n: int, start: int, out: int, scale_log2) -> None:  # fmt: skip
+        """out[n, H * 128] = causal attention of q [n, H, 128] (positions start..) over the paged cache."""
+        if not self.covers(block_size, q, cache):
+            raise ValueError(f"prefill_attn_hopper does not take block_size {block_size} / unaligned q or cache")
+        if n <= 0:
+            return
+        g, d, h = self.group, FA_D, kv_heads * self.group
+        row = kv_heads * d * 2  # bytes between a page's token rows
+        if block_stride % (kv_heads * d):
+            raise ValueError(f"block_stride {block_stride} is not a whole number of [KVH][D] rows")
+        tmq = self._map(int(q), (d, h, n), (d * 2, h * d * 2), (64, g, FA_BM // g))
+        tmkv = self._map(int(cache), (d, kv_heads, KV_ROWS_BOUND), (d * 2, row), (64, 1, min(block_size, FA_KT)))
+        blocks = -(-n // (FA_BM // g))
+        self.fn.prepared_async_call((kv_heads, blocks, 1), (FA_THREADS, 1, 1), s, tmq, tmkv, int(block_table),
+                                    np.int32(block_size), np.int32(block_stride // (kv_heads * d)),
+                                    np.int32(kv_heads), np.int32(n), np.int32(start), np.float32(scale_log2),
+                                    int(out), shared_size=FA_SMEM)  # fmt: skip
+
+
+def route_attention(head_dim: int, group: int, cache_dir: str = "") -> HopperAttention | None:
+    """prefill_attn_hopper for this head size and group on an sm_90 device, or None (attention_prefill.cu)."""
+    if head_dim != FA_D or group not in (1, 2, 4, 8) or not supported():
+        return None
+    return HopperAttention(group, cache_dir)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engine.cu.hopper import route_gemm
+from engine.cu.hopper import route_attention, route_gemm
 from engine.cu.launch import Kernel, module
 from engine.cu.quant import BF16, Matrix, QuantKernels
 from engine.sampling import MIN_TEMPERATURE
@@ -126,6 +126,7 @@ class Kernels:
         self._prefill_attn = Kernel(pre, "prefill_attn", "q:ptr block_table:ptr cache:ptr block_stride:i64 "
                                     "block_size:i32 KVH:i32 n:i32 start:i32 scale_log2:f32 out:ptr window:i32 "
                                     "cap_log2:f32 sinks:ptr", PREFILL_THREADS)  # fmt: skip
+        self._prefill_hopper = route_attention(head_dim, group, cache_dir)  # sm_90, head_dim 128 (hopper.py)
         self._counters = cuda.mem_alloc(4 * MAX_COUNTERS)  # decode_attn's split counters, self-resetting
         cuda.memset_d32(self._counters, 0, MAX_COUNTERS)
         samp = mod("sample", ("SAMPLE_THREADS", SAMPLE_THREADS), ("MIN_TEMPERATURE", MIN_TEMPERATURE))
@@ -323,7 +324,14 @@ class Kernels:
 
     def prefill_attention(self, s, q: int, block_table: int, cache: int, block_stride: int, block_size: int,
                           kv_heads: int, n: int, start: int, out: int, args: AttnArgs | None = None) -> None:  # fmt: skip
+        """Causal attention of a chunk's q over the paged cache (its retained prefix whole) into ``out``.
+        attention_prefill_hopper.cu where it covers the call (sm_90, head_dim 128, no soft-cap, window
+        or sinks, pages of 8, 16, .. 128 or a multiple of 128 rows); attention_prefill.cu otherwise."""
         a = args or self.plain
+        fa = self._prefill_hopper
+        if fa is not None and not a.cap_log2 and a.window <= 0 and not a.sinks and fa.covers(block_size, q, cache):
+            fa(s, q, block_table, cache, block_stride, block_size, kv_heads, n, start, out, a.scale_log2)
+            return
         halves = 2 if self.head_dim == 256 else 1  # attention_prefill.cu: HEAD_DIM 256 splits the output dims
         self._prefill_attn(s, ((n + 63) // 64, kv_heads * self.group, halves), q=q, block_table=block_table, cache=cache,
                            block_stride=block_stride, block_size=block_size, KVH=kv_heads, n=n, start=start,
