@@ -299,7 +299,29 @@ def gemm_rates(be, m: int, reps: int = 10) -> list[tuple[str, int, int, float, f
             b.synchronize()
             t = b.time_since(a) / 1e3 / reps
             out.append((label, n, kk, t * 1e3, 2 * m * n * kk / t / 1e12))
+        n = 2 * inter
+        runs = (("gate,up + SwiGLU in the epilogue", lambda r: k.gate_up_act(s, ws.xn, w.layers[r].gate_up, ws.gu,
+                                                                               ws.act, m, inter, hid)),
+                ("gate,up, then swiglu", lambda r: (k.linear(s, ws.xn, w.layers[r].gate_up, 0, ws.gu, m, n, hid),
+                                                    k.swiglu(s, ws.gu, ws.act, inter, m, interleaved=True))))  # fmt: skip
+        for label, fn in runs:
+            a, b = cuda.Event(), cuda.Event()
+            a.record(s)
+            for r in range(reps):
+                fn(r % len(w.layers))
+            b.record(s)
+            b.synchronize()
+            t = b.time_since(a) / 1e3 / reps
+            out.append((label, n, hid, t * 1e3, 2 * m * n * hid / t / 1e12))
     return out
+
+
+def cuda_default_chunk() -> int:
+    """ignis_site/config.py's CUDA_PREFILL_CHUNK, read from the file (importing the package starts Celery)."""
+    import re
+
+    text = (ROOT / "ignis_site" / "config.py").read_text()
+    return int(re.search(r"^CUDA_PREFILL_CHUNK = (\d+)", text, re.M).group(1))
 
 
 def bench_prefill(args) -> None:
@@ -309,13 +331,12 @@ def bench_prefill(args) -> None:
     from bench.perfdoc import command_line, report
     from engine.backends.cuda import CudaBackend, backend, forward
     from engine.config import CudaTuning
-    from ignis_site.config import CUDA_PREFILL_CHUNK
 
     torch.cuda.init()
     rng = np.random.default_rng(0)
     gpu = torch.cuda.get_device_name(0)
     chunks = sorted(set(args.chunks))
-    default_chunk = CUDA_PREFILL_CHUNK
+    default_chunk = cuda_default_chunk()
     rows = max(chunks + [forward.PREFILL_CHUNK])
     forward.PREFILL_CHUNK = backend.PREFILL_CHUNK = rows  # the workspace holds the largest chunk swept
     model, cfg = build_model(args.layers)
@@ -459,11 +480,19 @@ def main() -> None:
         import pycuda.driver as cuda
 
         from engine.cu import runtime
+        from engine.cu.hopper import FA_VARIANTS, HopperAttention
         from engine.cu.kernels import Kernels
 
         with runtime.current():
-            for label, ms, tf in attention_rate(Kernels(128, 4), cuda.Stream(), 32, 8, 128):
+            k, s = Kernels(128, 4), cuda.Stream()
+            for label, ms, tf in attention_rate(k, s, 32, 8, 128):
                 print(f"| {label} | {ms:.2f} ms | {tf:.0f} TFLOP/s |", flush=True)
+            saved = k._prefill_hopper
+            for v in FA_VARIANTS:  # (P V width, stages, ping-pong)
+                k._prefill_hopper = HopperAttention(4, variant=v)
+                label, ms, tf = attention_rate(k, s, 32, 8, 128)[0]
+                print(f"| variant {v} | {ms:.2f} ms | {tf:.0f} TFLOP/s |", flush=True)
+            k._prefill_hopper = saved
         return
     if args.prefill:
         if args.prompts == [2048, 32768]:

@@ -11,7 +11,7 @@
 //   position blocks first. 384 threads: warpgroup 0 is the producer (one thread issues every TMA
 //   copy; setmaxnreg gives its registers to the consumers), warpgroups 1 and 2 each own 64 rows.
 // Shared memory (1 KB aligned, 128-byte swizzle throughout): Q [2][128][64] (the two 64-dim halves
-//   of D), FA_STAGES stages of K [2][FA_KT][64] and of V [2][FA_KT][64]; 160 KB. The Q box of the
+//   of D), FA_STAGES (3) stages of K [2][FA_KT][64] and of V [2][FA_KT][64]; 224 KB. The Q box of the
 //   3-D map (D, H, n) is (64, GROUP, FA_PB): it lands in row order position * GROUP + head. K and V
 //   come through a 3-D map of the layer's cache (D, KVH, rows of KVH * D): one box (64, 1, R) per
 //   page and half, R = min(block_size, FA_KT) rows, at row block_table[t / block_size] * block_rows
@@ -25,11 +25,14 @@
 //   softmax in base 2 on S (the product of P V in flight meanwhile); wait for P V, release V_{j-1},
 //   rescale O, pack S into P (bf16, the m16k16 A fragments). After the last tile, the last P V.
 //   S, O: 64 fp32 a thread each, P: 32 registers. Row sums stay per thread until the end.
+//   Ping-pong: the two consumer warpgroups issue their products in turns (named barriers 1 and
+//   2), so one warpgroup's softmax runs while the tensor cores work through the other's products.
 // Epilogue: O / l from registers into out (bf16 pairs), rows past n skipped.
 // Preconditions (engine/cu/hopper.py, HopperAttention.covers): head_dim 128, GROUP in 1, 2, 4, 8,
 //   block_size a multiple of 8 that divides FA_KT or a multiple of it, 16-byte aligned q and
 //   cache, the two tensor maps encoded as above (passed by value, __grid_constant__).
-// Compile-time: GROUP, FA_PVN (128: P V as one n128 wgmma per k16 step; 64: two n64).
+// Compile-time: GROUP, FA_PVN (128: P V as one n128 wgmma per k16 step; 64: two n64), FA_STAGES (2
+//   or 3), FA_PINGPONG (1: the turns above; 0: the warpgroups issue as they come).
 
 #ifndef GROUP
 #error "GROUP is defined by engine/cu/hopper.py"
@@ -41,11 +44,24 @@
 #define FA_BM 128
 #define FA_KT 128
 #define FA_PB (FA_BM / GROUP)
-#define FA_STAGES 2
+#ifndef FA_STAGES
+#define FA_STAGES 3
+#endif
+#ifndef FA_PINGPONG
+#define FA_PINGPONG 1
+#endif
 #define FA_THREADS 384
 #define FA_Q_BYTES (FA_BM * FA_D * 2)
 #define FA_TILE_BYTES (FA_KT * FA_D * 2)
 static_assert(FA_BM % GROUP == 0, "GROUP divides the block's 128 rows");
+
+// Named barriers 1 and 2 (0 is __syncthreads): the two consumer warpgroups take turns issuing.
+__device__ __forceinline__ void named_sync(int id, int threads) {
+    asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void named_arrive(int id, int threads) {
+    asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
 
 __device__ __forceinline__ float ex2(float x) {
     float y;
@@ -130,6 +146,7 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
         const int first_masked = start + p0;                        // tiles ending past it need the mask
         const bf16* qa = sQ + c * 64 * 64;
         mbar_wait(qfull, 0);
+        if (FA_PINGPONG && c == 1) named_arrive(1, 256);  // warpgroup 1 issues first
 
         for (int j = 0; j < ntiles; j++) {
             const int st = j % FA_STAGES, ph = (j / FA_STAGES) & 1, pst = (j + FA_STAGES - 1) % FA_STAGES;
@@ -139,6 +156,7 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
             if (j > 0) mbar_wait(&vfull[pst], ((j - 1) / FA_STAGES) & 1);
 #pragma unroll
             for (int i = 0; i < 32; i++) reg_fence(p[i]);
+            if (FA_PINGPONG) named_sync(1 + c, 256);  // my turn: the other warpgroup's products are queued before mine
             wgmma_fence();
 #pragma unroll
             for (int kk = 0; kk < FA_D / 16; kk++)  // + bytes >> 4: the descriptors' start address field
@@ -157,6 +175,7 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
                 }
             }
             wgmma_commit();  // (empty for j = 0) the waits below stay unconditional, as ptxas needs
+            if (FA_PINGPONG) named_arrive(2 - c, 256);  // the other's turn
             wgmma_wait<1>();
 #pragma unroll
             for (int i = 0; i < 64; i++) reg_fence(s[i]);
@@ -243,6 +262,7 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
             for (int i = 0; i < 64; i++) reg_fence(o[i]);
             if (tid == 0) mbar_arrive(&vempty[lst]);
         }
+        if (FA_PINGPONG && c == 0) named_sync(1, 256);  // takes warpgroup 1's last turn, so every arrival is waited for
 
         const int H = KVH * GROUP;
 #pragma unroll

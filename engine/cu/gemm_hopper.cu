@@ -1,6 +1,6 @@
 // gemm_hopper.cu: the Hopper prefill GEMM (wgmma m64nNk16 bf16, fp32 accumulate, TMA, mbarriers).
 //
-// C[m, n] (+)= sum_k A[m, k] * W[n, k] (+ bias[n])   -- gemm.cu's contract, sm_90a only
+// C[m, n] (+)= sum_k A[m, k] * W[n, k] (+ bias[n])   -- gemm.cu's contract, sm_90a only (and act below)
 //   A bf16 [M, K] row-major (activations), W bf16 [N, K] (torch Linear layout), bias fp32 [N] or
 //   null, C fp32 [M, ldc]; accumulate != 0 adds into C (the fused residual add).
 // Tiles: BM x BN x 64 per block, BM = 64 * HG_NC (HG_NC consumer warpgroups of 64 rows each),
@@ -20,6 +20,10 @@
 //   in groups of HG_GROUP_M row blocks (row block fastest), so the blocks resident at once share
 //   W tiles and A rows in L2. The producer runs ahead into the next tile while the consumers
 //   write this one's epilogue straight from registers (float2 stores, bias, accumulate).
+// act >= 0 (the gate|up product, W interleaved in 8-row groups as weights.interleave_gate_up lays
+//   it out): C is bf16 [M, ldc] and gets act(gate) * up, the 8 gates of each 16-column group times
+//   the 8 ups after them (act 0 silu, 1 gelu_tanh; no bias, no accumulate, N % 16 == 0), so the
+//   fp32 gate|up round trip and norm.cu's swiglu launch are gone.
 // Out of range rows / columns / k are zero-filled by the TMA (so any M, N and K % 8 == 0 work);
 //   stores are guarded by row < M, col < N.
 // Dynamic shared memory: HG_STAGES * (BM + BN) * 128 + 1024 (alignment) + 256 (barriers).
@@ -47,6 +51,11 @@ static_assert(BN == 128 || BN == 256, "wgmma n128 or n256");
 #define WGMMA wgmma_n128
 #endif
 
+// silu(g) (act 0) or gelu_tanh(g) (act 1), as norm.cu's swiglu computes them.
+__device__ __forceinline__ float gate_act(float g, int act) {
+    return act ? 0.5f * g * (1.f + tanhf(0.7978845608028654f * (g + 0.044715f * g * g * g))) : g / (1.f + expf(-g));
+}
+
 // Tile t -> (row block, column block): groups of HG_GROUP_M row blocks, the row block fastest.
 __device__ __forceinline__ void tile_coords(int t, int mt, int nt, int& mb, int& nb) {
     const int per_group = HG_GROUP_M * nt, g = t / per_group, first = g * HG_GROUP_M;
@@ -57,7 +66,8 @@ __device__ __forceinline__ void tile_coords(int t, int mt, int nt, int& mb, int&
 
 extern "C" __global__ void __launch_bounds__(HG_THREADS, 1)
     gemm_hopper(const __grid_constant__ TmaMap tmA, const __grid_constant__ TmaMap tmW,
-                const float* __restrict__ bias, float* __restrict__ C, int M, int N, int K, int ldc, int accumulate) {
+                const float* __restrict__ bias, float* __restrict__ C, int M, int N, int K, int ldc, int accumulate,
+                int act) {
     extern __shared__ unsigned char smem_raw[];
     unsigned char* smem = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);  // 128B swizzle: 1 KB aligned
     bf16* sA = reinterpret_cast<bf16*>(smem);  // [HG_STAGES][BM][BK]
@@ -133,6 +143,23 @@ extern "C" __global__ void __launch_bounds__(HG_THREADS, 1)
 
             // d[4j + 2h + e]: row 16 * warp + lane / 4 + 8h, column 8j + 2 * (lane % 4) + e of the 64 x BN part.
             const int row0 = mb * BM + (wg - 1) * 64 + warp * 16 + lane / 4, col0 = nb * BN + 2 * (lane % 4);
+            if (act >= 0) {  // fused SwiGLU / GeGLU: column groups of 16 = 8 gates, then their 8 ups
+                bf16* out = reinterpret_cast<bf16*>(C);
+#pragma unroll
+                for (int t = 0; t < BN / 16; t++) {
+                    if (nb * BN + 16 * t >= N) continue;
+                    const int j = (nb * BN + 16 * t) / 2 + 2 * (lane % 4);  // output column of e = 0
+#pragma unroll
+                    for (int h = 0; h < 2; h++) {
+                        const int row = row0 + 8 * h;
+                        if (row >= M) continue;
+                        const float a0 = gate_act(d[8 * t + 2 * h], act), a1 = gate_act(d[8 * t + 2 * h + 1], act);
+                        *reinterpret_cast<uint32_t*>(out + (size_t)row * ldc + j) =
+                            pack_bf162(a0 * d[8 * t + 4 + 2 * h], a1 * d[8 * t + 4 + 2 * h + 1]);
+                    }
+                }
+                continue;
+            }
 #pragma unroll
             for (int j = 0; j < BN / 8; j++) {
                 const int col = col0 + 8 * j;

@@ -34,7 +34,7 @@ SMEM_LIMIT = 227 * 1024  # the H100 / H200 per-block opt-in maximum
 MAX_STAGES = 8
 # (consumer warpgroups, tile width): BM = 64 * warpgroups rows by BN columns a tile
 VARIANTS = ((2, 256), (2, 128), (1, 256), (1, 128))
-PARAMS = ["128s", "128s", "P", "P", "i", "i", "i", "i", "i"]  # tmA, tmW, bias, C, M, N, K, ldc, accumulate
+PARAMS = ["128s", "128s", "P", "P", "i", "i", "i", "i", "i", "i"]  # tmA, tmW, bias, C, M, N, K, ldc, accumulate, act
 _KPARAM_INFO = 0x17
 
 # CUtensorMap enums (cuda.h)
@@ -205,11 +205,19 @@ class HopperGemm:
         return tm
 
     def __call__(self, s, a: int, w: int, bias: int, c: int, m: int, n: int, k: int, ldc: int | None = None,
-                 accumulate: bool = False, variant: tuple[int, int] | None = None) -> None:  # fmt: skip
-        """c[m, :n] (+)= a[m, k] @ w[n, k].T (+ bias) on stream ``s``; ``variant`` forces one of ``VARIANTS``."""
-        ldc = n if ldc is None else ldc
-        if k % 8 or ldc % 2 or ldc < n or int(c) % 8:
-            raise ValueError(f"gemm_hopper needs K % 8 == 0, an even ldc >= N, C 8-byte aligned (K={k}, ldc={ldc})")
+                 accumulate: bool = False, variant: tuple[int, int] | None = None, act: int = -1) -> None:  # fmt: skip
+        """c[m, :n] (+)= a[m, k] @ w[n, k].T (+ bias) on stream ``s``; ``variant`` forces one of ``VARIANTS``.
+        ``act`` 0 / 1: c is bf16 [m, ldc] and gets silu / gelu_tanh(gate) * up of the interleaved gate|up
+        product (n / 2 columns; gemm_hopper.cu)."""
+        if act >= 0:
+            ldc = n // 2 if ldc is None else ldc
+            if k % 8 or n % 16 or ldc % 2 or ldc < n // 2 or int(c) % 4 or bias or accumulate:
+                raise ValueError(f"fused gate|up needs K % 8 == 0, N % 16 == 0, an even ldc >= N / 2, no bias or "
+                                 f"accumulate (K={k}, N={n}, ldc={ldc})")  # fmt: skip
+        else:
+            ldc = n if ldc is None else ldc
+            if k % 8 or ldc % 2 or ldc < n or int(c) % 8:
+                raise ValueError(f"gemm_hopper needs K % 8 == 0, an even ldc >= N, C 8-byte aligned (K={k}, ldc={ldc})")
         if m <= 0 or n <= 0:
             return
         nc, bn = variant or self.pick(m, n)
@@ -219,7 +227,7 @@ class HopperGemm:
         fn.prepared_async_call((min(tiles, self.sms), 1, 1), (128 * (nc + 1), 1, 1), s,
                                self._map(int(a), m, k, bm), self._map(int(w), n, k, bn), int(bias), int(c),
                                np.int32(m), np.int32(n), np.int32(k), np.int32(ldc), np.int32(int(accumulate)),
-                               shared_size=smem_bytes(nc, bn))  # fmt: skip
+                               np.int32(act), shared_size=smem_bytes(nc, bn))  # fmt: skip
 
 
 class GemmRoute:
@@ -237,6 +245,14 @@ class GemmRoute:
         else:
             self.fallback(s, grid, A=A, W=W, bias=bias, C=C, M=M, N=N, K=K, ldc=ldc, accumulate=accumulate)
 
+    def gate_up(self, s, x: int, w: int, out: int, rows: int, inter: int, k: int, act: int) -> bool:
+        """out bf16 [rows, inter] = act(gate) * up of x @ w.T (w interleaved gate|up) in the GEMM's
+        epilogue; False (nothing launched) where gemm_hopper's preconditions do not hold."""
+        if k % 8 or inter % 8 or int(x) % 16 or int(w) % 16 or int(out) % 4:
+            return False
+        self.hopper(s, x, w, 0, out, rows, 2 * inter, k, inter, act=act)
+        return True
+
 
 def route_gemm(gemm, cache_dir: str = ""):
     """``gemm`` (gemm_bf16's Kernel) behind gemm_hopper on an sm_90 device; ``gemm`` itself elsewhere."""
@@ -245,9 +261,10 @@ def route_gemm(gemm, cache_dir: str = ""):
 
 # --- prefill attention (attention_prefill_hopper.cu) -----------------------------------------
 
-FA_BM, FA_KT, FA_D, FA_STAGES = 128, 128, 128, 2  # rows a block, keys a tile, head_dim, K/V stages
+FA_BM, FA_KT, FA_D = 128, 128, 128  # rows a block, keys a tile, head_dim
 FA_THREADS = 384
-FA_SMEM = (FA_BM * FA_D + 2 * FA_STAGES * FA_KT * FA_D) * 2 + 1024 + 256
+FA_VARIANT = (128, 3, 1)  # (P V wgmma width, K/V stages, ping-pong): the default
+FA_VARIANTS = ((128, 3, 1), (64, 3, 1), (128, 2, 1), (128, 3, 0))  # what bench_cuda.py --attention times
 FA_PARAMS = ["128s", "128s", "P", "i", "i", "i", "i", "i", "f", "P"]  # tmQ, tmKV, block_table, block_size,
 # block_rows, KVH, n, start, scale_log2, out
 KV_ROWS_BOUND = (1 << 31) - 1  # the cache map's row extent: rows are addressed through the block table
@@ -261,29 +278,35 @@ def attention_covers(head_dim: int, group: int, block_size: int) -> bool:
 
 
 @functools.cache
-def _attention_module(group: int, pvn: int, cache_dir: str):
+def _attention_module(group: int, variant: tuple[int, int, int], cache_dir: str):
     import pycuda.driver as cuda
     from pycuda.compiler import compile as nvcc
 
     cache = cache_dir or DEFAULT_CACHE_DIR
     os.makedirs(cache, exist_ok=True)
     src = "\n".join((CU_DIR / f).read_text() for f in ("common.cuh", "hopper.cuh", "attention_prefill_hopper.cu"))
-    options = ["-O3", "-std=c++17", f"-DGROUP={group}", f"-DFA_PVN={pvn}"]
+    pvn, stages, pingpong = variant
+    defines = {"GROUP": group, "FA_PVN": pvn, "FA_STAGES": stages, "FA_PINGPONG": pingpong}
+    options = ["-O3", "-std=c++17"] + [f"-D{k}={v}" for k, v in defines.items()]
     cubin = nvcc(src, options=options, no_extern_c=True, arch=ARCH, cache_dir=cache)
     return cuda.module_from_buffer(cubin), pack_format(param_layout(cubin, "prefill_attn_hopper"), FA_PARAMS)
 
 
-class HopperAttention:
-    """prefill_attn_hopper for one group size, compiled and prepared for the current device. ``pvn``: the
-    P V product as one n128 wgmma a k16 step (128) or two n64 (64)."""
+def attention_smem(stages: int) -> int:
+    return (FA_BM * FA_D + 2 * stages * FA_KT * FA_D) * 2 + 1024 + 256
 
-    def __init__(self, group: int, cache_dir: str = "", pvn: int = 128) -> None:
+
+class HopperAttention:
+    """prefill_attn_hopper for one group size, compiled and prepared for the current device. ``variant``:
+    (P V as one n128 wgmma a k16 step (128) or two n64 (64), K/V stages, ping-pong 1 / 0)."""
+
+    def __init__(self, group: int, cache_dir: str = "", variant: tuple[int, int, int] = FA_VARIANT) -> None:
         import pycuda.driver as cuda
 
-        self.group = group
-        mod, fmt = _attention_module(group, pvn, cache_dir)
+        self.group, self.smem = group, attention_smem(variant[1])
+        mod, fmt = _attention_module(group, variant, cache_dir)
         self.fn = mod.get_function("prefill_attn_hopper")
-        self.fn.set_attribute(cuda.function_attribute.MAX_DYNAMIC_SHARED_SIZE_BYTES, FA_SMEM)
+        self.fn.set_attribute(cuda.function_attribute.MAX_DYNAMIC_SHARED_SIZE_BYTES, self.smem)
         self.fn.prepare(fmt)
         self._maps: dict[tuple, bytes] = {}
 
@@ -316,7 +339,7 @@ class HopperAttention:
         self.fn.prepared_async_call((kv_heads, blocks, 1), (FA_THREADS, 1, 1), s, tmq, tmkv, int(block_table),
                                     np.int32(block_size), np.int32(block_stride // (kv_heads * d)),
                                     np.int32(kv_heads), np.int32(n), np.int32(start), np.float32(scale_log2),
-                                    int(out), shared_size=FA_SMEM)  # fmt: skip
+                                    int(out), shared_size=self.smem)  # fmt: skip
 
 
 def route_attention(head_dim: int, group: int, cache_dir: str = "") -> HopperAttention | None:

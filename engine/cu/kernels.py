@@ -294,8 +294,8 @@ class Kernels:
                     ss_in: tuple[int, int] = (0, 0), eps: float = 0.0, fn: str = "silu") -> None:  # fmt: skip
         """act[rows, inter] = bf16(fn(gate) * up) of x @ w.T (``fn`` "silu": SwiGLU, "gelu_tanh": GeGLU),
         ``w`` the gate|up matrix interleaved in 8-row groups (``weights.interleave_gate_up``). Up to 8 rows
-        the activation is the GEMV's epilogue (no fp32 ``gu`` round trip, one launch); wider, the GEMM
-        writes ``gu`` and ``swiglu`` reads it."""
+        the activation is the GEMV's epilogue (no fp32 ``gu`` round trip, one launch); wider, gemm_hopper's
+        (sm_90), or elsewhere the GEMM writes ``gu`` and ``swiglu`` reads it."""
         if k % 8 or inter % 8:
             raise ValueError(f"K={k} and I={inter} must be multiples of 8")
         if 1 <= rows <= GEMV_MAX_ROWS:
@@ -303,7 +303,11 @@ class Kernels:
             return
         if ss_in[0]:
             raise ValueError(f"fused RMSNorm needs 1..{GEMV_MAX_ROWS} rows, got {rows}")
-        self.linear(s, x, w, 0, gu, rows, 2 * inter, k)
+        wb = self.as_bf16(s, w, 2 * inter, k)
+        fused = getattr(self._gemm, "gate_up", None)  # gemm_hopper: the activation in its epilogue
+        if fused is not None and fused(s, x, wb, act, rows, inter, k, ACT_CODE[fn]):
+            return
+        self.linear(s, x, wb, 0, gu, rows, 2 * inter, k)
         self.swiglu(s, gu, act, inter, rows, interleaved=True, act=fn)
 
     # --- attention -----------------------------------------------------------------------

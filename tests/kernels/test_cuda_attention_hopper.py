@@ -1,7 +1,7 @@
 """prefill_attn_hopper (engine/cu/attention_prefill_hopper.cu, engine/cu/hopper.py) against the numpy
 reference on random inputs: group sizes 1..8, pages of 8..256 rows, chunks of 1..1,000 positions after
 retained prefixes of 0..4,000 (every chunk boundary against the 128-key tiles and the blocks of
-positions), both P V variants; through ``Kernels.prefill_attention`` (the routing); and against
+positions), the other compiled variants (P V width, stages, ping-pong) on a few; through ``Kernels.prefill_attention`` (the routing); and against
 torch's attention on a long grouped chunk of the 8B shape. Skipped without PyCUDA and a Hopper
 (sm_90) device; which calls it covers is checked without one."""
 
@@ -59,7 +59,7 @@ def stream(dev):
 
 @pytest.fixture(scope="module")
 def fa(dev):
-    return {(g, pvn): hopper.HopperAttention(g, pvn=pvn) for g in (1, 2, 4, 8) for pvn in (128, 64)}
+    return {g: hopper.HopperAttention(g) for g in (1, 2, 4, 8)}
 
 
 def bf(a):
@@ -119,11 +119,7 @@ CASES = [  # (group, KV heads, block_size, n, start)
 ]  # fmt: skip
 
 
-@gpu
-@pytest.mark.parametrize("pvn", [128, 64])
-@pytest.mark.parametrize("g,kvh,bs,n,start", CASES)
-def test_matches_numpy(dev, stream, fa, pvn, g, kvh, bs, n, start):
-    k = fa[(g, pvn)]
+def check(dev, stream, k, g, kvh, bs, n, start):
     scale_log2 = 128**-0.5 * np.log2(np.e)
 
     def call(s, q, t, c, stride, bs_, kvh_, n_, start_, out):
@@ -133,6 +129,21 @@ def test_matches_numpy(dev, stream, fa, pvn, g, kvh, bs, n, start):
     assert np.isfinite(got).all()
     err = rel_err(got, ref)
     assert err < 1.5e-2, f"g={g} kvh={kvh} bs={bs} n={n} start={start}: rel err {err:.2e}"
+
+
+@gpu
+@pytest.mark.parametrize("g,kvh,bs,n,start", CASES)
+def test_matches_numpy(dev, stream, fa, g, kvh, bs, n, start):
+    check(dev, stream, fa[g], g, kvh, bs, n, start)
+
+
+@gpu
+@pytest.mark.parametrize("variant", hopper.FA_VARIANTS[1:])
+@pytest.mark.parametrize("g", [4, 8])
+def test_other_variants(dev, stream, variant, g):
+    k = hopper.HopperAttention(g, variant=variant)
+    for kvh, bs, n, start in [(2, 16, 300, 333), (1, 64, 1000, 1500), (2, 16, 31, 97)]:
+        check(dev, stream, k, g, kvh, bs, n, start)
 
 
 @gpu
@@ -167,7 +178,7 @@ def test_long_chunk_matches_torch(dev, stream, fa):
     q = to_bf16(rng.standard_normal((n, h, d)).astype(np.float32))
     g_q, g_t, g_c = ga.to_gpu(q), ga.to_gpu(table), ga.to_gpu(cache)
     g_o = ga.to_gpu(np.zeros(n * h * d, np.uint16))
-    fa[(g, 128)](stream, g_q.ptr, g_t.ptr, g_c.ptr, 2 * bs * kvh * d, bs, kvh, n, start, g_o.ptr,
+    fa[g](stream, g_q.ptr, g_t.ptr, g_c.ptr, 2 * bs * kvh * d, bs, kvh, n, start, g_o.ptr,
                  d**-0.5 * np.log2(np.e))  # fmt: skip
     stream.synchronize()
     got = torch.from_numpy(from_bf16(g_o.get()).reshape(n, h, d))
