@@ -8,8 +8,10 @@
 // Block: FA_BM = 128 rows of (position, head of the group) -- GROUP query heads share a KV head, so
 //   one block holds FA_PB = 128 / GROUP positions x GROUP heads, row r = position * GROUP + head,
 //   and reads each K/V tile once for all of them. Grid (KVH, ceil(n / FA_PB)), the last (heaviest)
-//   position blocks first. 384 threads: warpgroup 0 is the producer (one thread issues every TMA
-//   copy; setmaxnreg gives its registers to the consumers), warpgroups 1 and 2 each own 64 rows.
+//   position blocks first. 384 threads: warpgroup 0 is the producer (its warp 0: lane i reads the
+//   block-table entry of the tile's page i, before waiting for the stage, and issues that page's
+//   copies; setmaxnreg gives the warpgroup's registers to the consumers), warpgroups 1 and 2 each
+//   own 64 rows.
 // Shared memory (1 KB aligned, 128-byte swizzle throughout): Q [2][128][64] (the two 64-dim halves
 //   of D), FA_STAGES (3) stages of K [2][FA_KT][64] and of V [2][FA_KT][64]; 224 KB. The Q box of the
 //   3-D map (D, H, n) is (64, GROUP, FA_PB): it lands in row order position * GROUP + head. K and V
@@ -69,24 +71,6 @@ __device__ __forceinline__ float ex2(float x) {
     return y;
 }
 
-// Tile of FA_KT keys from k0 into dst ([2][FA_KT][64]), K (kv = 0) or V (kv = 1), on bar.
-__device__ __forceinline__ void load_kv_tile(bf16* dst, const TmaMap* map, uint64_t* bar, const int* block_table,
-                                             int k0, int nkeys, int kv, int kh, int KVH, int block_size,
-                                             int block_rows) {
-    const int R = min(block_size, FA_KT);
-    mbar_expect_tx(bar, FA_TILE_BYTES);
-    for (int i = 0; i < FA_KT / R; i++) {
-        const int t = k0 + i * R;
-        int row = 0, head = KVH;  // past the last key: out of range, zero-filled
-        if (t < nkeys) {
-            row = block_table[t / block_size] * block_rows + kv * block_size + t % block_size;
-            head = kh;
-        }
-        tma_load_3d(dst + i * R * 64, map, bar, 0, head, row);
-        tma_load_3d(dst + FA_KT * 64 + i * R * 64, map, bar, 64, head, row);
-    }
-}
-
 extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
     prefill_attn_hopper(const __grid_constant__ TmaMap tmQ, const __grid_constant__ TmaMap tmKV,
                         const int* __restrict__ block_table, int block_size, int block_rows, int KVH, int n,
@@ -115,20 +99,38 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
     }
     __syncthreads();
 
-    if (wg == 0) {  // producer
+    if (wg == 0) {  // producer: warp 0, lane i reads page i's block-table entry and issues its copies
         asm volatile("setmaxnreg.dec.sync.aligned.u32 24;");
-        if (tid == 0) {
-            mbar_expect_tx(qfull, FA_Q_BYTES);
-            tma_load_3d(sQ, &tmQ, qfull, 0, kh * GROUP, p0);
-            tma_load_3d(sQ + FA_BM * 64, &tmQ, qfull, 64, kh * GROUP, p0);
+        if (tid < 32) {
+            const int lane = tid, R = min(block_size, FA_KT), pages = FA_KT / R;
+            if (lane == 0) {
+                mbar_expect_tx(qfull, FA_Q_BYTES);
+                tma_load_3d(sQ, &tmQ, qfull, 0, kh * GROUP, p0);
+                tma_load_3d(sQ + FA_BM * 64, &tmQ, qfull, 64, kh * GROUP, p0);
+            }
             for (int j = 0; j < ntiles; j++) {
-                const int s = j % FA_STAGES, ph = (j / FA_STAGES) & 1;
+                const int s = j % FA_STAGES, ph = (j / FA_STAGES) & 1, t = j * FA_KT + lane * R;
+                int row = 0, head = KVH;  // past the last key: KV head out of range, zero-filled
+                if (lane < pages && t < nkeys) {
+                    row = block_table[t / block_size] * block_rows + t % block_size;  // in flight over the wait
+                    head = kh;
+                }
+                bf16* dk = sK + s * FA_KT * FA_D + lane * R * 64;
+                bf16* dv = sV + s * FA_KT * FA_D + lane * R * 64;
                 mbar_wait(&kempty[s], ph ^ 1);
-                load_kv_tile(sK + s * FA_KT * FA_D, &tmKV, &kfull[s], block_table, j * FA_KT, nkeys, 0, kh, KVH,
-                             block_size, block_rows);
+                if (lane == 0) mbar_expect_tx(&kfull[s], FA_TILE_BYTES);
+                __syncwarp();
+                if (lane < pages) {
+                    tma_load_3d(dk, &tmKV, &kfull[s], 0, head, row);
+                    tma_load_3d(dk + FA_KT * 64, &tmKV, &kfull[s], 64, head, row);
+                }
                 mbar_wait(&vempty[s], ph ^ 1);
-                load_kv_tile(sV + s * FA_KT * FA_D, &tmKV, &vfull[s], block_table, j * FA_KT, nkeys, 1, kh, KVH,
-                             block_size, block_rows);
+                if (lane == 0) mbar_expect_tx(&vfull[s], FA_TILE_BYTES);
+                __syncwarp();
+                if (lane < pages) {
+                    tma_load_3d(dv, &tmKV, &vfull[s], 0, head, row + block_size);
+                    tma_load_3d(dv + FA_KT * 64, &tmKV, &vfull[s], 64, head, row + block_size);
+                }
             }
         }
     } else {  // consumers: warpgroup wg owns rows (wg - 1) * 64 .. + 63 of the block
