@@ -6,7 +6,15 @@ aggregate); prefill tok/s for 2,048- and 32,768-token prompts; and transformers
 (eager attention, same weights, same GPU) for the same figures. With ``--write`` the
 table replaces the "CUDA backend (H200)" section of docs/PERFORMANCE.md.
 
+``--prefill`` runs the prefill figures alone (issue 16) and owns the "Prefill on the CUDA
+backend" section: prompts of 1,024 .. 32,768 tokens fed in chunks as the scheduler feeds them,
+cold and after a retained prefix of half the prompt; the prefill attention kernel's own TFLOP/s
+(useful work: the causal half of the products) on one 16K chunk, attention_prefill_hopper.cu
+beside attention_prefill.cu; the four GEMMs of a chunk; and the chunk-size sweep that sets the
+CUDA default (``--chunks``).
+
     python3 bench/bench_cuda.py --write
+    python3 bench/bench_cuda.py --prefill --write
 """
 
 from __future__ import annotations
@@ -28,6 +36,12 @@ sys.path.insert(0, str(ROOT))
 WIDTHS = (1, 2, 4, 8)
 DECODE_CONTEXT = 512  # prompt tokens per lane before the timed decode rounds
 SECTION = "## CUDA backend (H200)"
+PREFILL_SECTION = "## Prefill on the CUDA backend (H200, Llama-3.1-8B shape, issue 16)"
+PREFILL_PROMPTS = (1024, 2048, 8192, 32768)
+# Measured beside ignis on an H200 (../shared/peers/README.md, 2026-12-01): transformers with its
+# default sdpa attention (seconds by prompt length), and llama.cpp's pp2048 (F16, flash attention on).
+TRANSFORMERS_SDPA = {2048: 0.0588}
+LLAMA_CPP_PP2048 = 24.3e3  # tok/s
 
 READ_KERNEL = r"""
 extern "C" __global__ void read_sum(const uint4* __restrict__ p, size_t n, unsigned int* sink) {
@@ -194,6 +208,199 @@ def sweep(be, settings) -> list[str]:
     return lines
 
 
+def prefill_time(be, cfg, rng, n: int, chunk: int, prefix: int = 0, reps: int = 1) -> float:
+    """Best wall time of prefilling tokens prefix..n of an n-token prompt in spans of ``chunk`` (the
+    scheduler's steps, the last one sampling); the first ``prefix`` tokens are prefilled untimed first
+    (a retained prefix)."""
+    from engine.backend import PrefillSpan, SampleRequest, StepOutput
+    from engine.sampling import SamplingParams
+
+    greedy = SampleRequest(params=SamplingParams(temperature=0.0), seed=1)
+    ids = rng.integers(0, cfg.vocab_size, n).tolist()
+    table = list(range(-(-(n + 64) // 16)))
+
+    def spans(a: int, b: int) -> None:
+        for c0 in range(a, b, chunk):
+            c1 = min(c0 + chunk, b)
+            be.prefill(PrefillSpan(seq_id=0, token_ids=ids[c0:c1], start_pos=c0, block_table=table,
+                                   sample=greedy if c1 == n else None), StepOutput())  # fmt: skip
+
+    times = []
+    for _ in range(reps):
+        if prefix:
+            spans(0, prefix)
+        t0 = time.perf_counter()
+        spans(prefix, n)
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def attention_rate(k, s, H: int, KVH: int, D: int, n: int = 16384, reps: int = 3) -> list[tuple[str, float, float]]:
+    """(kernel, ms, useful TFLOP/s) of one n-position causal chunk with the model's heads (no prefix):
+    useful work 4 * D * H * n (n + 1) / 2. attention_prefill_hopper.cu, then attention_prefill.cu
+    (the Kernels object's Hopper route switched off for the second)."""
+    import pycuda.driver as cuda
+
+    from engine.cu import runtime
+
+    bs = 16
+    blocks = -(-n // bs)
+    rng = np.random.default_rng(1)
+    out = []
+    with runtime.current():
+        q = cuda.to_device((rng.standard_normal(n * H * D, dtype=np.float32).view(np.uint32) >> 16).astype(np.uint16))
+        cache = cuda.to_device(
+            (rng.standard_normal(blocks * 2 * bs * KVH * D, dtype=np.float32).view(np.uint32) >> 16).astype(np.uint16)
+        )
+        table = cuda.to_device(rng.permutation(blocks).astype(np.int32))
+        o = cuda.mem_alloc(n * H * D * 2)
+        flops = 4 * D * H * n * (n + 1) / 2
+        saved = k._prefill_hopper
+        for label, route in (("attention_prefill_hopper (wgmma, TMA)", saved), ("attention_prefill (mma.sync)", None)):
+            if label.startswith("attention_prefill_hopper") and route is None:
+                continue
+            k._prefill_hopper = route
+            try:
+                k.prefill_attention(s, q, table, cache, 2 * bs * KVH * D, bs, KVH, n, 0, o)
+                a, b = cuda.Event(), cuda.Event()
+                a.record(s)
+                for _ in range(reps):
+                    k.prefill_attention(s, q, table, cache, 2 * bs * KVH * D, bs, KVH, n, 0, o)
+                b.record(s)
+                b.synchronize()
+            finally:
+                k._prefill_hopper = saved
+            t = b.time_since(a) / 1e3 / reps
+            out.append((label, t * 1e3, flops / t / 1e12))
+        for buf in (q, cache, table, o):
+            buf.free()
+    return out
+
+
+def gemm_rates(be, m: int, reps: int = 10) -> list[tuple[str, int, int, float, float]]:
+    """(matrix, N, K, ms, TFLOP/s) of each layer GEMM of an m-row chunk (Kernels.linear: gemm_hopper on sm_90)."""
+    import pycuda.driver as cuda
+
+    from engine.cu import runtime
+
+    c, k, s, w, ws = be.config, be.kern, be.stream, be.weights, be.ws
+    hid, inter, hd = c.hidden_size, c.intermediate_size, c.num_heads * c.head_dim
+    n_qkv = hd + 2 * c.num_kv_heads * c.head_dim
+    shapes = [("q,k,v", "qkv", n_qkv, hid, ws.xn), ("o", "o", hid, hd, ws.attn),
+              ("gate,up", "gate_up", 2 * inter, hid, ws.xn), ("down", "down", hid, inter, ws.act)]  # fmt: skip
+    out = []
+    with runtime.current():
+        for label, attr, n, kk, x in shapes:
+            a, b = cuda.Event(), cuda.Event()
+            a.record(s)
+            for r in range(reps):
+                k.linear(s, x, getattr(w.layers[r % len(w.layers)], attr), 0, ws.gu, m, n, kk)
+            b.record(s)
+            b.synchronize()
+            t = b.time_since(a) / 1e3 / reps
+            out.append((label, n, kk, t * 1e3, 2 * m * n * kk / t / 1e12))
+        n = 2 * inter
+        runs = (("gate,up + SwiGLU in the epilogue", lambda r: k.gate_up_act(s, ws.xn, w.layers[r].gate_up, ws.gu,
+                                                                               ws.act, m, inter, hid)),
+                ("gate,up, then swiglu", lambda r: (k.linear(s, ws.xn, w.layers[r].gate_up, 0, ws.gu, m, n, hid),
+                                                    k.swiglu(s, ws.gu, ws.act, inter, m, interleaved=True))))  # fmt: skip
+        for label, fn in runs:
+            a, b = cuda.Event(), cuda.Event()
+            a.record(s)
+            for r in range(reps):
+                fn(r % len(w.layers))
+            b.record(s)
+            b.synchronize()
+            t = b.time_since(a) / 1e3 / reps
+            out.append((label, n, hid, t * 1e3, 2 * m * n * hid / t / 1e12))
+    return out
+
+
+def cuda_default_chunk() -> int:
+    """ignis_site/config.py's CUDA_PREFILL_CHUNK, read from the file (importing the package starts Celery)."""
+    import re
+
+    text = (ROOT / "ignis_site" / "config.py").read_text()
+    return int(re.search(r"^CUDA_PREFILL_CHUNK = (\d+)", text, re.M).group(1))
+
+
+def bench_prefill(args) -> None:
+    """The ``--prefill`` run: its own section of docs/PERFORMANCE.md."""
+    import torch
+
+    from bench.perfdoc import command_line, report
+    from engine.backends.cuda import CudaBackend, backend, forward
+    from engine.config import CudaTuning
+
+    torch.cuda.init()
+    rng = np.random.default_rng(0)
+    gpu = torch.cuda.get_device_name(0)
+    chunks = sorted(set(args.chunks))
+    default_chunk = cuda_default_chunk()
+    rows = max(chunks + [forward.PREFILL_CHUNK])
+    forward.PREFILL_CHUNK = backend.PREFILL_CHUNK = rows  # the workspace holds the largest chunk swept
+    model, cfg = build_model(args.layers)
+    be = CudaBackend(CudaTuning(kernel_cache_dir=args.kernel_cache_dir))
+    prompts = args.prompts or list(PREFILL_PROMPTS)
+    be.load(cfg, {n: p for n, p in model.state_dict().items()}, block_size=16, kv_budget_bytes=24 << 30,
+            host_kv_budget_bytes=0, max_context=max(prompts) + 256)  # fmt: skip
+    del model
+    torch.cuda.empty_cache()
+    prefill_time(be, cfg, rng, 4096, default_chunk)  # warm-up
+    table = [f"| prompt | cold, chunks of {default_chunk:,} | after a retained prefix of half (the other half "
+             "prefilled) | beside |", "|---|---|---|---|"]  # fmt: skip
+    for n in prompts:
+        reps = 3 if n <= 8192 else 1
+        cold = prefill_time(be, cfg, rng, n, default_chunk, reps=reps)
+        warm = prefill_time(be, cfg, rng, n, default_chunk, prefix=n // 2, reps=reps)
+        peer = TRANSFORMERS_SDPA.get(n)
+        beside = f"transformers sdpa {peer * 1e3:.1f} ms; llama.cpp {n / LLAMA_CPP_PP2048 * 1e3:.1f} ms" if peer else ""
+        table.append(f"| {n:,} tokens | {cold * 1e3:.1f} ms ({n / cold:,.0f} tok/s) | {warm * 1e3:.1f} ms "
+                     f"({(n - n // 2) / warm:,.0f} tok/s) | {beside} |")  # fmt: skip
+        print(table[-1], flush=True)
+    sweep_n = max(prompts)
+    sweep = [f"| chunk | prefill {sweep_n:,} tokens | prefill 2,048 tokens |", "|---|---|---|"]
+    for ch in chunks:
+        t_long = prefill_time(be, cfg, rng, sweep_n, ch)
+        t_short = prefill_time(be, cfg, rng, 2048, ch, reps=3)
+        sweep.append(f"| {ch:,} | {t_long * 1e3:.0f} ms | {t_short * 1e3:.1f} ms |")
+        print(sweep[-1], flush=True)
+    attn = attention_rate(be.kern, be.stream, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+    gemms = gemm_rates(be, default_chunk)
+    be.unload()
+    machine = f"{gpu}, {platform.node()}, Python {platform.python_version()}, torch {torch.__version__}"
+    body = [
+        f"Model: Llama-3.1-8B shape, {cfg.num_layers} layers, random bf16 weights, KV pages of 16 tokens. A prompt "
+        f"goes to CudaBackend.prefill in spans of the CUDA default chunk ({default_chunk:,} tokens, "
+        "ignis_site.config.CUDA_PREFILL_CHUNK), as the scheduler sends them, the last one sampling; wall time, best "
+        "of 3 (1 at 32,768). Beside: transformers (sdpa) and llama.cpp measured on an H200 on 2026-12-01 "
+        f"(../shared/peers/README.md): transformers 58.8 ms at 2,048 tokens; llama.cpp pp2048 F16 "
+        f"{LLAMA_CPP_PP2048:,.0f} tok/s ({2048 / LLAMA_CPP_PP2048 * 1e3:.1f} ms).",
+        "",
+        *table,
+        "",
+        f"Prefill attention alone, one {16384:,}-position causal chunk, {cfg.num_heads} q heads on "
+        f"{cfg.num_kv_heads} KV heads, head_dim {cfg.head_dim} (useful work: the causal half of the products; "
+        "CUDA events, 3 calls):",
+        "",
+        "| kernel | time | useful TFLOP/s |",
+        "|---|---|---|",
+        *[f"| {label} | {ms:.2f} ms | {tf:.0f} |" for label, ms, tf in attn],
+        "",
+        f"The layer GEMMs of a {default_chunk:,}-row chunk (Kernels.linear, gemm_hopper; CUDA events, 10 calls "
+        "over different layers):",
+        "",
+        "| matrix (N x K) | time | TFLOP/s |",
+        "|---|---|---|",
+        *[f"| {label} ({n} x {kk}) | {ms:.3f} ms | {tf:.0f} |" for label, n, kk, ms, tf in gemms],
+        "",
+        f"Chunk size (spans of that many tokens; workspace of {rows:,} rows for the sweep):",
+        "",
+        *sweep,
+    ]
+    report(PREFILL_SECTION, machine=machine, command=command_line("python3"), body=body, write=args.write)
+
+
 def bench_hf(torch, model, cfg, rng, prompt_lens, rounds):
     res = {}
 
@@ -265,7 +472,33 @@ def main() -> None:
     ap.add_argument("--write", action="store_true", help="update docs/PERFORMANCE.md")
     ap.add_argument("--sweep", action="store_true", help="also time the graphs under other GEMV settings")
     ap.add_argument("--kernel-cache-dir", default="", help="compiled kernels (default: models/.cache/pycuda)")
+    ap.add_argument("--attention", action="store_true", help="the 16K prefill attention kernels alone")
+    ap.add_argument("--prefill", action="store_true", help="the prefill figures alone (their own section)")
+    ap.add_argument("--chunks", type=int, nargs="*", default=[1024, 2048, 4096, 8192], help="--prefill's sweep")
     args = ap.parse_args()
+    if args.attention:  # the attention kernels alone on the 8B heads, no model (prints only)
+        import pycuda.driver as cuda
+
+        from engine.cu import runtime
+        from engine.cu.hopper import FA_VARIANTS, HopperAttention
+        from engine.cu.kernels import Kernels
+
+        with runtime.current():
+            k, s = Kernels(128, 4), cuda.Stream()
+            for label, ms, tf in attention_rate(k, s, 32, 8, 128):
+                print(f"| {label} | {ms:.2f} ms | {tf:.0f} TFLOP/s |", flush=True)
+            saved = k._prefill_hopper
+            for v in FA_VARIANTS:  # (P V width, stages, ping-pong)
+                k._prefill_hopper = HopperAttention(4, variant=v)
+                label, ms, tf = attention_rate(k, s, 32, 8, 128)[0]
+                print(f"| variant {v} | {ms:.2f} ms | {tf:.0f} TFLOP/s |", flush=True)
+            k._prefill_hopper = saved
+        return
+    if args.prefill:
+        if args.prompts == [2048, 32768]:
+            args.prompts = None
+        bench_prefill(args)
+        return
 
     import pycuda.driver as cuda
     import torch

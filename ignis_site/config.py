@@ -19,6 +19,11 @@ from typing import Any
 MiB = 1 << 20
 
 
+# model.prefill_chunk's default on the cuda backend, chosen by measurement on the H200 (docs/PERFORMANCE.md,
+# "Prefill on the CUDA backend": bench/bench_cuda.py --prefill's chunk sweep); the others keep 1024.
+CUDA_PREFILL_CHUNK = 2048
+
+
 @dataclass(frozen=True)
 class Field:
     key: str
@@ -200,7 +205,7 @@ FIELDS: dict[str, Field] = {
             "weights on the backend: auto (as stored) | bf16 | fp8 (e4m3, quantized at load; backends that take fp8)",
             choices=("auto", "bf16", "fp8"),
         ),
-        Field("model.prefill_chunk", int, 1024, "tokens per prefill chunk", 16, 1 << 20),
+        Field("model.prefill_chunk", int, 1024, f"tokens per prefill chunk (cuda: {CUDA_PREFILL_CHUNK})", 16, 1 << 20),
         Field(
             "model.short_prefill",
             int,
@@ -336,6 +341,8 @@ def resolve(
         if overrides and overrides.get(key) is not None:
             value, source = field.parse(overrides[key]), "flag"
         values[key], sources[key] = value, source
+    if sources["model.prefill_chunk"] == "default" and values["model.backend"] == "cuda":
+        values["model.prefill_chunk"] = CUDA_PREFILL_CHUNK
     if sources["server.celery_worker"] == "default" and values["server.redis_url"]:
         # Scaled mode: one dedicated `celery -A ignis_site worker`, not one per front end.
         values["server.celery_worker"] = False

@@ -1,4 +1,5 @@
-"""The Hopper prefill GEMM (engine/cu/gemm_hopper.cu): its TMA descriptors, variants and launch.
+"""The Hopper prefill kernels (engine/cu/gemm_hopper.cu, attention_prefill_hopper.cu): their TMA
+descriptors, variants and launches.
 
 ``HopperGemm`` compiles gemm_hopper.cu for sm_90a in four variants (``VARIANTS``: consumer
 warpgroups x tile width, each with as many pipeline stages as fit in shared memory) and
@@ -10,6 +11,10 @@ The TMA tensor maps (``CUtensorMap``, 128 opaque bytes) are encoded on the host 
 driver's ``cuTensorMapEncodeTiled`` (through ctypes: no binding beyond PyCUDA) and passed
 by value as the kernel's first two parameters; one is cached per (pointer, rows, K, box),
 since the forward pass reuses the same workspace buffers chunk after chunk.
+
+``HopperAttention`` is the prefill attention for head_dim 128 (``covers`` says which calls): q and
+the layer's part of the paged KV cache read through 3-D tensor maps, one block a (KV head, 128
+rows of positions x grouped heads); ``route_attention`` gives it on an sm_90 device, else None.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ SMEM_LIMIT = 227 * 1024  # the H100 / H200 per-block opt-in maximum
 MAX_STAGES = 8
 # (consumer warpgroups, tile width): BM = 64 * warpgroups rows by BN columns a tile
 VARIANTS = ((2, 256), (2, 128), (1, 256), (1, 128))
-PARAMS = ["128s", "128s", "P", "P", "i", "i", "i", "i", "i"]  # tmA, tmW, bias, C, M, N, K, ldc, accumulate
+PARAMS = ["128s", "128s", "P", "P", "i", "i", "i", "i", "i", "i"]  # tmA, tmW, bias, C, M, N, K, ldc, accumulate, act
 _KPARAM_INFO = 0x17
 
 # CUtensorMap enums (cuda.h)
@@ -74,21 +79,31 @@ def _libcuda():
     return f
 
 
+def encode_map(ptr: int, dims: tuple[int, ...], strides: tuple[int, ...], box: tuple[int, ...]) -> bytes:
+    """The 128-byte CUtensorMap of a bf16 tensor at ``ptr``: ``dims`` innermost first, ``strides`` the
+    byte strides of dims 1.. (multiples of 16), read in boxes of ``box`` with the 128-byte swizzle
+    (zeros outside the tensor)."""
+    if ptr % 16 or any(st % 16 for st in strides):
+        raise ValueError(f"TMA needs a 16-byte aligned tensor and strides (ptr={ptr:#x}, strides={strides})")
+    rank = len(dims)
+    out = (ctypes.c_uint64 * 16)()
+    cdims = (ctypes.c_uint64 * rank)(*dims)
+    cstrides = (ctypes.c_uint64 * (rank - 1))(*strides)
+    cbox = (ctypes.c_uint32 * rank)(*box)
+    elem = (ctypes.c_uint32 * rank)(*([1] * rank))
+    res = _libcuda()(out, _BF16, rank, ctypes.c_void_p(ptr), cdims, cstrides, cbox, elem, _INTERLEAVE_NONE,
+                     _SWIZZLE_128B, _L2_256B, _OOB_ZERO)  # fmt: skip
+    if res != 0:
+        raise RuntimeError(f"cuTensorMapEncodeTiled failed (CUresult {res}) for dims {dims} box {box}")
+    return bytes(out)
+
+
 def tensor_map(ptr: int, rows: int, cols: int, box_rows: int) -> bytes:
-    """The 128-byte CUtensorMap of a row-major bf16 [rows, cols] matrix at ``ptr``, read in boxes of
-    ``box_rows`` x 64 with the 128-byte swizzle (zeros outside the matrix)."""
+    """The tensor map of a row-major bf16 [rows, cols] matrix at ``ptr``, read in boxes of ``box_rows``
+    x 64 with the 128-byte swizzle (zeros outside the matrix)."""
     if ptr % 16 or cols % 8:
         raise ValueError(f"TMA needs a 16-byte aligned matrix and cols % 8 == 0 (ptr={ptr:#x}, cols={cols})")
-    out = (ctypes.c_uint64 * 16)()
-    dims = (ctypes.c_uint64 * 2)(cols, rows)
-    strides = (ctypes.c_uint64 * 1)(cols * 2)
-    box = (ctypes.c_uint32 * 2)(BK, box_rows)
-    elem = (ctypes.c_uint32 * 2)(1, 1)
-    res = _libcuda()(out, _BF16, 2, ctypes.c_void_p(ptr), dims, strides, box, elem, _INTERLEAVE_NONE, _SWIZZLE_128B,
-                     _L2_256B, _OOB_ZERO)  # fmt: skip
-    if res != 0:
-        raise RuntimeError(f"cuTensorMapEncodeTiled failed (CUresult {res}) for [{rows}, {cols}] box {box_rows}")
-    return bytes(out)
+    return encode_map(ptr, (cols, rows), (cols * 2,), (BK, box_rows))
 
 
 def param_layout(cubin: bytes, name: str) -> list[tuple[int, int]]:
@@ -146,7 +161,7 @@ def _module(nc: int, bn: int, cache_dir: str):
 
     cache = cache_dir or DEFAULT_CACHE_DIR
     os.makedirs(cache, exist_ok=True)
-    src = (CU_DIR / "common.cuh").read_text() + "\n" + (CU_DIR / "gemm_hopper.cu").read_text()
+    src = "\n".join((CU_DIR / f).read_text() for f in ("common.cuh", "hopper.cuh", "gemm_hopper.cu"))
     defines = {"HG_NC": nc, "HG_BN": bn, "HG_STAGES": stages(nc, bn)}
     options = ["-O3", "-std=c++17"] + [f"-D{k}={v}" for k, v in defines.items()]
     cubin = nvcc(src, options=options, no_extern_c=True, arch=ARCH, cache_dir=cache)
@@ -190,11 +205,19 @@ class HopperGemm:
         return tm
 
     def __call__(self, s, a: int, w: int, bias: int, c: int, m: int, n: int, k: int, ldc: int | None = None,
-                 accumulate: bool = False, variant: tuple[int, int] | None = None) -> None:  # fmt: skip
-        """c[m, :n] (+)= a[m, k] @ w[n, k].T (+ bias) on stream ``s``; ``variant`` forces one of ``VARIANTS``."""
-        ldc = n if ldc is None else ldc
-        if k % 8 or ldc % 2 or ldc < n or int(c) % 8:
-            raise ValueError(f"gemm_hopper needs K % 8 == 0, an even ldc >= N, C 8-byte aligned (K={k}, ldc={ldc})")
+                 accumulate: bool = False, variant: tuple[int, int] | None = None, act: int = -1) -> None:  # fmt: skip
+        """c[m, :n] (+)= a[m, k] @ w[n, k].T (+ bias) on stream ``s``; ``variant`` forces one of ``VARIANTS``.
+        ``act`` 0 / 1: c is bf16 [m, ldc] and gets silu / gelu_tanh(gate) * up of the interleaved gate|up
+        product (n / 2 columns; gemm_hopper.cu)."""
+        if act >= 0:
+            ldc = n // 2 if ldc is None else ldc
+            if k % 8 or n % 16 or ldc % 2 or ldc < n // 2 or int(c) % 4 or bias or accumulate:
+                raise ValueError(f"fused gate|up needs K % 8 == 0, N % 16 == 0, an even ldc >= N / 2, no bias or "
+                                 f"accumulate (K={k}, N={n}, ldc={ldc})")  # fmt: skip
+        else:
+            ldc = n if ldc is None else ldc
+            if k % 8 or ldc % 2 or ldc < n or int(c) % 8:
+                raise ValueError(f"gemm_hopper needs K % 8 == 0, an even ldc >= N, C 8-byte aligned (K={k}, ldc={ldc})")
         if m <= 0 or n <= 0:
             return
         nc, bn = variant or self.pick(m, n)
@@ -204,7 +227,7 @@ class HopperGemm:
         fn.prepared_async_call((min(tiles, self.sms), 1, 1), (128 * (nc + 1), 1, 1), s,
                                self._map(int(a), m, k, bm), self._map(int(w), n, k, bn), int(bias), int(c),
                                np.int32(m), np.int32(n), np.int32(k), np.int32(ldc), np.int32(int(accumulate)),
-                               shared_size=smem_bytes(nc, bn))  # fmt: skip
+                               np.int32(act), shared_size=smem_bytes(nc, bn))  # fmt: skip
 
 
 class GemmRoute:
@@ -222,7 +245,105 @@ class GemmRoute:
         else:
             self.fallback(s, grid, A=A, W=W, bias=bias, C=C, M=M, N=N, K=K, ldc=ldc, accumulate=accumulate)
 
+    def gate_up(self, s, x: int, w: int, out: int, rows: int, inter: int, k: int, act: int) -> bool:
+        """out bf16 [rows, inter] = act(gate) * up of x @ w.T (w interleaved gate|up) in the GEMM's
+        epilogue; False (nothing launched) where gemm_hopper's preconditions do not hold."""
+        if k % 8 or inter % 8 or int(x) % 16 or int(w) % 16 or int(out) % 4:
+            return False
+        self.hopper(s, x, w, 0, out, rows, 2 * inter, k, inter, act=act)
+        return True
+
 
 def route_gemm(gemm, cache_dir: str = ""):
     """``gemm`` (gemm_bf16's Kernel) behind gemm_hopper on an sm_90 device; ``gemm`` itself elsewhere."""
     return GemmRoute(gemm, HopperGemm(cache_dir)) if supported() else gemm
+
+
+# --- prefill attention (attention_prefill_hopper.cu) -----------------------------------------
+
+FA_BM, FA_KT, FA_D = 128, 128, 128  # rows a block, keys a tile, head_dim
+FA_THREADS = 384
+FA_VARIANT = (128, 3, 1)  # (P V wgmma width, K/V stages, ping-pong): the default
+FA_VARIANTS = ((128, 3, 1), (64, 3, 1), (128, 2, 1), (128, 3, 0))  # what bench_cuda.py --attention times
+FA_PARAMS = ["128s", "128s", "P", "i", "i", "i", "i", "i", "f", "P"]  # tmQ, tmKV, block_table, block_size,
+# block_rows, KVH, n, start, scale_log2, out
+KV_ROWS_BOUND = (1 << 31) - 1  # the cache map's row extent: rows are addressed through the block table
+
+
+def attention_covers(head_dim: int, group: int, block_size: int) -> bool:
+    """Whether attention_prefill_hopper.cu takes this shape: head_dim 128, a group dividing the block's 128
+    rows, pages of a multiple of 8 rows that tile the 128-key tiles (or are tiled by them)."""
+    pages_fit = block_size % 8 == 0 and (FA_KT % block_size == 0 or block_size % FA_KT == 0)
+    return head_dim == FA_D and group in (1, 2, 4, 8) and pages_fit
+
+
+@functools.cache
+def _attention_module(group: int, variant: tuple[int, int, int], cache_dir: str):
+    import pycuda.driver as cuda
+    from pycuda.compiler import compile as nvcc
+
+    cache = cache_dir or DEFAULT_CACHE_DIR
+    os.makedirs(cache, exist_ok=True)
+    src = "\n".join((CU_DIR / f).read_text() for f in ("common.cuh", "hopper.cuh", "attention_prefill_hopper.cu"))
+    pvn, stages, pingpong = variant
+    defines = {"GROUP": group, "FA_PVN": pvn, "FA_STAGES": stages, "FA_PINGPONG": pingpong}
+    options = ["-O3", "-std=c++17"] + [f"-D{k}={v}" for k, v in defines.items()]
+    cubin = nvcc(src, options=options, no_extern_c=True, arch=ARCH, cache_dir=cache)
+    return cuda.module_from_buffer(cubin), pack_format(param_layout(cubin, "prefill_attn_hopper"), FA_PARAMS)
+
+
+def attention_smem(stages: int) -> int:
+    return (FA_BM * FA_D + 2 * stages * FA_KT * FA_D) * 2 + 1024 + 256
+
+
+class HopperAttention:
+    """prefill_attn_hopper for one group size, compiled and prepared for the current device. ``variant``:
+    (P V as one n128 wgmma a k16 step (128) or two n64 (64), K/V stages, ping-pong 1 / 0)."""
+
+    def __init__(self, group: int, cache_dir: str = "", variant: tuple[int, int, int] = FA_VARIANT) -> None:
+        import pycuda.driver as cuda
+
+        self.group, self.smem = group, attention_smem(variant[1])
+        mod, fmt = _attention_module(group, variant, cache_dir)
+        self.fn = mod.get_function("prefill_attn_hopper")
+        self.fn.set_attribute(cuda.function_attribute.MAX_DYNAMIC_SHARED_SIZE_BYTES, self.smem)
+        self.fn.prepare(fmt)
+        self._maps: dict[tuple, bytes] = {}
+
+    def covers(self, block_size: int, q: int, cache: int) -> bool:
+        return attention_covers(FA_D, self.group, block_size) and int(q) % 16 == 0 and int(cache) % 16 == 0
+
+    def _map(self, ptr: int, dims: tuple[int, ...], strides: tuple[int, ...], box: tuple[int, ...]) -> bytes:
+        key = (ptr, dims, strides, box)
+        tm = self._maps.get(key)
+        if tm is None:
+            if len(self._maps) > 4096:
+                self._maps.clear()
+            tm = self._maps[key] = encode_map(ptr, dims, strides, box)
+        return tm
+
+    def __call__(self, s, q: int, block_table: int, cache: int, block_stride: int, block_size: int, kv_heads: int,
+                 n: int, start: int, out: int, scale_log2) -> None:  # fmt: skip
+        """out[n, H * 128] = causal attention of q [n, H, 128] (positions start..) over the paged cache."""
+        if not self.covers(block_size, q, cache):
+            raise ValueError(f"prefill_attn_hopper does not take block_size {block_size} / unaligned q or cache")
+        if n <= 0:
+            return
+        g, d, h = self.group, FA_D, kv_heads * self.group
+        row = kv_heads * d * 2  # bytes between a page's token rows
+        if block_stride % (kv_heads * d):
+            raise ValueError(f"block_stride {block_stride} is not a whole number of [KVH][D] rows")
+        tmq = self._map(int(q), (d, h, n), (d * 2, h * d * 2), (64, g, FA_BM // g))
+        tmkv = self._map(int(cache), (d, kv_heads, KV_ROWS_BOUND), (d * 2, row), (64, 1, min(block_size, FA_KT)))
+        blocks = -(-n // (FA_BM // g))
+        self.fn.prepared_async_call((kv_heads, blocks, 1), (FA_THREADS, 1, 1), s, tmq, tmkv, int(block_table),
+                                    np.int32(block_size), np.int32(block_stride // (kv_heads * d)),
+                                    np.int32(kv_heads), np.int32(n), np.int32(start), np.float32(scale_log2),
+                                    int(out), shared_size=self.smem)  # fmt: skip
+
+
+def route_attention(head_dim: int, group: int, cache_dir: str = "") -> HopperAttention | None:
+    """prefill_attn_hopper for this head size and group on an sm_90 device, or None (attention_prefill.cu)."""
+    if head_dim != FA_D or group not in (1, 2, 4, 8) or not supported():
+        return None
+    return HopperAttention(group, cache_dir)

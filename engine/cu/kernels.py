@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engine.cu.hopper import route_gemm
+from engine.cu.hopper import route_attention, route_gemm
 from engine.cu.launch import Kernel, module
 from engine.cu.quant import BF16, Matrix, QuantKernels
 from engine.sampling import MIN_TEMPERATURE
@@ -101,6 +101,10 @@ class Kernels:
         import pycuda.driver as cuda
 
         self.head_dim, self.group, self.u2_below = head_dim, group, u2_below
+        # Rows up to which linear / gate_up_act take the GEMV (beyond: the GEMM). The backend lowers it
+        # to its widest decode round (cuda.round_rows): a prefill chunk of more rows than a round
+        # holds runs the GEMM, which a wide GEMV variant is slower than (docs/SPECULATION.md).
+        self.gemv_cap = GEMV_MAX_ROWS
         self.cache_dir, self._quant, self.scratch, self.scratch_bytes = cache_dir, {}, 0, 0
         for fmt in formats:
             if fmt != BF16:
@@ -146,6 +150,7 @@ class Kernels:
         self._prefill_attn = Kernel(pre, "prefill_attn", "q:ptr block_table:ptr cache:ptr block_stride:i64 "
                                     "block_size:i32 KVH:i32 n:i32 start:i32 scale_log2:f32 out:ptr window:i32 "
                                     "cap_log2:f32 sinks:ptr", PREFILL_THREADS)  # fmt: skip
+        self._prefill_hopper = route_attention(head_dim, group, cache_dir)  # sm_90, head_dim 128 (hopper.py)
         self._counters = cuda.mem_alloc(4 * MAX_COUNTERS)  # decode_attn's split counters, self-resetting
         cuda.memset_d32(self._counters, 0, MAX_COUNTERS)
         samp = mod("sample", ("SAMPLE_THREADS", SAMPLE_THREADS), ("MIN_TEMPERATURE", MIN_TEMPERATURE))
@@ -226,7 +231,7 @@ class Kernels:
         ldo = n if ldo is None else ldo
         if norm_out[0] and ldo != n:
             raise ValueError("norm_out needs a contiguous output (ldo == n)")
-        if 1 <= rows <= gemv_rows(w):
+        if 1 <= rows <= min(gemv_rows(w), self.gemv_cap):
             nw, xw, ss_out = norm_out
             self._gemv_tc(s, ACC if accumulate else STORE, x, w, out, rows, n, k, ldo, ss_in, eps, bias=bias, nw=nw,
                           xw=xw, ss_out=ss_out)  # fmt: skip
@@ -325,16 +330,20 @@ class Kernels:
         """act[rows, inter] = bf16(fn(gate) * up) of x @ w.T (``fn`` "silu": SwiGLU, "gelu_tanh": GeGLU),
         ``w`` the gate|up matrix interleaved in 8-row groups (``weights.interleave_gate_up``). Up to
         ``gemv_rows(w)`` rows the activation is the GEMV's epilogue (no fp32 ``gu`` round trip, one
-        launch); wider, the GEMM
-        writes ``gu`` and ``swiglu`` reads it."""
+        launch); wider, gemm_hopper's (sm_90), or elsewhere the GEMM writes ``gu`` and ``swiglu``
+        reads it."""
         if k % 8 or inter % 8:
             raise ValueError(f"K={k} and I={inter} must be multiples of 8")
-        if 1 <= rows <= gemv_rows(w):
+        if 1 <= rows <= min(gemv_rows(w), self.gemv_cap):
             self._gemv_tc(s, GATE_EPILOGUE[fn], x, w, act, rows, 2 * inter, k, inter, ss_in, eps)
             return
         if ss_in[0]:
             raise ValueError(f"fused RMSNorm needs 1..{gemv_rows(w)} rows, got {rows}")
-        self.linear(s, x, w, 0, gu, rows, 2 * inter, k)
+        wb = self.as_bf16(s, w, 2 * inter, k)
+        fused = getattr(self._gemm, "gate_up", None)  # gemm_hopper: the activation in its epilogue
+        if fused is not None and fused(s, x, wb, act, rows, inter, k, ACT_CODE[fn]):
+            return
+        self.linear(s, x, wb, 0, gu, rows, 2 * inter, k)
         self.swiglu(s, gu, act, inter, rows, interleaved=True, act=fn)
 
     # --- attention -----------------------------------------------------------------------
@@ -355,7 +364,14 @@ class Kernels:
 
     def prefill_attention(self, s, q: int, block_table: int, cache: int, block_stride: int, block_size: int,
                           kv_heads: int, n: int, start: int, out: int, args: AttnArgs | None = None) -> None:  # fmt: skip
+        """Causal attention of a chunk's q over the paged cache (its retained prefix whole) into ``out``.
+        attention_prefill_hopper.cu where it covers the call (sm_90, head_dim 128, no soft-cap, window
+        or sinks, pages of 8, 16, .. 128 or a multiple of 128 rows); attention_prefill.cu otherwise."""
         a = args or self.plain
+        fa = self._prefill_hopper
+        if fa is not None and not a.cap_log2 and a.window <= 0 and not a.sinks and fa.covers(block_size, q, cache):
+            fa(s, q, block_table, cache, block_stride, block_size, kv_heads, n, start, out, a.scale_log2)
+            return
         halves = 2 if self.head_dim == 256 else 1  # attention_prefill.cu: HEAD_DIM 256 splits the output dims
         self._prefill_attn(s, ((n + 63) // 64, kv_heads * self.group, halves), q=q, block_table=block_table, cache=cache,
                            block_stride=block_stride, block_size=block_size, KVH=kv_heads, n=n, start=start,

@@ -32,12 +32,12 @@ def test_pick_fills_the_sms():
 
 def test_pack_format_follows_the_offsets():
     # gemm_hopper's layout on sm_90: the 64-byte aligned tensor maps start at 48 (the bank's base is 0x210)
-    layout = [(48, 128), (176, 128), (304, 8), (312, 8), (320, 4), (324, 4), (328, 4), (332, 4), (336, 4)]
+    layout = [(48, 128), (176, 128), (304, 8), (312, 8), (320, 4), (324, 4), (328, 4), (332, 4), (336, 4), (340, 4)]
     fmt = hopper.pack_format(layout, hopper.PARAMS)
-    assert fmt == "48x128s128sPPiiiii"
+    assert fmt == "48x128s128sPPiiiiii"
     import struct
 
-    buf = struct.pack(fmt, b"a" * 128, b"w" * 128, 5, 6, 1, 2, 3, 4, 0)
+    buf = struct.pack(fmt, b"a" * 128, b"w" * 128, 5, 6, 1, 2, 3, 4, 0, -1)
     assert buf[48:176] == b"a" * 128 and struct.unpack_from("=Qi", buf, 312) == (6, 1)
     with pytest.raises(ValueError):
         hopper.pack_format([(0, 8)], ["i"])
@@ -118,6 +118,31 @@ def test_small_shapes_every_variant(hg, stream, variant):
         got, ref = run_numpy(hg, stream, m, n, k, bias=bias, accumulate=acc, pad=pad, variant=variant)
         err = rel_err(got, ref)
         assert err < 1e-5, f"{variant} M={m} N={n} K={k} bias={bias} acc={acc}: rel err {err:.2e}"
+
+
+@gpu
+@pytest.mark.parametrize("variant", [(2, 256), (2, 128), (1, 256), (1, 128)])
+def test_fused_gate_up(hg, stream, variant):
+    """act 0 / 1: bf16 silu / gelu_tanh(gate) * up of the interleaved gate|up product in the epilogue."""
+    import pycuda.gpuarray as ga
+
+    from engine.backends.cuda.weights import from_bf16, interleave_gate_up, to_bf16
+
+    for m, inter, k, act in [(9, 72, 64, 0), (300, 1408, 520, 0), (130, 264, 200, 1)]:
+        x = bf(rng.standard_normal((m, k)).astype(np.float32))
+        gate = bf((rng.standard_normal((inter, k)) * k**-0.5).astype(np.float32))
+        up = bf((rng.standard_normal((inter, k)) * k**-0.5).astype(np.float32))
+        g, u = x.astype(np.float64) @ gate.T.astype(np.float64), x.astype(np.float64) @ up.T.astype(np.float64)
+        a = 0.5 * g * (1 + np.tanh(0.7978845608028654 * (g + 0.044715 * g**3))) if act else g / (1 + np.exp(-g))
+        ldc = inter + 2
+        g_x, g_w = ga.to_gpu(to_bf16(x)), ga.to_gpu(to_bf16(interleave_gate_up(gate, up)))
+        g_o = ga.to_gpu(np.full(m * ldc, 0x7FC0, np.uint16))
+        hg(stream, g_x.ptr, g_w.ptr, 0, g_o.ptr, m, 2 * inter, k, ldc, variant=variant, act=act)
+        stream.synchronize()
+        got = g_o.get().reshape(m, ldc)
+        assert (got[:, inter:] == 0x7FC0).all(), "columns past N / 2 were written"
+        err = rel_err(from_bf16(got[:, :inter]).reshape(m, inter), a * u)
+        assert err < 8e-3, f"{variant} M={m} I={inter} K={k} act={act}: rel err {err:.2e}"
 
 
 @gpu

@@ -120,6 +120,7 @@ class CudaBackend(Backend):
         # gemv_q.cu and the expert kernels take one group of 8 rows; gemv.cu takes 64.
         narrow = self.weights.quantized or gemv_rows(self.weights.lm_head) < MAX_LANES or self.moe is not None
         self.max_round_rows = QUANT_LANES if narrow else max(QUANT_LANES, min(self.tuning.round_rows, MAX_LANES))
+        self.kern.gemv_cap = self.max_round_rows  # wider prefill chunks run the GEMM
         self.graphs = GraphRunner(self.stream, self.dstage, self._decode_body, self.max_round_rows, eager=eager)
         self.graphs.capture()
         # The workspace figure is engine.memory's formula (the same one the switch precheck uses):
