@@ -24,7 +24,10 @@ def generate(backend, plan, prompts, sampling, rows: int, max_tokens: int = 96, 
     from engine.messages import AddRequest, TokenEvent
     from engine.scheduler import Scheduler
 
-    cfg = EngineConfig(decode_lanes=lanes, prefill_chunk=256, max_context=1024, block_size=16, spec_max_draft=max_draft)
+    # short_prefill 0: a short prompt's tail is never fed as decode rows (their numerics are not the
+    # prefill's on this backend), so speculation on and off differ in speculation alone.
+    cfg = EngineConfig(decode_lanes=lanes, prefill_chunk=256, max_context=1024, block_size=16, spec_max_draft=max_draft,
+                       short_prefill=0)  # fmt: skip
     sched = Scheduler(cfg, KVManager(plan.num_blocks, 16, 0), seed_rng=random.Random(0), max_round_rows=rows)
     out, widest = {f"p{i}": [] for i in range(len(prompts))}, 0
     for first in range(0, len(prompts), lanes):
