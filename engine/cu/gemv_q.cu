@@ -512,37 +512,44 @@ __device__ __forceinline__ void gemv_q_main(const bf16* __restrict__ x, const ui
                 for (int i = 0; i < 4; i++) ka[sb][i] = ks[g * 5 + i], kb[sb][i] = ks[(g + 8) * 5 + i];
             }
         }
+        // Shared-memory loads need no guard: a slot's rows past N and units past K hold stale bytes,
+        // which reach only accumulators of rows past N (never stored) or are not decoded at all. The
+        // activation loads are guarded by unit (warp-uniform branches); rows g >= M read row 0 (xr),
+        // whose products land in the columns >= M the epilogue does not read.
+        const bf16* xs = xr + (size_t)j * KC + (Fmt::XC ? 8 * t : 4 * t);
 #pragma unroll
         for (int u = 0; u < U; u++) {
             const int PL = U * warp + u, P = j * (KC / 64) + PL, cu = u & 3;
             const bool ok0 = P < NP, ok1 = ok0 && (Fmt::QK != 32 || 2 * P + 1 < NG);
             if constexpr (KH) {
-                A[u] = kfetch_q<Fmt>(pa, PL, cu, t, ok0 && ra);
-                B[u] = kfetch_q<Fmt>(pb, PL, cu, t, ok0 && rb);
+                A[u] = kfetch_q<Fmt>(pa, PL, cu, t, true);
+                B[u] = kfetch_q<Fmt>(pb, PL, cu, t, true);
             } else {
-                A[u] = Fmt::fetch(pa, PL, cu, t, ok0 && ra, ok1 && ra);
-                B[u] = Fmt::fetch(pb, PL, cu, t, ok0 && rb, ok1 && rb);
+                A[u] = Fmt::fetch(pa, PL, cu, t, true, true);
+                B[u] = Fmt::fetch(pb, PL, cu, t, true, true);
             }
 #pragma unroll
             for (int h = 0; h < 2; h++) {
-                const bool okx = (h ? ok1 : ok0) && rx;
-                const bf16* xp = xr + (okx ? Fmt::base(P, cu, h) : 0);
-                if constexpr (Fmt::XC) {
-                    const uint4 v = okx ? __ldg(reinterpret_cast<const uint4*>(xp + 8 * t)) : make_uint4(0u, 0u, 0u, 0u);
-                    xv[u][2 * h] = make_uint2(v.x, v.y);
-                    xv[u][2 * h + 1] = make_uint2(v.z, v.w);
-                } else {
-                    xv[u][2 * h] = okx ? __ldg(reinterpret_cast<const uint2*>(xp + 4 * t)) : make_uint2(0u, 0u);
-                    xv[u][2 * h + 1] = okx ? __ldg(reinterpret_cast<const uint2*>(xp + 16 + 4 * t)) : make_uint2(0u, 0u);
+                if (h ? ok1 : ok0) {  // warp-uniform
+                    const bf16* xp = xs + Fmt::base(PL, cu, h);
+                    if constexpr (Fmt::XC) {
+                        const uint4 v = __ldg(reinterpret_cast<const uint4*>(xp));
+                        xv[u][2 * h] = make_uint2(v.x, v.y);
+                        xv[u][2 * h + 1] = make_uint2(v.z, v.w);
+                    } else {
+                        xv[u][2 * h] = __ldg(reinterpret_cast<const uint2*>(xp));
+                        xv[u][2 * h + 1] = __ldg(reinterpret_cast<const uint2*>(xp + 16));
+                    }
                 }
             }
         }
 #pragma unroll
         for (int u = 0; u < U; u++) {
             const int P = j * (KC / 64) + U * warp + u, cu = u & 3;
-            if (P < NP) {  // warp-uniform
+            const bool ok0 = P < NP, ok1 = ok0 && (Fmt::QK != 32 || 2 * P + 1 < NG);
 #pragma unroll
-                for (int h = 0; h < 2; h++) {
+            for (int h = 0; h < 2; h++) {
+                if (h ? ok1 : ok0) {  // warp-uniform
                     if constexpr (KH) {
                         const float4 a = ka[u / 4][cu], b = kb[u / 4][cu];
                         const uint2 va = kvalues<Fmt>(A[u], cu, h), vb = kvalues<Fmt>(B[u], cu, h);
