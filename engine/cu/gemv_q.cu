@@ -59,6 +59,9 @@
 #ifndef QKH
 #define QKH 1
 #endif
+#ifndef QUF
+#define QUF 2
+#endif
 
 // FP8 (QTYPE 200, not a GGML id): rows of K float8_e4m3fn bytes (the torch [out, in] layout,
 // engine/loaders/fp8.py's Fp8Tensor with per-output-channel scales), all N rows back to back, then
@@ -398,6 +401,7 @@ constexpr int STAGE_BYTES = TC_ROWS * RS;
 static_assert(KC % Fmt::QK == 0, "a stage holds whole blocks");
 static_assert(Fmt::QK == 32 || QU % 4 == 0, "K-quants: a warp's units of a stage are whole super-blocks");
 static_assert(QNST * STAGE_BYTES <= QSMEM, "engine/cu/quant.py's QSMEM must hold QNST stages");
+static_assert(QU % QUF == 0, "QUF units at a time");
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
 __device__ __forceinline__ void mbar_init(uint64_t* bar) {
@@ -491,9 +495,6 @@ __device__ __forceinline__ void gemv_q_main(const bf16* __restrict__ x, const ui
         const int lb = (int)(reinterpret_cast<uintptr_t>(tile + (g + 8) * row_bytes + off) & 15);
         const uint8_t* pa = slot + g * RS + la;
         const uint8_t* pb = slot + (g + 8) * RS + lb;
-        typename Fmt::Raw A[U], B[U];
-        uint2 xv[U][4];
-        float4 ka[KH ? U / 4 : 1][4], kb[KH ? U / 4 : 1][4];  // KH: rows g, g + 8: (s, mn) of sub-blocks 2i, 2i + 1
         if constexpr (KH) {
 #pragma unroll
             for (int sb = 0; sb < U / 4; sb++) {
@@ -505,59 +506,64 @@ __device__ __forceinline__ void gemv_q_main(const bf16* __restrict__ x, const ui
                 }
             }
             __syncwarp();
-#pragma unroll
-            for (int sb = 0; sb < U / 4; sb++) {
-                const float4* ks = q_ks + (warp * (U / 4) + sb) * TC_ROWS * 5;
-#pragma unroll
-                for (int i = 0; i < 4; i++) ka[sb][i] = ks[g * 5 + i], kb[sb][i] = ks[(g + 8) * 5 + i];
-            }
         }
         // Shared-memory loads need no guard: a slot's rows past N and units past K hold stale bytes,
         // which reach only accumulators of rows past N (never stored) or are not decoded at all. The
         // activation loads are guarded by unit (warp-uniform branches); rows g >= M read row 0 (xr),
-        // whose products land in the columns >= M the epilogue does not read.
+        // whose products land in the columns >= M the epilogue does not read. QUF units at a time:
+        // their loads first, then their decode (fewer live registers than all QU at once).
         const bf16* xs = xr + (size_t)j * KC + (Fmt::XC ? 8 * t : 4 * t);
 #pragma unroll
-        for (int u = 0; u < U; u++) {
-            const int PL = U * warp + u, P = j * (KC / 64) + PL, cu = u & 3;
-            const bool ok0 = P < NP, ok1 = ok0 && (Fmt::QK != 32 || 2 * P + 1 < NG);
-            if constexpr (KH) {
-                A[u] = kfetch_q<Fmt>(pa, PL, cu, t, true);
-                B[u] = kfetch_q<Fmt>(pb, PL, cu, t, true);
-            } else {
-                A[u] = Fmt::fetch(pa, PL, cu, t, true, true);
-                B[u] = Fmt::fetch(pb, PL, cu, t, true, true);
-            }
+        for (int u0 = 0; u0 < U; u0 += QUF) {
+            typename Fmt::Raw A[QUF], B[QUF];
+            uint2 xv[QUF][4];
 #pragma unroll
-            for (int h = 0; h < 2; h++) {
-                if (h ? ok1 : ok0) {  // warp-uniform
-                    const bf16* xp = xs + Fmt::base(PL, cu, h);
-                    if constexpr (Fmt::XC) {
-                        const uint4 v = __ldg(reinterpret_cast<const uint4*>(xp));
-                        xv[u][2 * h] = make_uint2(v.x, v.y);
-                        xv[u][2 * h + 1] = make_uint2(v.z, v.w);
-                    } else {
-                        xv[u][2 * h] = __ldg(reinterpret_cast<const uint2*>(xp));
-                        xv[u][2 * h + 1] = __ldg(reinterpret_cast<const uint2*>(xp + 16));
+            for (int du = 0; du < QUF; du++) {
+                const int u = u0 + du, PL = U * warp + u, P = j * (KC / 64) + PL, cu = u & 3;
+                const bool ok0 = P < NP, ok1 = ok0 && (Fmt::QK != 32 || 2 * P + 1 < NG);
+                if constexpr (KH) {
+                    A[du] = kfetch_q<Fmt>(pa, PL, cu, t, true);
+                    B[du] = kfetch_q<Fmt>(pb, PL, cu, t, true);
+                } else {
+                    A[du] = Fmt::fetch(pa, PL, cu, t, true, true);
+                    B[du] = Fmt::fetch(pb, PL, cu, t, true, true);
+                }
+#pragma unroll
+                for (int h = 0; h < 2; h++) {
+                    if (h ? ok1 : ok0) {  // warp-uniform
+                        const bf16* xp = xs + Fmt::base(PL, cu, h);
+                        if constexpr (Fmt::XC) {
+                            const uint4 v = __ldg(reinterpret_cast<const uint4*>(xp));
+                            xv[du][2 * h] = make_uint2(v.x, v.y);
+                            xv[du][2 * h + 1] = make_uint2(v.z, v.w);
+                        } else {
+                            xv[du][2 * h] = __ldg(reinterpret_cast<const uint2*>(xp));
+                            xv[du][2 * h + 1] = __ldg(reinterpret_cast<const uint2*>(xp + 16));
+                        }
                     }
                 }
             }
-        }
 #pragma unroll
-        for (int u = 0; u < U; u++) {
-            const int P = j * (KC / 64) + U * warp + u, cu = u & 3;
-            const bool ok0 = P < NP, ok1 = ok0 && (Fmt::QK != 32 || 2 * P + 1 < NG);
+            for (int du = 0; du < QUF; du++) {
+                const int u = u0 + du, P = j * (KC / 64) + U * warp + u, cu = u & 3;
+                const bool ok0 = P < NP, ok1 = ok0 && (Fmt::QK != 32 || 2 * P + 1 < NG);
+                float4 ka, kb;  // KH: rows g, g + 8: (s, mn) of sub-blocks 2 cu, 2 cu + 1
+                if constexpr (KH) {
+                    const float4* ks = q_ks + (warp * (U / 4) + u / 4) * TC_ROWS * 5;
+                    ka = ks[g * 5 + cu], kb = ks[(g + 8) * 5 + cu];
+                }
 #pragma unroll
-            for (int h = 0; h < 2; h++) {
-                if (h ? ok1 : ok0) {  // warp-uniform
-                    if constexpr (KH) {
-                        const float4 a = ka[u / 4][cu], b = kb[u / 4][cu];
-                        const uint2 va = kvalues<Fmt>(A[u], cu, h), vb = kvalues<Fmt>(B[u], cu, h);
-                        const QVals qa{va.x, va.y, h ? a.z : a.x, h ? a.z : a.x, h ? a.w : a.y};
-                        const QVals qb{vb.x, vb.y, h ? b.z : b.x, h ? b.z : b.x, h ? b.w : b.y};
-                        q_group(c, qa, qb, xv[u][2 * h], xv[u][2 * h + 1]);
-                    } else {
-                        q_group(c, Fmt::decode(A[u], cu, h), Fmt::decode(B[u], cu, h), xv[u][2 * h], xv[u][2 * h + 1]);
+                for (int h = 0; h < 2; h++) {
+                    if (h ? ok1 : ok0) {  // warp-uniform
+                        if constexpr (KH) {
+                            const uint2 va = kvalues<Fmt>(A[du], cu, h), vb = kvalues<Fmt>(B[du], cu, h);
+                            const QVals qa{va.x, va.y, h ? ka.z : ka.x, h ? ka.z : ka.x, h ? ka.w : ka.y};
+                            const QVals qb{vb.x, vb.y, h ? kb.z : kb.x, h ? kb.z : kb.x, h ? kb.w : kb.y};
+                            q_group(c, qa, qb, xv[du][2 * h], xv[du][2 * h + 1]);
+                        } else {
+                            q_group(c, Fmt::decode(A[du], cu, h), Fmt::decode(B[du], cu, h), xv[du][2 * h],
+                                    xv[du][2 * h + 1]);
+                        }
                     }
                 }
             }

@@ -29,8 +29,8 @@ FP8_QTYPE = 200  # gemv_q.cu's QFP8
 # gemv_q.cu's (QU, QMINB, QNST[, QKH]): units of 64 values a warp takes from each stage (a multiple of
 # 4 for the K-quants: whole super-blocks), blocks per SM the registers must allow, stages in flight,
 # and for Q4_K / Q5_K whether a super-block's scales are computed once a warp (1, the default).
-QUANT_TUNING: dict[str, tuple[int, ...]] = {}
-DEFAULT_TUNING = (4, 2, 3)
+QUANT_TUNING: dict[str, tuple[int, ...]] = {"Q8_0": (2, 3, 3), "FP8": (4, 2, 1)}  # FP8: QU steps in flight, no stages
+DEFAULT_TUNING = (4, 3, 2)
 TC_THREADS = 256
 DEQUANT_THREADS = 256
 TC_ROWS = 16
@@ -120,9 +120,9 @@ class QuantKernels:
         self.gemv = {}
         for epi in tc_params:
             k = Kernel(mod, f"gemv_q_{epi}", _gemv_params(tc_params, epi), TC_THREADS, shared=self.smem)
-            if self.smem > 48 << 10:
+            if self.smem:  # the kernel's static shared memory counts too against the 48 KB default
                 k.fn.set_attribute(cuda.function_attribute.MAX_DYNAMIC_SHARED_SIZE_BYTES, self.smem)
-            if self.smem:  # the stages, not L1, want the SM's memory (QMINB blocks of them an SM)
+                # the stages, not L1, want the SM's memory (QMINB blocks of them an SM)
                 carveout = getattr(cuda.function_attribute, "PREFERRED_SHARED_MEMORY_CARVEOUT", None)
                 if carveout is not None:
                     k.fn.set_attribute(carveout, 100)

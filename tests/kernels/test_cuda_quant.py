@@ -128,12 +128,17 @@ def test_gemv_epilogues(kern, stream, fmt, epi):
     check_epilogue(kern, stream, epi, matrix(fmt, blocks, k), reference(fmt, blocks), rng, fmt)
 
 
-@pytest.mark.parametrize("fmt,tuning", [(f, None) for f in FORMATS] + [("Q4_K", (4, 2, 3, 0)), ("Q5_K", (4, 2, 3, 0))])
+# bench/bench_quant.py's other tunings (QKH 0: K-quant scales decoded a unit at a time).
+OTHER_TUNINGS = [("Q4_K", (4, 2, 3)), ("Q4_K", (4, 3, 2, 0)), ("Q5_K", (4, 3, 2, 0)), ("Q4_K", (4, 4, 2)),
+                 ("Q6_K", (4, 2, 3)), ("Q8_0", (4, 2, 3)), ("Q8_0", (2, 4, 2))]  # fmt: skip
+
+
+@pytest.mark.parametrize("fmt,tuning", [(f, None) for f in FORMATS] + OTHER_TUNINGS)
 def test_gemv_many_stages(kern, stream, fmt, tuning):
     """Rows of more stages than gemv_q.cu keeps in flight (its slots are refilled and their barriers'
     phases flip), a last stage partly filled, 32-value formats with an odd count of blocks (rows not
-    16-byte aligned for most of them), a last tile of 8 rows: store and acc against numpy. Q4_K and
-    Q5_K also with their scales decoded a unit at a time (QKH 0)."""
+    16-byte aligned for most of them), a last tile of 8 rows: store and acc against numpy; also at the
+    tunings bench/bench_quant.py compares."""
     from engine.cu.kernels import TC_PARAMS
     from engine.cu.quant import DEFAULT_TUNING, QUANT_TUNING, QuantKernels
 
