@@ -17,29 +17,33 @@
 // nibble formats store element i and i + 16 in byte i (low, high nibble); K-quants store 64
 // values as 32 bytes, sub-block 2c in the low nibbles and 2c + 1 in the high ones.
 //
-// Thread mapping: as gemv_tc (a block of 256 threads, 16 output rows, 8 warps splitting K). A
-// warp's step is one unit of two 32-value groups of its 16 rows (two blocks; a K-quant sub-block
-// pair whose values share qs bytes; Q6_K groups a and a + 2 of a half, which share ql / qh
-// bytes): per group, thread (g = lane / 4, t = lane % 4) takes values 4t..4t+3 (first mma) and
-// 16+4t..16+4t+3 (second mma) of rows g and g + 8, and the same values of activation row g. Their
-// quant bytes are one or two 32-bit words of the block; 0x4300 | q is bf16 128 + q exactly, the
-// mma sums (128 + q) x over the group in fp32, and with the group's fp32 scale s and min term mn
-// (w = s (q - OFF) + mn) the group adds s * that + (mn - s (128 + OFF)) * sum(x), sum(x) from an
-// mma with all-ones A (Q6_K: a scale per mma, its 16-value sub-blocks; Q8_0: int8 -> fp32 ->
-// bf16, exact, no offset). So no dequantized weight is rounded to bf16 for the product. Warp w
-// owns units w, w + 8, ...: the block's warps read neighbouring units at once, QU in flight per
-// warp, and the block first asks L2 for its whole 16-row tile (one contiguous range: the rows
-// are back to back). The accumulators then go through gemv.cu's epilogues (the same code as
-// bf16), so every row's arithmetic is independent of M: width-invariant lanes.
+// Thread mapping: as gemv_tc (a block of 256 threads, 16 output rows, 8 warps splitting K), with
+// the weights staged: the block's 16 rows are one contiguous range, copied stage by stage (2,048
+// values a row at QU = 4) into shared memory by the bulk copy engine, QNST stages in flight (the
+// stage pipeline below). Warp w takes units QU w .. QU w + QU - 1 of each stage. A unit is two
+// 32-value groups of the 16 rows (two blocks; a K-quant sub-block pair whose values share qs
+// bytes; Q6_K groups a and a + 2 of a half, which share ql / qh bytes): per group, thread
+// (g = lane / 4, t = lane % 4) takes 8 values of rows g and g + 8 (4t..4t+3 for the first mma and
+// 16+4t..16+4t+3 for the second; Q4_K / Q5_K: 8t..8t+7) and the same values of activation row g.
+// Their quant bytes are one or two 32-bit words of the block; a PRMT with the byte 0x43 makes
+// bf16 128 + q exactly, the mma sums (128 + q) x over the group in fp32, and with the group's
+// fp32 scale s and min term mn (w = s (q - OFF) + mn) the group adds s * that +
+// (mn - s (128 + OFF)) * sum(x), sum(x) from an mma with all-ones A (Q6_K: a scale per mma, its
+// 16-value sub-blocks; Q8_0: int8 -> fp32 -> bf16, exact, no offset). So no dequantized weight
+// is rounded to bf16 for the product. The accumulators then go through gemv.cu's epilogues (the
+// same code as bf16), so every row's arithmetic is independent of M: width-invariant lanes.
 //
 // dequant_q_bf16 / dequant_q_f32: out[n, k] = w, computed in fp32 exactly as gguf's numpy
 // dequantize (no fused multiply-add: __fmul_rn / __fadd_rn), then rounded to bf16 (or not).
 // One thread a (row, unit, t): the same fetch and byte decode as the GEMV.
 //
-// Preconditions (wrapper): K % QK == 0 (FP8: K % 16 == 0), M in 1..8, W 16-byte aligned (every row's loads then
-// stay aligned: 16-byte headers of Q4_K / Q5_K, 4-byte words of Q4_1 / Q5_1, 2-byte pieces of
-// the others), x 16-byte aligned. Compile-time: QTYPE (the GGML type id),
-// TC_THREADS, QU, QMINB. Compiled after common.cuh and gemv.cu (GEMV_EPILOGUES_ONLY).
+// Preconditions (wrapper): K % QK == 0 (FP8: K % 16 == 0), M in 1..8, W 16-byte aligned (every
+// row's loads then stay aligned: 16-byte headers of Q4_K / Q5_K, 4-byte words of Q4_1 / Q5_1,
+// 2-byte pieces of the others; the stages keep each address's offset mod 16), x 16-byte aligned;
+// the launch's dynamic shared memory is QSMEM (engine/cu/quant.py's stage_smem). A stage's copy
+// of the last row may read up to 15 bytes past the matrix's end (inside its allocation's
+// granule; never written, never decoded). Compile-time: QTYPE (the GGML type id), TC_THREADS,
+// QU, QMINB, QNST, QSMEM, QKH, QUF. Compiled after common.cuh and gemv.cu (GEMV_EPILOGUES_ONLY).
 
 #ifndef QTYPE
 #error "QTYPE is defined by engine/cu/quant.py"
