@@ -10,7 +10,7 @@ from __future__ import annotations
 import statistics
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
-TUNINGS = [(4, 2), (8, 2), (2, 4), (4, 3)]
+TUNINGS = [(4, 2, 1), (8, 2, 1), (2, 4, 1), (4, 3, 1)]  # (QU, QMINB, QNST unused by FP8)
 COPIES = 4
 
 

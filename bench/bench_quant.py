@@ -33,6 +33,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 SHAPES = [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336)]
+# gemv_q.cu tunings timed beside the defaults (engine.cu.quant.QUANT_TUNING / DEFAULT_TUNING).
+SWEEP = [("Q4_K", (4, 2, 3)), ("Q4_K", (4, 3, 2, 0)), ("Q4_K", (4, 4, 2)), ("Q6_K", (4, 2, 3)), ("Q8_0", (4, 2, 3)),
+         ("Q8_0", (2, 4, 2))]  # fmt: skip
 CONTEXT = 512
 
 
@@ -69,6 +72,7 @@ def bench_kernels(cuda, stream, bw: float) -> list[str]:
 
     rng = np.random.default_rng(0)
     lines = ["| format | matrix | N x K | MB | width 1 µs (GB/s) | width 8 µs (GB/s) |", "|---|---|---|---|---|---|"]
+    print("\n".join(lines), flush=True)
     kern = Kernels(128, 4, formats=list(QUANT_FORMATS))
     xb = cuda.to_device(np.full((8, 14336), 0x3F80, np.uint16))  # bf16 ones: any values time the same
     out = cuda.mem_alloc(8 * 28672 * 4)
@@ -89,29 +93,31 @@ def bench_kernels(cuda, stream, bw: float) -> list[str]:
                     stream, int(xb), mats[i % len(mats)], 0, int(out), m, n, k))  # fmt: skip
                 row.append(f" {t * 1e6:.1f} ({nbytes / t / 1e9:,.0f}) |")
             lines.append("".join(row))
+            print(lines[-1], flush=True)
             for w in ws:
                 w.free()
-    # Groups in flight (QU) and blocks per SM (QMINB) of gemv_q.cu, width 1.
+    # Other tunings of gemv_q.cu (units a warp takes from a stage, blocks per SM, stages in flight), width 1.
     from engine.cu.kernels import TC_PARAMS
-    from engine.cu.quant import QUANT_TUNING, QuantKernels
+    from engine.cu.quant import QuantKernels
 
-    lines.append("\n| format | QU, QMINB | gate_up µs (GB/s) | down µs (GB/s) |\n|---|---|---|---|")
-    for fmt in ("Q4_K", "Q6_K", "Q8_0", "Q4_1"):
-        for tune in ((2, 2), (3, 2), (4, 2), (2, 3), (8, 1)):
-            if tune == QUANT_TUNING.get(fmt, (4, 2)):
-                continue
-            q = QuantKernels(fmt, TC_PARAMS, tuning=tune)
-            row = [f"| {fmt} | {tune} |"]
-            for _name, n, k in SHAPES[2:]:
-                nbytes = n * row_bytes(fmt, k)
-                ws = copies(nbytes)
+    lines.append("\n| format | QU, QMINB, QNST | gate_up µs (GB/s) | down µs (GB/s) |\n|---|---|---|---|")
+    for fmt, tune in SWEEP:
+        q = QuantKernels(fmt, TC_PARAMS, tuning=tune)
+        row = [f"| {fmt} | {tune} (smem {q.smem}) |"]
+        for _name, n, k in SHAPES[2:]:
+            nbytes = n * row_bytes(fmt, k)
+            ws = copies(nbytes)
+            try:
                 t = timed(cuda, stream, lambda i, q=q, ws=ws, n=n, k=k: q.gemv["store"](
                     stream, ((n + 15) // 16,), x=int(xb), W=int(ws[i % len(ws)]), bias=0, out=int(out), M=1, N=n,
                     K=k, ldo=n, ss_in=0, ss_nparts=0, eps=0.0, nw=0, xw=0, ss_out=0))  # fmt: skip
                 row.append(f" {t * 1e6:.1f} ({nbytes / t / 1e9:,.0f}) |")
-                for w in ws:
-                    w.free()
-            lines.append("".join(row))
+            except Exception as e:  # a tuning the device refuses: say so, time the others
+                row.append(f" {type(e).__name__}: {e} |")
+            for w in ws:
+                w.free()
+        lines.append("".join(row))
+        print(lines[-1], flush=True)
     # Prefill: dequant of gate|up (Q4_K) into bf16 vs the GEMM of 2,048 rows over it.
     n, k, rows = 28672, 4096, 2048
     for fmt in ("Q4_K", "Q8_0"):

@@ -17,29 +17,33 @@
 // nibble formats store element i and i + 16 in byte i (low, high nibble); K-quants store 64
 // values as 32 bytes, sub-block 2c in the low nibbles and 2c + 1 in the high ones.
 //
-// Thread mapping: as gemv_tc (a block of 256 threads, 16 output rows, 8 warps splitting K). A
-// warp's step is one unit of two 32-value groups of its 16 rows (two blocks; a K-quant sub-block
-// pair whose values share qs bytes; Q6_K groups a and a + 2 of a half, which share ql / qh
-// bytes): per group, thread (g = lane / 4, t = lane % 4) takes values 4t..4t+3 (first mma) and
-// 16+4t..16+4t+3 (second mma) of rows g and g + 8, and the same values of activation row g. Their
-// quant bytes are one or two 32-bit words of the block; 0x4300 | q is bf16 128 + q exactly, the
-// mma sums (128 + q) x over the group in fp32, and with the group's fp32 scale s and min term mn
-// (w = s (q - OFF) + mn) the group adds s * that + (mn - s (128 + OFF)) * sum(x), sum(x) from an
-// mma with all-ones A (Q6_K: a scale per mma, its 16-value sub-blocks; Q8_0: int8 -> fp32 ->
-// bf16, exact, no offset). So no dequantized weight is rounded to bf16 for the product. Warp w
-// owns units w, w + 8, ...: the block's warps read neighbouring units at once, QU in flight per
-// warp, and the block first asks L2 for its whole 16-row tile (one contiguous range: the rows
-// are back to back). The accumulators then go through gemv.cu's epilogues (the same code as
-// bf16), so every row's arithmetic is independent of M: width-invariant lanes.
+// Thread mapping: as gemv_tc (a block of 256 threads, 16 output rows, 8 warps splitting K), with
+// the weights staged: the block's 16 rows are one contiguous range, copied stage by stage (2,048
+// values a row at QU = 4) into shared memory by the bulk copy engine, QNST stages in flight (the
+// stage pipeline below). Warp w takes units QU w .. QU w + QU - 1 of each stage. A unit is two
+// 32-value groups of the 16 rows (two blocks; a K-quant sub-block pair whose values share qs
+// bytes; Q6_K groups a and a + 2 of a half, which share ql / qh bytes): per group, thread
+// (g = lane / 4, t = lane % 4) takes 8 values of rows g and g + 8 (4t..4t+3 for the first mma and
+// 16+4t..16+4t+3 for the second; Q4_K / Q5_K: 8t..8t+7) and the same values of activation row g.
+// Their quant bytes are one or two 32-bit words of the block; a PRMT with the byte 0x43 makes
+// bf16 128 + q exactly, the mma sums (128 + q) x over the group in fp32, and with the group's
+// fp32 scale s and min term mn (w = s (q - OFF) + mn) the group adds s * that +
+// (mn - s (128 + OFF)) * sum(x), sum(x) from an mma with all-ones A (Q6_K: a scale per mma, its
+// 16-value sub-blocks; Q8_0: int8 -> fp32 -> bf16, exact, no offset). So no dequantized weight
+// is rounded to bf16 for the product. The accumulators then go through gemv.cu's epilogues (the
+// same code as bf16), so every row's arithmetic is independent of M: width-invariant lanes.
 //
 // dequant_q_bf16 / dequant_q_f32: out[n, k] = w, computed in fp32 exactly as gguf's numpy
 // dequantize (no fused multiply-add: __fmul_rn / __fadd_rn), then rounded to bf16 (or not).
 // One thread a (row, unit, t): the same fetch and byte decode as the GEMV.
 //
-// Preconditions (wrapper): K % QK == 0 (FP8: K % 16 == 0), M in 1..8, W 16-byte aligned (every row's loads then
-// stay aligned: 16-byte headers of Q4_K / Q5_K, 4-byte words of Q4_1 / Q5_1, 2-byte pieces of
-// the others), x 16-byte aligned. Compile-time: QTYPE (the GGML type id),
-// TC_THREADS, QU, QMINB. Compiled after common.cuh and gemv.cu (GEMV_EPILOGUES_ONLY).
+// Preconditions (wrapper): K % QK == 0 (FP8: K % 16 == 0), M in 1..8, W 16-byte aligned (every
+// row's loads then stay aligned: 16-byte headers of Q4_K / Q5_K, 4-byte words of Q4_1 / Q5_1,
+// 2-byte pieces of the others; the stages keep each address's offset mod 16), x 16-byte aligned;
+// the launch's dynamic shared memory is QSMEM (engine/cu/quant.py's stage_smem). A stage's copy
+// of the last row may read up to 15 bytes past the matrix's end (inside its allocation's
+// granule; never written, never decoded). Compile-time: QTYPE (the GGML type id), TC_THREADS,
+// QU, QMINB, QNST, QSMEM, QKH, QUF. Compiled after common.cuh and gemv.cu (GEMV_EPILOGUES_ONLY).
 
 #ifndef QTYPE
 #error "QTYPE is defined by engine/cu/quant.py"
@@ -49,6 +53,18 @@
 #endif
 #ifndef QMINB
 #define QMINB 2
+#endif
+#ifndef QNST
+#define QNST 3
+#endif
+#ifndef QSMEM
+#define QSMEM 0
+#endif
+#ifndef QKH
+#define QKH 1
+#endif
+#ifndef QUF
+#define QUF 2
 #endif
 
 // FP8 (QTYPE 200, not a GGML id): rows of K float8_e4m3fn bytes (the torch [out, in] layout,
@@ -65,8 +81,11 @@
 enum { GGML_Q4_0 = 2, GGML_Q4_1 = 3, GGML_Q5_0 = 6, GGML_Q5_1 = 7, GGML_Q8_0 = 8, GGML_Q4_K = 12,
        GGML_Q5_K = 13, GGML_Q6_K = 14 };
 
-__device__ __forceinline__ uint32_t ld16(const uint8_t* p) { return __ldg(reinterpret_cast<const unsigned short*>(p)); }
-__device__ __forceinline__ uint32_t ld32(const uint8_t* p) { return __ldg(reinterpret_cast<const unsigned int*>(p)); }
+// Plain loads: the GEMV reads its stage in shared memory, the dequant global memory, through the same code.
+__device__ __forceinline__ uint32_t ld16(const uint8_t* p) { return *reinterpret_cast<const unsigned short*>(p); }
+__device__ __forceinline__ uint32_t ld32(const uint8_t* p) { return *reinterpret_cast<const unsigned int*>(p); }
+__device__ __forceinline__ uint2 ld64(const uint8_t* p) { return *reinterpret_cast<const uint2*>(p); }
+__device__ __forceinline__ uint4 ld128(const uint8_t* p) { return *reinterpret_cast<const uint4*>(p); }
 // A 32-bit word at a 2-byte aligned address (blocks of 18, 22, 34, 210 bytes).
 __device__ __forceinline__ uint32_t ld32_2(const uint8_t* p) { return ld16(p) | (ld16(p + 2) << 16); }
 __device__ __forceinline__ float f16_lo(uint32_t v) { return __half2float(__ushort_as_half((unsigned short)(v & 0xffff))); }
@@ -80,25 +99,30 @@ struct QVals {
     float s0, s1, mn;
 };
 
-// K-quant 6-bit scale and min of sub-block j (gguf's Q4_K.get_scale_min), from scale bytes 0..11.
-__device__ __forceinline__ void k_scale_min(uint32_t s03, uint32_t s47, uint32_t s811, int j, int& sc, int& m) {
-    if (j < 4) {
-        sc = (s03 >> (8 * j)) & 63;
-        m = (s47 >> (8 * j)) & 63;
-    } else {
-        const int jj = j - 4;
-        const uint32_t a = (s811 >> (8 * jj)) & 0xff, lo = (s03 >> (8 * jj)) & 0xff, hi = (s47 >> (8 * jj)) & 0xff;
-        sc = (a & 0xf) | ((lo >> 6) << 4);
-        m = (a >> 4) | ((hi >> 6) << 4);
-    }
+// Byte i of v as an exact fp32: 2^23 + byte from the bits (a PRMT), less 2^23 (an FADD).
+__device__ __forceinline__ float byte_f32(uint32_t v, int i) {
+    return __int_as_float(__byte_perm(v, 0x4b000000u, 0x7650 | i)) - 8388608.f;
+}
+
+// K-quant sub-block j's scale d * sc_j and min term -(dmin * m_j) (gguf's Q4_K.get_scale_min, its
+// float32 products), from the 16-byte header (d, dmin, then the 12 scale bytes in words y, z, w):
+// the four 6-bit values of a word half come out together with masks, the GEMV's j is a constant.
+__device__ __forceinline__ void k_scale_min(const uint4& hd, int j, float& s, float& mn) {
+    const uint32_t sc4 = j < 4 ? hd.y & 0x3f3f3f3fu : (hd.w & 0x0f0f0f0fu) | ((hd.y >> 2) & 0x30303030u);
+    const uint32_t m4 = j < 4 ? hd.z & 0x3f3f3f3fu : ((hd.w >> 4) & 0x0f0f0f0fu) | ((hd.z >> 2) & 0x30303030u);
+    s = __fmul_rn(f16_lo(hd.x), byte_f32(sc4, j & 3));
+    mn = -__fmul_rn(f16_hi(hd.x), byte_f32(m4, j & 3));
 }
 
 // Bits 0..3 of a Q5 block's (shifted) qh, one a byte, at bit 4 of each.
 __device__ __forceinline__ uint32_t spread4(uint32_t bits) { return ((bits & 0xfu) * 0x00204081u & 0x01010101u) << 4; }
 
 // A format is read in units of two 32-value groups (h = 0, 1) that share loaded words where the
-// layout allows: fetch(row, P, t) loads unit P's bytes for thread t, decode(raw, P, h) gives group
-// h's values, base(P, h) the group's first value in the row. Units per row: units(K).
+// layout allows: fetch(row, P, c, t) loads unit P's bytes for thread t (row: the bytes of the row
+// from unit 0 on; c = P % 4, which the GEMV knows at compile time), decode(raw, c, h) gives group
+// h's values, base(P, c, h) the group's first value in the row. Units per row: units(K). XC: the
+// thread's 8 values of a group are 8t..8t+7 (one 16-byte activation load); else 4t..4t+3 and
+// 16+4t..16+4t+3 (the nibble layouts, Q8_0 and Q6_K).
 template <int T>
 struct QFmt;
 
@@ -106,8 +130,9 @@ struct QFmt;
 template <int T, int BB_>
 struct QBlock32 {
     static constexpr int QK = 32, BB = BB_;
+    static constexpr bool XC = false;
     static __device__ __forceinline__ int units(int K) { return (K / 32 + 1) >> 1; }
-    static __device__ __forceinline__ int base(int P, int h) { return 64 * P + 32 * h; }
+    static __device__ __forceinline__ int base(int P, int c, int h) { return 64 * P + 32 * h; }
     static __device__ __forceinline__ const uint8_t* block(const uint8_t* row, int P, int h) {
         return row + (size_t)(2 * P + h) * BB;
     }
@@ -118,13 +143,13 @@ struct QFmt<GGML_Q4_0> : QBlock32<GGML_Q4_0, 18> {
     static constexpr int OFF = 8;
     static constexpr bool MIN = false, SPLIT = false, INT8 = false;
     struct Raw { uint32_t d[2], qs[2]; };
-    static __device__ __forceinline__ Raw fetch(const uint8_t* row, int P, int t, bool ok0, bool ok1) {
+    static __device__ __forceinline__ Raw fetch(const uint8_t* row, int P, int c, int t, bool ok0, bool ok1) {
         Raw r{{0u, 0u}, {0u, 0u}};
         if (ok0) r.d[0] = ld16(block(row, P, 0)), r.qs[0] = ld32_2(block(row, P, 0) + 2 + 4 * t);
         if (ok1) r.d[1] = ld16(block(row, P, 1)), r.qs[1] = ld32_2(block(row, P, 1) + 2 + 4 * t);
         return r;
     }
-    static __device__ __forceinline__ QVals decode(const Raw& r, int P, int h) {
+    static __device__ __forceinline__ QVals decode(const Raw& r, int c, int h) {
         const float d = f16_lo(r.d[h]);
         return QVals{r.qs[h] & 0x0f0f0f0fu, (r.qs[h] >> 4) & 0x0f0f0f0fu, d, d, 0.f};
     }
@@ -135,13 +160,13 @@ struct QFmt<GGML_Q4_1> : QBlock32<GGML_Q4_1, 20> {
     static constexpr int OFF = 0;
     static constexpr bool MIN = true, SPLIT = false, INT8 = false;
     struct Raw { uint32_t dm[2], qs[2]; };
-    static __device__ __forceinline__ Raw fetch(const uint8_t* row, int P, int t, bool ok0, bool ok1) {
+    static __device__ __forceinline__ Raw fetch(const uint8_t* row, int P, int c, int t, bool ok0, bool ok1) {
         Raw r{{0u, 0u}, {0u, 0u}};
         if (ok0) r.dm[0] = ld32(block(row, P, 0)), r.qs[0] = ld32(block(row, P, 0) + 4 + 4 * t);
         if (ok1) r.dm[1] = ld32(block(row, P, 1)), r.qs[1] = ld32(block(row, P, 1) + 4 + 4 * t);
         return r;
     }
-    static __device__ __forceinline__ QVals decode(const Raw& r, int P, int h) {
+    static __device__ __forceinline__ QVals decode(const Raw& r, int c, int h) {
         const float d = f16_lo(r.dm[h]);
         return QVals{r.qs[h] & 0x0f0f0f0fu, (r.qs[h] >> 4) & 0x0f0f0f0fu, d, d, f16_hi(r.dm[h])};
     }
@@ -152,7 +177,7 @@ struct QFmt<GGML_Q5_0> : QBlock32<GGML_Q5_0, 22> {
     static constexpr int OFF = 16;
     static constexpr bool MIN = false, SPLIT = false, INT8 = false;
     struct Raw { uint32_t d[2], qh[2], qs[2]; };
-    static __device__ __forceinline__ Raw fetch(const uint8_t* row, int P, int t, bool ok0, bool ok1) {
+    static __device__ __forceinline__ Raw fetch(const uint8_t* row, int P, int c, int t, bool ok0, bool ok1) {
         Raw r{{0u, 0u}, {0u, 0u}, {0u, 0u}};
 #pragma unroll
         for (int h = 0; h < 2; h++) {
@@ -161,7 +186,7 @@ struct QFmt<GGML_Q5_0> : QBlock32<GGML_Q5_0, 22> {
         }
         return r;
     }
-    static __device__ __forceinline__ QVals decode(const Raw& r, int P, int h) {
+    static __device__ __forceinline__ QVals decode(const Raw& r, int c, int h) {
         const float d = f16_lo(r.d[h]);
         return QVals{(r.qs[h] & 0x0f0f0f0fu) | spread4(r.qh[h]), ((r.qs[h] >> 4) & 0x0f0f0f0fu) | spread4(r.qh[h] >> 16),
                      d, d, 0.f};
@@ -173,7 +198,7 @@ struct QFmt<GGML_Q5_1> : QBlock32<GGML_Q5_1, 24> {
     static constexpr int OFF = 0;
     static constexpr bool MIN = true, SPLIT = false, INT8 = false;
     struct Raw { uint32_t dm[2], qh[2], qs[2]; };
-    static __device__ __forceinline__ Raw fetch(const uint8_t* row, int P, int t, bool ok0, bool ok1) {
+    static __device__ __forceinline__ Raw fetch(const uint8_t* row, int P, int c, int t, bool ok0, bool ok1) {
         Raw r{{0u, 0u}, {0u, 0u}, {0u, 0u}};
 #pragma unroll
         for (int h = 0; h < 2; h++) {
@@ -182,7 +207,7 @@ struct QFmt<GGML_Q5_1> : QBlock32<GGML_Q5_1, 24> {
         }
         return r;
     }
-    static __device__ __forceinline__ QVals decode(const Raw& r, int P, int h) {
+    static __device__ __forceinline__ QVals decode(const Raw& r, int c, int h) {
         const float d = f16_lo(r.dm[h]);
         return QVals{(r.qs[h] & 0x0f0f0f0fu) | spread4(r.qh[h]), ((r.qs[h] >> 4) & 0x0f0f0f0fu) | spread4(r.qh[h] >> 16),
                      d, d, f16_hi(r.dm[h])};
@@ -194,7 +219,7 @@ struct QFmt<GGML_Q8_0> : QBlock32<GGML_Q8_0, 34> {
     static constexpr int OFF = 0;
     static constexpr bool MIN = false, SPLIT = false, INT8 = true;
     struct Raw { uint32_t d[2], q0[2], q1[2]; };
-    static __device__ __forceinline__ Raw fetch(const uint8_t* row, int P, int t, bool ok0, bool ok1) {
+    static __device__ __forceinline__ Raw fetch(const uint8_t* row, int P, int c, int t, bool ok0, bool ok1) {
         Raw r{{0u, 0u}, {0u, 0u}, {0u, 0u}};
 #pragma unroll
         for (int h = 0; h < 2; h++) {
@@ -203,80 +228,93 @@ struct QFmt<GGML_Q8_0> : QBlock32<GGML_Q8_0, 34> {
         }
         return r;
     }
-    static __device__ __forceinline__ QVals decode(const Raw& r, int P, int h) {
+    static __device__ __forceinline__ QVals decode(const Raw& r, int c, int h) {
         const float d = f16_lo(r.d[h]);
         return QVals{r.q0[h], r.q1[h], d, d, 0.f};
     }
 };
 
 // Q4_K / Q5_K: unit P = sub-blocks 2c, 2c + 1 of super-block P / 4 (c = P % 4): values 64c.. of the
-// super-block, in the low and high nibbles of the same 32 qs bytes.
+// super-block, in the low and high nibbles of the same 32 qs bytes; thread t takes bytes 8t..8t+7
+// (one 8-byte load: values 8t..8t+7 of both sub-blocks).
 template <>
 struct QFmt<GGML_Q4_K> {
     static constexpr int QK = 256, BB = 144, OFF = 0;
-    static constexpr bool MIN = true, SPLIT = false, INT8 = false;
+    static constexpr bool MIN = true, SPLIT = false, INT8 = false, XC = true;
     static __device__ __forceinline__ int units(int K) { return K / 64; }
-    static __device__ __forceinline__ int base(int P, int h) { return 64 * P + 32 * h; }
-    struct Raw { uint4 hd; uint32_t qa, qb; };
-    static __device__ __forceinline__ Raw fetch(const uint8_t* row, int P, int t, bool ok0, bool ok1) {
+    static __device__ __forceinline__ int base(int P, int c, int h) { return 64 * P + 32 * h; }
+    struct Raw { uint4 hd; uint2 q; };
+    // fetch_q: the quants only (the GEMV's hoisted path reads the header once a super-block).
+    static __device__ __forceinline__ Raw fetch_q(const uint8_t* row, int P, int c, int t, bool ok0) {
         const uint8_t* p = row + (size_t)(P >> 2) * BB;
-        const int c = P & 3;
-        Raw r{make_uint4(0u, 0u, 0u, 0u), 0u, 0u};
-        if (ok0) r = Raw{__ldg(reinterpret_cast<const uint4*>(p)), ld32(p + 16 + 32 * c + 4 * t),
-                         ld32(p + 32 + 32 * c + 4 * t)};
+        Raw r{make_uint4(0u, 0u, 0u, 0u), make_uint2(0u, 0u)};
+        if (ok0) r.q = ld64(p + 16 + 32 * c + 8 * t);
         return r;
     }
-    static __device__ __forceinline__ QVals decode(const Raw& r, int P, int h) {
-        const int j = 2 * (P & 3) + h, sh = 4 * h;
-        int sc, m;
-        k_scale_min(r.hd.y, r.hd.z, r.hd.w, j, sc, m);
-        const float s = __fmul_rn(f16_lo(r.hd.x), (float)sc), dm = __fmul_rn(f16_hi(r.hd.x), (float)m);
-        return QVals{(r.qa >> sh) & 0x0f0f0f0fu, (r.qb >> sh) & 0x0f0f0f0fu, s, s, -dm};
+    static __device__ __forceinline__ Raw fetch(const uint8_t* row, int P, int c, int t, bool ok0, bool ok1) {
+        Raw r = fetch_q(row, P, c, t, ok0);
+        if (ok0) r.hd = ld128(row + (size_t)(P >> 2) * BB);
+        return r;
+    }
+    static __device__ __forceinline__ uint2 values(const Raw& r, int c, int h) {
+        const int sh = 4 * h;
+        return make_uint2((r.q.x >> sh) & 0x0f0f0f0fu, (r.q.y >> sh) & 0x0f0f0f0fu);
+    }
+    static __device__ __forceinline__ QVals decode(const Raw& r, int c, int h) {
+        float s, mn;
+        k_scale_min(r.hd, 2 * c + h, s, mn);
+        const uint2 v = values(r, c, h);
+        return QVals{v.x, v.y, s, s, mn};
     }
 };
 
 template <>
 struct QFmt<GGML_Q5_K> {
     static constexpr int QK = 256, BB = 176, OFF = 0;
-    static constexpr bool MIN = true, SPLIT = false, INT8 = false;
+    static constexpr bool MIN = true, SPLIT = false, INT8 = false, XC = true;
     static __device__ __forceinline__ int units(int K) { return K / 64; }
-    static __device__ __forceinline__ int base(int P, int h) { return 64 * P + 32 * h; }
-    struct Raw { uint4 hd; uint32_t ha, hb, qa, qb; };
-    static __device__ __forceinline__ Raw fetch(const uint8_t* row, int P, int t, bool ok0, bool ok1) {
+    static __device__ __forceinline__ int base(int P, int c, int h) { return 64 * P + 32 * h; }
+    struct Raw { uint4 hd; uint2 qh, q; };
+    static __device__ __forceinline__ Raw fetch_q(const uint8_t* row, int P, int c, int t, bool ok0) {
         const uint8_t* p = row + (size_t)(P >> 2) * BB;
-        const int c = P & 3;
-        Raw r{make_uint4(0u, 0u, 0u, 0u), 0u, 0u, 0u, 0u};
-        if (ok0) r = Raw{__ldg(reinterpret_cast<const uint4*>(p)), ld32(p + 16 + 4 * t), ld32(p + 32 + 4 * t),
-                         ld32(p + 48 + 32 * c + 4 * t), ld32(p + 64 + 32 * c + 4 * t)};
+        Raw r{make_uint4(0u, 0u, 0u, 0u), make_uint2(0u, 0u), make_uint2(0u, 0u)};
+        if (ok0) r.qh = ld64(p + 16 + 8 * t), r.q = ld64(p + 48 + 32 * c + 8 * t);
         return r;
     }
-    static __device__ __forceinline__ QVals decode(const Raw& r, int P, int h) {
-        const int j = 2 * (P & 3) + h, sh = 4 * h;
-        int sc, m;
-        k_scale_min(r.hd.y, r.hd.z, r.hd.w, j, sc, m);
-        const float s = __fmul_rn(f16_lo(r.hd.x), (float)sc), dm = __fmul_rn(f16_hi(r.hd.x), (float)m);
-        return QVals{((r.qa >> sh) & 0x0f0f0f0fu) | (((r.ha >> j) & 0x01010101u) << 4),
-                     ((r.qb >> sh) & 0x0f0f0f0fu) | (((r.hb >> j) & 0x01010101u) << 4), s, s, -dm};
+    static __device__ __forceinline__ Raw fetch(const uint8_t* row, int P, int c, int t, bool ok0, bool ok1) {
+        Raw r = fetch_q(row, P, c, t, ok0);
+        if (ok0) r.hd = ld128(row + (size_t)(P >> 2) * BB);
+        return r;
+    }
+    static __device__ __forceinline__ uint2 values(const Raw& r, int c, int h) {
+        const int j = 2 * c + h, sh = 4 * h;
+        return make_uint2(((r.q.x >> sh) & 0x0f0f0f0fu) | (((r.qh.x >> j) & 0x01010101u) << 4),
+                          ((r.q.y >> sh) & 0x0f0f0f0fu) | (((r.qh.y >> j) & 0x01010101u) << 4));
+    }
+    static __device__ __forceinline__ QVals decode(const Raw& r, int c, int h) {
+        float s, mn;
+        k_scale_min(r.hd, 2 * c + h, s, mn);
+        const uint2 v = values(r, c, h);
+        return QVals{v.x, v.y, s, s, mn};
     }
 };
 
 // Q6_K: values 128n + 32a + l (l < 32) of a super-block have their low 4 bits in
 // ql[64n + 32(a & 1) + l] (nibble a >> 1), their high 2 in qh[32n + l] (bits 2a, 2a + 1), scale
-// sc[8n + 2a + l / 16]. Unit P (u = P % 4: n = u / 2, a = u % 2) = groups a and a + 2 of half n,
+// sc[8n + 2a + l / 16]. Unit P (c = P % 4: n = c / 2, a = c % 2) = groups a and a + 2 of half n,
 // which share their ql and qh bytes.
 template <>
 struct QFmt<GGML_Q6_K> {
     static constexpr int QK = 256, BB = 210, OFF = 32;
-    static constexpr bool MIN = false, SPLIT = true, INT8 = false;
+    static constexpr bool MIN = false, SPLIT = true, INT8 = false, XC = false;
     static __device__ __forceinline__ int units(int K) { return K / 64; }
-    static __device__ __forceinline__ int base(int P, int h) {
-        const int u = P & 3;
-        return 256 * (P >> 2) + 128 * (u >> 1) + 32 * ((u & 1) + 2 * h);
+    static __device__ __forceinline__ int base(int P, int c, int h) {
+        return 256 * (P >> 2) + 128 * (c >> 1) + 32 * ((c & 1) + 2 * h);
     }
     struct Raw { uint32_t la, lb, ha, hb, s01, s45, d; };
-    static __device__ __forceinline__ Raw fetch(const uint8_t* row, int P, int t, bool ok0, bool ok1) {
+    static __device__ __forceinline__ Raw fetch(const uint8_t* row, int P, int c, int t, bool ok0, bool ok1) {
         const uint8_t* p = row + (size_t)(P >> 2) * BB;
-        const int n = (P & 3) >> 1, a = P & 1;
+        const int n = c >> 1, a = c & 1;
         const uint8_t* ql = p + 64 * n + 32 * a + 4 * t;
         const uint8_t* qh = p + 128 + 32 * n + 4 * t;
         const uint8_t* sc = p + 192 + 8 * n + 2 * a;
@@ -284,8 +322,8 @@ struct QFmt<GGML_Q6_K> {
         if (ok0) r = Raw{ld32_2(ql), ld32_2(ql + 16), ld32_2(qh), ld32_2(qh + 16), ld16(sc), ld16(sc + 4), ld16(p + 208)};
         return r;
     }
-    static __device__ __forceinline__ QVals decode(const Raw& r, int P, int h) {
-        const int sl = 4 * h, sh = 2 * ((P & 1) + 2 * h);
+    static __device__ __forceinline__ QVals decode(const Raw& r, int c, int h) {
+        const int sl = 4 * h, sh = 2 * ((c & 1) + 2 * h);
         const uint32_t sc = h ? r.s45 : r.s01;
         const float d = f16_lo(r.d);
         const float s0 = __fmul_rn(d, (float)(int8_t)(sc & 0xff)), s1 = __fmul_rn(d, (float)(int8_t)(sc >> 8));
@@ -305,13 +343,13 @@ __device__ __forceinline__ uint32_t q_pair(uint32_t v, int h) {
         const float b = __int_as_float(__byte_perm(u, 0x4b000000u, 0x7441 + h)) - 8388736.f;
         return pack_bf162(a, b);
     } else {
-        return __byte_perm(v, 0u, h ? 0x4342 : 0x4140) | 0x43004300u;  // bf16 0x4300 | q = 128 + q
+        return __byte_perm(v, 0x43434343u, h ? 0x4342 : 0x4140);  // bf16 0x43 q = 128 + q: one PRMT a pair
     }
 }
 
-// One group of rows g (qa) and g + 8 (qb) against activation elements x0 (4t..4t+3), x1 (16+4t..).
-// The mma sums (128 + q) x exactly-ish in fp32; w = s (q - OFF) + mn, so
-// sum w x = s * sum (128 + q) x + (mn - s (128 + OFF)) * sum x, sum x from the all-ones mma.
+// One group of rows g (qa) and g + 8 (qb) against activation elements x0, x1 (the thread's first and
+// second four values of the group). The mma sums (128 + q) x exactly-ish in fp32; w = s (q - OFF) + mn,
+// so sum w x = s * sum (128 + q) x + (mn - s (128 + OFF)) * sum x, sum x from the all-ones mma.
 __device__ __forceinline__ void q_group(float* c, const QVals& qa, const QVals& qb, uint2 x0, uint2 x1) {
     float s[4] = {0.f, 0.f, 0.f, 0.f}, s2[4] = {0.f, 0.f, 0.f, 0.f};
     const uint32_t a0[4] = {q_pair(qa.v0, 0), q_pair(qb.v0, 0), q_pair(qa.v0, 2), q_pair(qb.v0, 2)};
@@ -349,49 +387,195 @@ __device__ __forceinline__ void q_group(float* c, const QVals& qa, const QVals& 
     }
 }
 
-template <int U>
-__device__ __forceinline__ void gemv_q_main(const bf16* __restrict__ x, const uint8_t* __restrict__ W, int M, int N,
-                                            int K, float* c) {
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const int n0 = blockIdx.x * TC_ROWS;
-    const int NP = Fmt::units(K), NG = K >> 5;
-    const size_t row_bytes = (size_t)(K / Fmt::QK) * Fmt::BB;
-    const bool ra = n0 + g < N, rb = n0 + g + 8 < N, rx = g < M;
-    const uint8_t* wa = W + (ra ? n0 + g : 0) * row_bytes;
-    const uint8_t* wb = W + (rb ? n0 + g + 8 : 0) * row_bytes;
-    const bf16* xr = x + (size_t)(rx ? g : 0) * K + 4 * t;
-    // The block's 16 rows are one contiguous range: ask L2 for all of it now, so the small loads
-    // below find it there (a warp keeps only a few of them in flight).
-    prefetch_l2(W + n0 * row_bytes, (long long)min(TC_ROWS, N - n0) * row_bytes, threadIdx.x, TC_THREADS);
-    for (int P0 = warp; P0 < NP; P0 += 8 * U) {
-        typename Fmt::Raw A[U], B[U];
-        uint2 xv[U][4];
-#pragma unroll
-        for (int u = 0; u < U; u++) {
-            const int P = P0 + 8 * u;
-            const bool ok0 = P < NP, ok1 = ok0 && (Fmt::QK != 32 || 2 * P + 1 < NG);
-            A[u] = Fmt::fetch(wa, P, t, ok0 && ra, ok1 && ra);
-            B[u] = Fmt::fetch(wb, P, t, ok0 && rb, ok1 && rb);
-#pragma unroll
-            for (int h = 0; h < 2; h++) {
-                const bool okx = (h ? ok1 : ok0) && rx;
-                const bf16* xp = xr + (okx ? Fmt::base(P, h) : 0);
-                xv[u][2 * h] = okx ? __ldg(reinterpret_cast<const uint2*>(xp)) : make_uint2(0u, 0u);
-                xv[u][2 * h + 1] = okx ? __ldg(reinterpret_cast<const uint2*>(xp + 16)) : make_uint2(0u, 0u);
-            }
-        }
-#pragma unroll
-        for (int u = 0; u < U; u++) {
-            const int P = P0 + 8 * u;
-            if (P < NP) {  // warp-uniform
-#pragma unroll
-                for (int h = 0; h < 2; h++)
-                    q_group(c, Fmt::decode(A[u], P, h), Fmt::decode(B[u], P, h), xv[u][2 * h], xv[u][2 * h + 1]);
-            }
-        }
+// --- the stage pipeline ---------------------------------------------------------------------
+// A stage is KC values of each of the block's 16 rows: STAGE_BLOCKS blocks a row, copied from
+// global memory by the bulk copy engine (cp.async.bulk, completing on the stage's mbarrier) into
+// RS bytes of shared memory per row. A row's piece goes as the 16-byte aligned range around it
+// (the source's address mod 16 kept: data at byte lead = address % 16 of its RS), so any block
+// size and row length works and every load the decode makes is as aligned as in global memory.
+// RS: the piece plus the two partial 16-byte ends, rounded to an odd number of 16-byte units so
+// that rows g = 0..7 fall on different banks. QNST stages are in flight; thread 0 refills a stage
+// once every warp has passed the barrier after reading it.
+constexpr int KC = 8 * QU * 64;
+constexpr int STAGE_BLOCKS = KC / Fmt::QK;
+constexpr int PIECE = STAGE_BLOCKS * Fmt::BB;
+constexpr int RS0 = (PIECE + 15) / 16 * 16 + 32;
+constexpr int RS = (RS0 / 16) % 2 ? RS0 : RS0 + 16;
+constexpr int STAGE_BYTES = TC_ROWS * RS;
+static_assert(KC % Fmt::QK == 0, "a stage holds whole blocks");
+static_assert(Fmt::QK == 32 || QU % 4 == 0, "K-quants: a warp's units of a stage are whole super-blocks");
+static_assert(QNST * STAGE_BYTES <= QSMEM, "engine/cu/quant.py's QSMEM must hold QNST stages");
+static_assert(QU % QUF == 0, "QUF units at a time");
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
+__device__ __forceinline__ void mbar_init(uint64_t* bar) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(bar)) : "memory");
+}
+__device__ __forceinline__ void mbar_expect(uint64_t* bar, uint32_t bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
+    uint32_t done;
+    do {
+        asm volatile(
+            "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}"
+            : "=r"(done) : "r"(smem_addr(bar)), "r"(parity) : "memory");
+    } while (!done);
+}
+__device__ __forceinline__ void bulk_copy(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                 ::"r"(smem_addr(dst)), "l"(src), "r"(bytes), "r"(smem_addr(bar)) : "memory");
+}
+
+// Thread 0: stage j's pieces of rows 0..rows-1 into slot j % QNST.
+__device__ __forceinline__ void issue_stage(uint8_t* slots, uint64_t* bars, const uint8_t* tile, size_t row_bytes,
+                                            int rows, int NB, int j) {
+    const int blk0 = j * STAGE_BLOCKS, nb = min(STAGE_BLOCKS, NB - blk0);
+    uint8_t* dst = slots + (j % QNST) * STAGE_BYTES;
+    uint64_t* bar = bars + j % QNST;
+    uint32_t total = 0;
+    for (int r = 0; r < rows; r++) {
+        const uintptr_t a = reinterpret_cast<uintptr_t>(tile + r * row_bytes + (size_t)blk0 * Fmt::BB);
+        total += (uint32_t)(((a + (size_t)nb * Fmt::BB + 15) & ~(uintptr_t)15) - (a & ~(uintptr_t)15));
+    }
+    mbar_expect(bar, total);
+    for (int r = 0; r < rows; r++) {
+        const uintptr_t a = reinterpret_cast<uintptr_t>(tile + r * row_bytes + (size_t)blk0 * Fmt::BB);
+        const uintptr_t a0 = a & ~(uintptr_t)15, a1 = (a + (size_t)nb * Fmt::BB + 15) & ~(uintptr_t)15;
+        bulk_copy(dst + r * RS, reinterpret_cast<const void*>(a0), (uint32_t)(a1 - a0), bar);
     }
 }
 
+// KH (QKH, Q4_K and Q5_K): a super-block's 8 scales and mins of a row are computed once by the
+// warp, not once a unit by all four threads of the row: thread t does sub-blocks 2t, 2t + 1 of its
+// rows g and g + 8 from the 16-byte header and writes them to the warp's q_ks (rows 80 bytes
+// apart: the 8 rows a load instruction reads fall on different banks); every thread then reads its
+// rows' 8 pairs. The per-unit fetch then loads only the quants.
+constexpr bool KH = QKH && Fmt::QK == 256 && Fmt::MIN;
+
+__device__ __forceinline__ float4 k_hoist(const uint8_t* sb, int t, bool ok) {
+    const uint4 hd = ok ? ld128(sb) : make_uint4(0u, 0u, 0u, 0u);  // zeros: s = mn = 0 for rows past N
+    float s0, m0, s1, m1;
+    k_scale_min(hd, 2 * t, s0, m0);
+    k_scale_min(hd, 2 * t + 1, s1, m1);
+    return make_float4(s0, m0, s1, m1);
+}
+template <class F>
+__device__ __forceinline__ typename F::Raw kfetch_q(const uint8_t* row, int P, int c, int t, bool ok) {
+    return F::fetch_q(row, P, c, t, ok);
+}
+template <class F>
+__device__ __forceinline__ uint2 kvalues(const typename F::Raw& r, int c, int h) {
+    return F::values(r, c, h);
+}
+
+template <int U>
+__device__ __forceinline__ void gemv_q_main(const bf16* __restrict__ x, const uint8_t* __restrict__ W, int M, int N,
+                                            int K, float* c) {
+    extern __shared__ __align__(16) uint8_t q_slots[];
+    __shared__ __align__(8) uint64_t q_bars[QNST];
+    __shared__ __align__(16) float4 q_ks[KH ? 8 * (U / 4) * TC_ROWS * 5 : 1];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int n0 = blockIdx.x * TC_ROWS, rows = min(TC_ROWS, N - n0);
+    const int NP = Fmt::units(K), NG = K >> 5, NB = K / Fmt::QK, nst = (NB + STAGE_BLOCKS - 1) / STAGE_BLOCKS;
+    const size_t row_bytes = (size_t)NB * Fmt::BB;
+    const bool ra = g < rows, rb = g + 8 < rows, rx = g < M;
+    const uint8_t* tile = W + (size_t)n0 * row_bytes;
+    const bf16* xr = x + (size_t)(rx ? g : 0) * K;
+    if (threadIdx.x == 0) {
+#pragma unroll
+        for (int s = 0; s < QNST; s++) mbar_init(q_bars + s);
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    }
+    __syncthreads();
+    if (threadIdx.x == 0)
+        for (int j = 0; j < min(QNST, nst); j++) issue_stage(q_slots, q_bars, tile, row_bytes, rows, NB, j);
+    for (int j = 0; j < nst; j++) {
+        mbar_wait(q_bars + j % QNST, (j / QNST) & 1);
+        const uint8_t* slot = q_slots + (j % QNST) * STAGE_BYTES;
+        const size_t off = (size_t)j * STAGE_BLOCKS * Fmt::BB;
+        const int la = (int)(reinterpret_cast<uintptr_t>(tile + g * row_bytes + off) & 15);
+        const int lb = (int)(reinterpret_cast<uintptr_t>(tile + (g + 8) * row_bytes + off) & 15);
+        const uint8_t* pa = slot + g * RS + la;
+        const uint8_t* pb = slot + (g + 8) * RS + lb;
+        if constexpr (KH) {
+#pragma unroll
+            for (int sb = 0; sb < U / 4; sb++) {
+                const int PL = U * warp + 4 * sb;
+                if (j * (KC / 64) + PL < Fmt::units(K)) {  // warp-uniform
+                    float4* ks = q_ks + (warp * (U / 4) + sb) * TC_ROWS * 5;
+                    ks[g * 5 + t] = k_hoist(pa + (PL >> 2) * Fmt::BB, t, ra);
+                    ks[(g + 8) * 5 + t] = k_hoist(pb + (PL >> 2) * Fmt::BB, t, rb);
+                }
+            }
+            __syncwarp();
+        }
+        // Shared-memory loads need no guard: a slot's rows past N and units past K hold stale bytes,
+        // which reach only accumulators of rows past N (never stored) or are not decoded at all. The
+        // activation loads are guarded by unit (warp-uniform branches); rows g >= M read row 0 (xr),
+        // whose products land in the columns >= M the epilogue does not read. QUF units at a time:
+        // their loads first, then their decode (fewer live registers than all QU at once).
+        const bf16* xs = xr + (size_t)j * KC + (Fmt::XC ? 8 * t : 4 * t);
+#pragma unroll
+        for (int u0 = 0; u0 < U; u0 += QUF) {
+            typename Fmt::Raw A[QUF], B[QUF];
+            uint2 xv[QUF][4];
+#pragma unroll
+            for (int du = 0; du < QUF; du++) {
+                const int u = u0 + du, PL = U * warp + u, P = j * (KC / 64) + PL, cu = u & 3;
+                const bool ok0 = P < NP, ok1 = ok0 && (Fmt::QK != 32 || 2 * P + 1 < NG);
+                if constexpr (KH) {
+                    A[du] = kfetch_q<Fmt>(pa, PL, cu, t, true);
+                    B[du] = kfetch_q<Fmt>(pb, PL, cu, t, true);
+                } else {
+                    A[du] = Fmt::fetch(pa, PL, cu, t, true, true);
+                    B[du] = Fmt::fetch(pb, PL, cu, t, true, true);
+                }
+#pragma unroll
+                for (int h = 0; h < 2; h++) {
+                    if (h ? ok1 : ok0) {  // warp-uniform
+                        const bf16* xp = xs + Fmt::base(PL, cu, h);
+                        if constexpr (Fmt::XC) {
+                            const uint4 v = __ldg(reinterpret_cast<const uint4*>(xp));
+                            xv[du][2 * h] = make_uint2(v.x, v.y);
+                            xv[du][2 * h + 1] = make_uint2(v.z, v.w);
+                        } else {
+                            xv[du][2 * h] = __ldg(reinterpret_cast<const uint2*>(xp));
+                            xv[du][2 * h + 1] = __ldg(reinterpret_cast<const uint2*>(xp + 16));
+                        }
+                    }
+                }
+            }
+#pragma unroll
+            for (int du = 0; du < QUF; du++) {
+                const int u = u0 + du, P = j * (KC / 64) + U * warp + u, cu = u & 3;
+                const bool ok0 = P < NP, ok1 = ok0 && (Fmt::QK != 32 || 2 * P + 1 < NG);
+                float4 ka, kb;  // KH: rows g, g + 8: (s, mn) of sub-blocks 2 cu, 2 cu + 1
+                if constexpr (KH) {
+                    const float4* ks = q_ks + (warp * (U / 4) + u / 4) * TC_ROWS * 5;
+                    ka = ks[g * 5 + cu], kb = ks[(g + 8) * 5 + cu];
+                }
+#pragma unroll
+                for (int h = 0; h < 2; h++) {
+                    if (h ? ok1 : ok0) {  // warp-uniform
+                        if constexpr (KH) {
+                            const uint2 va = kvalues<Fmt>(A[du], cu, h), vb = kvalues<Fmt>(B[du], cu, h);
+                            const QVals qa{va.x, va.y, h ? ka.z : ka.x, h ? ka.z : ka.x, h ? ka.w : ka.y};
+                            const QVals qb{vb.x, vb.y, h ? kb.z : kb.x, h ? kb.z : kb.x, h ? kb.w : kb.y};
+                            q_group(c, qa, qb, xv[du][2 * h], xv[du][2 * h + 1]);
+                        } else {
+                            q_group(c, Fmt::decode(A[du], cu, h), Fmt::decode(B[du], cu, h), xv[du][2 * h],
+                                    xv[du][2 * h + 1]);
+                        }
+                    }
+                }
+            }
+        }
+        __syncthreads();  // every warp is done with this slot
+        if (threadIdx.x == 0 && j + QNST < nst) issue_stage(q_slots, q_bars, tile, row_bytes, rows, NB, j + QNST);
+    }
+}
 #else  // QTYPE == QFP8
 #include <cuda_fp8.h>
 
@@ -523,20 +707,20 @@ __device__ __forceinline__ void dequant_body(const uint8_t* __restrict__ W, T* _
     const int n = (int)(rp / NP), P = (int)(rp % NP);
     const size_t row_bytes = (size_t)(K / Fmt::QK) * Fmt::BB;
     const bool ok1 = Fmt::QK != 32 || 2 * P + 1 < NG;
-    const typename Fmt::Raw r = Fmt::fetch(W + n * row_bytes, P, t, true, ok1);
+    const typename Fmt::Raw r = Fmt::fetch(W + n * row_bytes, P, P & 3, t, true, ok1);
 #pragma unroll
     for (int h = 0; h < 2; h++) {
         if (h && !ok1) break;
-        const QVals q = Fmt::decode(r, P, h);
+        const QVals q = Fmt::decode(r, P & 3, h);
         float lo[4], hi[4];
 #pragma unroll
         for (int i = 0; i < 4; i++) {
             lo[i] = w_value(q.s0, q_value(q.v0, i), q.mn);
             hi[i] = w_value(q.s1, q_value(q.v1, i), q.mn);
         }
-        T* o = out + (size_t)n * K + Fmt::base(P, h) + 4 * t;
-        store4(o, lo);
-        store4(o + 16, hi);
+        T* o = out + (size_t)n * K + Fmt::base(P, P & 3, h);
+        store4(o + (Fmt::XC ? 8 * t : 4 * t), lo);
+        store4(o + (Fmt::XC ? 8 * t + 4 : 16 + 4 * t), hi);
     }
 }
 

@@ -26,11 +26,27 @@ QUANT_FORMATS = {
 }  # fmt: skip
 FP8 = "FP8"  # e4m3 rows then fp32 scales (not a GGUF type: the loader never keeps it as stored)
 FP8_QTYPE = 200  # gemv_q.cu's QFP8
-# Groups in flight per warp and blocks per SM the registers must allow (gemv_q.cu's QU, QMINB).
-QUANT_TUNING = {"Q5_K": (3, 2)}  # 4 spills
-DEFAULT_TUNING = (4, 2)
+# gemv_q.cu's (QU, QMINB, QNST[, QKH]): units of 64 values a warp takes from each stage (a multiple of
+# 4 for the K-quants: whole super-blocks), blocks per SM the registers must allow, stages in flight,
+# and for Q4_K / Q5_K whether a super-block's scales are computed once a warp (1, the default).
+QUANT_TUNING: dict[str, tuple[int, ...]] = {"Q8_0": (2, 3, 3), "FP8": (4, 2, 1)}  # FP8: QU steps in flight, no stages
+DEFAULT_TUNING = (4, 3, 2)
 TC_THREADS = 256
 DEQUANT_THREADS = 256
+TC_ROWS = 16
+
+
+def stage_smem(fmt: str, units: int, stages: int) -> int:
+    """Dynamic shared memory of gemv_q.cu's block formats: ``stages`` slots of 16 rows, each row's
+    piece (8 warps x ``units`` x 64 values) with its two partial 16-byte ends, padded to an odd
+    number of 16-byte units (gemv_q.cu's RS)."""
+    if fmt == FP8:
+        return 0
+    _, qk, bb = QUANT_FORMATS[fmt]
+    piece = 8 * units * 64 // qk * bb
+    rs = -(-piece // 16) * 16 + 32
+    rs += 0 if (rs // 16) % 2 else 16
+    return stages * TC_ROWS * rs
 
 
 def row_bytes(fmt: str, k: int) -> int:
@@ -92,13 +108,25 @@ class QuantKernels:
     """gemv_q.cu compiled for one format: the GEMV per epilogue and the dequant to bf16 / fp32."""
 
     def __init__(self, fmt: str, tc_params: dict[str, str], cache_dir: str = "",
-                 tuning: tuple[int, int] | None = None) -> None:  # fmt: skip
+                 tuning: tuple[int, ...] | None = None) -> None:  # fmt: skip
+        import pycuda.driver as cuda
+
         tid = FP8_QTYPE if fmt == FP8 else QUANT_FORMATS[fmt][0]
-        u, minb = tuning or QUANT_TUNING.get(fmt, DEFAULT_TUNING)
-        self.fmt = fmt
-        defines = (("TC_THREADS", TC_THREADS), ("GEMV_EPILOGUES_ONLY", 1), ("QTYPE", tid), ("QU", u), ("QMINB", minb))
+        u, minb, nst, kh = (*(tuning or QUANT_TUNING.get(fmt, DEFAULT_TUNING)), 1)[:4]
+        self.fmt, self.smem = fmt, stage_smem(fmt, u, nst)
+        defines = (("TC_THREADS", TC_THREADS), ("GEMV_EPILOGUES_ONLY", 1), ("QTYPE", tid), ("QU", u), ("QMINB", minb),
+                   ("QNST", nst), ("QSMEM", self.smem), ("QKH", kh))  # fmt: skip
         mod = module("gemv_q", defines, cache_dir, ("gemv",))
-        self.gemv = {epi: Kernel(mod, f"gemv_q_{epi}", _gemv_params(tc_params, epi), TC_THREADS) for epi in tc_params}
+        self.gemv = {}
+        for epi in tc_params:
+            k = Kernel(mod, f"gemv_q_{epi}", _gemv_params(tc_params, epi), TC_THREADS, shared=self.smem)
+            if self.smem:  # the kernel's static shared memory counts too against the 48 KB default
+                k.fn.set_attribute(cuda.function_attribute.MAX_DYNAMIC_SHARED_SIZE_BYTES, self.smem)
+                # the stages, not L1, want the SM's memory (QMINB blocks of them an SM)
+                carveout = getattr(cuda.function_attribute, "PREFERRED_SHARED_MEMORY_CARVEOUT", None)
+                if carveout is not None:
+                    k.fn.set_attribute(carveout, 100)
+            self.gemv[epi] = k
         self._dequant = {
             dt: Kernel(mod, f"dequant_q_{dt}", "W:ptr out:ptr N:i32 K:i32", DEQUANT_THREADS) for dt in ("bf16", "f32")
         }

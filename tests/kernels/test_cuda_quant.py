@@ -73,6 +73,7 @@ def stream(dev):
     return dev.Stream()
 
 
+from tests.kernels.gemv_checks import check_epilogue, rms_norm, ss_parts  # noqa: E402
 from tests.kernels.test_cuda_kernels import _inv_freq, _live, bf, get, put, rel_err  # noqa: E402
 
 
@@ -111,77 +112,49 @@ def test_dequant_bit_exact(kern, stream, fmt):
         np.testing.assert_array_equal(get(g_b).reshape(rows, k), to_bf16(ref).reshape(rows, k))
 
 
-def _ss_parts(h: np.ndarray) -> np.ndarray:
-    ss = (h.astype(np.float64) ** 2).sum(-1)
-    return np.stack([ss * 0.5, ss * 0.5], -1).astype(np.float32)
-
-
-def _norm(h, nw, eps):
-    return h / np.sqrt((h.astype(np.float64) ** 2).mean(-1, keepdims=True) + eps) * nw
-
-
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("epi", ["store", "acc", "swiglu", "geglu"])
 def test_gemv_epilogues(kern, stream, fmt, epi):
     """Every linear epilogue over ``fmt`` blocks at widths 1, 2, 8 against numpy (float64 over gguf's
-    dequantized weights): store with bias and the fused RMSNorm's ss_in, acc with norm_out, swiglu
-    and geglu on an interleaved gate|up; a row's result is bitwise the same at every width."""
+    dequantized weights), a row's result bitwise the same at every width (gemv_checks.check_epilogue).
+    K fits one stage of the kernel's pipeline; test_gemv_many_stages takes longer rows."""
     from engine.backends.cuda.weights import interleave_gate_up
 
-    k, eps = k_for(fmt), 1e-5
+    k = k_for(fmt)
     n = 200 if epi in ("store", "acc") else 2 * 96  # not a multiple of 16 for store / acc
     blocks = random_blocks(fmt, n, k, scale=0.2 / np.sqrt(k))
     if epi in ("swiglu", "geglu"):
         blocks = interleave_gate_up(blocks[: n // 2], blocks[n // 2 :])  # rows of blocks, as the uploader does
-        w = reference(fmt, blocks)
-        gate, up = w.reshape(-1, 2, 8, k)[:, 0].reshape(-1, k), w.reshape(-1, 2, 8, k)[:, 1].reshape(-1, k)
-    else:
-        w = reference(fmt, blocks)
-    mat = matrix(fmt, blocks, k)
-    hres = (rng.standard_normal((8, k)) * 2).astype(np.float32)
-    nw = bf((1 + 0.3 * rng.standard_normal(k)).astype(np.float32))
-    x = bf(hres * nw)  # what the producer wrote: bf16(h * norm weight)
-    g_x, g_parts = put(x, True), put(_ss_parts(hres))
-    bias = rng.standard_normal(n).astype(np.float32)
-    base = rng.standard_normal((8, n)).astype(np.float32)
-    nw2 = bf((1 + 0.3 * rng.standard_normal(n)).astype(np.float32))
-    outs = {}
-    for rows in (1, 2, 8):
-        xn = _norm(hres[:rows], nw, eps)
-        if epi == "store":
-            g_o = put(np.full((rows, n), np.nan, np.float32))
-            kern.linear(stream, g_x.ptr, mat, put(bias).ptr, g_o.ptr, rows, n, k, ss_in=(g_parts.ptr, 2), eps=eps)
-            stream.synchronize()
-            # The kernel scales bf16(h * nw) @ w.T by the row's rsqrt(mean(h^2) + eps): so does the reference.
-            rs = 1 / np.sqrt((hres[:rows].astype(np.float64) ** 2).mean(-1, keepdims=True) + eps)
-            got, ref, tol = get(g_o).reshape(rows, n), rs * (x[:rows].astype(np.float64) @ w.T) + bias, 2e-4
-        elif epi == "acc":
-            g_o = put(base[:rows].copy())
-            g_xw, g_ss = put(np.zeros((rows, n), np.uint16)), put(np.zeros(rows * (-(-n // 16)), np.float32))
-            nparts = kern.linear(stream, g_x.ptr, mat, 0, g_o.ptr, rows, n, k, accumulate=True,
-                                 norm_out=(put(nw2, True).ptr, g_xw.ptr, g_ss.ptr))  # fmt: skip
-            stream.synchronize()
-            got, ref, tol = get(g_o).reshape(rows, n), base[:rows] + x[:rows].astype(np.float64) @ w.T, 2e-4
-            np.testing.assert_array_equal(get(g_xw, True, (rows, n)), bf(got * nw2))
-            ss = get(g_ss).reshape(rows, nparts).sum(-1)
-            np.testing.assert_allclose(ss, (got.astype(np.float64) ** 2).sum(-1), rtol=1e-5)
-        else:
-            inter = n // 2
-            g_act = put(np.full((rows, inter), 0x7FC0, np.uint16))
-            kern.gate_up_act(stream, g_x.ptr, mat, 0, g_act.ptr, rows, inter, k, ss_in=(g_parts.ptr, 2), eps=eps,
-                             fn="silu" if epi == "swiglu" else "gelu_tanh")  # fmt: skip
-            stream.synchronize()
-            g, u = xn @ gate.T, xn @ up.T
-            a = (
-                g / (1 + np.exp(-g))
-                if epi == "swiglu"
-                else 0.5 * g * (1 + np.tanh(0.7978845608 * (g + 0.044715 * g**3)))
-            )
-            got, ref, tol = get(g_act, True, (rows, inter)), a * u, 8e-3
-        assert rel_err(got, ref) < tol, (fmt, epi, rows, rel_err(got, ref))
-        outs[rows] = got
-    np.testing.assert_array_equal(outs[1][0], outs[8][0])
-    np.testing.assert_array_equal(outs[2], outs[8][:2])
+    check_epilogue(kern, stream, epi, matrix(fmt, blocks, k), reference(fmt, blocks), rng, fmt)
+
+
+# bench/bench_quant.py's other tunings (QKH 0: K-quant scales decoded a unit at a time).
+OTHER_TUNINGS = [("Q4_K", (4, 2, 3)), ("Q4_K", (4, 3, 2, 0)), ("Q5_K", (4, 3, 2, 0)), ("Q4_K", (4, 4, 2)),
+                 ("Q6_K", (4, 2, 3)), ("Q8_0", (4, 2, 3)), ("Q8_0", (2, 4, 2))]  # fmt: skip
+
+
+@pytest.mark.parametrize("fmt,tuning", [(f, None) for f in FORMATS] + OTHER_TUNINGS)
+def test_gemv_many_stages(kern, stream, fmt, tuning):
+    """Rows of more stages than gemv_q.cu keeps in flight (its slots are refilled and their barriers'
+    phases flip), a last stage partly filled, 32-value formats with an odd count of blocks (rows not
+    16-byte aligned for most of them), a last tile of 8 rows: store and acc against numpy; also at the
+    tunings bench/bench_quant.py compares."""
+    from engine.cu.kernels import TC_PARAMS
+    from engine.cu.quant import DEFAULT_TUNING, QUANT_TUNING, QuantKernels
+
+    tune = tuning or QUANT_TUNING.get(fmt, DEFAULT_TUNING)
+    stage = 8 * tune[0] * 64
+    k = 7 * stage + (3 * 256 if fmt.endswith("_K") else 96)
+    n = 40
+    blocks = random_blocks(fmt, n, k, scale=0.2 / np.sqrt(k))
+    saved = kern._quant.get(fmt)
+    if tuning:
+        kern._quant[fmt] = QuantKernels(fmt, TC_PARAMS, tuning=tuning)
+    try:
+        for epi in ("store", "acc"):
+            check_epilogue(kern, stream, epi, matrix(fmt, blocks, k), reference(fmt, blocks), rng, fmt)
+    finally:
+        kern._quant[fmt] = saved
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -208,7 +181,7 @@ def test_qkv_rope_two_formats(kern, stream, fmt):
     pos = rng.integers(0, 3000, 8).astype(np.int32)
     slots = rng.choice(nb * bs, 8, replace=False).astype(np.int32)
     inv = _inv_freq(d)
-    g_x, g_parts, g_b = put(bf(hres * nw), True), put(_ss_parts(hres)), put(bias)
+    g_x, g_parts, g_b = put(bf(hres * nw), True), put(ss_parts(hres)), put(bias)
     g_pos, g_slots, g_inv = put(pos), put(slots), put(inv)
     stride = L * 2 * bs * kvh * d
     q0 = {}
@@ -219,7 +192,7 @@ def test_qkv_rope_two_formats(kern, stream, fmt):
                       g_cache.ptr, bs, stride, ss_in=(g_parts.ptr, 2), eps=eps)  # fmt: skip
         stream.synchronize()
         # Undo the interleave to get natural head order, then rotate as rope_kv_write does.
-        y = _norm(hres[:rows], nw, eps) @ w.T + bias
+        y = rms_norm(hres[:rows], nw, eps) @ w.T + bias
         y = _uninterleave(y, d, h + 2 * kvh)
         ang = pos[:rows, None].astype(np.float64) * inv[None, :]
         cos, sin = np.cos(ang)[:, None, :], np.sin(ang)[:, None, :]

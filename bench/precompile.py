@@ -1,0 +1,59 @@
+"""Fill PyCUDA's kernel cache in parallel before a GPU-machine run (nvcc is single-threaded; a test run
+or bench_quant.py otherwise compiles its two dozen modules one after the other). Each job is a
+process with its own context that builds ``Kernels`` for one (head_dim, group), or gemv_q.cu for
+one format and tuning; later runs load the cached cubins.
+
+    python3 bench/precompile.py [--quant-tunings Q4_K=4,2,2 ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+# (head_dim, group) of the kernel tests, the tiny llamas, SmolLM2 and the 8B shape.
+KERNEL_SHAPES = [(64, 2), (64, 3), (64, 4), (128, 4)]
+
+
+def _job(job: tuple) -> str:
+    t0 = time.perf_counter()
+    from engine.cu import runtime
+
+    with runtime.current():
+        if job[0] == "kernels":
+            from engine.cu.kernels import Kernels
+
+            Kernels(job[1], job[2])
+        else:
+            from engine.cu.kernels import TC_PARAMS
+            from engine.cu.quant import QuantKernels
+
+            QuantKernels(job[1], TC_PARAMS, tuning=job[2])
+    return f"{job} {time.perf_counter() - t0:.1f} s"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quant-tunings", nargs="*", default=[], help="FMT=QU,QMINB,QNST")
+    args = ap.parse_args()
+    from engine.cu.quant import FP8, QUANT_FORMATS
+
+    jobs: list[tuple] = [("kernels", d, g) for d, g in KERNEL_SHAPES]
+    jobs += [("quant", f, None) for f in [*QUANT_FORMATS, FP8]]
+    for spec in args.quant_tunings:
+        f, t = spec.split("=")
+        jobs.append(("quant", f, tuple(int(v) for v in t.split(","))))
+    t0 = time.perf_counter()
+    with mp.get_context("spawn").Pool(min(len(jobs), 16)) as pool:
+        for line in pool.imap_unordered(_job, jobs):
+            print(line, flush=True)
+    print(f"precompiled {len(jobs)} jobs in {time.perf_counter() - t0:.1f} s")
+
+
+if __name__ == "__main__":
+    main()
