@@ -22,3 +22,10 @@ requires_cuda = [
     pytest.mark.gpu,
     pytest.mark.skipif(not cuda_available(), reason="needs PyCUDA and a CUDA device"),
 ]
+
+
+def gpu(test):
+    """``requires_cuda`` as one decorator, for a module whose other tests run anywhere."""
+    for mark in requires_cuda:
+        test = mark(test)
+    return test

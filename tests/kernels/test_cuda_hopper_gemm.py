@@ -9,15 +9,9 @@ import numpy as np
 import pytest
 
 from engine.cu import hopper
-from tests.kernels.gpu import cuda_available, requires_cuda
+from tests.kernels.gpu import cuda_available, gpu
 
 rng = np.random.default_rng()
-
-
-def gpu(test):
-    for mark in requires_cuda:
-        test = mark(test)
-    return test
 
 
 def test_pick_fills_the_sms():
