@@ -97,10 +97,14 @@ def request_done(request_id: str) -> str | None:
     return sent.channel if sent is not None else None
 
 
-async def _end_orphans(layer, worker: Worker | None, orphans: dict[str, Sent]) -> None:
+async def _end_orphans(layer, worker: Worker | None, orphans: dict[str, Sent], *, left: bool = False) -> None:
     """``worker`` is gone (or restarted): each request it held ends the way docs/FLEET.md says,
-    or, queued and not begun, is sent again to a live worker serving its model."""
+    or, queued and not begun, is sent again to a live worker serving its model. ``left``: it said
+    goodbye (a leaving beat) after answering everything it held, so what is still open here ends
+    with engine_error, never sent again (its client may well have had its answer already)."""
     waiting = worker.waiting if worker is not None else set(orphans)  # none known: none can have begun
+    if left:
+        waiting = set()
     for request_id, sent in orphans.items():
         # Waiting at the last heartbeat: not begun. Anything else (it streamed, or was sent after
         # that beat) may have begun: an engine_error event ends it.
@@ -123,6 +127,8 @@ async def _end_orphans(layer, worker: Worker | None, orphans: dict[str, Sent]) -
                 "engine_unavailable",
                 retry_after=RETRY_AFTER,
             )
+        elif left:
+            failed = RequestFailed(request_id, "The engine worker left before this request finished.", "engine_error")
         else:
             failed = RequestFailed(request_id, "The engine stopped answering while this request ran.", "engine_error")
         try:
@@ -162,10 +168,25 @@ async def _watch(layer) -> None:
                 "ignis.engine.unavailable" if not CACHE.available else "ignis.fleet.worker_gone",
                 extra={"engine_id": worker.engine_id, "worker_id": worker.name, "silent_for": timeout},
             )
-            await _end_orphans(layer, worker, CACHE.orphans(worker))
+            await _end_orphans(layer, worker, CACHE.orphans(worker.channel))
         if not CACHE.available and CACHE.sent:  # sent while no worker was known
             sent, CACHE.sent = CACHE.sent, {}
             await _end_orphans(layer, None, sent)
+
+
+async def _heard(layer, beat: EngineHeartbeat) -> bool:
+    """Take ``beat`` into the table (True: no worker was available before it). What this front end
+    sent a worker that restarted, or that said goodbye, and that is still open here, ends first."""
+    old = CACHE.restarted(beat)
+    if old is not None:  # the same worker id, another engine: what the old one held is lost
+        log.warning("ignis.fleet.worker_restarted", extra={"worker_id": old.name, "engine_id": beat.engine_id})
+        await _end_orphans(layer, old, CACHE.orphans(old.channel))
+    elif beat.leaving:  # it drained and ended all it held; should it have missed one, its client hears it here
+        orphans = CACHE.orphans(beat.channel)
+        if orphans:  # what its beats had not yet said it finished, finished or not
+            log.info("ignis.fleet.left_open", extra={"worker_id": beat.worker_id or "engine", "open": len(orphans)})
+        await _end_orphans(layer, None, orphans, left=True)
+    return CACHE.take(beat, time.monotonic())
 
 
 async def engine_state_listen() -> None:
@@ -191,11 +212,7 @@ async def engine_state_listen() -> None:
             if msg.get("type") != EngineHeartbeat.TYPE:
                 continue
             beat = EngineHeartbeat.from_message(msg)
-            old = CACHE.restarted(beat)
-            if old is not None:  # the same worker id, another engine: what the old one held is lost
-                log.warning("ignis.fleet.worker_restarted", extra={"worker_id": old.name, "engine_id": beat.engine_id})
-                await _end_orphans(layer, old, CACHE.orphans(old))
-            came_back = CACHE.take(beat, time.monotonic())
+            came_back = await _heard(layer, beat)
             try:
                 await _took(beat, came_back)
             except Exception:

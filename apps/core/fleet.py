@@ -22,7 +22,9 @@ token yet) is sent again to a live worker serving the model, or answered 503
 have streamed and ends with an ``engine_error`` event. A worker that comes back
 with another engine id (restarted under the same worker id) is handled the same
 way for what its previous engine held. A draining worker (SIGTERM) stays in the
-table but gets nothing new; its ``leaving`` beat takes it out at once.
+table but gets nothing new; its ``leaving`` beat takes it out at once, and what
+this front end sent it that is still open ends with ``engine_error`` (the worker
+answers everything it took before that beat; this is the net should it not).
 """
 
 from __future__ import annotations
@@ -115,7 +117,7 @@ class Fleet:
     def take(self, beat: EngineHeartbeat, now: float) -> bool:
         """Note ``beat``; True when no worker was available before it."""
         came_back = not self.available
-        if beat.leaving:  # drained: it ended everything it held itself
+        if beat.leaving:  # drained: out at once (the listener ended what it still held here: ``orphans``)
             self.workers.pop(beat.channel, None)
             self._forget(beat.channel, keep=set(), now=now, grace=0.0)
             return came_back
@@ -163,9 +165,9 @@ class Fleet:
             del self.workers[worker.channel]
         return gone
 
-    def orphans(self, worker: Worker) -> dict[str, Sent]:
-        """What this front end sent ``worker`` (gone or replaced), taken out of ``sent``."""
-        mine = {rid: s for rid, s in self.sent.items() if s.channel == worker.channel}
+    def orphans(self, channel: str) -> dict[str, Sent]:
+        """What this front end sent the worker on ``channel`` (gone, replaced or leaving), taken out of ``sent``."""
+        mine = {rid: s for rid, s in self.sent.items() if s.channel == channel}
         for rid in mine:
             del self.sent[rid]
         return mine

@@ -196,6 +196,43 @@ def test_a_worker_restarted_under_its_id_ends_what_its_previous_engine_held(fron
     asyncio.run(asyncio.wait_for(scenario(), 3 * TIMEOUT))
 
 
+def test_a_leaving_worker_s_open_requests_end_with_engine_error_none_sent_again(front_end):
+    """The net under the drain: a worker's leaving beat says it answered all it held, but a
+    request this front end sent it and never heard the end of (the stream lost at stop 22, its
+    last beats listing it running, its leaving beat nothing) ends here, with engine_error; a
+    queued one is not sent again (the worker answered it, or may have begun it)."""
+    layer, cache = front_end
+
+    async def scenario():
+        listener = asyncio.create_task(engine_state.engine_state_listen())
+        try:
+            await until(lambda: cache.listening, "the listener")
+            await asyncio.sleep(0)
+            for b in (beat("a1", "m-a"), beat("a2", "m-a", busy=3)):
+                await layer.group_send(STATUS_GROUP, b.to_message())
+            await until(lambda: len(cache.workers) == 2, "two workers")
+            adds = [AddRequest(rid, await layer.new_channel(), [1, 2], 8, model="m-a") for rid in ("run", "queued")]
+            for add in adds:
+                await engine_client.request_submit(add)
+            assert {s.channel for s in cache.sent.values()} == {worker_channel("a1")}
+            held = beat("a1", "m-a", draining=True, running_request_ids=["run"], waiting_request_ids=["queued"])
+            await layer.group_send(STATUS_GROUP, held.to_message())
+            await layer.group_send(STATUS_GROUP, beat("a1", "m-a", leaving=True).to_message())
+            for add in adds:
+                failed = await asyncio.wait_for(layer.receive(add.reply_channel), TIMEOUT)
+                assert (failed["type"], failed["code"]) == ("engine.failed", "engine_error"), failed
+            assert [w.name for w in cache.live()] == ["a2"] and cache.sent == {}
+            for add in adds:  # nothing else: no second end, and nothing sent on to a2
+                assert layer.channels.get(add.reply_channel) is None or layer.channels[add.reply_channel].empty()
+            assert layer.channels.get(worker_channel("a2")) is None or layer.channels[worker_channel("a2")].empty()
+        finally:
+            listener.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await listener
+
+    asyncio.run(asyncio.wait_for(scenario(), 3 * TIMEOUT))
+
+
 def test_a_switch_goes_to_the_named_worker_one_serving_the_target_or_the_policy_pick(monkeypatch):
     from apps.core.errors import ModelNotFound, ModelSwitchFailed
     from apps.models.switching import switch_worker
