@@ -254,3 +254,33 @@ def test_a_switch_goes_to_the_named_worker_one_serving_the_target_or_the_policy_
 def test_a_fleet_of_one_always_gets_the_switch_the_engine_answers_409_itself():
     fleet = table(beat("only", "m-a", state="switching"))
     assert fleet.switch_candidate("none", "m-b").name == "only"
+
+
+def test_logit_bias_is_checked_against_the_vocabulary_of_the_model_the_request_goes_to(monkeypatch):
+    from types import SimpleNamespace
+
+    from apps.api.validation import parse_chat_request
+    from apps.core.errors import InvalidRequest
+    from apps.models import services
+
+    fleet = table(beat("a1", "m-a"), beat("b", "m-b"))
+    fleet.listening = True
+    monkeypatch.setattr(engine_state, "CACHE", fleet)
+    monkeypatch.setitem(settings.IGNIS, "model.id", "m-a")
+    for model, vocab in (("m-a", 100), ("m-b", 200)):  # their tokenizers, as the front end has them
+        served = services.served_model_for(served_id=model, path=f"/models/{model}")
+        monkeypatch.setitem(served.__dict__, "tokenizer", SimpleNamespace(vocab_size=vocab))
+    monkeypatch.setattr(
+        services, "served_model", lambda: services.served_model_for(served_id="m-a", path="/models/m-a")
+    )
+
+    def bias(model: str | None, token: int) -> list:
+        body = {"messages": [{"role": "user", "content": "hi"}], "logit_bias": {str(token): 1}}
+        return parse_chat_request({**body, **({"model": model} if model else {})}).sampling["logit_bias"]
+
+    assert bias("m-b", 150) == [[150, 1.0]]  # m-b's 200 tokens, not the default model's 100
+    assert bias("m-b@agent", 199) == [[199, 1.0]]
+    for model, token in (("m-a", 150), (None, 150), ("m-b", 200), ("m-zzz", 150)):  # no name, unknown: the default's
+        with pytest.raises(InvalidRequest) as err:
+            bias(model, token)
+        assert err.value.param == f"logit_bias.{token}"
