@@ -14,7 +14,7 @@ from django.conf import settings
 
 from apps.core import engine_client, engine_state
 from apps.core.fleet import Fleet
-from engine.messages import STATUS_GROUP, AddRequest, EngineHeartbeat, worker_channel
+from engine.messages import STATUS_GROUP, AddRequest, EngineHeartbeat, RequestFinished, worker_channel
 
 TIMEOUT = 10.0
 
@@ -211,18 +211,23 @@ def test_a_leaving_worker_s_open_requests_end_with_engine_error_none_sent_again(
             for b in (beat("a1", "m-a"), beat("a2", "m-a", busy=3)):
                 await layer.group_send(STATUS_GROUP, b.to_message())
             await until(lambda: len(cache.workers) == 2, "two workers")
-            adds = [AddRequest(rid, await layer.new_channel(), [1, 2], 8, model="m-a") for rid in ("run", "queued")]
+            ids = ("run", "queued", "done")
+            adds = [AddRequest(rid, await layer.new_channel(), [1, 2], 8, model="m-a") for rid in ids]
             for add in adds:
                 await engine_client.request_submit(add)
             assert {s.channel for s in cache.sent.values()} == {worker_channel("a1")}
-            held = beat("a1", "m-a", draining=True, running_request_ids=["run"], waiting_request_ids=["queued"])
+            held = beat("a1", "m-a", draining=True, running_request_ids=list(ids[:2]), waiting_request_ids=["done"])
             await layer.group_send(STATUS_GROUP, held.to_message())
+            # "done" finished: its consumer heard engine.finished (before any beat could say so).
+            engine_client.reply_heard(RequestFinished("done", "length", 2, 8).to_message())
             await layer.group_send(STATUS_GROUP, beat("a1", "m-a", leaving=True).to_message())
-            for add in adds:
+            for add in adds[:2]:
                 failed = await asyncio.wait_for(layer.receive(add.reply_channel), TIMEOUT)
                 assert (failed["type"], failed["code"]) == ("engine.failed", "engine_error"), failed
             assert [w.name for w in cache.live()] == ["a2"] and cache.sent == {}
-            for add in adds:  # nothing else: no second end, and nothing sent on to a2
+            await layer.group_send(STATUS_GROUP, beat("a2", "m-a", busy=2).to_message())  # the listener is past it
+            await until(lambda: cache.workers[worker_channel("a2")].lanes_busy == 2, "a2's next beat")
+            for add in adds:  # nothing else: no second end, none for the finished one, nothing sent on to a2
                 assert layer.channels.get(add.reply_channel) is None or layer.channels[add.reply_channel].empty()
             assert layer.channels.get(worker_channel("a2")) is None or layer.channels[worker_channel("a2")].empty()
         finally:
@@ -284,3 +289,30 @@ def test_logit_bias_is_checked_against_the_vocabulary_of_the_model_the_request_g
         with pytest.raises(InvalidRequest) as err:
             bias(model, token)
         assert err.value.param == f"logit_bias.{token}"
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_reload_patch_sends_the_worker_only_what_it_changes(monkeypatch):
+    """A fleet's worker runs its own flags (its backend, lanes, budgets): a PATCH of a reload key
+    reloads it with that key changed, not with this front end's whole configuration."""
+    from pathlib import Path
+
+    from asgiref.sync import async_to_sync
+
+    from apps.models import config_service, switching
+    from apps.models.services import SwitchTarget
+
+    asked = []
+
+    async def model_switch(*, target, trigger, config, wait):
+        asked.append((target.served_id, trigger, config))
+        return {"outcome": "switched", "reason": "", "seconds": 0.1}
+
+    monkeypatch.setattr(switching, "model_switch", model_switch)
+    monkeypatch.setattr(config_service, "_reload_target", lambda values: SwitchTarget("m-a", Path("/models/m-a")))
+    monkeypatch.setattr(config_service, "_sources", dict(config_service._sources))
+    for key, value in (("model.max_context", 4096), ("model.backend", "cpu"), ("spec.decode_lanes", 8)):
+        monkeypatch.setitem(settings.IGNIS, key, value)
+    result = async_to_sync(config_service.config_update)(patch={"model.max_context": 2048, "spec.decode_lanes": 8})
+    assert result["changed"] == ["model.max_context"] and result["reload"]["outcome"] == "switched"
+    assert asked == [("m-a", "config", {"max_context": 2048})]  # not the front end's backend, lanes, ...
