@@ -28,6 +28,15 @@ worker left, new requests are 503 ``engine_unavailable`` with Retry-After
 (``switch_gate``). The next heartbeat, from this worker or a restarted one,
 puts it back.
 
+A drained worker's ``leaving`` beat takes it out of the routing at once; it has
+answered everything it took. As a net under that, what this front end sent it
+and has not seen the last message of (consumers call ``engine_client.reply_heard``
+as each message arrives) ends with ``engine_error`` ``server.worker_timeout``
+seconds later (``_end_left``), or at once should it come back under its id first.
+Not at the beat itself: a consumer may still have that last message queued behind
+the stream's tokens, and an end sent then could overtake it (channels_redis
+orders a channel's messages by each sender's clock).
+
 Without a listener (management commands, unit tests) nothing is cached and
 ``engine_client.engine_status_now`` asks the engine as before.
 """
@@ -169,24 +178,35 @@ async def _watch(layer) -> None:
                 extra={"engine_id": worker.engine_id, "worker_id": worker.name, "silent_for": timeout},
             )
             await _end_orphans(layer, worker, CACHE.orphans(worker.channel))
+        for channel in CACHE.departed_due(now, timeout):
+            await _end_left(layer, channel)
         if not CACHE.available and CACHE.sent:  # sent while no worker was known
-            sent, CACHE.sent = CACHE.sent, {}
-            await _end_orphans(layer, None, sent)
+            await _end_orphans(layer, None, CACHE.unrouted())
 
 
 async def _heard(layer, beat: EngineHeartbeat) -> bool:
     """Take ``beat`` into the table (True: no worker was available before it). What this front end
-    sent a worker that restarted, or that said goodbye, and that is still open here, ends first."""
+    sent a worker that restarted (or left and is back) and that is still open here ends first."""
     old = CACHE.restarted(beat)
     if old is not None:  # the same worker id, another engine: what the old one held is lost
         log.warning("ignis.fleet.worker_restarted", extra={"worker_id": old.name, "engine_id": beat.engine_id})
         await _end_orphans(layer, old, CACHE.orphans(old.channel))
-    elif beat.leaving:  # it drained and ended all it held; should it have missed one, its client hears it here
-        orphans = CACHE.orphans(beat.channel)
-        if orphans:  # what its beats had not yet said it finished, finished or not
-            log.info("ignis.fleet.left_open", extra={"worker_id": beat.worker_id or "engine", "open": len(orphans)})
-        await _end_orphans(layer, None, orphans, left=True)
+    elif beat.leaving:
+        log.info("ignis.fleet.worker_left", extra={"worker_id": beat.worker_id or "engine"})
+    elif beat.channel in CACHE.departed:  # back under its id before the net fell due: it falls now
+        CACHE.departed.pop(beat.channel)
+        await _end_left(layer, beat.channel)
     return CACHE.take(beat, time.monotonic())
+
+
+async def _end_left(layer, channel: str) -> None:
+    """The net under a drain: the worker on ``channel`` said goodbye ``server.worker_timeout`` seconds
+    ago (or came back since), having answered all it took; what this front end sent it and has
+    still not heard the last message of ends with engine_error."""
+    orphans = CACHE.orphans(channel)
+    if orphans:
+        log.warning("ignis.fleet.left_open", extra={"channel": channel, "open": len(orphans)})
+        await _end_orphans(layer, None, orphans, left=True)
 
 
 async def engine_state_listen() -> None:

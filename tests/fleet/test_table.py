@@ -199,8 +199,10 @@ def test_a_worker_restarted_under_its_id_ends_what_its_previous_engine_held(fron
 def test_a_leaving_worker_s_open_requests_end_with_engine_error_none_sent_again(front_end):
     """The net under the drain: a worker's leaving beat says it answered all it held, but a
     request this front end sent it and never heard the end of (the stream lost at stop 22, its
-    last beats listing it running, its leaving beat nothing) ends here, with engine_error; a
-    queued one is not sent again (the worker answered it, or may have begun it)."""
+    last beats listing it running, its leaving beat nothing) ends here with engine_error, once
+    server.worker_timeout has passed; a queued one is not sent again (the worker answered it, or
+    may have begun it). One whose consumer reads its last message in the meantime (it was queued
+    behind the stream's tokens) is left alone."""
     layer, cache = front_end
 
     async def scenario():
@@ -208,28 +210,57 @@ def test_a_leaving_worker_s_open_requests_end_with_engine_error_none_sent_again(
         try:
             await until(lambda: cache.listening, "the listener")
             await asyncio.sleep(0)
-            for b in (beat("a1", "m-a"), beat("a2", "m-a", busy=3)):
+            for b in (beat("a1", "m-a"), beat("a2", "m-a", busy=4)):  # a2's lanes all busy: a1 gets them
                 await layer.group_send(STATUS_GROUP, b.to_message())
             await until(lambda: len(cache.workers) == 2, "two workers")
-            ids = ("run", "queued", "done")
-            adds = [AddRequest(rid, await layer.new_channel(), [1, 2], 8, model="m-a") for rid in ids]
-            for add in adds:
+            ids = ("run", "queued", "done", "read-late")
+            adds = {rid: AddRequest(rid, await layer.new_channel(), [1, 2], 8, model="m-a") for rid in ids}
+            for add in adds.values():
                 await engine_client.request_submit(add)
             assert {s.channel for s in cache.sent.values()} == {worker_channel("a1")}
-            held = beat("a1", "m-a", draining=True, running_request_ids=list(ids[:2]), waiting_request_ids=["done"])
+            held = beat("a1", "m-a", draining=True, running_request_ids=list(ids[:3]), waiting_request_ids=["queued"])
             await layer.group_send(STATUS_GROUP, held.to_message())
             # "done" finished: its consumer heard engine.finished (before any beat could say so).
             engine_client.reply_heard(RequestFinished("done", "length", 2, 8).to_message())
             await layer.group_send(STATUS_GROUP, beat("a1", "m-a", leaving=True).to_message())
-            for add in adds[:2]:
-                failed = await asyncio.wait_for(layer.receive(add.reply_channel), TIMEOUT)
+            await until(lambda: worker_channel("a1") not in cache.workers, "a1 out of the routing")
+            assert [w.name for w in cache.live()] == ["a2"] and cache.route("m-a").name == "a2"
+            engine_client.reply_heard(RequestFinished("read-late", "length", 2, 8).to_message())
+            for rid in ("run", "queued"):
+                failed = await asyncio.wait_for(layer.receive(adds[rid].reply_channel), TIMEOUT)
                 assert (failed["type"], failed["code"]) == ("engine.failed", "engine_error"), failed
-            assert [w.name for w in cache.live()] == ["a2"] and cache.sent == {}
+            assert cache.sent == {} and cache.departed == {}
             await layer.group_send(STATUS_GROUP, beat("a2", "m-a", busy=2).to_message())  # the listener is past it
             await until(lambda: cache.workers[worker_channel("a2")].lanes_busy == 2, "a2's next beat")
-            for add in adds:  # nothing else: no second end, none for the finished one, nothing sent on to a2
+            for add in adds.values():  # nothing else: no second end, none for the finished, nothing sent on to a2
                 assert layer.channels.get(add.reply_channel) is None or layer.channels[add.reply_channel].empty()
             assert layer.channels.get(worker_channel("a2")) is None or layer.channels[worker_channel("a2")].empty()
+        finally:
+            listener.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await listener
+
+    asyncio.run(asyncio.wait_for(scenario(), 3 * TIMEOUT))
+
+
+def test_a_worker_back_under_its_id_before_the_net_falls_ends_what_it_left_open(front_end):
+    layer, cache = front_end
+
+    async def scenario():
+        listener = asyncio.create_task(engine_state.engine_state_listen())
+        try:
+            await until(lambda: cache.listening, "the listener")
+            await asyncio.sleep(0)
+            await layer.group_send(STATUS_GROUP, beat("a1", "m-a").to_message())
+            await until(lambda: cache.workers, "a worker")
+            add = AddRequest("r1", await layer.new_channel(), [1, 2], 8, model="m-a")
+            await engine_client.request_submit(add)
+            await layer.group_send(STATUS_GROUP, beat("a1", "m-a", running_request_ids=["r1"]).to_message())
+            await layer.group_send(STATUS_GROUP, beat("a1", "m-a", leaving=True).to_message())
+            await layer.group_send(STATUS_GROUP, beat("a1", "m-a", engine_id="e-a1-second").to_message())
+            failed = await asyncio.wait_for(layer.receive(add.reply_channel), TIMEOUT)
+            assert (failed["type"], failed["code"]) == ("engine.failed", "engine_error")
+            assert [w.engine_id for w in cache.live()] == ["e-a1-second"] and cache.departed == {}
         finally:
             listener.cancel()
             with contextlib.suppress(asyncio.CancelledError):
