@@ -45,6 +45,7 @@ from engine.messages import (
     RequestFinished,
     StatusRequest,
     SwitchModel,
+    TokenEvent,
     UnloadModel,
     worker_channel,
 )
@@ -374,6 +375,11 @@ class EngineWorker:
 
     async def _send_outputs(self, outputs: list[EngineOutput]) -> None:
         """Address each output to its request's client, serialize it, log what the metrics read."""
+        if self.worker_id and any(isinstance(o, TokenEvent) and o.ttft is not None for o in outputs):
+            # Should a fleet's worker die, its front ends send a request its last beat listed as waiting
+            # to another worker: from its first token on the beat must list it running, so the beat that
+            # says so goes out before that token does (a client never sees its first tokens twice).
+            await self.announce()
         for output in outputs:
             msg = output.to_message()
             if isinstance(output, RequestFinished):

@@ -1,5 +1,6 @@
 """A fleet worker's drain (SIGTERM, docs/FLEET.md): it says ``leaving`` only once every request it
-took has had its last message handed to the layer.
+took has had its last message handed to the layer; and its beats say a request streams before
+its client can see a token.
 
 The worker runs on the fake backend (tests/engine/test_worker.py's harness) over a layer that
 records each message once its send has completed and can hold one send open, so the window the
@@ -143,5 +144,29 @@ def test_a_drain_past_its_timeout_ends_what_runs_and_what_is_queued(models):
                 _, last = await e.outcome(add)
                 assert refused_with(last, "engine_error", 500), last
             models.step_gate.open()
+
+    run(scenario)
+
+
+def test_a_fleet_worker_beats_that_a_request_streams_before_its_first_token_goes_out(models):
+    """Should it die, a front end sends a request its last beat listed as waiting to another worker:
+    a stream must be listed as running before its client can see a token (or it would see its
+    first tokens twice)."""
+    m1 = models.model("m1")
+
+    async def scenario():
+        e, layer = held_engine(models, m1)
+        e.worker.worker_id = "w1"  # a fleet's worker (its channel stays the one the harness talks to)
+        async with e:
+            adds = [await e.submit(max_tokens=3) for _ in range(3)]
+            for add in adds:
+                tokens, last = await e.outcome(add)
+                assert last["type"] == "engine.finished" and tokens == expected(add, 3)
+        for add in adds:
+            first = layer.index(lambda m, rid=add.request_id: m["type"] == "engine.tokens" and m["request_id"] == rid)
+            listed = layer.index(
+                lambda m, rid=add.request_id: m["type"] == "engine.heartbeat" and rid in m["running_request_ids"]
+            )
+            assert listed < first, add.request_id
 
     run(scenario)
