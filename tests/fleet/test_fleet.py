@@ -118,16 +118,17 @@ def test_a_live_config_change_reaches_every_worker_and_every_front_end(fleet):
 
 def test_a_killed_worker_ends_its_streams_the_survivor_serves_and_a_restarted_worker_rejoins(fleet):
     _, base = fleet.fronts[0]
-    streams = [long_stream(base, "tiny-a", 400) for _ in range(4)]
+    with ThreadPoolExecutor(4) as pool:  # opened at once, and long: all four still run at the kill
+        streams = list(pool.map(lambda _: long_stream(base, "tiny-a", 1500), range(4)))
     victim = fleet.workers["w-a1"]
-    wait_for(
-        lambda: {e["request_id"] for e in victim.events() if e.get("event") == "ignis.request.admitted"},
-        10,
-        0.1,
-        "w-a1 to hold some of the streams",
-        until=lambda held: held & {sid for sid, _ in streams},
-    )
-    held = {e["request_id"] for e in victim.events() if e.get("event") == "ignis.request.admitted"}
+
+    def holding() -> set[str]:
+        events = victim.events()
+        admitted = {e["request_id"] for e in events if e.get("event") == "ignis.request.admitted"}
+        return admitted - {e["request_id"] for e in events if e.get("event") == "ignis.request.done"}
+
+    wait_for(holding, 10, 0.1, "w-a1 to hold some of the streams", until=lambda held: held & {s for s, _ in streams})
+    held = holding()
     victim.proc.send_signal(signal.SIGKILL)
     killed_at = time.monotonic()
     victim.proc.wait(10)
