@@ -17,6 +17,7 @@ runs whichever of its transitions is due.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import socket
@@ -44,6 +45,7 @@ from engine.messages import (
     RequestFinished,
     StatusRequest,
     SwitchModel,
+    TokenEvent,
     UnloadModel,
     worker_channel,
 )
@@ -89,7 +91,12 @@ class EngineWorker:
         self._changed = asyncio.Event()
         self._inbox: deque[dict] = deque()
         self._wakeup = asyncio.Event()
-        self._replies: dict[str, str] = {}  # request_id -> reply channel, while the scheduler holds it
+        # request_id -> reply channel: every request this worker owes an answer, from the moment its
+        # AddRequest is taken off the channel until its last message (engine.finished or engine.failed)
+        # has been handed to the layer (the send awaited). A drain waits for this to empty.
+        self._replies: dict[str, str] = {}
+        self._began: set[str] = set()  # of those, the ones a token event was sent for (they stream)
+        self._settled = asyncio.Event()  # set whenever a request stops being owed
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ignis-step")
         self._interval_at = 0.0
         self.host = ModelHost(
@@ -189,6 +196,8 @@ class EngineWorker:
             elif kind == UnloadModel.TYPE:
                 self.host.request_unload()
             else:
+                if kind == AddRequest.TYPE:  # owed an answer from now on, queued or not
+                    self._replies[msg["request_id"]] = msg["reply_channel"]
                 self._inbox.append(msg)
             self._wakeup.set()
 
@@ -202,10 +211,14 @@ class EngineWorker:
         """EngineHeartbeat: the status, and which of this engine's requests a front end
         must end (and how) should this engine stop answering."""
         sched = self.host.scheduler
-        seqs = list(sched.seqs.values()) if sched is not None else []
-        waiting = [s.request_id for s in seqs if s.first_token_time is None]
-        waiting += [m["request_id"] for m in self._inbox if m.get("type") == AddRequest.TYPE]
-        running = [s.request_id for s in seqs if s.first_token_time is not None]
+        seqs = sched.seqs if sched is not None else {}
+        # Every request still owed an answer: queued, admitted, or its last message on its way.
+        # Running: it may have streamed (a first token computed or sent); waiting: it cannot have.
+        running, waiting = [], []
+        for request_id in self._replies:
+            seq = seqs.get(request_id)
+            began = request_id in self._began or (seq is not None and seq.first_token_time is not None)
+            (running if began else waiting).append(request_id)
         status = self.status_message()
         stats = status.get("stats") or {}
         kv = stats.get("kv_pages") or {}
@@ -263,14 +276,9 @@ class EngineWorker:
                 )
 
     async def _add(self, add: AddRequest) -> None:
+        self._replies.setdefault(add.request_id, add.reply_channel)
         if self.draining:  # front ends stopped routing here at the draining beat; this one crossed it
-            refused = RequestFailed(
-                add.request_id,
-                "This engine worker is shutting down; retry shortly.",
-                "engine_unavailable",
-                retry_after=1,
-            )
-            await self._send(add.reply_channel, refused.to_message())
+            await self._last(add.request_id, _shutting_down(add.request_id).to_message())
             return
         refused = self.host.refusal_for(add)
         if refused is None:
@@ -280,11 +288,12 @@ class EngineWorker:
                 stops = sorted(set(add.stop_token_ids or ()))
                 constraints = self.host.scheduler.constraints
                 compiled = await asyncio.to_thread(compile_grammar, add.grammar, stops, constraints)
+                if add.request_id not in self._replies:  # a drain ended it meanwhile
+                    return
             refused = self.host.scheduler.add_request(add, compiled)
         if refused is not None:
-            await self._send(add.reply_channel, refused.to_message())
+            await self._last(add.request_id, refused.to_message())
             return
-        self._replies[add.request_id] = add.reply_channel
         log.info(
             "ignis.request.admitted",
             extra={
@@ -302,50 +311,82 @@ class EngineWorker:
         for msg in waiting:
             if msg.get("type") == AddRequest.TYPE:
                 add = AddRequest.from_message(msg)
-                await self._send(add.reply_channel, self.host.load_failed(add.request_id).to_message())
+                self._replies.setdefault(add.request_id, add.reply_channel)
+                await self._last(add.request_id, self.host.load_failed(add.request_id).to_message())
             else:
                 self._inbox.append(msg)
 
     # -- drain (SIGTERM) ---------------------------------------------------------
 
     def busy_request_ids(self) -> list[str]:
-        sched = self.host.scheduler
-        return list(sched.seqs) if sched is not None else []
+        """Every request this worker still owes an answer (see ``_replies``)."""
+        return list(self._replies)
 
-    async def drain(self, timeout: float, poll: float = 0.05) -> int:
-        """Admit nothing new, let the running requests finish within ``timeout`` seconds, end the
+    async def drain(self, timeout: float) -> int:
+        """Admit nothing new, let what is owed an answer finish within ``timeout`` seconds, end the
         rest with engine_error, then say goodbye (a ``leaving`` heartbeat: front ends drop this
-        worker at once). Returns how many requests had to be ended. The loop keeps stepping meanwhile."""
+        worker at once). Returns how many requests had to be ended. The loop keeps stepping meanwhile.
+
+        It returns only once every request this worker took has had its last message (engine.finished
+        or engine.failed) handed to the layer: a request leaves the scheduler in the step that finishes
+        it, before that message is sent, so the scheduler's books alone cannot tell."""
         self.draining = True
-        running = self.busy_request_ids()
-        log.info("ignis.engine.draining", extra={"worker_id": self.worker_id, "running": len(running)})
+        log.info("ignis.engine.draining", extra={"worker_id": self.worker_id, "running": len(self._replies)})
         await self.announce()  # front ends route nothing more here from this beat on
         self._wakeup.set()  # requests already in the inbox are refused now, not after a wait
         deadline = time.monotonic() + max(timeout, 0.0)
-        while self.busy_request_ids() and time.monotonic() < deadline:
-            await asyncio.sleep(poll)
-        left = self.busy_request_ids()
-        if left:
-            await self._end_with_error(left, "The engine worker shut down before this request finished.")
+        while self._replies and (left := deadline - time.monotonic()) > 0:
+            self._settled.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._settled.wait(), left)
+        ended = list(self._replies)
+        if ended:
+            await self._end_owed(ended, "The engine worker shut down before this request finished.")
         self.leaving = True
         await self.announce()
-        log.info("ignis.engine.drained", extra={"worker_id": self.worker_id, "ended": len(left)})
-        return len(left)
+        log.info("ignis.engine.drained", extra={"worker_id": self.worker_id, "ended": len(ended)})
+        return len(ended)
+
+    async def _end_owed(self, request_ids: list[str], message: str) -> None:
+        """The drain's timeout passed: end what the scheduler holds, and what it does not (queued in
+        the inbox, a grammar compiling, a last message still being sent) with engine_error too."""
+        sched = self.host.scheduler
+        held = [r for r in request_ids if sched is not None and r in sched.seqs]
+        if held:
+            await self._end_with_error(held, message)
+        queued = set(request_ids) - set(held)
+        self._inbox = deque(m for m in self._inbox if not _adds_one_of(m, queued))
+        for request_id in queued:
+            if request_id in self._replies:
+                await self._last(request_id, refusal("engine_error", request_id, message).to_message())
 
     # -- outputs out -----------------------------------------------------------
 
     async def _send(self, channel: str, msg: dict) -> None:
         await self.layer.send(channel, msg)
 
+    async def _last(self, request_id: str, msg: dict) -> None:
+        """Send a request's last message (engine.finished or engine.failed); once the layer has taken
+        it (the send awaited: with channels_redis, it is in Redis) the request is owed nothing more."""
+        await self._send(self._replies[request_id], msg)
+        self._replies.pop(request_id, None)
+        self._began.discard(request_id)
+        self._settled.set()
+
     async def _send_outputs(self, outputs: list[EngineOutput]) -> None:
         """Address each output to its request's client, serialize it, log what the metrics read."""
+        if self.worker_id and any(isinstance(o, TokenEvent) and o.ttft is not None for o in outputs):
+            # Should a fleet's worker die, its front ends send a request its last beat listed as waiting
+            # to another worker: from its first token on the beat must list it running, so the beat that
+            # says so goes out before that token does (a client never sees its first tokens twice).
+            await self.announce()
         for output in outputs:
-            if isinstance(output, RequestFinished):
-                channel = self._replies.pop(output.request_id)
-            else:
-                channel = self._replies[output.request_id]
             msg = output.to_message()
-            await self._send(channel, msg)
+            if isinstance(output, RequestFinished):
+                await self._last(output.request_id, msg)
+            else:
+                self._began.add(output.request_id)
+                await self._send(self._replies[output.request_id], msg)
             if msg["type"] == "engine.tokens" and msg.get("ttft") is not None:
                 self._changed.set()  # it streams now: front ends end it with engine_error should this engine go
                 log.info(
@@ -422,7 +463,7 @@ class EngineWorker:
         """End live requests with ``engine_error``: their lanes and pages free, their clients told why."""
         for done in self.host.scheduler.finish_requests(request_ids, SequenceStatus.FINISHED_ABORTED):
             failed: RequestFailed = refusal("engine_error", done.request_id, message)
-            await self._send(self._replies.pop(done.request_id), failed.to_message())
+            await self._last(done.request_id, failed.to_message())
 
     def _log_round(self, plan: StepPlan, out: StepOutput) -> None:
         """DEBUG ``ignis.engine.round``: one line a step, what the backend took (bench/bench_serving.py)."""
@@ -445,6 +486,17 @@ class EngineWorker:
         stats = asdict(self.host.scheduler.make_stats())
         kv = stats.pop("kv_pages", {})
         log.debug("ignis.scheduler.interval", extra={**stats, **{f"kv_{k}": v for k, v in kv.items()}})
+
+
+def _adds_one_of(msg: dict, request_ids: set[str]) -> bool:
+    return msg.get("type") == AddRequest.TYPE and msg.get("request_id") in request_ids
+
+
+def _shutting_down(request_id: str) -> RequestFailed:
+    """The answer to a request that reached a draining worker (it crossed the draining beat)."""
+    return RequestFailed(
+        request_id, "This engine worker is shutting down; retry shortly.", "engine_unavailable", retry_after=1
+    )
 
 
 def _row_seq_id(row: StepPlan) -> int:

@@ -107,6 +107,7 @@ class OpenAIHttpConsumer(Timers, AsyncConsumer):
 
     async def dispatch(self, message: dict) -> None:
         """One message to its handler; once a handler has finished the response, the consumer stops."""
+        engine_client.reply_heard(message)
         if self._finished:
             raise StopConsumer()
         await super().dispatch(message)

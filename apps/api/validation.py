@@ -20,7 +20,7 @@ from apps.api.schemas.chat import (  # noqa: F401 - the limits' old home
     Stop,
 )
 from apps.api.schemas.completions import CompletionBody
-from apps.core.errors import InvalidRequest
+from apps.core.errors import IgnisError, InvalidRequest
 
 
 def parse_messages(value: Any) -> list[dict]:
@@ -103,9 +103,7 @@ def _engine_options(data: dict) -> dict:
     if data.get("min_tokens"):
         out["min_tokens"] = data["min_tokens"]
     if data.get("logit_bias"):
-        from apps.models.services import served_model
-
-        vocab = served_model().tokenizer.vocab_size
+        vocab = _vocab_size(data.get("model"))
         for token in data["logit_bias"]:
             if token >= vocab:
                 raise InvalidRequest(
@@ -113,6 +111,18 @@ def _engine_options(data: dict) -> dict:
                 )
         out["logit_bias"] = [[t, b] for t, b in data["logit_bias"].items()]
     return out
+
+
+def _vocab_size(model: str | None) -> int:
+    """The vocabulary of the model ``model`` names, the one its request goes to (in a fleet: that of
+    the workers serving it, not the default model's)."""
+    from apps.models.services import model_name_resolve, served_model
+
+    try:
+        served, _ = model_name_resolve(model)
+    except IgnisError:  # a name not served here: the route answers that (404), not this check
+        served = served_model()
+    return served.tokenizer.vocab_size
 
 
 def parse_common(body: dict) -> dict:

@@ -15,7 +15,7 @@ from channels.layers import get_channel_layer
 
 from apps.core import engine_state
 from apps.core.fleet import default_model
-from engine.messages import ENGINE_CHANNEL, AbortRequest, AddRequest, ConfigureEngine
+from engine.messages import ENGINE_CHANNEL, AbortRequest, AddRequest, ConfigureEngine, RequestFailed, RequestFinished
 from engine.status import EngineStatus
 
 # Parts of the reply the engine sends only while a scheduler exists (a model is loaded).
@@ -30,6 +30,17 @@ async def request_submit(add: AddRequest) -> None:
     """Send ``add`` to a worker serving ``add.model`` (ended or sent again here should it go)."""
     msg = add.to_message()
     await get_channel_layer().send(engine_state.request_route(msg), msg)
+
+
+_LAST = frozenset({RequestFinished.TYPE, RequestFailed.TYPE})
+
+
+def reply_heard(message: dict) -> None:
+    """A consumer got ``message`` on its reply channel: a request's last one (engine.finished or
+    engine.failed) takes it out of the fleet's table here, so a worker that leaves (or goes silent)
+    afterwards has nothing of it to end. Consumers call this as each message arrives."""
+    if message.get("type") in _LAST and isinstance(message.get("request_id"), str):
+        engine_state.request_done(message["request_id"])
 
 
 async def request_abort(request_id: str) -> None:

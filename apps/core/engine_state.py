@@ -28,6 +28,15 @@ worker left, new requests are 503 ``engine_unavailable`` with Retry-After
 (``switch_gate``). The next heartbeat, from this worker or a restarted one,
 puts it back.
 
+A drained worker's ``leaving`` beat takes it out of the routing at once; it has
+answered everything it took. As a net under that, what this front end sent it
+and has not seen the last message of (consumers call ``engine_client.reply_heard``
+as each message arrives) ends with ``engine_error`` ``server.worker_timeout``
+seconds later (``_end_left``), or at once should it come back under its id first.
+Not at the beat itself: a consumer may still have that last message queued behind
+the stream's tokens, and an end sent then could overtake it (channels_redis
+orders a channel's messages by each sender's clock).
+
 Without a listener (management commands, unit tests) nothing is cached and
 ``engine_client.engine_status_now`` asks the engine as before.
 """
@@ -97,10 +106,14 @@ def request_done(request_id: str) -> str | None:
     return sent.channel if sent is not None else None
 
 
-async def _end_orphans(layer, worker: Worker | None, orphans: dict[str, Sent]) -> None:
+async def _end_orphans(layer, worker: Worker | None, orphans: dict[str, Sent], *, left: bool = False) -> None:
     """``worker`` is gone (or restarted): each request it held ends the way docs/FLEET.md says,
-    or, queued and not begun, is sent again to a live worker serving its model."""
+    or, queued and not begun, is sent again to a live worker serving its model. ``left``: it said
+    goodbye (a leaving beat) after answering everything it held, so what is still open here ends
+    with engine_error, never sent again (its client may well have had its answer already)."""
     waiting = worker.waiting if worker is not None else set(orphans)  # none known: none can have begun
+    if left:
+        waiting = set()
     for request_id, sent in orphans.items():
         # Waiting at the last heartbeat: not begun. Anything else (it streamed, or was sent after
         # that beat) may have begun: an engine_error event ends it.
@@ -123,6 +136,8 @@ async def _end_orphans(layer, worker: Worker | None, orphans: dict[str, Sent]) -
                 "engine_unavailable",
                 retry_after=RETRY_AFTER,
             )
+        elif left:
+            failed = RequestFailed(request_id, "The engine worker left before this request finished.", "engine_error")
         else:
             failed = RequestFailed(request_id, "The engine stopped answering while this request ran.", "engine_error")
         try:
@@ -162,10 +177,36 @@ async def _watch(layer) -> None:
                 "ignis.engine.unavailable" if not CACHE.available else "ignis.fleet.worker_gone",
                 extra={"engine_id": worker.engine_id, "worker_id": worker.name, "silent_for": timeout},
             )
-            await _end_orphans(layer, worker, CACHE.orphans(worker))
+            await _end_orphans(layer, worker, CACHE.orphans(worker.channel))
+        for channel in CACHE.departed_due(now, timeout):
+            await _end_left(layer, channel)
         if not CACHE.available and CACHE.sent:  # sent while no worker was known
-            sent, CACHE.sent = CACHE.sent, {}
-            await _end_orphans(layer, None, sent)
+            await _end_orphans(layer, None, CACHE.unrouted())
+
+
+async def _heard(layer, beat: EngineHeartbeat) -> bool:
+    """Take ``beat`` into the table (True: no worker was available before it). What this front end
+    sent a worker that restarted (or left and is back) and that is still open here ends first."""
+    old = CACHE.restarted(beat)
+    if old is not None:  # the same worker id, another engine: what the old one held is lost
+        log.warning("ignis.fleet.worker_restarted", extra={"worker_id": old.name, "engine_id": beat.engine_id})
+        await _end_orphans(layer, old, CACHE.orphans(old.channel))
+    elif beat.leaving:
+        log.info("ignis.fleet.worker_left", extra={"worker_id": beat.worker_id or "engine"})
+    elif beat.channel in CACHE.departed:  # back under its id before the net fell due: it falls now
+        CACHE.departed.pop(beat.channel)
+        await _end_left(layer, beat.channel)
+    return CACHE.take(beat, time.monotonic())
+
+
+async def _end_left(layer, channel: str) -> None:
+    """The net under a drain: the worker on ``channel`` said goodbye ``server.worker_timeout`` seconds
+    ago (or came back since), having answered all it took; what this front end sent it and has
+    still not heard the last message of ends with engine_error."""
+    orphans = CACHE.orphans(channel)
+    if orphans:
+        log.warning("ignis.fleet.left_open", extra={"channel": channel, "open": len(orphans)})
+        await _end_orphans(layer, None, orphans, left=True)
 
 
 async def engine_state_listen() -> None:
@@ -191,11 +232,7 @@ async def engine_state_listen() -> None:
             if msg.get("type") != EngineHeartbeat.TYPE:
                 continue
             beat = EngineHeartbeat.from_message(msg)
-            old = CACHE.restarted(beat)
-            if old is not None:  # the same worker id, another engine: what the old one held is lost
-                log.warning("ignis.fleet.worker_restarted", extra={"worker_id": old.name, "engine_id": beat.engine_id})
-                await _end_orphans(layer, old, CACHE.orphans(old))
-            came_back = CACHE.take(beat, time.monotonic())
+            came_back = await _heard(layer, beat)
             try:
                 await _took(beat, came_back)
             except Exception:

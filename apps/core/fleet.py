@@ -22,7 +22,10 @@ token yet) is sent again to a live worker serving the model, or answered 503
 have streamed and ends with an ``engine_error`` event. A worker that comes back
 with another engine id (restarted under the same worker id) is handled the same
 way for what its previous engine held. A draining worker (SIGTERM) stays in the
-table but gets nothing new; its ``leaving`` beat takes it out at once.
+table but gets nothing new; its ``leaving`` beat takes it out at once. It answers
+everything it took before that beat; as a net should it not, what this front end
+sent it and has not seen the last message of (``reply_heard``) ends with
+``engine_error`` ``server.worker_timeout`` seconds later (``departed_due``).
 """
 
 from __future__ import annotations
@@ -108,6 +111,10 @@ class Fleet:
         self.listening = False
         self.workers: dict[str, Worker] = {}  # by channel
         self.sent: dict[str, Sent] = {}  # request_id -> where it went
+        # channel -> when its worker said goodbye (a leaving beat): what this front end sent it and still
+        # holds open ends once ``departed_due`` says so (its consumers may not have read their last
+        # messages yet, queued behind the tokens: an end sent now could even overtake them).
+        self.departed: dict[str, float] = {}
         self._picks = itertools.count(1)
 
     # -- the heartbeats -----------------------------------------------------------------------
@@ -115,9 +122,9 @@ class Fleet:
     def take(self, beat: EngineHeartbeat, now: float) -> bool:
         """Note ``beat``; True when no worker was available before it."""
         came_back = not self.available
-        if beat.leaving:  # drained: it ended everything it held itself
+        if beat.leaving:  # drained: out of the routing at once; what it held here stays until departed_due
             self.workers.pop(beat.channel, None)
-            self._forget(beat.channel, keep=set(), now=now, grace=0.0)
+            self.departed.setdefault(beat.channel, now)
             return came_back
         status = EngineStatus.from_message(beat.status)
         old = self.workers.get(beat.channel)
@@ -163,9 +170,23 @@ class Fleet:
             del self.workers[worker.channel]
         return gone
 
-    def orphans(self, worker: Worker) -> dict[str, Sent]:
-        """What this front end sent ``worker`` (gone or replaced), taken out of ``sent``."""
-        mine = {rid: s for rid, s in self.sent.items() if s.channel == worker.channel}
+    def departed_due(self, now: float, grace: float) -> list[str]:
+        """The channels of workers that left more than ``grace`` seconds ago, taken off ``departed``."""
+        due = [channel for channel, at in self.departed.items() if now - at >= grace]
+        for channel in due:
+            del self.departed[channel]
+        return due
+
+    def unrouted(self) -> dict[str, Sent]:
+        """What was sent while no worker was known (not what a worker that left still holds), taken out."""
+        mine = {rid: s for rid, s in self.sent.items() if s.channel not in self.departed}
+        for rid in mine:
+            del self.sent[rid]
+        return mine
+
+    def orphans(self, channel: str) -> dict[str, Sent]:
+        """What this front end sent the worker on ``channel`` (gone, replaced or leaving), taken out of ``sent``."""
+        mine = {rid: s for rid, s in self.sent.items() if s.channel == channel}
         for rid in mine:
             del self.sent[rid]
         return mine

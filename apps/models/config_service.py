@@ -130,6 +130,18 @@ def _reload_target(values: dict[str, Any]) -> SwitchTarget:
     return servable_lookup(values["model.id"])
 
 
+def _engine_changes(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
+    """The engine fields a reload changes. Only those: the worker keeps the rest of what it runs with
+    (a fleet's worker runs its own flags -- its backend, lanes, budgets -- which a front end's
+    settings need not share)."""
+
+    def engine(values: dict[str, Any]) -> dict[str, Any]:
+        return {**config.engine_config_dict(values), "ram_budget": values["model.ram_budget"]}
+
+    before, after = engine(old), engine(new)
+    return {k: v for k, v in after.items() if before.get(k) != v}
+
+
 async def config_update(*, patch: dict[str, Any]) -> dict:
     """Apply ``patch`` (dotted keys); returns the new values and, for a reload, how it ended."""
     from apps.models.switching import model_switch
@@ -152,7 +164,7 @@ async def config_update(*, patch: dict[str, Any]) -> dict:
     result: dict[str, Any] = {"object": "config", "changed": sorted(changed), "reload": None}
     if any(config.key_applies(k) == "reload" for k in changed):
         target = await database_sync_to_async(_reload_target)(new_values)
-        engine_cfg = {**config.engine_config_dict(new_values), "ram_budget": new_values["model.ram_budget"]}
+        engine_cfg = _engine_changes(settings.IGNIS, new_values)
         done = await model_switch(target=target, trigger="config", config=engine_cfg, wait=True)
         result["reload"] = {k: done.get(k) for k in ("outcome", "reason", "seconds")}
         if done.get("outcome") not in (SWITCHED, UNCHANGED):  # unchanged: the engine runs this config already

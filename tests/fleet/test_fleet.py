@@ -1,8 +1,8 @@
 """Issue 18 on the real Redis and PostgreSQL: three workers (two models, one of them on two
 workers) behind two front ends, talked to with the official openai client.
 
-The tests share one fleet and run in file order: routing, then a worker killed with `kill -9`
-(and restarted), then a worker drained by SIGTERM during eight streams.
+The tests share one fleet and run in file order: routing, a live configuration change, then a
+worker killed with `kill -9` (and restarted), then a worker drained by SIGTERM during eight streams.
 """
 
 from __future__ import annotations
@@ -91,18 +91,44 @@ def test_alternating_models_are_routed_without_a_switch_and_spread_over_workers(
             assert re.search(rf'ignis_worker_up{{host="[^"]*",model="{model}",worker="{worker_id}"}} 1.0', scrape)
 
 
-def test_a_killed_worker_ends_its_streams_the_survivor_serves_and_a_restarted_worker_rejoins(fleet):
+def test_a_live_config_change_reaches_every_worker_and_every_front_end(fleet):
     _, base = fleet.fronts[0]
-    streams = [long_stream(base, "tiny-a", 400) for _ in range(4)]
-    victim = fleet.workers["w-a1"]
+    resp = httpx.patch(base + "/v1/config", json={"model.decode_share": 0.4}, timeout=60)
+    assert resp.status_code == 200 and resp.json()["reload"] is None, resp.text
+    for worker_id, proc in fleet.workers.items():
+        wait_for(
+            lambda proc=proc: [
+                e
+                for e in proc.events()
+                if e.get("event") == "ignis.engine.configured" and (e.get("values") or {}).get("decode_share") == 0.4
+            ],
+            10,
+            0.1,
+            f"{worker_id} to apply model.decode_share",
+        )
+    _, other = fleet.fronts[1]
     wait_for(
-        lambda: {e["request_id"] for e in victim.events() if e.get("event") == "ignis.request.admitted"},
+        lambda: httpx.get(other + "/v1/config", timeout=10).json()["values"]["model.decode_share"],
         10,
         0.1,
-        "w-a1 to hold some of the streams",
-        until=lambda held: held & {sid for sid, _ in streams},
+        "the other front end to apply it",
+        until=lambda value: value == 0.4,
     )
-    held = {e["request_id"] for e in victim.events() if e.get("event") == "ignis.request.admitted"}
+
+
+def test_a_killed_worker_ends_its_streams_the_survivor_serves_and_a_restarted_worker_rejoins(fleet):
+    _, base = fleet.fronts[0]
+    with ThreadPoolExecutor(4) as pool:  # opened at once, and long: all four still run at the kill
+        streams = list(pool.map(lambda _: long_stream(base, "tiny-a", 1500), range(4)))
+    victim = fleet.workers["w-a1"]
+
+    def holding() -> set[str]:
+        events = victim.events()
+        admitted = {e["request_id"] for e in events if e.get("event") == "ignis.request.admitted"}
+        return admitted - {e["request_id"] for e in events if e.get("event") == "ignis.request.done"}
+
+    wait_for(holding, 10, 0.1, "w-a1 to hold some of the streams", until=lambda held: held & {s for s, _ in streams})
+    held = holding()
     victim.proc.send_signal(signal.SIGKILL)
     killed_at = time.monotonic()
     victim.proc.wait(10)

@@ -14,7 +14,7 @@ from django.conf import settings
 
 from apps.core import engine_client, engine_state
 from apps.core.fleet import Fleet
-from engine.messages import STATUS_GROUP, AddRequest, EngineHeartbeat, worker_channel
+from engine.messages import STATUS_GROUP, AddRequest, EngineHeartbeat, RequestFinished, worker_channel
 
 TIMEOUT = 10.0
 
@@ -196,6 +196,79 @@ def test_a_worker_restarted_under_its_id_ends_what_its_previous_engine_held(fron
     asyncio.run(asyncio.wait_for(scenario(), 3 * TIMEOUT))
 
 
+def test_a_leaving_worker_s_open_requests_end_with_engine_error_none_sent_again(front_end):
+    """The net under the drain: a worker's leaving beat says it answered all it held, but a
+    request this front end sent it and never heard the end of (the stream lost at stop 22, its
+    last beats listing it running, its leaving beat nothing) ends here with engine_error, once
+    server.worker_timeout has passed; a queued one is not sent again (the worker answered it, or
+    may have begun it). One whose consumer reads its last message in the meantime (it was queued
+    behind the stream's tokens) is left alone."""
+    layer, cache = front_end
+
+    async def scenario():
+        listener = asyncio.create_task(engine_state.engine_state_listen())
+        try:
+            await until(lambda: cache.listening, "the listener")
+            await asyncio.sleep(0)
+            for b in (beat("a1", "m-a"), beat("a2", "m-a", busy=4)):  # a2's lanes all busy: a1 gets them
+                await layer.group_send(STATUS_GROUP, b.to_message())
+            await until(lambda: len(cache.workers) == 2, "two workers")
+            ids = ("run", "queued", "done", "read-late")
+            adds = {rid: AddRequest(rid, await layer.new_channel(), [1, 2], 8, model="m-a") for rid in ids}
+            for add in adds.values():
+                await engine_client.request_submit(add)
+            assert {s.channel for s in cache.sent.values()} == {worker_channel("a1")}
+            held = beat("a1", "m-a", draining=True, running_request_ids=list(ids[:3]), waiting_request_ids=["queued"])
+            await layer.group_send(STATUS_GROUP, held.to_message())
+            # "done" finished: its consumer heard engine.finished (before any beat could say so).
+            engine_client.reply_heard(RequestFinished("done", "length", 2, 8).to_message())
+            await layer.group_send(STATUS_GROUP, beat("a1", "m-a", leaving=True).to_message())
+            await until(lambda: worker_channel("a1") not in cache.workers, "a1 out of the routing")
+            assert [w.name for w in cache.live()] == ["a2"] and cache.route("m-a").name == "a2"
+            engine_client.reply_heard(RequestFinished("read-late", "length", 2, 8).to_message())
+            for rid in ("run", "queued"):
+                failed = await asyncio.wait_for(layer.receive(adds[rid].reply_channel), TIMEOUT)
+                assert (failed["type"], failed["code"]) == ("engine.failed", "engine_error"), failed
+            assert cache.sent == {} and cache.departed == {}
+            await layer.group_send(STATUS_GROUP, beat("a2", "m-a", busy=2).to_message())  # the listener is past it
+            await until(lambda: cache.workers[worker_channel("a2")].lanes_busy == 2, "a2's next beat")
+            for add in adds.values():  # nothing else: no second end, none for the finished, nothing sent on to a2
+                assert layer.channels.get(add.reply_channel) is None or layer.channels[add.reply_channel].empty()
+            assert layer.channels.get(worker_channel("a2")) is None or layer.channels[worker_channel("a2")].empty()
+        finally:
+            listener.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await listener
+
+    asyncio.run(asyncio.wait_for(scenario(), 3 * TIMEOUT))
+
+
+def test_a_worker_back_under_its_id_before_the_net_falls_ends_what_it_left_open(front_end):
+    layer, cache = front_end
+
+    async def scenario():
+        listener = asyncio.create_task(engine_state.engine_state_listen())
+        try:
+            await until(lambda: cache.listening, "the listener")
+            await asyncio.sleep(0)
+            await layer.group_send(STATUS_GROUP, beat("a1", "m-a").to_message())
+            await until(lambda: cache.workers, "a worker")
+            add = AddRequest("r1", await layer.new_channel(), [1, 2], 8, model="m-a")
+            await engine_client.request_submit(add)
+            await layer.group_send(STATUS_GROUP, beat("a1", "m-a", running_request_ids=["r1"]).to_message())
+            await layer.group_send(STATUS_GROUP, beat("a1", "m-a", leaving=True).to_message())
+            await layer.group_send(STATUS_GROUP, beat("a1", "m-a", engine_id="e-a1-second").to_message())
+            failed = await asyncio.wait_for(layer.receive(add.reply_channel), TIMEOUT)
+            assert (failed["type"], failed["code"]) == ("engine.failed", "engine_error")
+            assert [w.engine_id for w in cache.live()] == ["e-a1-second"] and cache.departed == {}
+        finally:
+            listener.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await listener
+
+    asyncio.run(asyncio.wait_for(scenario(), 3 * TIMEOUT))
+
+
 def test_a_switch_goes_to_the_named_worker_one_serving_the_target_or_the_policy_pick(monkeypatch):
     from apps.core.errors import ModelNotFound, ModelSwitchFailed
     from apps.models.switching import switch_worker
@@ -217,3 +290,60 @@ def test_a_switch_goes_to_the_named_worker_one_serving_the_target_or_the_policy_
 def test_a_fleet_of_one_always_gets_the_switch_the_engine_answers_409_itself():
     fleet = table(beat("only", "m-a", state="switching"))
     assert fleet.switch_candidate("none", "m-b").name == "only"
+
+
+def test_logit_bias_is_checked_against_the_vocabulary_of_the_model_the_request_goes_to(monkeypatch):
+    from types import SimpleNamespace
+
+    from apps.api.validation import parse_chat_request
+    from apps.core.errors import InvalidRequest
+    from apps.models import services
+
+    fleet = table(beat("a1", "m-a"), beat("b", "m-b"))
+    fleet.listening = True
+    monkeypatch.setattr(engine_state, "CACHE", fleet)
+    monkeypatch.setitem(settings.IGNIS, "model.id", "m-a")
+    for model, vocab in (("m-a", 100), ("m-b", 200)):  # their tokenizers, as the front end has them
+        served = services.served_model_for(served_id=model, path=f"/models/{model}")
+        monkeypatch.setitem(served.__dict__, "tokenizer", SimpleNamespace(vocab_size=vocab))
+    monkeypatch.setattr(
+        services, "served_model", lambda: services.served_model_for(served_id="m-a", path="/models/m-a")
+    )
+
+    def bias(model: str | None, token: int) -> list:
+        body = {"messages": [{"role": "user", "content": "hi"}], "logit_bias": {str(token): 1}}
+        return parse_chat_request({**body, **({"model": model} if model else {})}).sampling["logit_bias"]
+
+    assert bias("m-b", 150) == [[150, 1.0]]  # m-b's 200 tokens, not the default model's 100
+    assert bias("m-b@agent", 199) == [[199, 1.0]]
+    for model, token in (("m-a", 150), (None, 150), ("m-b", 200), ("m-zzz", 150)):  # no name, unknown: the default's
+        with pytest.raises(InvalidRequest) as err:
+            bias(model, token)
+        assert err.value.param == f"logit_bias.{token}"
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_reload_patch_sends_the_worker_only_what_it_changes(monkeypatch):
+    """A fleet's worker runs its own flags (its backend, lanes, budgets): a PATCH of a reload key
+    reloads it with that key changed, not with this front end's whole configuration."""
+    from pathlib import Path
+
+    from asgiref.sync import async_to_sync
+
+    from apps.models import config_service, switching
+    from apps.models.services import SwitchTarget
+
+    asked = []
+
+    async def model_switch(*, target, trigger, config, wait):
+        asked.append((target.served_id, trigger, config))
+        return {"outcome": "switched", "reason": "", "seconds": 0.1}
+
+    monkeypatch.setattr(switching, "model_switch", model_switch)
+    monkeypatch.setattr(config_service, "_reload_target", lambda values: SwitchTarget("m-a", Path("/models/m-a")))
+    monkeypatch.setattr(config_service, "_sources", dict(config_service._sources))
+    for key, value in (("model.max_context", 4096), ("model.backend", "cpu"), ("spec.decode_lanes", 8)):
+        monkeypatch.setitem(settings.IGNIS, key, value)
+    result = async_to_sync(config_service.config_update)(patch={"model.max_context": 2048, "spec.decode_lanes": 8})
+    assert result["changed"] == ["model.max_context"] and result["reload"]["outcome"] == "switched"
+    assert asked == [("m-a", "config", {"max_context": 2048})]  # not the front end's backend, lanes, ...

@@ -45,6 +45,10 @@ RETRY_MAX_WAIT = 0.5  # seconds between admission attempts while every lane is b
 
 
 class ResponsesSocketConsumer(Timers, AsyncWebsocketConsumer):
+    async def dispatch(self, message: dict) -> None:
+        engine_client.reply_heard(message)  # a request's last message: the fleet's table forgets it
+        await super().dispatch(message)
+
     async def connect(self) -> None:
         self.pending: deque[dict] = deque()
         self.run: ResponseRun | None = None

@@ -57,7 +57,7 @@ class Command(BaseCommand):
             "ignis.engine.starting",
             extra={"model": served.served_id, "path": str(served.path), "worker_id": worker.worker_id},
         )
-        asyncio.run(serve_until_drained(worker, values["switch.drain_timeout"]))
+        asyncio.run(serve_until_drained(worker))
         log.info("ignis.engine.stopped", extra={"worker_id": worker.worker_id})
 
 
@@ -80,8 +80,12 @@ def _exit_soon() -> None:
     timer.start()
 
 
-async def serve_until_drained(worker: EngineWorker, drain_timeout: float) -> None:
-    """Run ``worker`` until SIGTERM or SIGINT has drained it (a second signal ends it at once)."""
+async def serve_until_drained(worker: EngineWorker) -> None:
+    """Run ``worker`` until SIGTERM or SIGINT has drained it (a second signal ends it at once). The drain
+    gets ``switch.drain_timeout`` as it is then (a PATCH changes it live: ``engine.configure``).
+
+    ``drain`` returns once every request the worker took has had its last message sent, so cancelling
+    the loop then drops nothing a client waits for."""
     loop = asyncio.get_running_loop()
     run = asyncio.ensure_future(worker.run())
     draining: list[asyncio.Task] = []
@@ -90,7 +94,7 @@ async def serve_until_drained(worker: EngineWorker, drain_timeout: float) -> Non
         if draining:  # asked twice: stop now
             run.cancel()
             return
-        draining.append(loop.create_task(worker.drain(drain_timeout)))
+        draining.append(loop.create_task(worker.drain(worker.host.drain_timeout)))
         draining[0].add_done_callback(lambda _t: (_exit_soon(), run.cancel()))
 
     for sig in (signal.SIGTERM, signal.SIGINT):
