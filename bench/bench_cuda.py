@@ -232,7 +232,7 @@ def prefill_time(be, cfg, rng, n: int, chunk: int, prefix: int = 0, reps: int = 
         t0 = time.perf_counter()
         spans(prefix, n)
         times.append(time.perf_counter() - t0)
-    return min(times)
+    return statistics.median(times)
 
 
 def attention_rate(k, s, H: int, KVH: int, D: int, n: int = 16384, reps: int = 3) -> list[tuple[str, float, float]]:
@@ -372,7 +372,7 @@ def bench_prefill(args) -> None:
     body = [
         f"Model: Llama-3.1-8B shape, {cfg.num_layers} layers, random bf16 weights, KV pages of 16 tokens. A prompt "
         f"goes to CudaBackend.prefill in spans of the CUDA default chunk ({default_chunk:,} tokens, "
-        "ignis_site.config.CUDA_PREFILL_CHUNK), as the scheduler sends them, the last one sampling; wall time, best "
+        "ignis_site.config.CUDA_PREFILL_CHUNK), as the scheduler sends them, the last one sampling; wall time, median "
         "of 3 (1 at 32,768). Beside: transformers (sdpa) and llama.cpp measured on an H200 on 2026-12-01 "
         f"(../shared/peers/README.md): transformers 58.8 ms at 2,048 tokens; llama.cpp pp2048 F16 "
         f"{LLAMA_CPP_PP2048:,.0f} tok/s ({2048 / LLAMA_CPP_PP2048 * 1e3:.1f} ms).",
