@@ -32,6 +32,9 @@ from engine.memory import MemoryPlan, kv_block_bytes, workspace_bytes
 
 from .model import CpuModel
 
+# Prefill chunks of at least this many rows run their products through the tiled kernel
+# (kernels.c, "prefill"); decode rounds never do, so a lane's bits do not depend on the round.
+TILED_ROWS = 16
 _LANES_FOR_DEFAULT_BUDGET = 8  # as numpy: without a KV budget the pool holds 8 max-context sequences
 
 
@@ -119,7 +122,7 @@ class CpuBackend(Backend):
         ctx_slots = self._slots(span.block_table, np.arange(p0, end, dtype=np.int64))
         write = ctx_slots[span.start_pos - p0 :]
         h = self.model.forward(span.token_ids, positions, write, ctx_slots, np.zeros(t, np.int32),
-                               positions - p0 + 1, np.full(t, p0, np.int32))  # fmt: skip
+                               positions - p0 + 1, np.full(t, p0, np.int32), tiled_rows=TILED_ROWS)  # fmt: skip
         if span.want_prompt_logprobs is not None:
             out.prompt_logprobs = self._prompt_logprobs(h, span)
         if span.sample is None and not span.want_logits:

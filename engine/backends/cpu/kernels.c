@@ -450,6 +450,196 @@ static void matmul_parts(ig_step *st, const ig_mat *parts, int nparts, const ig_
     free(dtab);
 }
 
+/* ---- prefill: a register-blocked product over many rows ---------------------------------
+ *
+ * A span of many rows (a prefill chunk) meets each weight row often enough to unpack it
+ * once. An item is a strip of TILE_COLS weight rows (output columns) against every row
+ * of the span: the strip's blocks are unpacked into int16 laid out by k-pair (for block b
+ * and pair p, the TILE_COLS columns' weights 2p and 2p+1 side by side), so one broadcast
+ * of a row's activation pair meets 8 columns in one vpmaddwd (vpdpwssd with AVX-VNNI,
+ * which also does the accumulate). Per block, TILE_ROWS rows x TILE_COLS columns of int32
+ * sums are exact; then scaled into float: sum += float(isum) * (d * x.d), and for Q4_1
+ * sum += m * x.s (Q4_0's -8 is applied while unpacking). Decode rows keep dot_group's
+ * path and its bits; a row's result here does not depend on the rows beside it either. */
+#define TILE_COLS 16
+#define TILE_ROWS 4
+
+#ifdef IG_AVX2
+#if defined(__AVXVNNI__)
+#define PAIRS_ACC(acc, w, x) _mm256_dpwssd_avx_epi32((acc), (w), (x))
+#else
+#define PAIRS_ACC(acc, w, x) _mm256_add_epi32((acc), _mm256_madd_epi16((w), (x)))
+#endif
+
+/* Unpack output columns [j0, j0 + TILE_COLS) of the fused parts: ws[(b * 16 + p) * 2 * TILE_COLS
+ * + 2 * c + t] = weight 32 b + 2 p + t of column c (int16; Q4_0 minus 8), dw / mw[b * TILE_COLS + c]
+ * its block's scale and Q4_1 offset (0 otherwise). Columns past the last are zeros. Returns
+ * whether any column has an offset. */
+static int unpack_strip(const ig_mat *parts, int nparts, int j0, int rows, int nb, int16_t *ws, float *dw, float *mw) {
+    int has_m = 0;
+    for (int c = 0; c < TILE_COLS; c++) {
+        int j = j0 + c;
+        if (j >= rows) {
+            for (int b = 0; b < nb; b++) {
+                for (int i = 0; i < QK; i++) ws[(b * 16 + i / 2) * 2 * TILE_COLS + 2 * c + (i & 1)] = 0;
+                dw[b * TILE_COLS + c] = mw[b * TILE_COLS + c] = 0.0f;
+            }
+            continue;
+        }
+        int p = 0, jj = j;
+        while (p < nparts - 1 && jj >= parts[p].rows) jj -= parts[p++].rows;
+        const ig_mat *w = &parts[p];
+        int type = w->type, bb = block_bytes(type), qoff = type == IG_Q4_1 ? 4 : 2;
+        const uint8_t *blk = w->data + (int64_t)jj * w->row_bytes;
+        has_m |= type == IG_Q4_1;
+        for (int b = 0; b < nb; b++, blk += bb) {
+            const uint8_t *q = blk + qoff;
+            int16_t v[QK];
+            if (type == IG_Q8_0) {
+                for (int i = 0; i < QK; i++) v[i] = (int8_t)q[i];
+            } else {
+                int off = type == IG_Q4_0 ? 8 : 0;
+                for (int i = 0; i < 16; i++) {
+                    v[i] = (int16_t)((q[i] & 15) - off);
+                    v[i + 16] = (int16_t)((q[i] >> 4) - off);
+                }
+            }
+            int16_t *dst = ws + (int64_t)b * 16 * 2 * TILE_COLS + 2 * c;
+            for (int i = 0; i < QK; i += 2) {
+                dst[(i / 2) * 2 * TILE_COLS] = v[i];
+                dst[(i / 2) * 2 * TILE_COLS + 1] = v[i + 1];
+            }
+            dw[b * TILE_COLS + c] = h2f(rd16(blk));
+            mw[b * TILE_COLS + c] = type == IG_Q4_1 ? h2f(rd16(blk + 2)) : 0.0f;
+        }
+    }
+    return has_m;
+}
+
+static inline __m256i bcast_pair(const int16_t *q) {
+    int32_t pair;
+    memcpy(&pair, q, 4);
+    return _mm256_set1_epi32(pair);
+}
+
+/* out[k * TILE_COLS + c] = column c of the strip . x[k] for k < R (R: 1 or TILE_ROWS, constant after
+ * inlining). The R x 16 int32 sums of a block stay in registers (8 of the 16 at R = 4); the float
+ * sums live in ``out`` across blocks. */
+static inline __attribute__((always_inline)) void tile_rows(const int16_t *ws, const float *dw, const float *mw,
+                                                             int has_m, int nb, const ig_xblk *const *x, int R,
+                                                             float *out) {
+    for (int i = 0; i < R * TILE_COLS; i++) out[i] = 0.0f;
+    const ig_xblk *x0 = x[0], *x1 = x[R > 1 ? 1 : 0], *x2 = x[R > 1 ? 2 : 0], *x3 = x[R > 1 ? 3 : 0];
+    for (int b = 0; b < nb; b++) {
+        const int16_t *wb = ws + (int64_t)b * 16 * 2 * TILE_COLS;
+        const int16_t *q0 = x0[b].q, *q1 = x1[b].q, *q2 = x2[b].q, *q3 = x3[b].q;
+        __m256i a00 = _mm256_setzero_si256(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00, a30 = a00,
+                a31 = a00;
+#pragma GCC unroll 16
+        for (int p = 0; p < 16; p++) {
+            __m256i w0 = _mm256_load_si256((const __m256i *)(wb + p * 2 * TILE_COLS));
+            __m256i w1 = _mm256_load_si256((const __m256i *)(wb + p * 2 * TILE_COLS + 16));
+            __m256i xv = bcast_pair(q0 + 2 * p);
+            a00 = PAIRS_ACC(a00, w0, xv);
+            a01 = PAIRS_ACC(a01, w1, xv);
+            if (R > 1) {
+                xv = bcast_pair(q1 + 2 * p);
+                a10 = PAIRS_ACC(a10, w0, xv);
+                a11 = PAIRS_ACC(a11, w1, xv);
+                xv = bcast_pair(q2 + 2 * p);
+                a20 = PAIRS_ACC(a20, w0, xv);
+                a21 = PAIRS_ACC(a21, w1, xv);
+                xv = bcast_pair(q3 + 2 * p);
+                a30 = PAIRS_ACC(a30, w0, xv);
+                a31 = PAIRS_ACC(a31, w1, xv);
+            }
+            /* keep the sums in registers, one add after each multiply (left alone, the compiler
+             * reassociates the integer adds into trees over spilled products) */
+            __asm__("" : "+x"(a00), "+x"(a01), "+x"(a10), "+x"(a11), "+x"(a20), "+x"(a21), "+x"(a30), "+x"(a31));
+        }
+        __m256 d0 = _mm256_loadu_ps(dw + b * TILE_COLS), d1 = _mm256_loadu_ps(dw + b * TILE_COLS + 8);
+        __m256 m0 = _mm256_loadu_ps(mw + b * TILE_COLS), m1 = _mm256_loadu_ps(mw + b * TILE_COLS + 8);
+        __m256i acc[TILE_ROWS][2] = {{a00, a01}, {a10, a11}, {a20, a21}, {a30, a31}};
+        const ig_xblk *xb[TILE_ROWS] = {x0 + b, x1 + b, x2 + b, x3 + b};
+        for (int k = 0; k < R; k++) {
+            __m256 dx = _mm256_set1_ps(xb[k]->d), f0 = _mm256_loadu_ps(out + k * TILE_COLS),
+                   f1 = _mm256_loadu_ps(out + k * TILE_COLS + 8);
+            f0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[k][0]), _mm256_mul_ps(d0, dx), f0);
+            f1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[k][1]), _mm256_mul_ps(d1, dx), f1);
+            if (has_m) {
+                __m256 sx = _mm256_set1_ps(xb[k]->s);
+                f0 = _mm256_fmadd_ps(m0, sx, f0);
+                f1 = _mm256_fmadd_ps(m1, sx, f1);
+            }
+            _mm256_storeu_ps(out + k * TILE_COLS, f0);
+            _mm256_storeu_ps(out + k * TILE_COLS + 8, f1);
+        }
+    }
+}
+
+/* matmul_parts' result for many rows: items are strips of TILE_COLS output columns, each
+ * against every row. */
+static void tiled_parts(ig_step *st, const ig_mat *parts, int nparts, const ig_xblk *x, int nx, float *y, int ldy) {
+    int rows = 0;
+    for (int p = 0; p < nparts; p++) rows += parts[p].rows;
+    int nb = parts[0].cols / QK, nstrips = (rows + TILE_COLS - 1) / TILE_COLS;
+    int16_t *ws = aligned_alloc(32, (size_t)nb * 16 * 2 * TILE_COLS * sizeof(int16_t));
+    float *dw = malloc(sizeof(float) * 2 * nb * TILE_COLS), *mw = dw ? dw + nb * TILE_COLS : NULL;
+    int ok = ws && dw;
+    /* every thread claims items alike, so a thread whose allocation failed does its items the slow way */
+    FOR_ITEMS(st, nstrips, item) {
+        int j0 = item * TILE_COLS, ncols = rows - j0 < TILE_COLS ? rows - j0 : TILE_COLS;
+        float o[TILE_ROWS * TILE_COLS];
+        if (!ok) {
+            for (int c = 0; c < ncols; c++) {
+                int p = 0, jj = j0 + c;
+                while (p < nparts - 1 && jj >= parts[p].rows) jj -= parts[p++].rows;
+                for (int r = 0; r < nx; r++) {
+                    const ig_xblk *xs = x + (int64_t)r * nb;
+                    dot_rows(&parts[p], parts[p].data + (int64_t)jj * parts[p].row_bytes, &xs, 1, o);
+                    y[(int64_t)r * ldy + j0 + c] = o[0];
+                }
+            }
+            continue;
+        }
+        int has_m = unpack_strip(parts, nparts, j0, rows, nb, ws, dw, mw);
+        for (int r = 0, g; r < nx; r += g) {
+            const ig_xblk *xs[TILE_ROWS];
+            g = r + TILE_ROWS <= nx ? TILE_ROWS : 1;
+            for (int k = 0; k < g; k++) xs[k] = x + (int64_t)(r + k) * nb;
+            if (g == TILE_ROWS)
+                tile_rows(ws, dw, mw, has_m, nb, xs, TILE_ROWS, o);
+            else
+                tile_rows(ws, dw, mw, has_m, nb, xs, 1, o);
+            for (int k = 0; k < g; k++)
+                for (int c = 0; c < ncols; c++) y[(int64_t)(r + k) * ldy + j0 + c] = o[k * TILE_COLS + c];
+        }
+    }
+    free(ws), free(dw);
+}
+#endif
+
+/* The product over ``nx`` rows: tiled where the rows are at least ``tiled_rows`` (0: never) and
+ * the build has the tiled kernel, else the decode path (matmul_parts). */
+static void product(ig_step *st, const ig_mat *parts, int nparts, const ig_xblk *x, int nx, float *y, int ldy,
+                    int tiled_rows) {
+#ifdef IG_AVX2
+    if (tiled_rows > 0 && nx >= tiled_rows) {
+        tiled_parts(st, parts, nparts, x, nx, y, ldy);
+        return;
+    }
+#else
+    (void)tiled_rows;
+#endif
+    matmul_parts(st, parts, nparts, x, nx, y, ldy);
+}
+
+void ig_matmul_tiled(const ig_mat *parts, int nparts, const ig_xblk *x, int nx, float *y, int ldy, int threads) {
+    ig_step st = {0, 0};
+#pragma omp parallel num_threads(threads)
+    product(&st, parts, nparts, x, nx, y, ldy, 1);
+}
+
 void ig_matmul(const ig_mat *parts, int nparts, const ig_xblk *x, int nx, float *y, int ldy, int threads) {
     ig_step st = {0, 0};
 #pragma omp parallel num_threads(threads)
@@ -608,7 +798,7 @@ int ig_forward(const ig_model *m, const ig_batch *bt, float *out_h) {
                 quant_row(h + (int64_t)r * H, H, xq + (int64_t)r * (H / QK));
             }
             st++;
-            matmul_parts(st++, L->qkv, 3, xq, n, big, nqkv);
+            product(st++, L->qkv, 3, xq, n, big, nqkv, bt->tiled_rows);
             /* bias, rope on q and k heads, then this round's K/V into the cache */
             FOR_ITEMS(st, n, r) {
                 float *row = big + (int64_t)r * nqkv;
@@ -644,7 +834,7 @@ int ig_forward(const ig_model *m, const ig_batch *bt, float *out_h) {
             st++;
             FOR_ITEMS(st, n, r) quant_row(h + (int64_t)r * nq, nq, xq + (int64_t)r * (nq / QK));
             st++;
-            matmul_parts(st++, &L->o, 1, xq, n, big, H);
+            product(st++, &L->o, 1, xq, n, big, H, bt->tiled_rows);
             /* residual, then the MLP's norm: rows are whole again */
             FOR_ITEMS(st, n, r) {
                 float *xr = x + (int64_t)r * H;
@@ -653,14 +843,14 @@ int ig_forward(const ig_model *m, const ig_batch *bt, float *out_h) {
                 quant_row(h + (int64_t)r * H, H, xq + (int64_t)r * (H / QK));
             }
             st++;
-            matmul_parts(st++, L->gate_up, 2, xq, n, big, 2 * I);
+            product(st++, L->gate_up, 2, xq, n, big, 2 * I, bt->tiled_rows);
             FOR_ITEMS(st, n, r) { /* SwiGLU, in place over the gate half */
                 float *gu = big + (int64_t)r * 2 * I;
                 swiglu(gu, gu + I, I);
                 quant_row(gu, I, xq + (int64_t)r * (I / QK));
             }
             st++;
-            matmul_parts(st++, &L->down, 1, xq, n, big, H);
+            product(st++, &L->down, 1, xq, n, big, H, bt->tiled_rows);
             FOR_ITEMS(st, n, r) {
                 float *xr = x + (int64_t)r * H;
                 for (int i = 0; i < H; i++) xr[i] += big[(int64_t)r * H + i];
