@@ -201,6 +201,22 @@ def test_tiny_model_logits_match_numpy(cpu_backend_cls, arch, kw):
     assert rel_err(_prefill_logits(cpu, ids, [0, 1, 2]), _prefill_logits(ref, ids, [0, 1, 2])) < 3e-3  # float16 K/V
 
 
+@pytest.mark.parametrize("arch,kw", [("llama", {}), ("mistral", {"sliding_window": 24})])
+def test_tiled_prefill_matches_numpy_and_the_decode_kernels(cpu_backend_cls, arch, kw, monkeypatch):
+    """A 70-row chunk through the tiled products and attention (with a window shorter than the chunk),
+    against numpy and against the same chunk through the decode kernels (tiled_rows 0)."""
+    from engine.backends.cpu import backend as cpu_backend
+
+    cfg, stored, floats = _tiny(arch, **kw)
+    ids = list(np.random.default_rng().integers(3, cfg.vocab_size, 70))
+    tiled = _prefill_logits(_load(cpu_backend_cls(), cfg, stored), ids, [3, 1, 0, 4, 2])
+    ref = _prefill_logits(_load(NumpyBackend(), cfg, floats), ids, [3, 1, 0, 4, 2])
+    monkeypatch.setattr(cpu_backend, "TILED_ROWS", 0)
+    untiled = _prefill_logits(_load(cpu_backend_cls(), cfg, stored), ids, [3, 1, 0, 4, 2])
+    assert rel_err(tiled, ref) < 3e-3  # float16 K/V
+    assert rel_err(tiled, untiled) < 1e-3  # sums in another order, then int16 activations and float16 K/V rounded again
+
+
 def test_prompt_logprobs_match_numpy(cpu_backend_cls):
     cfg, stored, floats = _tiny()
     ids = list(np.random.default_rng().integers(3, cfg.vocab_size, 20))

@@ -555,7 +555,8 @@ static inline __attribute__((always_inline)) void tile_rows(const int16_t *ws, c
             }
             /* keep the sums in registers, one add after each multiply (left alone, the compiler
              * reassociates the integer adds into trees over spilled products) */
-            __asm__("" : "+x"(a00), "+x"(a01), "+x"(a10), "+x"(a11), "+x"(a20), "+x"(a21), "+x"(a30), "+x"(a31));
+            __asm__("" : "+x"(a00), "+x"(a01), "+x"(a10), "+x"(a11));
+            __asm__("" : "+x"(a20), "+x"(a21), "+x"(a30), "+x"(a31));
         }
         __m256 d0 = _mm256_loadu_ps(dw + b * TILE_COLS), d1 = _mm256_loadu_ps(dw + b * TILE_COLS + 8);
         __m256 m0 = _mm256_loadu_ps(mw + b * TILE_COLS), m1 = _mm256_loadu_ps(mw + b * TILE_COLS + 8);
@@ -756,7 +757,153 @@ static void attend_rows(const ig_model *m, const ig_batch *bt, int layer, int wi
     }
 }
 
+#ifdef IG_AVX2
+/* Keys (and values) per chunk of the prefill attention. */
+#define KCH 16
+
+/* attend_rows for a prefill chunk's rows (AVX2, head_dim a multiple of 8): each chunk of KCH keys
+ * is converted from half precision once, transposed (kt[e * KCH + t]), and met by 4 queries at a
+ * time in 8 accumulators (4 queries x 16 keys), one FMA per 8 (query, key) products instead of
+ * one dot product and a horizontal sum per pair; the chunk's values, converted once too, are
+ * weighted into every query's output (acc, [nq, hd]). The same scores and weights as
+ * attend_rows up to the order of the float sums. Scratch: qs, acc [ATT_ROWS * g * hd], kt and
+ * vf [KCH * hd], sc [ATT_ROWS * g * ldsc] with ldsc >= the context + KCH. */
+static void attend_tile(const ig_model *m, const ig_batch *bt, int layer, int window, const float *qkv, int nqkv,
+                        int r0, int r1, int kvh, float *qs, float *acc, float *kt, float *vf, float *sc, int ldsc,
+                        float *h) {
+    int hd = m->head_dim, nh = m->num_heads, g = nh / m->num_kv_heads, kvw = m->num_kv_heads * hd;
+    const uint16_t *kc = m->k_cache + (int64_t)layer * m->layer_stride + kvh * hd;
+    const uint16_t *vc = m->v_cache + (int64_t)layer * m->layer_stride + kvh * hd;
+    const int64_t *slots = bt->ctx_slots + bt->row_ctx_off[r0];
+    int nq = (r1 - r0) * g, first = 1 << 30, last = 0;
+    int lo[nq + 3], hi[nq + 3];
+    for (int qi = 0; qi < nq; qi++) {
+        int r = r0 + qi / g, head = kvh * g + qi % g;
+        const float *src = qkv + (int64_t)r * nqkv + head * hd;
+        for (int e = 0; e < hd; e++) qs[qi * hd + e] = src[e] * m->attn_scale;
+        int p0 = bt->row_ctx_p0[r], qpos = bt->positions[r];
+        hi[qi] = bt->row_ctx_n[r];
+        lo[qi] = window > 0 && qpos - p0 >= window ? qpos - p0 - window + 1 : 0;
+        first = lo[qi] < first ? lo[qi] : first;
+        last = hi[qi] > last ? hi[qi] : last;
+    }
+    for (int qi = nq; qi < nq + 3; qi++) lo[qi] = 1 << 30, hi[qi] = 0; /* the last group's missing queries */
+    for (int i0 = first; i0 < last; i0 += KCH) {
+        int nk = last - i0 < KCH ? last - i0 : KCH;
+        for (int t0 = 0; t0 < KCH; t0 += 8) { /* 8 keys x 8 dims at a time, transposed in registers */
+            const uint16_t *k[8];
+            for (int t = 0; t < 8; t++) k[t] = kc + slots[t0 + t < nk ? i0 + t0 + t : i0] * kvw;
+            __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+            __m256 keep = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(nk - t0), lane)); /* keys < nk */
+            for (int e = 0; e < hd; e += 8) {
+                __m256 r[8], t[8];
+                for (int j = 0; j < 8; j++) r[j] = LOADH(k[j] + e);
+                for (int j = 0; j < 8; j += 2) {
+                    t[j] = _mm256_unpacklo_ps(r[j], r[j + 1]);
+                    t[j + 1] = _mm256_unpackhi_ps(r[j], r[j + 1]);
+                }
+                for (int j = 0; j < 8; j += 4) {
+                    r[j] = _mm256_shuffle_ps(t[j], t[j + 2], 0x44);
+                    r[j + 1] = _mm256_shuffle_ps(t[j], t[j + 2], 0xee);
+                    r[j + 2] = _mm256_shuffle_ps(t[j + 1], t[j + 3], 0x44);
+                    r[j + 3] = _mm256_shuffle_ps(t[j + 1], t[j + 3], 0xee);
+                }
+                for (int j = 0; j < 4; j++) {
+                    __m256 a = _mm256_permute2f128_ps(r[j], r[j + 4], 0x20);
+                    __m256 b = _mm256_permute2f128_ps(r[j], r[j + 4], 0x31);
+                    _mm256_storeu_ps(kt + (e + j) * KCH + t0, _mm256_and_ps(a, keep));
+                    _mm256_storeu_ps(kt + (e + j + 4) * KCH + t0, _mm256_and_ps(b, keep));
+                }
+            }
+        }
+        for (int q0 = 0; q0 < nq; q0 += 4) {
+            int seen = 0;
+            for (int qi = q0; qi < q0 + 4; qi++) seen |= i0 < hi[qi] && i0 + KCH > lo[qi];
+            if (!seen) continue;
+            const float *a = qs + q0 * hd;
+            int nb4 = nq - q0 < 4 ? nq - q0 : 4;
+            const float *a1 = a + (nb4 > 1 ? hd : 0), *a2 = a + (nb4 > 2 ? 2 * hd : 0);
+            const float *a3 = a + (nb4 > 3 ? 3 * hd : 0);
+            __m256 s00 = _mm256_setzero_ps(), s01 = s00, s10 = s00, s11 = s00, s20 = s00, s21 = s00, s30 = s00,
+                   s31 = s00;
+            for (int e = 0; e < hd; e++) {
+                __m256 k0 = _mm256_loadu_ps(kt + e * KCH), k1 = _mm256_loadu_ps(kt + e * KCH + 8), b;
+                b = _mm256_broadcast_ss(a + e);
+                s00 = _mm256_fmadd_ps(b, k0, s00), s01 = _mm256_fmadd_ps(b, k1, s01);
+                b = _mm256_broadcast_ss(a1 + e);
+                s10 = _mm256_fmadd_ps(b, k0, s10), s11 = _mm256_fmadd_ps(b, k1, s11);
+                b = _mm256_broadcast_ss(a2 + e);
+                s20 = _mm256_fmadd_ps(b, k0, s20), s21 = _mm256_fmadd_ps(b, k1, s21);
+                b = _mm256_broadcast_ss(a3 + e);
+                s30 = _mm256_fmadd_ps(b, k0, s30), s31 = _mm256_fmadd_ps(b, k1, s31);
+            }
+            __m256 res[4][2] = {{s00, s01}, {s10, s11}, {s20, s21}, {s30, s31}};
+            for (int k = 0; k < nb4; k++) { /* entries outside a query's [lo, hi) are written, never read */
+                _mm256_storeu_ps(sc + (int64_t)(q0 + k) * ldsc + i0, res[k][0]);
+                _mm256_storeu_ps(sc + (int64_t)(q0 + k) * ldsc + i0 + 8, res[k][1]);
+            }
+        }
+    }
+    for (int qi = 0; qi < nq; qi++) {
+        float *s = sc + (int64_t)qi * ldsc, mx = -INFINITY;
+        int i = lo[qi];
+        __m256 vm = _mm256_set1_ps(-INFINITY);
+        for (; i + 8 <= hi[qi]; i += 8) vm = _mm256_max_ps(vm, _mm256_loadu_ps(s + i));
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(vm), _mm256_extractf128_ps(vm, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        mx = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+        for (; i < hi[qi]; i++) mx = s[i] > mx ? s[i] : mx;
+        float den = exp_shifted(s, lo[qi], hi[qi], mx);
+        for (int i = lo[qi]; i < hi[qi]; i++) s[i] /= den;
+        for (int e = 0; e < hd; e++) acc[qi * hd + e] = 0.0f;
+    }
+    for (int i0 = first; i0 < last; i0 += KCH) {
+        int nk = last - i0 < KCH ? last - i0 : KCH;
+        for (int t = 0; t < nk; t++) {
+            const uint16_t *v = vc + slots[i0 + t] * kvw;
+            for (int e = 0; e < hd; e += 8) _mm256_storeu_ps(vf + t * hd + e, LOADH(v + e));
+        }
+        for (int qi = 0; qi < nq; qi++) {
+            int t0 = lo[qi] > i0 ? lo[qi] - i0 : 0, t1 = hi[qi] - i0 < nk ? hi[qi] - i0 : nk;
+            const float *p = sc + (int64_t)qi * ldsc + i0;
+            float *o = acc + qi * hd;
+            for (int e = 0; e + 32 <= hd; e += 32) { /* 32 outputs in 4 registers across the chunk */
+                __m256 o0 = _mm256_loadu_ps(o + e), o1 = _mm256_loadu_ps(o + e + 8);
+                __m256 o2 = _mm256_loadu_ps(o + e + 16), o3 = _mm256_loadu_ps(o + e + 24);
+                for (int t = t0; t < t1; t++) {
+                    __m256 w = _mm256_broadcast_ss(p + t);
+                    const float *vv = vf + t * hd + e;
+                    o0 = _mm256_fmadd_ps(w, _mm256_loadu_ps(vv), o0);
+                    o1 = _mm256_fmadd_ps(w, _mm256_loadu_ps(vv + 8), o1);
+                    o2 = _mm256_fmadd_ps(w, _mm256_loadu_ps(vv + 16), o2);
+                    o3 = _mm256_fmadd_ps(w, _mm256_loadu_ps(vv + 24), o3);
+                }
+                _mm256_storeu_ps(o + e, o0), _mm256_storeu_ps(o + e + 8, o1);
+                _mm256_storeu_ps(o + e + 16, o2), _mm256_storeu_ps(o + e + 24, o3);
+            }
+            for (int e = hd / 32 * 32; e < hd; e += 8) {
+                __m256 o0 = _mm256_loadu_ps(o + e);
+                for (int t = t0; t < t1; t++)
+                    o0 = _mm256_fmadd_ps(_mm256_broadcast_ss(p + t), _mm256_loadu_ps(vf + t * hd + e), o0);
+                _mm256_storeu_ps(o + e, o0);
+            }
+        }
+    }
+    for (int qi = 0; qi < nq; qi++) {
+        int r = r0 + qi / g, head = kvh * g + qi % g;
+        memcpy(h + (int64_t)r * nh * hd + head * hd, acc + qi * hd, sizeof(float) * hd);
+    }
+}
+#endif
+
 #define STEPS_PER_LAYER 11
+#ifdef IG_AVX2
+#define KCH_PAD KCH
+#define TILED_ATT 1
+#else
+#define KCH_PAD 16
+#define TILED_ATT 0
+#endif
 
 int ig_forward(const ig_model *m, const ig_batch *bt, float *out_h) {
     int n = bt->n, H = m->hidden, nh = m->num_heads, nkvh = m->num_kv_heads, hd = m->head_dim;
@@ -769,7 +916,7 @@ int ig_forward(const ig_model *m, const ig_batch *bt, float *out_h) {
     float *x = malloc(sizeof(float) * n * H), *h = malloc(sizeof(float) * n * (H > nq ? H : nq));
     float *big = malloc(sizeof(float) * n * (2 * I > nqkv ? 2 * I : nqkv));
     ig_xblk *xq = malloc(sizeof(ig_xblk) * n * (maxk / QK));
-    int g = nh / nkvh, per_thread = ATT_ROWS * g * (maxctx + hd);
+    int g = nh / nkvh, ldsc = maxctx + KCH_PAD, per_thread = ATT_ROWS * g * (ldsc + 2 * hd) + 2 * KCH_PAD * hd;
     float *scores = malloc(sizeof(float) * (int64_t)per_thread * threads);
     ig_step *steps = calloc(nsteps, sizeof(ig_step));
     if (!x || !h || !big || !xq || !scores || !steps) {
@@ -782,7 +929,11 @@ int ig_forward(const ig_model *m, const ig_batch *bt, float *out_h) {
 #ifdef _OPENMP
         tid = omp_get_thread_num();
 #endif
-        float *qs = scores + (int64_t)tid * per_thread, *sc = qs + ATT_ROWS * g * hd;
+        float *qs = scores + (int64_t)tid * per_thread, *acc = qs + ATT_ROWS * g * hd, *kt = acc + ATT_ROWS * g * hd;
+        float *vf = kt + KCH_PAD * hd, *sc = vf + KCH_PAD * hd;
+        /* prefill chunks' attention through attend_tile (the decode rounds keep attend_rows and its bits) */
+        int tiled_att = TILED_ATT && bt->tiled_rows > 0 && n >= bt->tiled_rows && hd % 8 == 0;
+        (void)acc, (void)kt, (void)vf, (void)tiled_att;
         ig_step *st = steps;
         FOR_ITEMS(st, n, r) {
             dequant_row(&m->embed, bt->tokens[r], x + (int64_t)r * H);
@@ -827,7 +978,12 @@ int ig_forward(const ig_model *m, const ig_batch *bt, float *out_h) {
                 while (r0 < end) {
                     int r1 = r0 + 1;
                     while (r1 < end && bt->row_ctx_off[r1] == bt->row_ctx_off[r0]) r1++;
-                    attend_rows(m, bt, l, L->window, big, nqkv, r0, r1, kvh, qs, sc, maxctx, h);
+#ifdef IG_AVX2
+                    if (tiled_att)
+                        attend_tile(m, bt, l, L->window, big, nqkv, r0, r1, kvh, qs, acc, kt, vf, sc, ldsc, h);
+                    else
+#endif
+                        attend_rows(m, bt, l, L->window, big, nqkv, r0, r1, kvh, qs, sc, ldsc, h);
                     r0 = r1;
                 }
             }
