@@ -721,6 +721,8 @@ static void weighted_values(const uint16_t *vc, int64_t kvw, const int64_t *slot
 /* Rows per attention item: the query heads of one kv head for up to ATT_ROWS rows of one
  * sequence read each key and value once (from L1) for all of them. */
 #define ATT_ROWS 8
+/* Keys ahead of the one being scored whose K and V lines are prefetched. */
+#define KV_AHEAD 8
 
 /* Attention of rows [r0, r1) (one sequence: they share one context list) for the query
  * heads of kv head ``kvh``; q is read from the fused qkv rows, the result goes to ``h``.
@@ -745,6 +747,14 @@ static void attend_rows(const ig_model *m, const ig_batch *bt, int layer, int wi
     }
     for (int i = first; i < last; i++) { /* each key once, against every query that sees it */
         const uint16_t *k = kc + slots[i] * kvw;
+#ifdef IG_AVX2
+        if (i + KV_AHEAD < last) { /* the caches of 8 lanes pass L2: ask for the keys (and values) ahead */
+            for (int o = 0; o < 2 * hd; o += 64) {
+                _mm_prefetch((const char *)(kc + slots[i + KV_AHEAD] * kvw) + o, _MM_HINT_T0);
+                _mm_prefetch((const char *)(vc + slots[i + KV_AHEAD] * kvw) + o, _MM_HINT_T0);
+            }
+        }
+#endif
         for (int qi = 0; qi < nq; qi++)
             if (i >= lo[qi] && i < hi[qi]) sc[(int64_t)qi * maxctx + i] = dot_kv(qs + qi * hd, k, hd);
     }
