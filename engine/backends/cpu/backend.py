@@ -60,10 +60,18 @@ class CpuBackend(Backend):
     def __init__(self, *, threads: int = 0, isa: str | None = None, cache_dir: str | None = None) -> None:
         """Compile (or find in the cache) the kernels now, so a factory can fall back before a load."""
         super().__init__()
-        from .build import best_isa, load_kernels
+        from . import build
 
-        self.isa = isa or best_isa()
-        self.kernels = load_kernels(self.isa, cache_dir or None)
+        # Unnamed: the best build this processor runs that this compiler builds (an older
+        # compiler without -mavxvnni still gets avx2); the last failure is raised when none does.
+        for i, name in enumerate([isa] if isa else build.runnable_isas()):
+            try:
+                self.kernels = build.load_kernels(name, cache_dir or None)
+                break
+            except Exception:
+                if isa or i == len(build.runnable_isas()) - 1:
+                    raise
+        self.isa = name
         self.threads = threads if threads > 0 else cpu_count()
 
     def load(self, config, weights, *, block_size, kv_budget_bytes, host_kv_budget_bytes, max_context) -> MemoryPlan:
