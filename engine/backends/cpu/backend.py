@@ -32,8 +32,8 @@ from engine.memory import MemoryPlan, kv_block_bytes, workspace_bytes
 
 from .model import CpuModel
 
-# Prefill chunks of at least this many rows run their products through the tiled kernel
-# (kernels.c, "prefill"); decode rounds never do, so a lane's bits do not depend on the round.
+# Prefill chunks of at least this many rows run their products and attention through the tiled
+# kernels (kernels.c, "prefill"); decode rounds never do, so a lane's bits do not depend on the round.
 TILED_ROWS = 16
 _LANES_FOR_DEFAULT_BUDGET = 8  # as numpy: without a KV budget the pool holds 8 max-context sequences
 
@@ -64,12 +64,13 @@ class CpuBackend(Backend):
 
         # Unnamed: the best build this processor runs that this compiler builds (an older
         # compiler without -mavxvnni still gets avx2); the last failure is raised when none does.
-        for i, name in enumerate([isa] if isa else build.runnable_isas()):
+        names = [isa] if isa else build.runnable_isas()
+        for name in names:
             try:
                 self.kernels = build.load_kernels(name, cache_dir or None)
                 break
             except Exception:
-                if isa or i == len(build.runnable_isas()) - 1:
+                if name == names[-1]:
                     raise
         self.isa = name
         self.threads = threads if threads > 0 else cpu_count()

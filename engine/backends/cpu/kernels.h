@@ -57,7 +57,7 @@ typedef struct {
     const int32_t *row_ctx_off;
     const int32_t *row_ctx_n;
     const int32_t *row_ctx_p0;
-    int tiled_rows; /* products over at least this many rows use the tiled kernel (prefill); 0: never */
+    int tiled_rows; /* from this many rows on, products and attention use the tiled kernels (prefill); 0: never */
 } ig_batch;
 
 void ig_dequant(const ig_mat *w, int row0, int nrows, float *out);

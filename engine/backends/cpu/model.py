@@ -166,8 +166,8 @@ class CpuModel:
                 row_off: np.ndarray, row_n: np.ndarray, row_p0: np.ndarray, tiled_rows: int = 0) -> np.ndarray:  # fmt: skip
         """Run every layer over the rows (see ``ig_batch`` in kernels.h); return final-normed hidden [n, H].
 
-        ``tiled_rows``: from this many rows on the products use the tiled kernel (prefill chunks;
-        0, decode rounds: never, so a decode row's bits never depend on how many rows are beside it)."""
+        ``tiled_rows``: from this many rows on, the products and the attention use the tiled kernels
+        (prefill chunks; 0, decode rounds: never, so a decode row's bits never depend on its round)."""
         ffi, n = self.ffi, len(tokens)
         cos, sin = ops.rope_cos_sin(positions, self.inv_freq, self.rope_factor)
         arrays = {
