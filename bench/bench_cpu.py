@@ -4,7 +4,9 @@ One run prints one table (machine, load, command and date with it):
 
 * decode rounds at 1, 2, 4 and 8 lanes over 256-token contexts (ms a round,
   tok/s per lane and in all), ``decode_round`` driven directly, widths and
-  backends interleaved so the shared machine's noise hits all alike;
+  backends interleaved so the shared machine's noise hits all alike, two
+  rounds a turn and the second timed (so a round follows its own backend's,
+  as in a server and as llama.cpp's consecutive evals);
 * cold prompts of 64 and 1,000 tokens (one prefill span each, fresh pages);
 * where a cpu round goes at each width: the forward, the lm_head and the sampler apart;
 * llama.cpp (llama-cpp-python, when ``--llamacpp-python`` names an interpreter
@@ -105,11 +107,16 @@ def bench(backends: dict, reps: int, rng: random.Random) -> dict:
     for r in range(reps + 1):
         for n in WIDTHS:
             for name, b in backends.items():
-                lanes = [DecodeLane(i, rng.randrange(100, vocab), CONTEXT + r, tables[i], sample) for i in range(n)]
-                t0 = time.perf_counter()
-                b.decode_round(lanes, StepOutput())
-                if r:
-                    times[name, n].append(time.perf_counter() - t0)
+                # two rounds a turn, the second timed: a round right after another backend's finds the
+                # caches holding that one's weights, while a server's rounds (and llama.cpp's evals
+                # below) follow their own
+                for timed in (False, True):
+                    lanes = [DecodeLane(i, rng.randrange(100, vocab), CONTEXT + r, tables[i], sample)
+                             for i in range(n)]  # fmt: skip
+                    t0 = time.perf_counter()
+                    b.decode_round(lanes, StepOutput())
+                    if r and timed:
+                        times[name, n].append(time.perf_counter() - t0)
     base = max(WIDTHS) * per
     for r in range(max(2, reps // 3) + 1):
         for n in PROMPTS:

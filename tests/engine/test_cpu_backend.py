@@ -29,7 +29,7 @@ from gguf.quants import dequantize, quantize  # noqa: E402
 DEFAULT_GGUF = Path(__file__).resolve().parents[2] / "models/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf"
 TYPES = (T.Q8_0, T.Q4_0, T.Q4_1)
 BLOCK = 16
-ISAS = ["avx2", "portable"]  # every build; those this processor lacks skip
+ISAS = ["avx2vnni", "avx2", "portable"]  # every build; those this processor lacks skip
 TIE = 0.02  # a near-tie: numpy's top-2 logit gap below this (the cpu logits sit ~0.004 off at most)
 
 
@@ -105,6 +105,49 @@ def test_fused_product_matches_numpy(kernels, rows, threads):
     assert rel_err(y, x @ np.concatenate([w1, w2]).T) < 1e-4  # int16 activations: close to float32
 
 
+def _three_parts(k, rng, cols=160):
+    """Q4_1, Q8_0 and Q4_0 parts of 24, 13 and 11 rows: strips of 16 outputs straddle the parts, the last is short."""
+    mats = [_mat(k, t, rng.standard_normal((r, cols)).astype(np.float32)) for t, r in
+            ((T.Q4_1, 24), (T.Q8_0, 13), (T.Q4_0, 11))]  # fmt: skip
+    return k.ffi.new("ig_mat[3]", [m[0] for m, _, _ in mats]), mats, np.concatenate([w for _, _, w in mats])
+
+
+def _product(k, fn, parts, xq, rows, width, threads):
+    y = np.full((rows, width), np.nan, np.float32)
+    fn(parts, 3, xq, rows, k.ffi.cast("float *", k.ffi.from_buffer(y)), width, threads)
+    return y
+
+
+@pytest.mark.parametrize("rows", [1, 5, 16, 70])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_tiled_product_matches_numpy(kernels, rows, threads):
+    """The prefill kernel: three types fused, strips across part boundaries, rows not a multiple of 4."""
+    rng = np.random.default_rng()
+    x = rng.standard_normal((rows, 160)).astype(np.float32)
+    parts, _keep, w = _three_parts(kernels, rng)
+    xq, buf = _quantized_x(kernels, x)
+    y = _product(kernels, kernels.lib.ig_matmul_tiled, parts, xq, rows, 48, threads)
+    xd = (buf["d"][:, None] * buf["q"]).reshape(rows, 160)
+    ref = xd.astype(np.float64) @ w.T.astype(np.float64)
+    assert np.abs(y - ref).max() <= 1e-5 * np.abs(ref).max()
+    assert rel_err(y, x @ w.T) < 1e-4
+    # against the decode path: the same integer sums, scaled and added in another order
+    dec = _product(kernels, kernels.lib.ig_matmul, parts, xq, rows, 48, threads)
+    assert np.abs(y - dec).max() <= 1e-5 * np.abs(dec).max()
+
+
+def test_tiled_rows_do_not_depend_on_their_neighbours(kernels):
+    """Rows in 4-row tiles and the tail's single rows give the same bits as each row alone."""
+    rng = np.random.default_rng()
+    x = rng.standard_normal((23, 160)).astype(np.float32)
+    parts, _keep, _ = _three_parts(kernels, rng)
+    xq, _ = _quantized_x(kernels, x)
+    together = _product(kernels, kernels.lib.ig_matmul_tiled, parts, xq, 23, 48, 2)
+    for r in (0, 5, 22):
+        alone, _ = _quantized_x(kernels, x[r : r + 1])
+        assert np.array_equal(_product(kernels, kernels.lib.ig_matmul_tiled, parts, alone, 1, 48, 1)[0], together[r])
+
+
 # --- tiny models: the same Q8_0 weights on both backends ---------------------------------
 
 
@@ -156,6 +199,22 @@ def test_tiny_model_logits_match_numpy(cpu_backend_cls, arch, kw):
     cpu, ref = _load(cpu_backend_cls(), cfg, stored), _load(NumpyBackend(), cfg, floats)
     ids = list(np.random.default_rng().integers(3, cfg.vocab_size, 40))
     assert rel_err(_prefill_logits(cpu, ids, [0, 1, 2]), _prefill_logits(ref, ids, [0, 1, 2])) < 3e-3  # float16 K/V
+
+
+@pytest.mark.parametrize("arch,kw", [("llama", {}), ("mistral", {"sliding_window": 24})])
+def test_tiled_prefill_matches_numpy_and_the_decode_kernels(cpu_backend_cls, arch, kw, monkeypatch):
+    """A 70-row chunk through the tiled products and attention (with a window shorter than the chunk),
+    against numpy and against the same chunk through the decode kernels (tiled_rows 0)."""
+    from engine.backends.cpu import backend as cpu_backend
+
+    cfg, stored, floats = _tiny(arch, **kw)
+    ids = list(np.random.default_rng().integers(3, cfg.vocab_size, 70))
+    tiled = _prefill_logits(_load(cpu_backend_cls(), cfg, stored), ids, [3, 1, 0, 4, 2])
+    ref = _prefill_logits(_load(NumpyBackend(), cfg, floats), ids, [3, 1, 0, 4, 2])
+    monkeypatch.setattr(cpu_backend, "TILED_ROWS", 0)
+    untiled = _prefill_logits(_load(cpu_backend_cls(), cfg, stored), ids, [3, 1, 0, 4, 2])
+    assert rel_err(tiled, ref) < 3e-3  # float16 K/V
+    assert rel_err(tiled, untiled) < 1e-3  # sums in another order, then int16 activations and float16 K/V rounded again
 
 
 def test_prompt_logprobs_match_numpy(cpu_backend_cls):

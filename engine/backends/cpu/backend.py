@@ -32,6 +32,9 @@ from engine.memory import MemoryPlan, kv_block_bytes, workspace_bytes
 
 from .model import CpuModel
 
+# Prefill chunks of at least this many rows run their products and attention through the tiled
+# kernels (kernels.c, "prefill"); decode rounds never do, so a lane's bits do not depend on the round.
+TILED_ROWS = 16
 _LANES_FOR_DEFAULT_BUDGET = 8  # as numpy: without a KV budget the pool holds 8 max-context sequences
 
 
@@ -57,10 +60,19 @@ class CpuBackend(Backend):
     def __init__(self, *, threads: int = 0, isa: str | None = None, cache_dir: str | None = None) -> None:
         """Compile (or find in the cache) the kernels now, so a factory can fall back before a load."""
         super().__init__()
-        from .build import best_isa, load_kernels
+        from . import build
 
-        self.isa = isa or best_isa()
-        self.kernels = load_kernels(self.isa, cache_dir or None)
+        # Unnamed: the best build this processor runs that this compiler builds (an older
+        # compiler without -mavxvnni still gets avx2); the last failure is raised when none does.
+        names = [isa] if isa else build.runnable_isas()
+        for name in names:
+            try:
+                self.kernels = build.load_kernels(name, cache_dir or None)
+                break
+            except Exception:
+                if name == names[-1]:
+                    raise
+        self.isa = name
         self.threads = threads if threads > 0 else cpu_count()
 
     def load(self, config, weights, *, block_size, kv_budget_bytes, host_kv_budget_bytes, max_context) -> MemoryPlan:
@@ -119,7 +131,7 @@ class CpuBackend(Backend):
         ctx_slots = self._slots(span.block_table, np.arange(p0, end, dtype=np.int64))
         write = ctx_slots[span.start_pos - p0 :]
         h = self.model.forward(span.token_ids, positions, write, ctx_slots, np.zeros(t, np.int32),
-                               positions - p0 + 1, np.full(t, p0, np.int32))  # fmt: skip
+                               positions - p0 + 1, np.full(t, p0, np.int32), tiled_rows=TILED_ROWS)  # fmt: skip
         if span.want_prompt_logprobs is not None:
             out.prompt_logprobs = self._prompt_logprobs(h, span)
         if span.sample is None and not span.want_logits:

@@ -395,6 +395,9 @@ static void step_wait(ig_step *st, int n) {
  * 1,000-row prefill, 64-row tiles (in L2) cost 3.6 cycles per block pair against ~2.4. */
 #define XTILE_BYTES 16384
 #define JCHUNK 8
+/* Weight rows ahead of the one being dotted that are prefetched: one row (~360 B) is ~30 ns of
+ * work at one lane, less than a miss to memory; 4 measured best of 1, 4, 8, 16. */
+#define ROWS_AHEAD 4
 
 /* y[r * ldy + off + j] = W[j] . x[r] for the parts of a fused product (outputs concatenated). */
 static void matmul_parts(ig_step *st, const ig_mat *parts, int nparts, const ig_xblk *x, int nx, float *y, int ldy) {
@@ -422,8 +425,10 @@ static void matmul_parts(ig_step *st, const ig_mat *parts, int nparts, const ig_
             const ig_mat *w = &parts[p];
             const uint8_t *row = w->data + (int64_t)jj * w->row_bytes;
 #ifdef IG_AVX2
-            if (jj + 1 < w->rows) /* the next row from memory while this one is dotted (matrices past L2) */
-                for (int64_t o = 0; o < w->row_bytes; o += 64) _mm_prefetch((const char *)row + w->row_bytes + o, _MM_HINT_T0);
+            if (jj + ROWS_AHEAD < w->rows) { /* a row ROWS_AHEAD on from memory while this one is dotted */
+                const char *ahead = (const char *)row + ROWS_AHEAD * w->row_bytes;
+                for (int64_t o = 0; o < w->row_bytes; o += 64) _mm_prefetch(ahead + o, _MM_HINT_T0);
+            }
 #endif
             for (int r = r0, g; r < r1; r += g) {
                 g = group_at(r, r1);
@@ -448,6 +453,197 @@ static void matmul_parts(ig_step *st, const ig_mat *parts, int nparts, const ig_
         }
     }
     free(dtab);
+}
+
+/* ---- prefill: a register-blocked product over many rows ---------------------------------
+ *
+ * A span of many rows (a prefill chunk) meets each weight row often enough to unpack it
+ * once. An item is a strip of TILE_COLS weight rows (output columns) against every row
+ * of the span: the strip's blocks are unpacked into int16 laid out by k-pair (for block b
+ * and pair p, the TILE_COLS columns' weights 2p and 2p+1 side by side), so one broadcast
+ * of a row's activation pair meets 8 columns in one vpmaddwd (vpdpwssd with AVX-VNNI,
+ * which also does the accumulate). Per block, TILE_ROWS rows x TILE_COLS columns of int32
+ * sums are exact; then scaled into float: sum += float(isum) * (d * x.d), and for Q4_1
+ * sum += m * x.s (Q4_0's -8 is applied while unpacking). Decode rows keep dot_group's
+ * path and its bits; a row's result here does not depend on the rows beside it either. */
+#define TILE_COLS 16
+#define TILE_ROWS 4
+
+#ifdef IG_AVX2
+#if defined(__AVXVNNI__)
+#define PAIRS_ACC(acc, w, x) _mm256_dpwssd_avx_epi32((acc), (w), (x))
+#else
+#define PAIRS_ACC(acc, w, x) _mm256_add_epi32((acc), _mm256_madd_epi16((w), (x)))
+#endif
+
+/* Unpack output columns [j0, j0 + TILE_COLS) of the fused parts: ws[(b * 16 + p) * 2 * TILE_COLS
+ * + 2 * c + t] = weight 32 b + 2 p + t of column c (int16; Q4_0 minus 8), dw / mw[b * TILE_COLS + c]
+ * its block's scale and Q4_1 offset (0 otherwise). Columns past the last are zeros. Returns
+ * whether any column has an offset. */
+static int unpack_strip(const ig_mat *parts, int nparts, int j0, int rows, int nb, int16_t *ws, float *dw, float *mw) {
+    int has_m = 0;
+    for (int c = 0; c < TILE_COLS; c++) {
+        int j = j0 + c;
+        if (j >= rows) {
+            for (int b = 0; b < nb; b++) {
+                for (int i = 0; i < QK; i++) ws[(b * 16 + i / 2) * 2 * TILE_COLS + 2 * c + (i & 1)] = 0;
+                dw[b * TILE_COLS + c] = mw[b * TILE_COLS + c] = 0.0f;
+            }
+            continue;
+        }
+        int p = 0, jj = j;
+        while (p < nparts - 1 && jj >= parts[p].rows) jj -= parts[p++].rows;
+        const ig_mat *w = &parts[p];
+        int type = w->type, bb = block_bytes(type), qoff = type == IG_Q4_1 ? 4 : 2;
+        const uint8_t *blk = w->data + (int64_t)jj * w->row_bytes;
+        has_m |= type == IG_Q4_1;
+        for (int b = 0; b < nb; b++, blk += bb) {
+            const uint8_t *q = blk + qoff;
+            int16_t v[QK];
+            if (type == IG_Q8_0) {
+                for (int i = 0; i < QK; i++) v[i] = (int8_t)q[i];
+            } else {
+                int off = type == IG_Q4_0 ? 8 : 0;
+                for (int i = 0; i < 16; i++) {
+                    v[i] = (int16_t)((q[i] & 15) - off);
+                    v[i + 16] = (int16_t)((q[i] >> 4) - off);
+                }
+            }
+            int16_t *dst = ws + (int64_t)b * 16 * 2 * TILE_COLS + 2 * c;
+            for (int i = 0; i < QK; i += 2) {
+                dst[(i / 2) * 2 * TILE_COLS] = v[i];
+                dst[(i / 2) * 2 * TILE_COLS + 1] = v[i + 1];
+            }
+            dw[b * TILE_COLS + c] = h2f(rd16(blk));
+            mw[b * TILE_COLS + c] = type == IG_Q4_1 ? h2f(rd16(blk + 2)) : 0.0f;
+        }
+    }
+    return has_m;
+}
+
+static inline __m256i bcast_pair(const int16_t *q) {
+    int32_t pair;
+    memcpy(&pair, q, 4);
+    return _mm256_set1_epi32(pair);
+}
+
+/* out[k * TILE_COLS + c] = column c of the strip . x[k] for k < R (R: 1 or TILE_ROWS, constant after
+ * inlining). The R x 16 int32 sums of a block stay in registers (8 of the 16 at R = 4); the float
+ * sums live in ``out`` across blocks. */
+static inline __attribute__((always_inline)) void tile_rows(const int16_t *ws, const float *dw, const float *mw,
+                                                             int has_m, int nb, const ig_xblk *const *x, int R,
+                                                             float *out) {
+    for (int i = 0; i < R * TILE_COLS; i++) out[i] = 0.0f;
+    const ig_xblk *x0 = x[0], *x1 = x[R > 1 ? 1 : 0], *x2 = x[R > 1 ? 2 : 0], *x3 = x[R > 1 ? 3 : 0];
+    for (int b = 0; b < nb; b++) {
+        const int16_t *wb = ws + (int64_t)b * 16 * 2 * TILE_COLS;
+        const int16_t *q0 = x0[b].q, *q1 = x1[b].q, *q2 = x2[b].q, *q3 = x3[b].q;
+        __m256i a00 = _mm256_setzero_si256(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00, a30 = a00,
+                a31 = a00;
+#pragma GCC unroll 16
+        for (int p = 0; p < 16; p++) {
+            __m256i w0 = _mm256_load_si256((const __m256i *)(wb + p * 2 * TILE_COLS));
+            __m256i w1 = _mm256_load_si256((const __m256i *)(wb + p * 2 * TILE_COLS + 16));
+            __m256i xv = bcast_pair(q0 + 2 * p);
+            a00 = PAIRS_ACC(a00, w0, xv);
+            a01 = PAIRS_ACC(a01, w1, xv);
+            if (R > 1) {
+                xv = bcast_pair(q1 + 2 * p);
+                a10 = PAIRS_ACC(a10, w0, xv);
+                a11 = PAIRS_ACC(a11, w1, xv);
+                xv = bcast_pair(q2 + 2 * p);
+                a20 = PAIRS_ACC(a20, w0, xv);
+                a21 = PAIRS_ACC(a21, w1, xv);
+                xv = bcast_pair(q3 + 2 * p);
+                a30 = PAIRS_ACC(a30, w0, xv);
+                a31 = PAIRS_ACC(a31, w1, xv);
+            }
+            /* keep the sums in registers, one add after each multiply (left alone, the compiler
+             * reassociates the integer adds into trees over spilled products) */
+            __asm__("" : "+x"(a00), "+x"(a01), "+x"(a10), "+x"(a11));
+            __asm__("" : "+x"(a20), "+x"(a21), "+x"(a30), "+x"(a31));
+        }
+        __m256 d0 = _mm256_loadu_ps(dw + b * TILE_COLS), d1 = _mm256_loadu_ps(dw + b * TILE_COLS + 8);
+        __m256 m0 = _mm256_loadu_ps(mw + b * TILE_COLS), m1 = _mm256_loadu_ps(mw + b * TILE_COLS + 8);
+        __m256i acc[TILE_ROWS][2] = {{a00, a01}, {a10, a11}, {a20, a21}, {a30, a31}};
+        const ig_xblk *xb[TILE_ROWS] = {x0 + b, x1 + b, x2 + b, x3 + b};
+        for (int k = 0; k < R; k++) {
+            __m256 dx = _mm256_set1_ps(xb[k]->d), f0 = _mm256_loadu_ps(out + k * TILE_COLS),
+                   f1 = _mm256_loadu_ps(out + k * TILE_COLS + 8);
+            f0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[k][0]), _mm256_mul_ps(d0, dx), f0);
+            f1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[k][1]), _mm256_mul_ps(d1, dx), f1);
+            if (has_m) {
+                __m256 sx = _mm256_set1_ps(xb[k]->s);
+                f0 = _mm256_fmadd_ps(m0, sx, f0);
+                f1 = _mm256_fmadd_ps(m1, sx, f1);
+            }
+            _mm256_storeu_ps(out + k * TILE_COLS, f0);
+            _mm256_storeu_ps(out + k * TILE_COLS + 8, f1);
+        }
+    }
+}
+
+/* matmul_parts' result for many rows: items are strips of TILE_COLS output columns, each
+ * against every row. */
+static void tiled_parts(ig_step *st, const ig_mat *parts, int nparts, const ig_xblk *x, int nx, float *y, int ldy) {
+    int rows = 0;
+    for (int p = 0; p < nparts; p++) rows += parts[p].rows;
+    int nb = parts[0].cols / QK, nstrips = (rows + TILE_COLS - 1) / TILE_COLS;
+    int16_t *ws = aligned_alloc(32, (size_t)nb * 16 * 2 * TILE_COLS * sizeof(int16_t));
+    float *dw = malloc(sizeof(float) * 2 * nb * TILE_COLS), *mw = dw ? dw + nb * TILE_COLS : NULL;
+    int ok = ws && dw;
+    /* every thread claims items alike, so a thread whose allocation failed does its items the slow way */
+    FOR_ITEMS(st, nstrips, item) {
+        int j0 = item * TILE_COLS, ncols = rows - j0 < TILE_COLS ? rows - j0 : TILE_COLS;
+        float o[TILE_ROWS * TILE_COLS];
+        if (!ok) {
+            for (int c = 0; c < ncols; c++) {
+                int p = 0, jj = j0 + c;
+                while (p < nparts - 1 && jj >= parts[p].rows) jj -= parts[p++].rows;
+                for (int r = 0; r < nx; r++) {
+                    const ig_xblk *xs = x + (int64_t)r * nb;
+                    dot_rows(&parts[p], parts[p].data + (int64_t)jj * parts[p].row_bytes, &xs, 1, o);
+                    y[(int64_t)r * ldy + j0 + c] = o[0];
+                }
+            }
+            continue;
+        }
+        int has_m = unpack_strip(parts, nparts, j0, rows, nb, ws, dw, mw);
+        for (int r = 0, g; r < nx; r += g) {
+            const ig_xblk *xs[TILE_ROWS];
+            g = r + TILE_ROWS <= nx ? TILE_ROWS : 1;
+            for (int k = 0; k < g; k++) xs[k] = x + (int64_t)(r + k) * nb;
+            if (g == TILE_ROWS)
+                tile_rows(ws, dw, mw, has_m, nb, xs, TILE_ROWS, o);
+            else
+                tile_rows(ws, dw, mw, has_m, nb, xs, 1, o);
+            for (int k = 0; k < g; k++)
+                for (int c = 0; c < ncols; c++) y[(int64_t)(r + k) * ldy + j0 + c] = o[k * TILE_COLS + c];
+        }
+    }
+    free(ws), free(dw);
+}
+#endif
+
+/* The product over ``nx`` rows: tiled where the rows are at least ``tiled_rows`` (0: never) and
+ * the build has the tiled kernel, else the decode path (matmul_parts). */
+static void product(ig_step *st, const ig_mat *parts, int nparts, const ig_xblk *x, int nx, float *y, int ldy,
+                    int tiled_rows) {
+#ifdef IG_AVX2
+    if (tiled_rows > 0 && nx >= tiled_rows) {
+        tiled_parts(st, parts, nparts, x, nx, y, ldy);
+        return;
+    }
+#else
+    (void)tiled_rows;
+#endif
+    matmul_parts(st, parts, nparts, x, nx, y, ldy);
+}
+
+void ig_matmul_tiled(const ig_mat *parts, int nparts, const ig_xblk *x, int nx, float *y, int ldy, int threads) {
+    ig_step st = {0, 0};
+#pragma omp parallel num_threads(threads)
+    product(&st, parts, nparts, x, nx, y, ldy, 1);
 }
 
 void ig_matmul(const ig_mat *parts, int nparts, const ig_xblk *x, int nx, float *y, int ldy, int threads) {
@@ -530,6 +726,8 @@ static void weighted_values(const uint16_t *vc, int64_t kvw, const int64_t *slot
 /* Rows per attention item: the query heads of one kv head for up to ATT_ROWS rows of one
  * sequence read each key and value once (from L1) for all of them. */
 #define ATT_ROWS 8
+/* Keys ahead of the one being scored whose K and V lines are prefetched. */
+#define KV_AHEAD 8
 
 /* Attention of rows [r0, r1) (one sequence: they share one context list) for the query
  * heads of kv head ``kvh``; q is read from the fused qkv rows, the result goes to ``h``.
@@ -554,6 +752,14 @@ static void attend_rows(const ig_model *m, const ig_batch *bt, int layer, int wi
     }
     for (int i = first; i < last; i++) { /* each key once, against every query that sees it */
         const uint16_t *k = kc + slots[i] * kvw;
+#ifdef IG_AVX2
+        if (i + KV_AHEAD < last) { /* the caches of 8 lanes pass L2: ask for the keys (and values) ahead */
+            for (int o = 0; o < 2 * hd; o += 64) {
+                _mm_prefetch((const char *)(kc + slots[i + KV_AHEAD] * kvw) + o, _MM_HINT_T0);
+                _mm_prefetch((const char *)(vc + slots[i + KV_AHEAD] * kvw) + o, _MM_HINT_T0);
+            }
+        }
+#endif
         for (int qi = 0; qi < nq; qi++)
             if (i >= lo[qi] && i < hi[qi]) sc[(int64_t)qi * maxctx + i] = dot_kv(qs + qi * hd, k, hd);
     }
@@ -566,7 +772,153 @@ static void attend_rows(const ig_model *m, const ig_batch *bt, int layer, int wi
     }
 }
 
+#ifdef IG_AVX2
+/* Keys (and values) per chunk of the prefill attention. */
+#define KCH 16
+
+/* attend_rows for a prefill chunk's rows (AVX2, head_dim a multiple of 8): each chunk of KCH keys
+ * is converted from half precision once, transposed (kt[e * KCH + t]), and met by 4 queries at a
+ * time in 8 accumulators (4 queries x 16 keys), one FMA per 8 (query, key) products instead of
+ * one dot product and a horizontal sum per pair; the chunk's values, converted once too, are
+ * weighted into every query's output (acc, [nq, hd]). The same scores and weights as
+ * attend_rows up to the order of the float sums. Scratch: qs, acc [ATT_ROWS * g * hd], kt and
+ * vf [KCH * hd], sc [ATT_ROWS * g * ldsc] with ldsc >= the context + KCH. */
+static void attend_tile(const ig_model *m, const ig_batch *bt, int layer, int window, const float *qkv, int nqkv,
+                        int r0, int r1, int kvh, float *qs, float *acc, float *kt, float *vf, float *sc, int ldsc,
+                        float *h) {
+    int hd = m->head_dim, nh = m->num_heads, g = nh / m->num_kv_heads, kvw = m->num_kv_heads * hd;
+    const uint16_t *kc = m->k_cache + (int64_t)layer * m->layer_stride + kvh * hd;
+    const uint16_t *vc = m->v_cache + (int64_t)layer * m->layer_stride + kvh * hd;
+    const int64_t *slots = bt->ctx_slots + bt->row_ctx_off[r0];
+    int nq = (r1 - r0) * g, first = 1 << 30, last = 0;
+    int lo[nq + 3], hi[nq + 3];
+    for (int qi = 0; qi < nq; qi++) {
+        int r = r0 + qi / g, head = kvh * g + qi % g;
+        const float *src = qkv + (int64_t)r * nqkv + head * hd;
+        for (int e = 0; e < hd; e++) qs[qi * hd + e] = src[e] * m->attn_scale;
+        int p0 = bt->row_ctx_p0[r], qpos = bt->positions[r];
+        hi[qi] = bt->row_ctx_n[r];
+        lo[qi] = window > 0 && qpos - p0 >= window ? qpos - p0 - window + 1 : 0;
+        first = lo[qi] < first ? lo[qi] : first;
+        last = hi[qi] > last ? hi[qi] : last;
+    }
+    for (int qi = nq; qi < nq + 3; qi++) lo[qi] = 1 << 30, hi[qi] = 0; /* the last group's missing queries */
+    for (int i0 = first; i0 < last; i0 += KCH) {
+        int nk = last - i0 < KCH ? last - i0 : KCH;
+        for (int t0 = 0; t0 < KCH; t0 += 8) { /* 8 keys x 8 dims at a time, transposed in registers */
+            const uint16_t *k[8];
+            for (int t = 0; t < 8; t++) k[t] = kc + slots[t0 + t < nk ? i0 + t0 + t : i0] * kvw;
+            __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+            __m256 keep = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(nk - t0), lane)); /* keys < nk */
+            for (int e = 0; e < hd; e += 8) {
+                __m256 r[8], t[8];
+                for (int j = 0; j < 8; j++) r[j] = LOADH(k[j] + e);
+                for (int j = 0; j < 8; j += 2) {
+                    t[j] = _mm256_unpacklo_ps(r[j], r[j + 1]);
+                    t[j + 1] = _mm256_unpackhi_ps(r[j], r[j + 1]);
+                }
+                for (int j = 0; j < 8; j += 4) {
+                    r[j] = _mm256_shuffle_ps(t[j], t[j + 2], 0x44);
+                    r[j + 1] = _mm256_shuffle_ps(t[j], t[j + 2], 0xee);
+                    r[j + 2] = _mm256_shuffle_ps(t[j + 1], t[j + 3], 0x44);
+                    r[j + 3] = _mm256_shuffle_ps(t[j + 1], t[j + 3], 0xee);
+                }
+                for (int j = 0; j < 4; j++) {
+                    __m256 a = _mm256_permute2f128_ps(r[j], r[j + 4], 0x20);
+                    __m256 b = _mm256_permute2f128_ps(r[j], r[j + 4], 0x31);
+                    _mm256_storeu_ps(kt + (e + j) * KCH + t0, _mm256_and_ps(a, keep));
+                    _mm256_storeu_ps(kt + (e + j + 4) * KCH + t0, _mm256_and_ps(b, keep));
+                }
+            }
+        }
+        for (int q0 = 0; q0 < nq; q0 += 4) {
+            int seen = 0;
+            for (int qi = q0; qi < q0 + 4; qi++) seen |= i0 < hi[qi] && i0 + KCH > lo[qi];
+            if (!seen) continue;
+            const float *a = qs + q0 * hd;
+            int nb4 = nq - q0 < 4 ? nq - q0 : 4;
+            const float *a1 = a + (nb4 > 1 ? hd : 0), *a2 = a + (nb4 > 2 ? 2 * hd : 0);
+            const float *a3 = a + (nb4 > 3 ? 3 * hd : 0);
+            __m256 s00 = _mm256_setzero_ps(), s01 = s00, s10 = s00, s11 = s00, s20 = s00, s21 = s00, s30 = s00,
+                   s31 = s00;
+            for (int e = 0; e < hd; e++) {
+                __m256 k0 = _mm256_loadu_ps(kt + e * KCH), k1 = _mm256_loadu_ps(kt + e * KCH + 8), b;
+                b = _mm256_broadcast_ss(a + e);
+                s00 = _mm256_fmadd_ps(b, k0, s00), s01 = _mm256_fmadd_ps(b, k1, s01);
+                b = _mm256_broadcast_ss(a1 + e);
+                s10 = _mm256_fmadd_ps(b, k0, s10), s11 = _mm256_fmadd_ps(b, k1, s11);
+                b = _mm256_broadcast_ss(a2 + e);
+                s20 = _mm256_fmadd_ps(b, k0, s20), s21 = _mm256_fmadd_ps(b, k1, s21);
+                b = _mm256_broadcast_ss(a3 + e);
+                s30 = _mm256_fmadd_ps(b, k0, s30), s31 = _mm256_fmadd_ps(b, k1, s31);
+            }
+            __m256 res[4][2] = {{s00, s01}, {s10, s11}, {s20, s21}, {s30, s31}};
+            for (int k = 0; k < nb4; k++) { /* entries outside a query's [lo, hi) are written, never read */
+                _mm256_storeu_ps(sc + (int64_t)(q0 + k) * ldsc + i0, res[k][0]);
+                _mm256_storeu_ps(sc + (int64_t)(q0 + k) * ldsc + i0 + 8, res[k][1]);
+            }
+        }
+    }
+    for (int qi = 0; qi < nq; qi++) {
+        float *s = sc + (int64_t)qi * ldsc, mx = -INFINITY;
+        int i = lo[qi];
+        __m256 vm = _mm256_set1_ps(-INFINITY);
+        for (; i + 8 <= hi[qi]; i += 8) vm = _mm256_max_ps(vm, _mm256_loadu_ps(s + i));
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(vm), _mm256_extractf128_ps(vm, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        mx = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+        for (; i < hi[qi]; i++) mx = s[i] > mx ? s[i] : mx;
+        float den = exp_shifted(s, lo[qi], hi[qi], mx);
+        for (int i = lo[qi]; i < hi[qi]; i++) s[i] /= den;
+        for (int e = 0; e < hd; e++) acc[qi * hd + e] = 0.0f;
+    }
+    for (int i0 = first; i0 < last; i0 += KCH) {
+        int nk = last - i0 < KCH ? last - i0 : KCH;
+        for (int t = 0; t < nk; t++) {
+            const uint16_t *v = vc + slots[i0 + t] * kvw;
+            for (int e = 0; e < hd; e += 8) _mm256_storeu_ps(vf + t * hd + e, LOADH(v + e));
+        }
+        for (int qi = 0; qi < nq; qi++) {
+            int t0 = lo[qi] > i0 ? lo[qi] - i0 : 0, t1 = hi[qi] - i0 < nk ? hi[qi] - i0 : nk;
+            const float *p = sc + (int64_t)qi * ldsc + i0;
+            float *o = acc + qi * hd;
+            for (int e = 0; e + 32 <= hd; e += 32) { /* 32 outputs in 4 registers across the chunk */
+                __m256 o0 = _mm256_loadu_ps(o + e), o1 = _mm256_loadu_ps(o + e + 8);
+                __m256 o2 = _mm256_loadu_ps(o + e + 16), o3 = _mm256_loadu_ps(o + e + 24);
+                for (int t = t0; t < t1; t++) {
+                    __m256 w = _mm256_broadcast_ss(p + t);
+                    const float *vv = vf + t * hd + e;
+                    o0 = _mm256_fmadd_ps(w, _mm256_loadu_ps(vv), o0);
+                    o1 = _mm256_fmadd_ps(w, _mm256_loadu_ps(vv + 8), o1);
+                    o2 = _mm256_fmadd_ps(w, _mm256_loadu_ps(vv + 16), o2);
+                    o3 = _mm256_fmadd_ps(w, _mm256_loadu_ps(vv + 24), o3);
+                }
+                _mm256_storeu_ps(o + e, o0), _mm256_storeu_ps(o + e + 8, o1);
+                _mm256_storeu_ps(o + e + 16, o2), _mm256_storeu_ps(o + e + 24, o3);
+            }
+            for (int e = hd / 32 * 32; e < hd; e += 8) {
+                __m256 o0 = _mm256_loadu_ps(o + e);
+                for (int t = t0; t < t1; t++)
+                    o0 = _mm256_fmadd_ps(_mm256_broadcast_ss(p + t), _mm256_loadu_ps(vf + t * hd + e), o0);
+                _mm256_storeu_ps(o + e, o0);
+            }
+        }
+    }
+    for (int qi = 0; qi < nq; qi++) {
+        int r = r0 + qi / g, head = kvh * g + qi % g;
+        memcpy(h + (int64_t)r * nh * hd + head * hd, acc + qi * hd, sizeof(float) * hd);
+    }
+}
+#endif
+
 #define STEPS_PER_LAYER 11
+#ifdef IG_AVX2
+#define KCH_PAD KCH
+#define TILED_ATT 1
+#else
+#define KCH_PAD 16
+#define TILED_ATT 0
+#endif
 
 int ig_forward(const ig_model *m, const ig_batch *bt, float *out_h) {
     int n = bt->n, H = m->hidden, nh = m->num_heads, nkvh = m->num_kv_heads, hd = m->head_dim;
@@ -579,7 +931,7 @@ int ig_forward(const ig_model *m, const ig_batch *bt, float *out_h) {
     float *x = malloc(sizeof(float) * n * H), *h = malloc(sizeof(float) * n * (H > nq ? H : nq));
     float *big = malloc(sizeof(float) * n * (2 * I > nqkv ? 2 * I : nqkv));
     ig_xblk *xq = malloc(sizeof(ig_xblk) * n * (maxk / QK));
-    int g = nh / nkvh, per_thread = ATT_ROWS * g * (maxctx + hd);
+    int g = nh / nkvh, ldsc = maxctx + KCH_PAD, per_thread = ATT_ROWS * g * (ldsc + 2 * hd) + 2 * KCH_PAD * hd;
     float *scores = malloc(sizeof(float) * (int64_t)per_thread * threads);
     ig_step *steps = calloc(nsteps, sizeof(ig_step));
     if (!x || !h || !big || !xq || !scores || !steps) {
@@ -592,7 +944,11 @@ int ig_forward(const ig_model *m, const ig_batch *bt, float *out_h) {
 #ifdef _OPENMP
         tid = omp_get_thread_num();
 #endif
-        float *qs = scores + (int64_t)tid * per_thread, *sc = qs + ATT_ROWS * g * hd;
+        float *qs = scores + (int64_t)tid * per_thread, *acc = qs + ATT_ROWS * g * hd, *kt = acc + ATT_ROWS * g * hd;
+        float *vf = kt + KCH_PAD * hd, *sc = vf + KCH_PAD * hd;
+        /* prefill chunks' attention through attend_tile (the decode rounds keep attend_rows and its bits) */
+        int tiled_att = TILED_ATT && bt->tiled_rows > 0 && n >= bt->tiled_rows && hd % 8 == 0;
+        (void)acc, (void)kt, (void)vf, (void)tiled_att;
         ig_step *st = steps;
         FOR_ITEMS(st, n, r) {
             dequant_row(&m->embed, bt->tokens[r], x + (int64_t)r * H);
@@ -608,7 +964,7 @@ int ig_forward(const ig_model *m, const ig_batch *bt, float *out_h) {
                 quant_row(h + (int64_t)r * H, H, xq + (int64_t)r * (H / QK));
             }
             st++;
-            matmul_parts(st++, L->qkv, 3, xq, n, big, nqkv);
+            product(st++, L->qkv, 3, xq, n, big, nqkv, bt->tiled_rows);
             /* bias, rope on q and k heads, then this round's K/V into the cache */
             FOR_ITEMS(st, n, r) {
                 float *row = big + (int64_t)r * nqkv;
@@ -637,14 +993,19 @@ int ig_forward(const ig_model *m, const ig_batch *bt, float *out_h) {
                 while (r0 < end) {
                     int r1 = r0 + 1;
                     while (r1 < end && bt->row_ctx_off[r1] == bt->row_ctx_off[r0]) r1++;
-                    attend_rows(m, bt, l, L->window, big, nqkv, r0, r1, kvh, qs, sc, maxctx, h);
+#ifdef IG_AVX2
+                    if (tiled_att)
+                        attend_tile(m, bt, l, L->window, big, nqkv, r0, r1, kvh, qs, acc, kt, vf, sc, ldsc, h);
+                    else
+#endif
+                        attend_rows(m, bt, l, L->window, big, nqkv, r0, r1, kvh, qs, sc, ldsc, h);
                     r0 = r1;
                 }
             }
             st++;
             FOR_ITEMS(st, n, r) quant_row(h + (int64_t)r * nq, nq, xq + (int64_t)r * (nq / QK));
             st++;
-            matmul_parts(st++, &L->o, 1, xq, n, big, H);
+            product(st++, &L->o, 1, xq, n, big, H, bt->tiled_rows);
             /* residual, then the MLP's norm: rows are whole again */
             FOR_ITEMS(st, n, r) {
                 float *xr = x + (int64_t)r * H;
@@ -653,14 +1014,14 @@ int ig_forward(const ig_model *m, const ig_batch *bt, float *out_h) {
                 quant_row(h + (int64_t)r * H, H, xq + (int64_t)r * (H / QK));
             }
             st++;
-            matmul_parts(st++, L->gate_up, 2, xq, n, big, 2 * I);
+            product(st++, L->gate_up, 2, xq, n, big, 2 * I, bt->tiled_rows);
             FOR_ITEMS(st, n, r) { /* SwiGLU, in place over the gate half */
                 float *gu = big + (int64_t)r * 2 * I;
                 swiglu(gu, gu + I, I);
                 quant_row(gu, I, xq + (int64_t)r * (I / QK));
             }
             st++;
-            matmul_parts(st++, &L->down, 1, xq, n, big, H);
+            product(st++, &L->down, 1, xq, n, big, H, bt->tiled_rows);
             FOR_ITEMS(st, n, r) {
                 float *xr = x + (int64_t)r * H;
                 for (int i = 0; i < H; i++) xr[i] += big[(int64_t)r * H + i];

@@ -57,10 +57,13 @@ typedef struct {
     const int32_t *row_ctx_off;
     const int32_t *row_ctx_n;
     const int32_t *row_ctx_p0;
+    int tiled_rows; /* from this many rows on, products and attention use the tiled kernels (prefill); 0: never */
 } ig_batch;
 
 void ig_dequant(const ig_mat *w, int row0, int nrows, float *out);
 void ig_quantize(const float *x, int nrows, int n, ig_xblk *out);
 void ig_matmul(const ig_mat *parts, int nparts, const ig_xblk *x, int nx, float *y, int ldy, int threads);
+/* The same product through the tiled (prefill) kernel whatever nx; the decode path without AVX2. */
+void ig_matmul_tiled(const ig_mat *parts, int nparts, const ig_xblk *x, int nx, float *y, int ldy, int threads);
 int ig_forward(const ig_model *m, const ig_batch *b, float *out_h);
 int ig_logits(const ig_model *m, const float *h, int n, float *logits);

@@ -163,8 +163,11 @@ class CpuModel:
         self.struct.layer_stride = k[0].size
 
     def forward(self, tokens, positions: np.ndarray, write_slots: np.ndarray, ctx_slots: np.ndarray,
-                row_off: np.ndarray, row_n: np.ndarray, row_p0: np.ndarray) -> np.ndarray:  # fmt: skip
-        """Run every layer over the rows (see ``ig_batch`` in kernels.h); return final-normed hidden [n, H]."""
+                row_off: np.ndarray, row_n: np.ndarray, row_p0: np.ndarray, tiled_rows: int = 0) -> np.ndarray:  # fmt: skip
+        """Run every layer over the rows (see ``ig_batch`` in kernels.h); return final-normed hidden [n, H].
+
+        ``tiled_rows``: from this many rows on, the products and the attention use the tiled kernels
+        (prefill chunks; 0, decode rounds: never, so a decode row's bits never depend on its round)."""
         ffi, n = self.ffi, len(tokens)
         cos, sin = ops.rope_cos_sin(positions, self.inv_freq, self.rope_factor)
         arrays = {
@@ -179,7 +182,7 @@ class CpuModel:
             "row_ctx_p0": np.ascontiguousarray(row_p0, dtype=np.int32),
         }
         b = ffi.new("ig_batch *")
-        b.n = n
+        b.n, b.tiled_rows = n, tiled_rows
         for name, a in arrays.items():
             setattr(b, name, ffi.cast(ffi.typeof(getattr(b, name)), ffi.from_buffer(a)))
         out = np.empty((n, self.cfg.hidden_size), dtype=np.float32)
