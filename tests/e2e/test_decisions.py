@@ -84,12 +84,13 @@ def test_the_input_is_computed_once_and_nothing_decoded(client, live_server_url)
     assert (
         v.input_tokens == u.input_tokens and v.input_tokens_details.cached_tokens > u.input_tokens_details.cached_tokens
     )
-    # The same answers (up to float rounding: a claimed prefix is not recomputed bit for bit).
+    # The same answers, up to rounding: a claimed prefix is not recomputed, and the tail runs other
+    # kernels than a cold prefill did (the cpu backend's tiled prefill: ~2e-4 of the largest logit).
     for a, b in zip(again.answers, first.answers):
         assert (a.type, a.name) == (b.type, b.name)
     assert again.answers[0].choice == first.answers[0].choice
-    assert again.answers[1].probability == pytest.approx(first.answers[1].probability, abs=1e-4)
-    assert again.answers[2].score == pytest.approx(first.answers[2].score, abs=1e-4)
+    assert again.answers[1].probability == pytest.approx(first.answers[1].probability, abs=2e-3)
+    assert again.answers[2].score == pytest.approx(first.answers[2].score, abs=2e-3)
 
 
 def test_a_conversation_with_tool_calls_is_input(client):
