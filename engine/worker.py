@@ -196,8 +196,8 @@ class EngineWorker:
             elif kind == UnloadModel.TYPE:
                 self.host.request_unload()
             else:
-                if kind == AddRequest.TYPE:  # owed an answer from now on, queued or not
-                    self._replies[msg["request_id"]] = msg["reply_channel"]
+                if kind == AddRequest.TYPE:  # owed an answer from now on, queued or not (a resend keeps the first)
+                    self._replies.setdefault(msg["request_id"], msg["reply_channel"])
                 self._inbox.append(msg)
             self._wakeup.set()
 
@@ -276,6 +276,13 @@ class EngineWorker:
                 )
 
     async def _add(self, add: AddRequest) -> None:
+        sched = self.host.scheduler
+        if sched is not None and add.request_id in sched.seqs:
+            # A front end that took this engine for gone (late heartbeats) sends what it thought queued
+            # again: the request is served already, and its books must stay the original's.
+            if self._replies.get(add.request_id) != add.reply_channel:
+                await self._send(add.reply_channel, refusal("duplicate_request", add.request_id).to_message())
+            return
         self._replies.setdefault(add.request_id, add.reply_channel)
         if self.draining:  # front ends stopped routing here at the draining beat; this one crossed it
             await self._last(add.request_id, _shutting_down(add.request_id).to_message())
@@ -368,7 +375,11 @@ class EngineWorker:
     async def _last(self, request_id: str, msg: dict) -> None:
         """Send a request's last message (engine.finished or engine.failed); once the layer has taken
         it (the send awaited: with channels_redis, it is in Redis) the request is owed nothing more."""
-        await self._send(self._replies[request_id], msg)
+        channel = self._replies.get(request_id)
+        if channel is None:  # answered already: one request's books never stop the loop
+            log.warning("ignis.engine.reply_unknown", extra={"request_id": request_id, "type": msg.get("type")})
+            return
+        await self._send(channel, msg)
         self._replies.pop(request_id, None)
         self._began.discard(request_id)
         self._settled.set()
@@ -384,9 +395,12 @@ class EngineWorker:
             msg = output.to_message()
             if isinstance(output, RequestFinished):
                 await self._last(output.request_id, msg)
-            else:
+            elif (channel := self._replies.get(output.request_id)) is not None:
                 self._began.add(output.request_id)
-                await self._send(self._replies[output.request_id], msg)
+                await self._send(channel, msg)
+            else:  # answered already (see _last)
+                log.warning("ignis.engine.reply_unknown", extra={"request_id": output.request_id, "type": msg["type"]})
+                continue
             if msg["type"] == "engine.tokens" and msg.get("ttft") is not None:
                 self._changed.set()  # it streams now: front ends end it with engine_error should this engine go
                 log.info(

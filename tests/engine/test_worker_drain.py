@@ -14,7 +14,7 @@ import asyncio
 
 from channels.layers import InMemoryChannelLayer
 
-from engine.messages import STATUS_GROUP
+from engine.messages import ENGINE_CHANNEL, STATUS_GROUP, AddRequest
 from tests.engine import test_worker
 from tests.engine.test_worker import TIMEOUT, Engine, expected, reached, refused_with, run
 
@@ -168,5 +168,28 @@ def test_a_fleet_worker_beats_that_a_request_streams_before_its_first_token_goes
                 lambda m, rid=add.request_id: m["type"] == "engine.heartbeat" and rid in m["running_request_ids"]
             )
             assert listed < first, add.request_id
+
+    run(scenario)
+
+
+def test_a_request_sent_again_while_it_runs_is_served_once_and_the_engine_goes_on(models):
+    """A front end that took the engine for gone (its heartbeats late) sends what it thought queued
+    again, to the same reply channel: the engine serves the request once, and keeps serving. Once,
+    such a resend cost the first request its reply channel and the next token stopped the engine."""
+    m1 = models.model("m1")
+
+    async def scenario():
+        async with Engine(models, m1) as e:
+            add = await e.submit(max_tokens=6)
+            await e.layer.send(ENGINE_CHANNEL, add.to_message())  # the same request, the same channel
+            tokens, last = await e.outcome(add)
+            assert last["type"] == "engine.finished" and tokens == expected(add, 6)
+            again = await e.submit(max_tokens=40)
+            elsewhere = await e.layer.new_channel()  # the same id from another client: refused there alone
+            await e.layer.send(ENGINE_CHANNEL, AddRequest(again.request_id, elsewhere, [1, 2], 4).to_message())
+            assert refused_with(await e.receive(elsewhere), "duplicate_request", 400)
+            tokens, last = await e.outcome(again)
+            assert last["type"] == "engine.finished" and tokens == expected(again, 40)
+            await e.serve()  # still serving
 
     run(scenario)
