@@ -101,14 +101,25 @@ async def until(probe, message: str) -> None:
         await asyncio.sleep(0.01)
 
 
+@contextlib.asynccontextmanager
+async def listening(cache):
+    """The front end's heartbeat listener for the block, running and joined to the status group."""
+    listener = asyncio.create_task(engine_state.engine_state_listen())
+    try:
+        await until(lambda: cache.listening, "the listener")
+        await asyncio.sleep(0)  # let it join the group
+        yield
+    finally:
+        listener.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await listener
+
+
 def test_a_silent_worker_leaves_its_queued_requests_go_to_a_live_one_and_its_streams_end(front_end):
     layer, cache = front_end
 
     async def scenario():
-        listener = asyncio.create_task(engine_state.engine_state_listen())
-        try:
-            await until(lambda: cache.listening, "the listener")
-            await asyncio.sleep(0)  # let it join the group
+        async with listening(cache):
             for b in (beat("a1", "m-a"), beat("a2", "m-a", busy=3), beat("b", "m-b")):
                 await layer.group_send(STATUS_GROUP, b.to_message())
             await until(lambda: len(cache.workers) == 3, "three workers")
@@ -163,10 +174,6 @@ def test_a_silent_worker_leaves_its_queued_requests_go_to_a_live_one_and_its_str
                 )
             finally:
                 alive.cancel()
-        finally:
-            listener.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await listener
 
     asyncio.run(asyncio.wait_for(scenario(), 3 * TIMEOUT))
 
@@ -175,10 +182,7 @@ def test_a_worker_restarted_under_its_id_ends_what_its_previous_engine_held(fron
     layer, cache = front_end
 
     async def scenario():
-        listener = asyncio.create_task(engine_state.engine_state_listen())
-        try:
-            await until(lambda: cache.listening, "the listener")
-            await asyncio.sleep(0)
+        async with listening(cache):
             await layer.group_send(STATUS_GROUP, beat("a1", "m-a").to_message())
             await until(lambda: cache.workers, "a worker")
             add = AddRequest("r1", await layer.new_channel(), [1, 2], 8, model="m-a")
@@ -188,10 +192,6 @@ def test_a_worker_restarted_under_its_id_ends_what_its_previous_engine_held(fron
             failed = await asyncio.wait_for(layer.receive(add.reply_channel), TIMEOUT)
             assert (failed["type"], failed["code"]) == ("engine.failed", "engine_error")
             assert [w.engine_id for w in cache.live()] == ["e-a1-second"]
-        finally:
-            listener.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await listener
 
     asyncio.run(asyncio.wait_for(scenario(), 3 * TIMEOUT))
 
@@ -206,10 +206,7 @@ def test_a_leaving_worker_s_open_requests_end_with_engine_error_none_sent_again(
     layer, cache = front_end
 
     async def scenario():
-        listener = asyncio.create_task(engine_state.engine_state_listen())
-        try:
-            await until(lambda: cache.listening, "the listener")
-            await asyncio.sleep(0)
+        async with listening(cache):
             for b in (beat("a1", "m-a"), beat("a2", "m-a", busy=4)):  # a2's lanes all busy: a1 gets them
                 await layer.group_send(STATUS_GROUP, b.to_message())
             await until(lambda: len(cache.workers) == 2, "two workers")
@@ -235,10 +232,6 @@ def test_a_leaving_worker_s_open_requests_end_with_engine_error_none_sent_again(
             for add in adds.values():  # nothing else: no second end, none for the finished, nothing sent on to a2
                 assert layer.channels.get(add.reply_channel) is None or layer.channels[add.reply_channel].empty()
             assert layer.channels.get(worker_channel("a2")) is None or layer.channels[worker_channel("a2")].empty()
-        finally:
-            listener.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await listener
 
     asyncio.run(asyncio.wait_for(scenario(), 3 * TIMEOUT))
 
@@ -247,10 +240,7 @@ def test_a_worker_back_under_its_id_before_the_net_falls_ends_what_it_left_open(
     layer, cache = front_end
 
     async def scenario():
-        listener = asyncio.create_task(engine_state.engine_state_listen())
-        try:
-            await until(lambda: cache.listening, "the listener")
-            await asyncio.sleep(0)
+        async with listening(cache):
             await layer.group_send(STATUS_GROUP, beat("a1", "m-a").to_message())
             await until(lambda: cache.workers, "a worker")
             add = AddRequest("r1", await layer.new_channel(), [1, 2], 8, model="m-a")
@@ -261,10 +251,6 @@ def test_a_worker_back_under_its_id_before_the_net_falls_ends_what_it_left_open(
             failed = await asyncio.wait_for(layer.receive(add.reply_channel), TIMEOUT)
             assert (failed["type"], failed["code"]) == ("engine.failed", "engine_error")
             assert [w.engine_id for w in cache.live()] == ["e-a1-second"] and cache.departed == {}
-        finally:
-            listener.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await listener
 
     asyncio.run(asyncio.wait_for(scenario(), 3 * TIMEOUT))
 

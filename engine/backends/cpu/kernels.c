@@ -729,6 +729,23 @@ static void weighted_values(const uint16_t *vc, int64_t kvw, const int64_t *slot
 /* Keys ahead of the one being scored whose K and V lines are prefetched. */
 #define KV_AHEAD 8
 
+/* The queries of rows [r0, r0 + nq / g) for kv head ``kvh``, scaled into qs [nq, hd], and each
+ * one's visible context entries [lo, hi) (the sliding window's start); first / last: their union. */
+static void query_rows(const ig_model *m, const ig_batch *bt, int window, const float *qkv, int nqkv, int r0, int nq,
+                       int kvh, float *qs, int *lo, int *hi, int *first, int *last) {
+    int hd = m->head_dim, g = m->num_heads / m->num_kv_heads;
+    for (int qi = 0; qi < nq; qi++) {
+        int r = r0 + qi / g, head = kvh * g + qi % g;
+        const float *src = qkv + (int64_t)r * nqkv + head * hd;
+        for (int e = 0; e < hd; e++) qs[qi * hd + e] = src[e] * m->attn_scale;
+        int p0 = bt->row_ctx_p0[r], qpos = bt->positions[r];
+        hi[qi] = bt->row_ctx_n[r];
+        lo[qi] = window > 0 && qpos - p0 >= window ? qpos - p0 - window + 1 : 0;
+        *first = lo[qi] < *first ? lo[qi] : *first;
+        *last = hi[qi] > *last ? hi[qi] : *last;
+    }
+}
+
 /* Attention of rows [r0, r1) (one sequence: they share one context list) for the query
  * heads of kv head ``kvh``; q is read from the fused qkv rows, the result goes to ``h``.
  * Scratch: qs [ATT_ROWS * g * hd], sc [ATT_ROWS * g * maxctx]. */
@@ -740,16 +757,7 @@ static void attend_rows(const ig_model *m, const ig_batch *bt, int layer, int wi
     const int64_t *slots = bt->ctx_slots + bt->row_ctx_off[r0];
     int nq = (r1 - r0) * g, first = 1 << 30, last = 0;
     int lo[nq], hi[nq]; /* each query's visible entries: [lo, hi) */
-    for (int qi = 0; qi < nq; qi++) {
-        int r = r0 + qi / g, head = kvh * g + qi % g;
-        const float *src = qkv + (int64_t)r * nqkv + head * hd;
-        for (int e = 0; e < hd; e++) qs[qi * hd + e] = src[e] * m->attn_scale;
-        int p0 = bt->row_ctx_p0[r], qpos = bt->positions[r];
-        hi[qi] = bt->row_ctx_n[r];
-        lo[qi] = window > 0 && qpos - p0 >= window ? qpos - p0 - window + 1 : 0;
-        first = lo[qi] < first ? lo[qi] : first;
-        last = hi[qi] > last ? hi[qi] : last;
-    }
+    query_rows(m, bt, window, qkv, nqkv, r0, nq, kvh, qs, lo, hi, &first, &last);
     for (int i = first; i < last; i++) { /* each key once, against every query that sees it */
         const uint16_t *k = kc + slots[i] * kvw;
 #ifdef IG_AVX2
@@ -792,16 +800,7 @@ static void attend_tile(const ig_model *m, const ig_batch *bt, int layer, int wi
     const int64_t *slots = bt->ctx_slots + bt->row_ctx_off[r0];
     int nq = (r1 - r0) * g, first = 1 << 30, last = 0;
     int lo[nq + 3], hi[nq + 3];
-    for (int qi = 0; qi < nq; qi++) {
-        int r = r0 + qi / g, head = kvh * g + qi % g;
-        const float *src = qkv + (int64_t)r * nqkv + head * hd;
-        for (int e = 0; e < hd; e++) qs[qi * hd + e] = src[e] * m->attn_scale;
-        int p0 = bt->row_ctx_p0[r], qpos = bt->positions[r];
-        hi[qi] = bt->row_ctx_n[r];
-        lo[qi] = window > 0 && qpos - p0 >= window ? qpos - p0 - window + 1 : 0;
-        first = lo[qi] < first ? lo[qi] : first;
-        last = hi[qi] > last ? hi[qi] : last;
-    }
+    query_rows(m, bt, window, qkv, nqkv, r0, nq, kvh, qs, lo, hi, &first, &last);
     for (int qi = nq; qi < nq + 3; qi++) lo[qi] = 1 << 30, hi[qi] = 0; /* the last group's missing queries */
     for (int i0 = first; i0 < last; i0 += KCH) {
         int nk = last - i0 < KCH ? last - i0 : KCH;
