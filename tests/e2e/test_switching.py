@@ -38,6 +38,8 @@ def live(tmp_path_factory, default_gguf_path):
         f"{TINY},broken-llama",
         env_extra={"IGNIS_SERVER_MODELS_DIR": str(mdir)},
     )
+    # /health answers 200 from the engine's first beat, "unloaded" included; the start's load follows it.
+    wait_status(base, DEFAULT, "serving")
     yield base, mdir, proc
     proc.stop()
 
