@@ -77,6 +77,7 @@ class EngineWorker:
         loader: Loader | None = None,
         backend_factory: BackendFactory | None = None,
         worker_id: str | None = None,
+        beats_before_first_tokens: bool | None = None,
     ):
         self.layer = layer
         self.heartbeat = float(heartbeat)
@@ -85,6 +86,13 @@ class EngineWorker:
         # (embedded, or a lone runengine) from ENGINE_CHANNEL, as before.
         self.worker_id = worker_id or ""
         self.channel = worker_channel(worker_id)
+        # A worker in its own process (runengine: a fleet's, or a lone one) announces a request running
+        # before its first token goes out, so its last beat never lists a streaming request as waiting
+        # (front ends would end it engine_unavailable, or send it again). Embedded, the engine dies
+        # with its front end: the beat soon after the token does.
+        self.beats_before_first_tokens = (
+            bool(worker_id) if beats_before_first_tokens is None else beats_before_first_tokens
+        )
         self.hostname = socket.gethostname()
         self.draining = False  # drain(): nothing new is admitted
         self.leaving = False
@@ -386,7 +394,7 @@ class EngineWorker:
 
     async def _send_outputs(self, outputs: list[EngineOutput]) -> None:
         """Address each output to its request's client, serialize it, log what the metrics read."""
-        if self.worker_id and any(isinstance(o, TokenEvent) and o.ttft is not None for o in outputs):
+        if self.beats_before_first_tokens and any(isinstance(o, TokenEvent) and o.ttft is not None for o in outputs):
             # Should a fleet's worker die, its front ends send a request its last beat listed as waiting
             # to another worker: from its first token on the beat must list it running, so the beat that
             # says so goes out before that token does (a client never sees its first tokens twice).

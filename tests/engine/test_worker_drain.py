@@ -148,15 +148,17 @@ def test_a_drain_past_its_timeout_ends_what_runs_and_what_is_queued(models):
     run(scenario)
 
 
-def test_a_fleet_worker_beats_that_a_request_streams_before_its_first_token_goes_out(models):
-    """Should it die, a front end sends a request its last beat listed as waiting to another worker:
-    a stream must be listed as running before its client can see a token (or it would see its
-    first tokens twice)."""
+def test_a_worker_in_its_own_process_beats_that_a_request_streams_before_its_first_token_goes_out(models):
+    """Should it die, a front end sends a request its last beat listed as waiting to another worker
+    (or, with none, ends it engine_unavailable: retry me): a stream must be listed as running before
+    its client can see a token (or it would see its first tokens twice). runengine's worker, a
+    fleet's or a lone one, does so; an embedded one dies with its front end."""
     m1 = models.model("m1")
 
     async def scenario():
         e, layer = held_engine(models, m1)
-        e.worker.worker_id = "w1"  # a fleet's worker (its channel stays the one the harness talks to)
+        assert not e.worker.beats_before_first_tokens  # embedded, by default
+        e.worker.beats_before_first_tokens = True  # as runengine's (its channel stays the harness's)
         async with e:
             adds = [await e.submit(max_tokens=3) for _ in range(3)]
             for add in adds:

@@ -50,6 +50,7 @@ class Command(BaseCommand):
             EngineConfig.from_dict(engine_config_dict(values)),
             served.path,
             served.served_id,
+            beats_before_first_tokens=True,  # its own process: front ends may outlive it
             **worker_options(values),
         )
         # Not "serving" yet: the load runs inside worker.run(); it logs ignis.model.loaded when done.
