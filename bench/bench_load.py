@@ -32,9 +32,9 @@ SHAPE = dict(hidden=4096, inter=14336, heads=32, kv_heads=8, head_dim=128, vocab
 SHARD = 4 << 30  # bytes of a safetensors shard
 
 
-def tensors(layers: int) -> list[tuple[str, tuple[int, ...]]]:
+def tensors(layers: int, vocab: int = SHAPE["vocab"]) -> list[tuple[str, tuple[int, ...]]]:
     h, i, kv = SHAPE["hidden"], SHAPE["inter"], SHAPE["kv_heads"] * SHAPE["head_dim"]
-    out = [("model.embed_tokens.weight", (SHAPE["vocab"], h))]
+    out = [("model.embed_tokens.weight", (vocab, h))]
     for n in range(layers):
         p = f"model.layers.{n}."
         out += [(p + "input_layernorm.weight", (h,)), (p + "post_attention_layernorm.weight", (h,)),
@@ -42,25 +42,26 @@ def tensors(layers: int) -> list[tuple[str, tuple[int, ...]]]:
                 (p + "self_attn.v_proj.weight", (kv, h)), (p + "self_attn.o_proj.weight", (h, h)),
                 (p + "mlp.gate_proj.weight", (i, h)), (p + "mlp.up_proj.weight", (i, h)),
                 (p + "mlp.down_proj.weight", (h, i))]  # fmt: skip
-    return out + [("model.norm.weight", (h,)), ("lm_head.weight", (SHAPE["vocab"], h))]
+    return out + [("model.norm.weight", (h,)), ("lm_head.weight", (vocab, h))]
 
 
-def write_checkpoint(root: Path, layers: int) -> int:
-    """config.json and bf16 safetensors shards of random weights (N(0, 0.02), norms near 1)."""
+def write_checkpoint(root: Path, layers: int, *, vocab: int = SHAPE["vocab"], bos: int = 1, eos: int = 2) -> int:
+    """config.json and bf16 safetensors shards of random weights (N(0, 0.02), norms near 1); ``vocab``
+    and the bos / eos ids for a tokenizer of another vocabulary (bench/bench_serving_gpu.py)."""
     root.mkdir(parents=True, exist_ok=True)
     config = {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": SHAPE["hidden"],
         "intermediate_size": SHAPE["inter"], "num_hidden_layers": layers, "num_attention_heads": SHAPE["heads"],
-        "num_key_value_heads": SHAPE["kv_heads"], "head_dim": SHAPE["head_dim"], "vocab_size": SHAPE["vocab"],
+        "num_key_value_heads": SHAPE["kv_heads"], "head_dim": SHAPE["head_dim"], "vocab_size": vocab,
         "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
-        "tie_word_embeddings": False, "torch_dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 2,
+        "tie_word_embeddings": False, "torch_dtype": "bfloat16", "bos_token_id": bos, "eos_token_id": eos,
     }  # fmt: skip
     (root / "config.json").write_text(json.dumps(config))
     pool = (np.random.default_rng(0).standard_normal(1 << 24).astype(np.float32) * 0.02).view(np.uint32)
     pool = ((pool + 0x7FFF + ((pool >> 16) & 1)) >> 16).astype(np.uint16).tobytes()
     ones = np.full(SHAPE["inter"], 0x3F80, np.uint16).tobytes()  # bf16 1.0
     shards, cur, size = [], [], 0
-    for name, shape in tensors(layers):
+    for name, shape in tensors(layers, vocab):
         n = int(np.prod(shape)) * 2
         if cur and size + n > SHARD:
             shards.append(cur)

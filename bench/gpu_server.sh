@@ -5,6 +5,8 @@
 # The GGUF travels in pieces under .gpu/{a,b,c} (a call carries at most 64 MiB,
 # and only /tmp outlives a call): `bash bench/gpu_server.sh stash` keeps the
 # pieces a call carried in /tmp/parts until the last call assembles them.
+# `bash bench/gpu_server.sh serving` runs bench/bench_serving_gpu.py (the 8B-shaped server, 1/8/12
+# streams) instead of the check, its output under $OUT (and docs/PERFORMANCE.md written in the copy).
 set -o pipefail
 export PYTHONUNBUFFERED=1 IGNIS_CUDA_KERNEL_CACHE_DIR=/tmp/pycuda-cache  # the cuda.kernel_cache_dir key
 mkdir -p "$OUT"
@@ -18,6 +20,11 @@ gguf=models/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf
 mkdir -p "$(dirname $gguf)"
 [ -f "$gguf" ] || cat /tmp/parts/gguf.part-* > "$gguf"
 sha256sum "$gguf" | tee "$OUT/gguf.sha256"
+if [ "$1" = serving ]; then
+  timeout 560 python3 bench/bench_serving_gpu.py --write 2>&1 | tee "$OUT/serving.log"
+  cp docs/PERFORMANCE.md "$OUT/"
+  exit 0
+fi
 export IGNIS_SERVER_DATA_DIR=/tmp/ignis-var IGNIS_SERVER_CELERY_WORKER=false
 python3 manage.py migrate --noinput -v 0 || exit 1
 python3 manage.py serve --port 8080 --no-download --model-backend cuda --model-idle-unload 0 > "$OUT/server.log" 2>&1 &

@@ -1,0 +1,111 @@
+"""The serving path on the GPU machine: the real server on an 8B-shaped checkpoint, driven by the
+official client (issue 15's serving benchmark).
+
+Writes a Llama-3.1-8B-shaped bf16 checkpoint of random weights (bench/bench_load.py's shared
+random pool, so 16 GB take seconds) with a 49,152-token vocabulary and the default GGUF's
+tokenizer and chat template (SmolLM2's: the text renders), into a fresh models directory beside
+the default GGUF; starts ``manage.py serve --model-backend cuda`` on it (Daphne, the embedded
+engine, the in-memory Channels layer) and drives 1, 8 and 12 concurrent streamed chats of
+``--tokens`` tokens (``ignore_eos``, greedy, speculative rounds off) with bench/bench_serving.py's
+streams: client inter-token time (mean, median, p90) while every stream decodes, TTFT, the
+aggregate tok/s, and the engine's own decode round from its ``ignis.engine.round`` lines.
+
+On the GPU machine (wheels installed as bench/gpu_server.sh does; ``bash bench/gpu_server.sh
+serving`` runs exactly this), from the repo root:
+
+    python3 bench/bench_serving_gpu.py --write
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.bench_load import write_checkpoint  # noqa: E402
+from bench.bench_serving import GGUF, run_streams, start_server, table  # noqa: E402
+from bench.perfdoc import command_line, report  # noqa: E402
+
+SECTION = "## The serving path on the GPU (H200, issue 15)"
+MODEL = "llama-8b-shape"
+VOCAB = 49152
+
+
+def write_model(models_dir: Path, layers: int) -> int:
+    """The checkpoint under ``models_dir/MODEL`` with the default GGUF's tokenizer files; its bytes."""
+    from engine.tokenizer import load_tokenizer
+    from tests.models.tiny import link_default_gguf
+
+    gguf = link_default_gguf(models_dir, ROOT / "models" / GGUF)
+    bundle = load_tokenizer(gguf)
+    if bundle.tokenizer.get_vocab_size() > VOCAB:
+        raise SystemExit(f"the tokenizer has {bundle.tokenizer.get_vocab_size()} tokens, more than {VOCAB}")
+    target = models_dir / MODEL
+    ids = {t: bundle.tokenizer.token_to_id(t) for t in (bundle.bos_token, bundle.eos_token)}
+    nbytes = write_checkpoint(target, layers, vocab=VOCAB, bos=ids[bundle.bos_token], eos=ids[bundle.eos_token])
+    bundle.tokenizer.save(str(target / "tokenizer.json"))
+    config = {"chat_template": bundle.chat_template, "bos_token": bundle.bos_token, "eos_token": bundle.eos_token}
+    (target / "tokenizer_config.json").write_text(json.dumps(config))
+    return nbytes
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--tokens", type=int, default=256, help="tokens per stream")
+    ap.add_argument("--streams", default="1,8,12", help="concurrent stream counts, comma-separated")
+    ap.add_argument("--port", type=int, default=18094)
+    ap.add_argument("--label", default="this tree", help="the run's row label")
+    ap.add_argument("--write", action="store_true", help="replace this section of docs/PERFORMANCE.md")
+    ap.add_argument("flags", nargs="*", help="extra flags for manage.py serve (after --)")
+    args = ap.parse_args()
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    flags = ["--model-id", MODEL, "--model-path", MODEL, "--model-backend", "cuda", "--spec-enabled", "false"]
+    with tempfile.TemporaryDirectory(prefix="ignis-bench-serving-gpu-") as tmp:
+        models_dir = Path(tmp) / "models"
+        t = time.perf_counter()
+        nbytes = write_model(models_dir, args.layers)
+        print(f"wrote {nbytes / 1e9:.2f} GB in {time.perf_counter() - t:.1f} s", flush=True)
+        t = time.perf_counter()
+        proc, log_path = start_server(ROOT, args.port, Path(tmp), flags + args.flags, models_dir)
+        ready = time.perf_counter() - t
+        base = f"http://127.0.0.1:{args.port}"
+        try:
+            run_streams(base, MODEL, log_path, 1, 16)  # warm: lazy imports, the first request's caches
+            figures = [run_streams(base, MODEL, log_path, int(n), args.tokens) for n in args.streams.split(",")]
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+    backend = args.flags[args.flags.index("--model-backend") + 1] if "--model-backend" in args.flags[:-1] else "cuda"
+    run = {"label": args.label, "commit": commit.stdout.strip() or None, "figures": figures}
+    gpu = "no GPU"
+    if shutil.which("nvidia-smi"):
+        query = ["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"]
+        gpu = subprocess.run(query, capture_output=True, text=True).stdout.strip() or gpu
+    body = table([run]) + [
+        "",
+        f"Model: the Llama-3.1-8B shape ({args.layers} layers), random bf16 weights ({nbytes / 1e9:.2f} GB), "
+        f"vocabulary {VOCAB} with SmolLM2's tokenizer; {backend} backend; {args.tokens} tokens a stream "
+        "(`ignore_eos`), greedy, speculative rounds off; one openai client and thread per stream, all released "
+        "together. Inter-token gaps and aggregate tok/s only while every stream decodes; engine round = the "
+        "backend's decode round (`ignis.engine.round`), cadence = from one round's line to the next. "
+        f"Server start to healthy (load, kernels, graphs): {ready:.1f} s. Tree: {run['commit']}.",
+    ]
+    machine = f"{gpu}, Python {platform.python_version()}"
+    report(SECTION, machine=machine, command=command_line("python3"), body=body, write=args.write)
+
+
+if __name__ == "__main__":
+    main()
