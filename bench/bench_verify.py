@@ -50,20 +50,12 @@ def main() -> None:
 
     import torch
 
-    from bench.bench_archs import LLAMA_8B, make_weights
+    from bench.bench_archs import llama_8b_on_cuda
     from bench.perfdoc import command_line, report
     from engine.backend import DecodeLane, PrefillSpan, SampleRequest, StepOutput
-    from engine.backends.cuda import CudaBackend
-    from engine.models import for_hf
     from engine.sampling import SamplingParams
 
-    d = for_hf("llama")
-    cfg = d.config_from_hf({"model_type": "llama", **LLAMA_8B})
-    weights = make_weights(d, cfg, torch)
-    be = CudaBackend()
-    be.load(cfg, weights, block_size=16, kv_budget_bytes=4 << 30, host_kv_budget_bytes=0, max_context=2048)
-    del weights
-    torch.cuda.empty_cache()
+    be, cfg, _ = llama_8b_on_cuda(torch, kv_budget_bytes=4 << 30, max_context=2048)
     greedy = SampleRequest(params=SamplingParams(temperature=0.0), seed=1)
     rng = np.random.default_rng(0)
     tables = [list(range(i * 40, (i + 1) * 40)) for i in range(8)]
