@@ -198,6 +198,9 @@ class Backend(abc.ABC):
         import time
 
         out = StepOutput()
+        # The tokens a round planned ahead feeds, forgotten at once: should this step raise, the round
+        # queued behind it raises too (a KeyError in _fill_pending), never feeding older tokens.
+        last, self.last_tokens = self.last_tokens, {}
         self.step_stage = "swaps"  # where a step that raises got to (the worker's _isolate reads it)
         if plan.swap_out:
             self.swap_out(plan.swap_out)
@@ -211,19 +214,17 @@ class Backend(abc.ABC):
         if plan.decode:
             t0 = time.perf_counter()
             if self.supports_async_rounds:
-                self._fill_pending(plan.decode)
+                _fill_pending(plan.decode, last)
             self.decode_round(plan.decode, out)
             out.decode_seconds = time.perf_counter() - t0
             if self.supports_async_rounds:  # a lane's last row's draw is what its next row feeds
                 self.last_tokens = {ln.seq_id: int(t) for ln, t in zip(plan.decode, out.decode_tokens)}
         return out
 
-    def _fill_pending(self, lanes: Sequence[DecodeLane]) -> None:
-        """Rows feeding PENDING get the token their lane drew in the last decode round (written into
-        the lane: the host reads it only to run the row again, the worker's _isolate). The tokens
-        are then forgotten, so should this round raise, a round planned after it raises too (a
-        KeyError here) instead of feeding a token from two rounds back."""
-        last, self.last_tokens = self.last_tokens, {}
-        for ln in lanes:
-            if ln.token_id == PENDING:
-                ln.token_id = last[ln.seq_id]
+
+def _fill_pending(lanes: Sequence[DecodeLane], last: dict[int, int]) -> None:
+    """Rows feeding PENDING get the token their lane drew in the step before (``last``), written into
+    the lane (the host reads it only to run the row again: the worker's _isolate)."""
+    for ln in lanes:
+        if ln.token_id == PENDING:
+            ln.token_id = last[ln.seq_id]

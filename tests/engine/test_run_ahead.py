@@ -230,6 +230,41 @@ def test_the_worker_runs_rounds_ahead_and_the_key_turns_them_off_live(models):
     run(scenario)
 
 
+def test_a_round_ahead_that_raises_ends_only_its_failing_lane(models):
+    """The poisoned lane's rounds raise from its fourth token on, in rounds planned ahead (rows fed
+    PENDING) with one more queued behind them: that lane ends with engine_error, the queued round is
+    thrown away, and the other lanes stream every token they would alone."""
+    from tests.engine.test_worker import Engine, expected, refused_with, run
+
+    failed_ahead: list[bool] = []
+
+    async def scenario():
+        async with Engine(models, models.model("m1")) as e:
+            models.step_gate.close()
+            adds = [await e.submit(max_tokens=12, sampling={"top_k": k}) for k in (0, 7, 0)]
+            bad = adds[1]
+
+            def fails(plan):
+                hit = any(ln.sample.params.top_k == 7 and ln.position >= len(bad.prompt_token_ids) + 2
+                          for ln in plan.decode)  # fmt: skip
+                if hit:
+                    failed_ahead.append(any(ln.token_id == PENDING for ln in plan.decode))
+                return hit
+
+            models.fail_step = fails
+            models.step_gate.open()
+            tokens, last = await e.outcome(bad)
+            assert refused_with(last, "engine_error", 500) and tokens == expected(bad, 3)
+            for add in (adds[0], adds[2]):
+                tokens, last = await e.outcome(add)
+                assert last["type"] == "engine.finished" and tokens == expected(add, 12)
+            stats = (await e.status())["stats"]
+            assert (stats["aborted"], stats["lanes_busy"], stats["kv_pages"]["used"]) == (1, 0, 0)
+
+    run(scenario)
+    assert failed_ahead[0]  # the round that raised first was one planned ahead
+
+
 @pytest.fixture
 def models(tmp_path):
     from tests.engine.fake_backend import FakeModels
