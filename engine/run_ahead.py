@@ -25,7 +25,8 @@ worker plans it after N's output, as before (``None``):
   nothing waiting, prefilling or preempted (admission and the prefill gate stay
   the synchronous schedule's);
 * each lane fed its last known token in N, one row, and needs nothing of N's token
-  on the host: no grammar, no reasoning watch (a take-back cuts the output), no
+  on the host: no grammar, no reasoning channel open (inside it, or entering it with
+  the budget spent, a commit may take back: the output is cut), no
   repetition / presence / frequency penalty, no speculation (spec.enabled, a
   drafter, and rows to spare in the round for drafts: drafts extend the token the
   host does not know yet), no prompt tail fed as rows;
@@ -54,12 +55,19 @@ def can_run_ahead(seq: Sequence, speculates: bool) -> bool:
         seq.status == S.DECODING
         and not seq.prompt_in_round
         and seq.constraint is None
-        and seq.reasoning is None
+        and takes_nothing_back(seq.reasoning)
         and not (speculates and seq.drafter is not None)
         and p.repetition_penalty == 1.0
         and not p.presence_penalty
         and not p.frequency_penalty
     )
+
+
+def takes_nothing_back(watch) -> bool:
+    """Whether the lane's next commit cannot take back (engine.spec.reasoning.ReasoningWatch.commit):
+    no watch, or one outside the reasoning channel with budget left (entering it then takes nothing
+    back; inside, a loop or the budget may)."""
+    return watch is None or (not watch.inside and (watch.budget is None or watch.count < watch.budget))
 
 
 def plan_ahead(sched, plan: StepPlan) -> StepPlan | None:

@@ -151,6 +151,7 @@ class EngineWorker:
         (the loop then schedules as before: admissions, prefill, swaps, model transitions)."""
         loop = asyncio.get_running_loop()
         running = loop.run_in_executor(self._thread, self._run_step, plan)
+        planned_ahead = False  # whether ``plan`` was planned while the round before it ran
         while True:
             ahead = run_ahead.plan_ahead(sched, plan) if self._may_run_ahead() else None
             behind = loop.run_in_executor(self._thread, self._run_step, ahead) if ahead is not None else None
@@ -165,11 +166,11 @@ class EngineWorker:
                 plan, out = await self._isolate(run_ahead.fill_known(sched, plan))
             await self._send_outputs(sched.update_from_output(plan, out))
             self.host.touch()
-            self._log_round(plan, out)
+            self._log_round(plan, out, planned_ahead)
             self._log_interval()
             if behind is None:
                 return
-            plan, running = ahead, behind
+            plan, running, planned_ahead = ahead, behind, True
             await self._take_messages()  # an abort ends its lane now; an admission waits for a planned round
 
     def _run_step(self, plan: StepPlan) -> StepOutput:
@@ -515,8 +516,9 @@ class EngineWorker:
             failed: RequestFailed = refusal("engine_error", done.request_id, message)
             await self._last(done.request_id, failed.to_message())
 
-    def _log_round(self, plan: StepPlan, out: StepOutput) -> None:
-        """DEBUG ``ignis.engine.round``: one line a step, what the backend took (bench/bench_serving.py)."""
+    def _log_round(self, plan: StepPlan, out: StepOutput, planned_ahead: bool = False) -> None:
+        """DEBUG ``ignis.engine.round``: one line a step, what the backend took, and whether the step was
+        planned while the one before ran (bench/bench_serving.py)."""
         if log.isEnabledFor(logging.DEBUG):
             log.debug(
                 "ignis.engine.round",
@@ -524,6 +526,7 @@ class EngineWorker:
                     "decode_seconds": round(out.decode_seconds, 6),
                     "prefill_seconds": round(out.prefill_seconds, 6),
                     "lanes": len(plan.decode),
+                    "ahead": planned_ahead,
                 },
             )
 

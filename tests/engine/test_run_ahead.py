@@ -140,6 +140,24 @@ def test_a_dry_pool_preempts_as_the_synchronous_loop_does():
     assert_pool_drained(s2)
 
 
+def test_a_reasoning_channel_opened_mid_run_is_taken_back_as_sync_does():
+    """Each lane's thinking opens on a token it draws (rounds run ahead until then), then its budget
+    of 2 is spent and the thinking is taken back and closed (those rounds are synchronous)."""
+    reqs = requests(4, stops=False)
+    for r in reqs:
+        r.max_tokens = 14
+        start = expected_tokens(r, 14)[8]
+        r.reasoning = {"start_ids": [[start]], "end_ids": [[VOCAB + 1]], "close_ids": [7, 8], "max_tokens": 2}
+    (sync, _, books_sync, s1), (ahead, n_ahead, books_ahead, s2) = run_both(reqs)
+    assert n_ahead > 0 and s1.loop_guard_fired == s2.loop_guard_fired == {"budget": 4}
+    assert books_ahead == books_sync
+    for r in reqs:
+        assert [(o.token_ids, o.taken_back) for o in ahead[r.request_id] if isinstance(o, TokenEvent)] == [
+            (o.token_ids, o.taken_back) for o in sync[r.request_id] if isinstance(o, TokenEvent)
+        ]
+    assert_pool_drained(s2)
+
+
 def _aborted():
     from engine.sequence import SequenceStatus
 
