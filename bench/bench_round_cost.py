@@ -61,7 +61,9 @@ def measure(backend: CpuBackend, lanes: int, rounds: int) -> dict[str, float]:
     pool = ThreadPoolExecutor(max_workers=1)
     loop = asyncio.new_event_loop()
     noop = lambda: None  # noqa: E731
-    times: dict[str, list[float]] = {k: [] for k in ("step", "update", "to_message", "schedule", "plan_ahead", "handoff")}
+    times: dict[str, list[float]] = {
+        k: [] for k in ("step", "update", "to_message", "schedule", "plan_ahead", "handoff")
+    }
     clock = time.process_time
     plan = sched.schedule()
     for _ in range(rounds):
