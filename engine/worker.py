@@ -142,7 +142,7 @@ class EngineWorker:
         finally:
             receiver.cancel()
             publisher.cancel()
-            self._thread.shutdown(wait=False)
+            self._thread.shutdown(wait=False, cancel_futures=True)  # a round queued ahead never starts
 
     async def _run_rounds(self, sched, plan: StepPlan) -> None:
         """Run ``plan``, and while each round computes plan the next one ahead and hand it to the step
