@@ -12,7 +12,7 @@ import pytest
 from engine.backend import PENDING
 from engine.config import EngineConfig
 from engine.kv_manager import KVManager
-from engine.messages import ENGINE_CHANNEL, AddRequest, ConfigureEngine, RequestFinished, TokenEvent
+from engine.messages import ENGINE_CHANNEL, AbortRequest, AddRequest, ConfigureEngine, RequestFinished, TokenEvent
 from engine.run_ahead import plan_ahead
 from engine.scheduler import Scheduler
 from tests.engine.fake_backend import VOCAB, FakeBackend, FakeClock, tokens_of
@@ -283,6 +283,52 @@ def test_a_round_ahead_that_raises_ends_only_its_failing_lane(models):
 
     run(scenario)
     assert failed_ahead[0]  # the round that raised first was one planned ahead
+
+
+def test_an_abort_while_a_round_ahead_is_held_frees_its_lane_and_pages(models):
+    """A round planned ahead is held on the step thread (one more may be queued behind it) when
+    an abort arrives: the aborted lane ends at once with what it streamed, the rounds already
+    planned with its row throw that row away, and the books end empty."""
+    from tests.engine.test_worker import Engine, expected, reached, run
+
+    held: list[bool] = []  # per decode step entering the gate: a row fed PENDING
+    make = models.create_backend
+
+    def create_backend(name, config=None):
+        backend = make(name, config)
+        before = backend.before_step
+
+        def record(plan):
+            if plan.decode:
+                held.append(any(ln.token_id == PENDING for ln in plan.decode))
+            before(plan)
+
+        backend.before_step = record
+        return backend
+
+    models.create_backend = create_backend
+
+    async def scenario():
+        async with Engine(models, models.model("m1")) as e:
+            adds = [await e.submit(max_tokens=40) for _ in range(3)]
+            for add in adds:  # every lane has streamed a few tokens: rounds run ahead now
+                for _ in range(4):
+                    assert (await e.receive(add.reply_channel))["type"] == "engine.tokens"
+            models.step_gate.close()
+            await reached(models.step_gate.held)
+            assert held[-1]  # the round held is one planned ahead
+            await e.layer.send(ENGINE_CHANNEL, AbortRequest(adds[1].request_id).to_message())
+            await e.status()
+            models.step_gate.open()
+            tokens, last = await e.outcome(adds[1])
+            assert last["finish_reason"] == "abort" and tokens == expected(adds[1], 40)[4 : 4 + len(tokens)]
+            for add in (adds[0], adds[2]):
+                tokens, last = await e.outcome(add)
+                assert last["finish_reason"] == "length" and tokens == expected(add, 40)[4:]
+            stats = (await e.status())["stats"]
+            assert (stats["aborted"], stats["lanes_busy"], stats["kv_pages"]["used"]) == (1, 0, 0)
+
+    run(scenario)
 
 
 @pytest.fixture
