@@ -6,7 +6,9 @@ EngineThread), with an in-process Channels layer that bridges the two loops;
 ``channels_redis``. Its shape is nano-vllm's: take messages, ``schedule()``
 a plan, ``backend.step(plan)`` on one dedicated thread (so numpy or CUDA work
 leaves the event loop free), ``update_from_output()`` into per-request
-outputs, send them.
+outputs, send them. Plain decode rounds are planned ahead (``_run_rounds``,
+engine/run_ahead.py): round N+1 is queued on the step thread while N computes, and
+N's output is turned into events while N+1 computes.
 
 The worker is the engine's edge: it alone knows each request's reply channel
 and turns typed outputs into wire dicts. The model's life (load, switch, idle
