@@ -125,15 +125,16 @@ def quantile(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))]
 
 
-def engine_rounds(log_path: Path, start: float, end: float, lanes: int) -> list[tuple[float, float]]:
-    """(log time, decode seconds) of the decode-only rounds of ``lanes`` lanes logged in [start, end]."""
+def engine_rounds(log_path: Path, start: float, end: float, lanes: int) -> list[tuple[float, float, bool]]:
+    """(log time, decode seconds, planned ahead) of the decode-only rounds of ``lanes`` lanes logged in
+    [start, end]."""
     out = []
     for line in log_path.read_text(errors="replace").splitlines():
         if '"ignis.engine.round"' not in line:
             continue
         e = json.loads(line)
         if start <= e["ts"] <= end and e["lanes"] == lanes and not e["prefill_seconds"]:
-            out.append((e["ts"], e["decode_seconds"]))
+            out.append((e["ts"], e["decode_seconds"], bool(e.get("ahead"))))
     return out
 
 
@@ -159,7 +160,7 @@ def run_streams(base: str, model: str, log_path: Path, n: int, tokens: int) -> d
         gaps += [b - x for x, b in zip(a, a[1:]) if x >= start and b <= end]
         chunks += sum(1 for t in a if start < t <= end)
     logged = engine_rounds(log_path, start, end, n)
-    rounds = [seconds for _, seconds in logged]
+    rounds = [seconds for _, seconds, _ in logged]
     cadence = (logged[-1][0] - logged[0][0]) / (len(logged) - 1) if len(logged) > 1 else None
     ttfts = [r["arrivals"][0] - r["sent"] for r in results]
     return {
@@ -176,6 +177,7 @@ def run_streams(base: str, model: str, log_path: Path, n: int, tokens: int) -> d
         "round_median": statistics.median(rounds) if rounds else None,
         "cadence": cadence,
         "num_rounds": len(rounds),
+        "ahead_share": sum(a for *_, a in logged) / len(logged) if logged else None,
     }
 
 
@@ -186,14 +188,20 @@ def table(runs: list[dict]) -> list[str]:
     def ratio(a, b):
         return f"{a / b:.3f}x" if a and b else "-"
 
+    def share(v):
+        return f"{v:.0%}" if v is not None else "-"
+
+    def load(v):
+        return f"{v:.2f}" if v is not None else "-"
+
     def over(r):
         return f"{(r['itl_mean'] - r['round']) * 1000:.1f}" if r["itl_mean"] and r["round"] else "-"
 
     lines = [
         "| tree | streams | client inter-token mean / median / p90 (ms) | engine round mean / median (ms) "
         "| client / round: means; medians | engine cadence (ms) | client - round (ms) | TTFT median / max (ms) "
-        "| aggregate tok/s |",
-        "|" + "---|" * 9,
+        "| aggregate tok/s | rounds planned ahead | load |",
+        "|" + "---|" * 11,
     ]
     for run in runs:
         for r in run["figures"]:
@@ -202,7 +210,7 @@ def table(runs: list[dict]) -> list[str]:
                 f"{ms(r['itl_p90'])} | {ms(r['round'])} / {ms(r['round_median'])} "
                 f"| {ratio(r['itl_mean'], r['round'])}; {ratio(r['itl_median'], r['round_median'])} "
                 f"| {ms(r['cadence'])} | {over(r)} | {ms(r['ttft_median'])} / {ms(r['ttft_max'])} "
-                f"| {r['agg_tok_s']:.1f} |"
+                f"| {r['agg_tok_s']:.1f} | {share(r.get('ahead_share'))} | {load(run.get('load'))} |"
             )
     return lines
 
@@ -219,11 +227,19 @@ def main() -> None:
     ap.add_argument(
         "--spec", action="store_true", help="keep speculative rounds (then a round may commit several tokens)"
     )
+    ap.add_argument(
+        "--async-rounds",
+        choices=("on", "off", "default"),
+        default="default",
+        help="model.async_rounds for the server (rounds planned ahead, docs/ARCHITECTURE.md); default: the tree's",
+    )
     ap.add_argument("flags", nargs="*", help="extra flags for manage.py serve (after --)")
     ap.add_argument("--tiny", action="store_true", help="serve tests/models/tiny.py's 2-layer llama (ms rounds)")
     ap.add_argument("--render", action="store_true", help="run nothing: print (and --write) the runs in --results")
     args = ap.parse_args()
     flags = args.flags if args.spec else ["--spec-enabled", "false", *args.flags]
+    if args.async_rounds != "default":
+        flags = ["--model-async-rounds", "true" if args.async_rounds == "on" else "false", *flags]
     if args.render:
         render(json.loads(args.results.read_text()), args)
         return
@@ -250,6 +266,8 @@ def main() -> None:
                 proc.kill()
     run = {"label": args.label, "root": str(root), "commit": commit.stdout.strip() or None, "figures": figures}
     run["model"] = model
+    run["async_rounds"] = args.async_rounds
+    run["load"] = os.getloadavg()[0]  # the 1-minute load average as the run ended (a shared machine)
     runs = [run]
     if args.results:
         previous = json.loads(args.results.read_text()) if args.results.exists() else []

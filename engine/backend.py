@@ -24,6 +24,10 @@ from engine.memory import MemoryPlan
 from engine.model_config import ModelConfig
 from engine.sampling import SamplingParams
 
+# DecodeLane.token_id of a round planned ahead (Backend.supports_async_rounds): "the token this
+# lane drew in the step before", which the host does not know yet when it plans the round.
+PENDING = -1
+
 
 @dataclass
 class SampleRequest:
@@ -75,7 +79,8 @@ class PrefillSpan:
 
 @dataclass
 class DecodeLane:
-    """One row of a decode round: feed ``token_id`` at ``position``.
+    """One row of a decode round: feed ``token_id`` at ``position`` (PENDING: the token the
+    lane's row drew in the step before; the backend fills it in, engine/run_ahead.py).
 
     A speculating lane is several consecutive rows of one sequence (its last token,
     then its drafts, at consecutive positions): each row writes its K/V and attends
@@ -142,10 +147,15 @@ class Backend(abc.ABC):
     # How far the last step got: "plan" (nothing ran yet; the worker sets it), "swaps" (the
     # page copies ran or raised), "rows" (the swaps are done; the prefill or decode ran).
     step_stage: str = "plan"
+    # Rounds planned ahead (engine/run_ahead.py): a row may feed PENDING, the token its lane drew in
+    # the step before, which this backend keeps (``last_tokens``; on a GPU it would stay in a device
+    # buffer). False: the worker plans every round after the one before has come back.
+    supports_async_rounds: bool = False
 
     def __init__(self) -> None:
         self.config: ModelConfig | None = None
         self.plan: MemoryPlan | None = None
+        self.last_tokens: dict[int, int] = {}  # seq_id -> the token its last row drew in the last decode round
 
     @abc.abstractmethod
     def load(
@@ -188,6 +198,9 @@ class Backend(abc.ABC):
         import time
 
         out = StepOutput()
+        # The tokens a round planned ahead feeds, forgotten at once: should this step raise, the round
+        # queued behind it raises too (a KeyError in _fill_pending), never feeding older tokens.
+        last, self.last_tokens = self.last_tokens, {}
         self.step_stage = "swaps"  # where a step that raises got to (the worker's _isolate reads it)
         if plan.swap_out:
             self.swap_out(plan.swap_out)
@@ -200,6 +213,18 @@ class Backend(abc.ABC):
             out.prefill_seconds = time.perf_counter() - t0
         if plan.decode:
             t0 = time.perf_counter()
+            if self.supports_async_rounds:
+                _fill_pending(plan.decode, last)
             self.decode_round(plan.decode, out)
             out.decode_seconds = time.perf_counter() - t0
+            if self.supports_async_rounds:  # a lane's last row's draw is what its next row feeds
+                self.last_tokens = {ln.seq_id: int(t) for ln, t in zip(plan.decode, out.decode_tokens)}
         return out
+
+
+def _fill_pending(lanes: Sequence[DecodeLane], last: dict[int, int]) -> None:
+    """Rows feeding PENDING get the token their lane drew in the step before (``last``), written into
+    the lane (the host reads it only to run the row again: the worker's _isolate)."""
+    for ln in lanes:
+        if ln.token_id == PENDING:
+            ln.token_id = last[ln.seq_id]

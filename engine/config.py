@@ -35,6 +35,9 @@ class EngineConfig:
     # the decode round instead of a prefill pass (0 = never); engine/scheduler.py _admit_short.
     short_prefill: int = 16
     decode_share: float = 0.25  # model.decode_share (fraction of time the lanes keep)
+    # model.async_rounds: plan a decode round while the one before computes (engine/run_ahead.py)
+    # on a backend that can (Backend.supports_async_rounds); False: every round after the last one's output.
+    async_rounds: bool = True
     default_max_tokens: int = 1024  # model.default_max_tokens
     max_context: int = 8192  # model.max_context (clamped to the model's own)
     block_size: int = 16  # model.kv_block_size

@@ -97,6 +97,11 @@ class KVManager:
         return len(self.free_blocks) + len(self.evictable) + len(self.evictable_pinned)
 
     @property
+    def num_free_blocks(self) -> int:
+        """Blocks that hold nothing (taking one evicts no retained prefix)."""
+        return len(self.free_blocks)
+
+    @property
     def num_free_host_blocks(self) -> int:
         return len(self.free_host_blocks)
 

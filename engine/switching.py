@@ -22,6 +22,7 @@ LIVE_FIELDS = (
     "prefill_chunk",
     "short_prefill",
     "decode_share",
+    "async_rounds",
     "default_max_tokens",
     "spec_enabled",
     "spec_max_draft",

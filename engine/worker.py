@@ -6,7 +6,9 @@ EngineThread), with an in-process Channels layer that bridges the two loops;
 ``channels_redis``. Its shape is nano-vllm's: take messages, ``schedule()``
 a plan, ``backend.step(plan)`` on one dedicated thread (so numpy or CUDA work
 leaves the event loop free), ``update_from_output()`` into per-request
-outputs, send them.
+outputs, send them. Plain decode rounds are planned ahead (``_run_rounds``,
+engine/run_ahead.py): round N+1 is queued on the step thread while N computes, and
+N's output is turned into events while N+1 computes.
 
 The worker is the engine's edge: it alone knows each request's reply channel
 and turns typed outputs into wire dicts. The model's life (load, switch, idle
@@ -29,6 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
 
+from engine import run_ahead
 from engine.admission import compile_grammar
 from engine.backend import StepOutput, StepPlan
 from engine.config import EngineConfig
@@ -145,19 +148,55 @@ class EngineWorker:
                     # Nothing to run until a message arrives, the idle unload falls due or the gate opens.
                     await self._wait(host.idle_left() if plan is None else sched.prefill_wait())
                     continue
-                try:
-                    out = await self._step(plan)
-                except Exception:
-                    log.exception("ignis.engine.step_failed")
-                    plan, out = await self._isolate(plan)
-                await self._send_outputs(sched.update_from_output(plan, out))
-                host.touch()
-                self._log_round(plan, out)
-                self._log_interval()
+                await self._run_rounds(sched, plan)
         finally:
             receiver.cancel()
             publisher.cancel()
-            self._thread.shutdown(wait=False)
+            self._thread.shutdown(wait=False, cancel_futures=True)  # a round queued ahead never starts
+
+    async def _run_rounds(self, sched, plan: StepPlan) -> None:
+        """Run ``plan``, and while each round computes plan the next one ahead and hand it to the step
+        thread behind it (engine/run_ahead.py), so it starts the moment the one before ends; then turn
+        the finished round's output into events. Returns after a round nothing was planned ahead of
+        (the loop then schedules as before: admissions, prefill, swaps, model transitions)."""
+        loop = asyncio.get_running_loop()
+        running = loop.run_in_executor(self._thread, self._run_step, plan)
+        planned_ahead = False  # whether ``plan`` was planned while the round before it ran
+        while True:
+            ahead = run_ahead.plan_ahead(sched, plan) if self._may_run_ahead() else None
+            behind = loop.run_in_executor(self._thread, self._run_step, ahead) if ahead is not None else None
+            try:
+                out = await running
+            except Exception:
+                log.exception("ignis.engine.step_failed")
+                if behind is not None:  # it fed what the failed round drew: its output is no one's
+                    with contextlib.suppress(Exception):
+                        await behind
+                    behind = None
+                plan, out = await self._isolate(run_ahead.fill_known(sched, plan))
+            await self._send_outputs(sched.update_from_output(plan, out))
+            self.host.touch()
+            self._log_round(plan, out, planned_ahead)
+            self._log_interval()
+            if behind is None:
+                return
+            plan, running, planned_ahead = ahead, behind, True
+            await self._take_messages()  # an abort ends its lane now; an admission waits for a planned round
+
+    def _run_step(self, plan: StepPlan) -> StepOutput:
+        """On the step thread: one step (``step_stage`` set here, so a step queued behind another
+        never resets the stage of the one that runs)."""
+        backend = self.host.backend
+        backend.step_stage = "plan"
+        return backend.step(plan)
+
+    def _may_run_ahead(self) -> bool:
+        """Rounds may be planned ahead now: model.async_rounds, a backend that can, and nothing the
+        synchronous loop must see first (a message queued, a switch or unload due)."""
+        host = self.host
+        if not host.cfg.async_rounds or not getattr(host.backend, "supports_async_rounds", False):
+            return False
+        return not self._inbox and not host.switch_ready() and not host.unload_due()
 
     async def _tend_model(self) -> bool:
         """Run the model transition that is due, if one is (True: one ran)."""
@@ -487,8 +526,9 @@ class EngineWorker:
             failed: RequestFailed = refusal("engine_error", done.request_id, message)
             await self._last(done.request_id, failed.to_message())
 
-    def _log_round(self, plan: StepPlan, out: StepOutput) -> None:
-        """DEBUG ``ignis.engine.round``: one line a step, what the backend took (bench/bench_serving.py)."""
+    def _log_round(self, plan: StepPlan, out: StepOutput, planned_ahead: bool = False) -> None:
+        """DEBUG ``ignis.engine.round``: one line a step, what the backend took, and whether the step was
+        planned while the one before ran (bench/bench_serving.py)."""
         if log.isEnabledFor(logging.DEBUG):
             log.debug(
                 "ignis.engine.round",
@@ -496,6 +536,7 @@ class EngineWorker:
                     "decode_seconds": round(out.decode_seconds, 6),
                     "prefill_seconds": round(out.prefill_seconds, 6),
                     "lanes": len(plan.decode),
+                    "ahead": planned_ahead,
                 },
             )
 

@@ -44,6 +44,7 @@ class FakeClock:
 
 class FakeBackend(Backend):
     name = "fake"
+    supports_async_rounds = True  # the worker plans rounds ahead (engine/run_ahead.py) unless cfg says not
 
     def __init__(
         self,

@@ -56,6 +56,7 @@ class CpuBackend(Backend):
     # A lane's verify rows are rows of the round, each attending up to its own position
     # (tests/engine/test_spec_model.py: tokens identical to speculation off).
     max_round_rows = 16
+    supports_async_rounds = True  # rounds planned ahead: Backend.step fills PENDING rows (engine/run_ahead.py)
 
     def __init__(self, *, threads: int = 0, isa: str | None = None, cache_dir: str | None = None) -> None:
         """Compile (or find in the cache) the kernels now, so a factory can fall back before a load."""

@@ -55,6 +55,7 @@ class NumpyBackend(Backend):
     supports_prompt_logprobs = True
     releases_window_pages = True  # no row gathers a slot behind its own window (_window_start)
     max_round_rows = 16  # each row is a product row on the CPU: more costs time (docs/SPECULATION.md)
+    supports_async_rounds = True  # a row may feed PENDING: Backend.step fills it from last_tokens
 
     def __init__(self, *, blas_threads: int = 1) -> None:
         super().__init__()
