@@ -215,7 +215,9 @@ FIELDS: dict[str, Field] = {
             64,
         ),
         Field("model.decode_share", float, 0.25, "fraction of time decoding lanes keep during a prefill", 0.0, 0.95),
-        Field("model.async_rounds", bool, True, "plan each decode round while the one before computes (backends that can)"),
+        Field(
+            "model.async_rounds", bool, True, "plan each decode round while the one before computes (backends that can)"
+        ),
         Field("model.default_max_tokens", int, 1024, "generation cap when a request sets none", 1, 1 << 20),
         Field("model.max_context", int, 8192, "largest prompt + generation, in tokens", 64, 1 << 22),
         Field("model.kv_block_size", int, 16, "tokens per KV page", 1, 1024),
