@@ -63,8 +63,14 @@ def sample_row(row: np.ndarray, req: SampleRequest, position: int) -> tuple[int,
     if p.is_greedy:
         token = int(np.argmax(x))
     else:
-        x = process_logits(x, p)
-        token = draw(x, req.seed, position)
+        x = np.divide(x, np.float32(p.temperature), out=x)  # x is this row's own copy
+        live, vals = _truncate(x, p)
+        if live is None:
+            token = draw(x, req.seed, position)
+        else:
+            token = int(live[_draw_index(vals, req.seed, position)])
+            if req.want_logprobs:
+                x = _dense(x, live, vals)
     if not req.want_logprobs:
         return token, None
     return token, token_logprob(x, token, req.num_logprobs)
@@ -114,42 +120,163 @@ def suppress(x: np.ndarray, token_ids: Sequence[int]) -> None:
 def process_logits(x: np.ndarray, p: SamplingParams) -> np.ndarray:
     """Temperature, then top-k / top-p / min-p masks (masked entries become -inf)."""
     x = x / np.float32(p.temperature)
+    live, vals = _truncate(x, p)
+    return x if live is None else _dense(x, live, vals)
+
+
+def _truncate(x: np.ndarray, p: SamplingParams) -> tuple[np.ndarray | None, np.ndarray]:
+    """The masks of :func:`process_logits` on the temperature-scaled ``x`` (modified in place).
+
+    Returns ``(None, x)`` when ``x`` itself is the masked row, or ``(live, vals)``: the
+    ascending indices of the only entries left above -inf and their values (all finite),
+    the rest of the row being -inf -- what a small nucleus or top-k set is drawn from
+    without another pass over the vocabulary. Either way the same entries with the same
+    values as the one dense implementation (tests/engine/sampler_before.py keeps it)."""
     vocab = x.shape[0]
+    live = vals = None
     if 0 < p.top_k < vocab:
-        # Keep exactly top_k entries (ties at the boundary broken by argpartition).
-        drop = np.argpartition(-x, p.top_k)[p.top_k :]
-        x[drop] = -np.inf
+        live = _top_k_set(x, p.top_k)
+        if live is None:  # a tie at the boundary, or non-finite entries: argpartition decides, as ever
+            # Keep exactly top_k entries (ties at the boundary broken by argpartition).
+            drop = np.argpartition(-x, p.top_k)[p.top_k :]
+            x[drop] = -np.inf
+        else:
+            vals = x[live]
     if p.min_p > 0.0:
         # p_i >= min_p * p_max  <=>  x_i >= x_max + log(min_p)
-        x[x < x.max() + np.float32(np.log(p.min_p))] = -np.inf
+        if live is None:
+            x[x < x.max() + np.float32(np.log(p.min_p))] = -np.inf
+        else:
+            keep = ~(vals < vals.max() + np.float32(np.log(p.min_p)))
+            live, vals = live[keep], vals[keep]
     if p.top_p < 1.0:
-        _top_p_mask(x, p.top_p)
-    return x
+        if live is None:
+            finite = np.isfinite(x)
+            if finite.all():
+                live = _nucleus(x, p.top_p)
+                return live, x[live]
+            live = np.flatnonzero(finite)
+            if np.count_nonzero(x == -np.inf) + len(live) < vocab:  # NaN or +inf entries: the dense mask
+                _top_p_mask(x, p.top_p)
+                return None, x
+            vals = x[live]
+        kept = _nucleus(vals, p.top_p)
+        live, vals = live[kept], vals[kept]
+    return (None, x) if live is None else (live, vals)
 
 
-_TOP_P_BINS_PER_LOGIT = np.float32(16)  # histogram bins of the top-p cut per logit unit
+def _dense(x: np.ndarray, live: np.ndarray, vals: np.ndarray) -> np.ndarray:
+    """The row of :func:`_truncate`'s ``(live, vals)``: -inf everywhere else."""
+    out = np.full_like(x, -np.inf)
+    out[live] = vals
+    return out
+
+
+_TOP_K_REACH = (4.0, 8.0, 16.0, 32.0)  # logits below the best searched for the top-k set, widening
+
+
+def _top_k_set(x: np.ndarray, k: int) -> np.ndarray | None:
+    """Ascending indices of the ``k`` largest entries when the k-th is strictly above the
+    (k+1)-th (the set is then unique: argpartition's too) and all are finite; else None.
+
+    The k+1 largest are looked for among the entries within a few logits of the best,
+    one comparison pass, instead of a selection over the whole row."""
+    best = x.max()
+    if not np.isfinite(best):
+        return None
+    for reach in _TOP_K_REACH:
+        cand = np.flatnonzero(x >= best - np.float32(reach))
+        if len(cand) > k:
+            break
+    else:
+        return None
+    vals = x[cand]
+    part = np.partition(vals, [len(vals) - k - 1, len(vals) - k])
+    kth, after = part[len(vals) - k], part[len(vals) - k - 1]
+    if not kth > after:
+        return None
+    return cand[vals >= kth]
+
+
+_TOP_P_BINS_PER_LOGIT = 16  # the histogram of the dense fallback (_nucleus_by_bins): bins per logit
 _TOP_P_BINS = 512  # 32 logit units; everything further below the best shares the last bin
 
 
-def _top_p_mask(x: np.ndarray, top_p: float) -> None:
-    """Keep the smallest prefix of the (stable) descending order whose mass reaches
-    ``top_p`` (always >= 1 token), over the survivors of top-k / min-p.
+def _nucleus(xl: np.ndarray, top_p: float) -> np.ndarray:
+    """Ascending positions in ``xl`` (the survivors, all finite) of the smallest prefix of
+    their stable descending order whose mass reaches ``top_p`` (always >= 1 token).
 
-    Only a prefix can survive, so only the candidates above a cut are sorted. The
-    cut comes from one histogram of the survivors' mass by distance below the best
-    logit (bins of 1/16): the first bins whose mass reaches ``top_p``. A bin holds
-    every entry tied with any of its entries, so the candidates are exactly a prefix
-    of the full stable order, and their sorted cumulative sum is the full sort's; the
-    cut widens a bin if rounding leaves their mass short. A full argsort of a
-    50k-152k vocabulary costs milliseconds per row; this costs a few passes over it.
+    Mass is float64: e = exp(x - best), probs = e / e.sum(), and entry j is kept while
+    ``cumsum(probs) - probs`` (the mass before it, summed in that order) is below top_p.
+    Only a prefix can survive, so only candidates {x >= t} (a prefix of the stable order,
+    ties included) are sorted: t a few logits below the best, found by float32 masses
+    (:func:`_candidates`); a float64 mass short of top_p takes every survivor. A stable
+    argsort of a 50k-152k vocabulary costs milliseconds per row; this costs a few passes
+    over it and one sort of the candidates' keys (:func:`_descending`).
+
+    Two prefixes reaching top_p keep the same entries unless rounding makes a mass before
+    an entry fall below top_p past the point where the cumulative sum reached it (within
+    one ulp of top_p); then the histogram cut this sampler always used decides
+    (:func:`_nucleus_by_bins`), so the kept set never depends on the candidates.
     """
-    finite = np.isfinite(x)
-    live = None if finite.all() else np.flatnonzero(finite)  # None: every entry (no earlier mask)
-    xl = x if live is None else x[live]
+    n = xl.shape[0]
+    best = xl.max()
+    a = xl.astype(np.float64) - float(best)
+    e = np.exp(a)
+    total = e.sum()
+    cand = _candidates(xl, best, e, top_p * total)
+    while True:
+        if cand is None:
+            cand = np.arange(n)
+        idx = _descending(xl, cand)
+        probs = e[idx] / total
+        cum = np.cumsum(probs)
+        if len(idx) == n or cum[-1] >= top_p + 1e-12:
+            break
+        cand = None  # short, or too close to call where a longer prefix could differ: every survivor
+    keep = cum - probs < top_p
+    if keep[1:].any() and cum[:-1][keep[1:]].max() >= top_p:  # a rounding flip past the top_p point
+        return np.sort(_nucleus_by_bins(xl, top_p))
+    return np.sort(idx[keep])
+
+
+def _candidates(xl: np.ndarray, best: np.float32, e: np.ndarray, goal: float) -> np.ndarray | None:
+    """Ascending indices {x >= best - reach} for a reach whose float32 mass looks like reaching ``goal``
+    (a guess: the caller checks the float64 mass): doubling from 4 logits, then three quarters of the
+    last if that is enough; None past 32 logits (every survivor)."""
+    e32 = e.astype(np.float32)
+    goal = goal * (1 + 1e-4)  # float32 products and sums: a little more than asked
+    mass = lambda r: float(np.dot(e32, (xl >= best - np.float32(r)).astype(np.float32)))  # noqa: E731
+    hi = 4.0
+    while mass(hi) < goal:
+        if hi >= 32.0:
+            return None
+        hi *= 2
+    mid = hi * 0.75
+    if mass(mid) >= goal:
+        hi = mid
+    return np.flatnonzero(xl >= best - np.float32(hi))
+
+
+def _descending(x: np.ndarray, idx: np.ndarray) -> np.ndarray:
+    """``idx`` (ascending indices) in the stable descending order of ``x[idx]`` (finite): one sort of
+    64-bit keys (an order-preserving map of -x, then the index), the same permutation as
+    ``idx[argsort(-x[idx], kind="stable")]`` at a fraction of a merge sort's cost."""
+    v = (np.float32(0.0) - x[idx]).view(np.uint32)  # 0 - x: -0.0 and +0.0 both +0.0, tied as < ties them
+    key = np.where(v >> np.uint32(31), ~v, v | np.uint32(0x80000000)).astype(np.uint64) << np.uint64(32)
+    key |= idx.astype(np.uint64)
+    key.sort()
+    return (key & np.uint64(0xFFFFFFFF)).astype(np.intp)
+
+
+def _nucleus_by_bins(xl: np.ndarray, top_p: float) -> np.ndarray:
+    """:func:`_nucleus`'s positions (in no order) with its candidates cut by one histogram of the
+    survivors' mass by distance below the best logit (bins of 1/16): the first bins whose mass
+    reaches top_p, widened a bin while rounding leaves their mass short."""
     best = xl.max()
     e = np.exp(xl.astype(np.float64) - float(best))
     total = e.sum()
-    bins = np.minimum((best - xl) * _TOP_P_BINS_PER_LOGIT, np.float32(_TOP_P_BINS - 1)).astype(np.intp)
+    bins = np.minimum((best - xl) * np.float32(_TOP_P_BINS_PER_LOGIT), np.float32(_TOP_P_BINS - 1)).astype(np.intp)
     mass = np.cumsum(np.bincount(bins, weights=e, minlength=_TOP_P_BINS))
     last = int(np.searchsorted(mass, top_p * total))  # first bin whose cumulative mass reaches top_p
     while True:
@@ -160,15 +287,17 @@ def _top_p_mask(x: np.ndarray, top_p: float) -> None:
         if len(cand) == len(xl) or cum[-1] >= top_p:
             break
         last += 1
-    kept = idx[cum - probs < top_p]
-    if live is None:  # the nucleus is small: rewrite the row around it
-        vals = x[kept]
-        x.fill(-np.inf)
-        x[kept] = vals
-    else:
-        keep = np.zeros(len(live), dtype=bool)
-        keep[kept] = True
-        x[live[~keep]] = -np.inf
+    return idx[cum - probs < top_p]
+
+
+def _top_p_mask(x: np.ndarray, top_p: float) -> None:
+    """Keep the smallest prefix of the (stable) descending order whose mass reaches
+    ``top_p`` (always >= 1 token) over the finite entries, in place; NaN and +inf entries
+    are left as they are (rows :func:`_truncate` does not take apart)."""
+    live = np.flatnonzero(np.isfinite(x))
+    keep = np.zeros(len(live), dtype=bool)
+    keep[_nucleus(x[live], top_p)] = True
+    x[live[~keep]] = -np.inf
 
 
 def draw(x: np.ndarray, seed: int, position: int) -> int:
@@ -178,15 +307,54 @@ def draw(x: np.ndarray, seed: int, position: int) -> int:
     leaving them out changes no token, and a top-p row then costs its nucleus, not
     the vocabulary.
     """
-    live = np.flatnonzero(x > -np.inf)
-    probs = _softmax64(x[live])
+    above = x > -np.inf
+    if above.all():
+        return _draw_index(x, seed, position)
+    live = np.flatnonzero(above)
+    return int(live[_draw_index(x[live], seed, position)])
+
+
+_DRAW_BLOCK = 256  # entries a block of the draw's two-level search
+
+
+def _draw_index(vals: np.ndarray, seed: int, position: int) -> int:
+    """The position in ``vals`` (the row's entries above -inf, in index order) of the draw: the
+    first j with cdf[j] > u * cdf[-1], cdf the float64 cumulative sum of softmax(vals)."""
+    probs = _softmax64(vals)
+    u = _uniform(seed, position)
+    if probs.shape[0] > 4 * _DRAW_BLOCK:
+        j = _search_blocks(probs, u)
+        if j is not None:
+            return j
     cdf = np.cumsum(probs)
-    u = _uniform(seed, position) * cdf[-1]
-    j = int(np.searchsorted(cdf, u, side="right"))
+    j = int(np.searchsorted(cdf, u * cdf[-1], side="right"))
     if j >= cdf.shape[0] or probs[j] == 0.0:
         # u rounded up to the total mass: take the last token that has any.
         j = int(np.flatnonzero(probs)[-1])
-    return int(live[j])
+    return j
+
+
+def _search_blocks(probs: np.ndarray, u: float) -> int | None:
+    """:func:`_draw_index`'s j from block sums and one block's cumulative sum, or None when that
+    cannot tell. Either way of summing is within ``n`` roundings of 2^-53 of the exact partial
+    sums (all <= 1), so a j whose two partial sums lie further than twice that from u times the
+    total is the full cumulative sum's j: one pass over the row instead of a sequential sum."""
+    n = probs.shape[0]
+    margin = 4 * n * 2.0**-53
+    blocks = np.cumsum(np.add.reduceat(probs, np.arange(0, n, _DRAW_BLOCK)))
+    target = u * blocks[-1]
+    b = int(np.searchsorted(blocks, target, side="right"))
+    if b >= blocks.shape[0]:
+        return None
+    lo = blocks[b - 1] if b else 0.0
+    local = lo + np.cumsum(probs[b * _DRAW_BLOCK : (b + 1) * _DRAW_BLOCK])
+    k = int(np.searchsorted(local, target, side="right"))
+    if k >= local.shape[0]:
+        return None
+    prev = local[k - 1] if k else lo
+    if not ((b == 0 and k == 0) or prev < target - margin) or not local[k] > target + margin:
+        return None
+    return b * _DRAW_BLOCK + k
 
 
 def token_logprob(x: np.ndarray, token: int, num_top: int) -> TokenLogprob:
