@@ -221,8 +221,8 @@ def _nucleus(xl: np.ndarray, top_p: float) -> np.ndarray:
     """
     n = xl.shape[0]
     best = xl.max()
-    a = xl.astype(np.float64) - float(best)
-    e = np.exp(a)
+    e = np.subtract(xl, float(best), dtype=np.float64)  # xl's float64 values less best's: exact, then rounded
+    e = np.exp(e, out=e)
     total = e.sum()
     cand = _candidates(xl, best, e, top_p * total)
     while True:
@@ -380,11 +380,27 @@ def _softmax64(x: np.ndarray) -> np.ndarray:
     return e / e.sum()
 
 
+_PHILOX_M = (0xD2E7470EE14C6C93, 0xCA5A826395121157)  # Philox4x64's multipliers
+_PHILOX_W = (0x9E3779B97F4A7C15, 0xBB67AE8584CAA73B)  # and its key's increments (Weyl)
+
+
 def uniform(seed: int, position: int, stream: int = 0) -> float:
     """The uniform in [0, 1) keyed by ``(seed, position)``; ``stream`` > 0 gives further
-    independent ones of the same key (Philox counter), as speculative acceptance needs."""
-    key = np.array([int(seed) & _MASK64, int(position) & _MASK64], dtype=np.uint64)
-    return float(np.random.Generator(np.random.Philox(key=key, counter=int(stream))).random())
+    independent ones of the same key (Philox counter), as speculative acceptance needs.
+
+    numpy's ``Generator(Philox(key=[seed, position], counter=stream)).random()``, bit for
+    bit (tests/engine/test_sampler.py checks), computed here on Python integers: its first
+    64-bit word of Philox4x64-10 at counter + 1, as a double of its top 53 bits. A
+    Generator's construction cost more than the row's draw it keyed."""
+    k0, k1 = int(seed) & _MASK64, int(position) & _MASK64
+    c = (int(stream) + 1) % (1 << 256)
+    c0, c1, c2, c3 = c & _MASK64, (c >> 64) & _MASK64, (c >> 128) & _MASK64, c >> 192
+    for r in range(10):
+        if r:
+            k0, k1 = (k0 + _PHILOX_W[0]) & _MASK64, (k1 + _PHILOX_W[1]) & _MASK64
+        p0, p1 = _PHILOX_M[0] * c0, _PHILOX_M[1] * c2
+        c0, c1, c2, c3 = (p1 >> 64) ^ c1 ^ k0, p1 & _MASK64, (p0 >> 64) ^ c3 ^ k1, p0 & _MASK64
+    return (c0 >> 11) * 2.0**-53
 
 
 _uniform = uniform

@@ -390,3 +390,16 @@ def test_rows_with_nan_or_inf_keep_the_dense_behaviour():
                 assert got is want
             else:
                 np.testing.assert_array_equal(got, want)
+
+
+def test_uniform_is_numpys_philox():
+    """The draw's uniform: numpy's Philox generator's first double for key (seed, position), counter stream."""
+    m = (1 << 64) - 1
+    rng = np.random.default_rng(9)
+    keys = [(0, 0, 0), (1, 5, 0), (m, m, 7), (2**63, 3, m), (-1, -5, 3), (12345, 2**40, 2**64 + 5)]
+    keys += [tuple(int(v) for v in k) for k in zip(rng.integers(0, 2**63, 500), rng.integers(0, 2**40, 500),
+                                                   rng.integers(0, 20, 500))]  # fmt: skip
+    for seed, pos, stream in keys:
+        key = np.array([seed & m, pos & m], dtype=np.uint64)
+        want = float(np.random.Generator(np.random.Philox(key=key, counter=stream)).random())
+        assert sampler.uniform(seed, pos, stream) == want, (seed, pos, stream)
