@@ -220,7 +220,12 @@ def main() -> None:
     ap.add_argument("--llamacpp-python", default="", help="an interpreter with llama-cpp-python installed")
     ap.add_argument("--skip-numpy", action="store_true")
     ap.add_argument("--write", action="store_true")
+    ap.add_argument(
+        "--spincount", default="", help="GOMP_SPINCOUNT for the kernels' threads (libgomp's default: 300000)"
+    )
     args = ap.parse_args()
+    if args.spincount:  # read once, when libgomp loads with the kernels (in load below)
+        os.environ["GOMP_SPINCOUNT"] = args.spincount
     names = ("cpu",) if args.skip_numpy else ("cpu", "numpy")
     backends = {name: load(name, args.threads) for name in names}
     load_before = os.getloadavg()[0]
@@ -229,7 +234,8 @@ def main() -> None:
     lc = llama_cpp(args.llamacpp_python, args.threads, args.reps) if args.llamacpp_python else None
     body = [
         f"Load average (1 min) before / after: {load_before:.1f} / {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores "
-        f"(a shared machine: every figure is a median of {args.reps} rounds); threads {args.threads}; "
+        f"(a shared machine: every figure is a median of {args.reps} rounds); threads {args.threads} "
+        f"(GOMP_SPINCOUNT {os.environ.get('GOMP_SPINCOUNT', 'unset')}); "
         f"cpu backend ISA {backends['cpu'].isa}, KV cache float16.",
         "",
         "| | " + " | ".join(names) + (" | llama.cpp" if lc else "") + " |",
