@@ -241,20 +241,34 @@ def _nucleus(xl: np.ndarray, top_p: float) -> np.ndarray:
 
 
 def _candidates(xl: np.ndarray, best: np.float32, e: np.ndarray, goal: float) -> np.ndarray | None:
-    """Ascending indices {x >= best - reach} for a reach whose float32 mass looks like reaching ``goal``
-    (a guess: the caller checks the float64 mass): doubling from 4 logits, then three quarters of the
-    last if that is enough; None past 32 logits (every survivor)."""
-    e32 = e.astype(np.float32)
-    goal = goal * (1 + 1e-4)  # float32 products and sums: a little more than asked
-    mass = lambda r: float(np.dot(e32, (xl >= best - np.float32(r)).astype(np.float32)))  # noqa: E731
-    hi = 4.0
-    while mass(hi) < goal:
-        if hi >= 32.0:
-            return None
-        hi *= 2
-    mid = hi * 0.75
-    if mass(mid) >= goal:
-        hi = mid
+    """Ascending indices {x >= best - reach} whose mass looks like exceeding ``goal`` (the caller checks
+    its own float64 sum); None when 32 logits below the best hold too little (every survivor).
+
+    The reach is 8 logits halved three times within those candidates (passes over them, not the row)
+    when they hold the mass (a peaked row); else 16 or 32 logits halved twice on float32 masses over
+    the row (a flat one: compacting its many candidates at each step would cost more). Masses are dot
+    products: a boolean mask's compaction costs several times more."""
+    goal = goal * (1 + 1e-9)  # a hair more than asked: the caller's sum is another order's
+    cand = np.flatnonzero(xl >= best - np.float32(8.0))
+    ec = e[cand]
+    if ec.sum() > goal:
+        xc, lo, hi = xl[cand], 0.0, 8.0
+        for _ in range(3):
+            mid = (lo + hi) / 2
+            lo, hi = (lo, mid) if float(np.dot(ec, xc >= best - np.float32(mid))) > goal else (mid, hi)
+        return cand[np.flatnonzero(xc >= best - np.float32(hi))]
+    e32, goal32 = e.astype(np.float32), goal * (1 + 1e-4)  # float32 sums: a little more again
+    mass = lambda r: float(np.dot(e32, xl >= best - np.float32(r)))  # noqa: E731
+    lo = 8.0
+    for hi in (16.0, 32.0):
+        if mass(hi) > goal32:
+            break
+        lo = hi
+    else:
+        return None
+    for _ in range(2):
+        mid = (lo + hi) / 2
+        lo, hi = (lo, mid) if mass(mid) > goal32 else (mid, hi)
     return np.flatnonzero(xl >= best - np.float32(hi))
 
 
