@@ -209,7 +209,7 @@ def test_logprobs_under_truncation_renormalize():
 
 # --- the sampler's partial passes against the dense implementation and plain references ---------
 
-from engine import sampler  # noqa: E402
+from engine import sampler, truncation  # noqa: E402
 
 from . import sampler_before  # noqa: E402  (the dense implementation, as it was)
 
@@ -319,7 +319,7 @@ def test_descending_is_the_stable_argsort():
         x[rng.integers(0, n, max(1, n // 50))] = np.float32(3e38)
         x[rng.integers(0, n, max(1, n // 50))] = np.float32(-3e38)
         idx = np.sort(rng.choice(n, size=max(1, n // 2), replace=False))
-        np.testing.assert_array_equal(sampler._descending(x, idx), idx[np.argsort(-x[idx], kind="stable")])
+        np.testing.assert_array_equal(truncation.descending(x, idx), idx[np.argsort(-x[idx], kind="stable")])
 
 
 def test_nucleus_at_its_boundaries_is_the_histogram_cut():
@@ -335,8 +335,8 @@ def test_nucleus_at_its_boundaries_is_the_histogram_cut():
         for k in rng.integers(0, min(len(cum), 3000), 4):
             for top_p in (cum[k], np.nextafter(cum[k], 0), np.nextafter(cum[k], 2)):
                 if 0 < top_p < 1:
-                    got = sampler._nucleus(xl, float(top_p))
-                    np.testing.assert_array_equal(got, np.sort(sampler._nucleus_by_bins(xl, float(top_p))))
+                    got = truncation.nucleus(xl, float(top_p))
+                    np.testing.assert_array_equal(got, np.sort(truncation.nucleus_by_bins(xl, float(top_p))))
 
 
 def test_block_search_is_the_cumulative_sums_answer_or_declines():
