@@ -8,11 +8,16 @@ One run prints one table (machine, load, command and date with it):
   rounds a turn and the second timed (so a round follows its own backend's,
   as in a server and as llama.cpp's consecutive evals);
 * cold prompts of 64 and 1,000 tokens (one prefill span each, fresh pages);
-* where a cpu round goes at each width: the forward, the lm_head and the sampler apart;
+* where a cpu round goes at each width, timed inside ``decode_round`` itself
+  (consecutive cpu rounds): the forward and the lm_head (the two C calls), the
+  sampler, and the rest (the Python around them: staging, cffi), which add up
+  to the round by construction;
 * llama.cpp (llama-cpp-python, when ``--llamacpp-python`` names an interpreter
   that has it) on the same file with the same threads: one stream's decode
-  (``Llama.eval`` of one token after a 256-token prompt) and the same prompts,
-  timed in a child process of this run.
+  after a 256-token prompt, ``Llama.eval`` of one token then ``Llama.sample``
+  with its own sampler chain (temperature 0.7, top-p 0.9, as ours), so both
+  sides' rounds include drawing the token (eval alone is printed too), and
+  the same prompts, timed in a child process of this run.
 
     .venv/bin/python bench/bench_cpu.py --threads 2 --llamacpp-python /work/venv-llamacpp/bin/python --write
 
@@ -30,8 +35,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-
-import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -65,10 +68,14 @@ for n in map(int, prompts.split(",")):
     for _ in range(reps):
         llm.reset(); p = toks(n); t0 = time.perf_counter(); llm.eval(p); ts.append(time.perf_counter() - t0)
     out["prompt"][n] = sorted(ts)[len(ts) // 2]
-llm.reset(); llm.eval(toks(context)); ts = []
+llm.reset(); llm.eval(toks(context)); ts, tss = [], []
+# its own sampler chain, built once (as a server keeps one): temperature 0.7, top-p 0.9, as ours below
+llm._sampler = llm._init_sampler(top_k=0, top_p=0.9, min_p=0.0, temp=0.7)
 for _ in range(8 * reps):
-    t0 = time.perf_counter(); llm.eval(toks(1)); ts.append(time.perf_counter() - t0)
+    t0 = time.perf_counter(); llm.eval(toks(1)); t1 = time.perf_counter(); llm.sample(); t2 = time.perf_counter()
+    ts.append(t1 - t0); tss.append(t2 - t0)
 out["decode"] = sorted(ts)[len(ts) // 2]
+out["decode_sampled"] = sorted(tss)[len(tss) // 2]
 print(json.dumps(out))
 """
 
@@ -130,37 +137,70 @@ def bench(backends: dict, reps: int, rng: random.Random) -> dict:
     return {k: statistics.median(v) for k, v in times.items()}
 
 
-def split(backend, reps: int, rng: random.Random) -> dict:
-    """Where a cpu decode round goes, per width: the forward (every layer, one C call), the lm_head
-    (the second C call) and the Python sampler; median wall ms and median process CPU ms of each.
+class _Timed:
+    """Stands in for an object (the kernels' ``lib``, the sampler module) and adds up the wall and
+    CPU seconds of the named calls made through it."""
 
-    Run after ``bench`` on the same lanes and positions (their K/V rewritten, the contexts as long)."""
-    from engine import sampler
-    from engine.backend import DecodeLane, SampleRequest
+    def __init__(self, inner, names: tuple[str, ...]):
+        self._inner, self.spent = inner, {n: [0.0, 0.0] for n in names}
+
+    def __getattr__(self, name: str):
+        f = getattr(self._inner, name)
+        if name not in self.spent:
+            return f
+
+        def timed(*args):
+            w, c = time.perf_counter(), time.process_time()
+            try:
+                return f(*args)
+            finally:
+                self.spent[name][0] += time.perf_counter() - w
+                self.spent[name][1] += time.process_time() - c
+
+        return timed
+
+
+def split(backend, reps: int, rng: random.Random) -> dict:
+    """Where a cpu decode round goes, per width: ``decode_round`` timed whole, and inside it the
+    forward (every layer, one C call), the lm_head (the second C call), the sampler and the rest
+    (staging arrays, cffi, the Python between), the rest being the round less the other three;
+    median wall ms and median process CPU ms of each (medians of parts need not add up exactly).
+
+    Run after ``bench`` on the same lanes and positions (their K/V rewritten, the contexts as long),
+    cpu rounds only, back to back as a server's."""
+    from engine.backend import DecodeLane, SampleRequest, StepOutput
+    from engine.backends.cpu import backend as cpu_backend
     from engine.sampling import SamplingParams
 
     sample = SampleRequest(SamplingParams(temperature=0.7, top_p=0.9), seed=1)
     vocab, bs = backend.config.vocab_size, backend.block_size
     per = -(-(CONTEXT + reps + 8) // bs)
+    model, lib, sampler = backend.model, backend.model.lib, cpu_backend.sampler
+    model.lib = kernels = _Timed(lib, ("ig_forward", "ig_logits"))
+    cpu_backend.sampler = drawn = _Timed(sampler, ("sample_rows",))
     out = {}
-    for n in WIDTHS:
-        parts = {"forward": [], "lm_head": [], "sampling": []}
-        for r in range(reps):
-            lanes = [DecodeLane(i, rng.randrange(100, vocab), CONTEXT + r, list(range(i * per, (i + 1) * per)), sample)
-                     for i in range(n)]  # fmt: skip
-            h = np.random.default_rng(r).standard_normal((n, backend.config.hidden_size)).astype(np.float32)
-            w0, c0 = time.perf_counter(), time.process_time()
-            logits = backend.decode_logits(lanes)
-            w1, c1 = time.perf_counter(), time.process_time()
-            backend.model.logits(h)
-            w2, c2 = time.perf_counter(), time.process_time()
-            sampler.sample_rows(logits, [ln.sample for ln in lanes], [ln.position + 1 for ln in lanes])
-            w3, c3 = time.perf_counter(), time.process_time()
-            # decode_logits is forward + lm_head: the lm_head's own time is taken off it
-            parts["forward"].append(((w1 - w0) - (w2 - w1), (c1 - c0) - (c2 - c1)))
-            parts["lm_head"].append((w2 - w1, c2 - c1))
-            parts["sampling"].append((w3 - w2, c3 - c2))
-        out[n] = {k: tuple(statistics.median(x[i] for x in v) * 1e3 for i in (0, 1)) for k, v in parts.items()}
+    try:
+        for n in WIDTHS:
+            parts = {k: [] for k in ("round", "forward", "lm_head", "sampling", "rest")}
+            for r in range(reps + 1):
+                lanes = [DecodeLane(i, rng.randrange(100, vocab), CONTEXT + r, list(range(i * per, (i + 1) * per)),
+                                    sample) for i in range(n)]  # fmt: skip
+                for acc in (*kernels.spent.values(), *drawn.spent.values()):
+                    acc[:] = [0.0, 0.0]
+                w0, c0 = time.perf_counter(), time.process_time()
+                backend.decode_round(lanes, StepOutput())
+                whole = (time.perf_counter() - w0, time.process_time() - c0)
+                if not r:
+                    continue  # the first follows another width's round
+                f, h, s = kernels.spent["ig_forward"], kernels.spent["ig_logits"], drawn.spent["sample_rows"]
+                parts["round"].append(whole)
+                parts["forward"].append(tuple(f))
+                parts["lm_head"].append(tuple(h))
+                parts["sampling"].append(tuple(s))
+                parts["rest"].append(tuple(whole[i] - f[i] - h[i] - s[i] for i in (0, 1)))
+            out[n] = {k: tuple(statistics.median(x[i] for x in v) * 1e3 for i in (0, 1)) for k, v in parts.items()}
+    finally:
+        model.lib, cpu_backend.sampler = lib, sampler
     return out
 
 
@@ -180,7 +220,12 @@ def main() -> None:
     ap.add_argument("--llamacpp-python", default="", help="an interpreter with llama-cpp-python installed")
     ap.add_argument("--skip-numpy", action="store_true")
     ap.add_argument("--write", action="store_true")
+    ap.add_argument(
+        "--spincount", default="", help="GOMP_SPINCOUNT for the kernels' threads (libgomp's default: 300000)"
+    )
     args = ap.parse_args()
+    if args.spincount:  # read once, when libgomp loads with the kernels (in load below)
+        os.environ["GOMP_SPINCOUNT"] = args.spincount
     names = ("cpu",) if args.skip_numpy else ("cpu", "numpy")
     backends = {name: load(name, args.threads) for name in names}
     load_before = os.getloadavg()[0]
@@ -189,7 +234,8 @@ def main() -> None:
     lc = llama_cpp(args.llamacpp_python, args.threads, args.reps) if args.llamacpp_python else None
     body = [
         f"Load average (1 min) before / after: {load_before:.1f} / {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores "
-        f"(a shared machine: every figure is a median of {args.reps} rounds); threads {args.threads}; "
+        f"(a shared machine: every figure is a median of {args.reps} rounds); threads {args.threads} "
+        f"(GOMP_SPINCOUNT {os.environ.get('GOMP_SPINCOUNT', 'unset')}); "
         f"cpu backend ISA {backends['cpu'].isa}, KV cache float16.",
         "",
         "| | " + " | ".join(names) + (" | llama.cpp" if lc else "") + " |",
@@ -197,7 +243,11 @@ def main() -> None:
     ]
     for n in WIDTHS:
         cells = [f"{t[name, n] * 1e3:.1f} ms, {n / t[name, n]:.0f} tok/s" for name in names]
-        extra = [f"{lc['decode'] * 1e3:.1f} ms, {1 / lc['decode']:.0f} tok/s" if n == 1 else "-"] if lc else []
+        extra = (
+            [f"{lc['decode_sampled'] * 1e3:.1f} ms, {1 / lc['decode_sampled']:.0f} tok/s" if n == 1 else "-"]
+            if lc
+            else []
+        )
         body.append(
             f"| decode, {n} lane{'s' if n > 1 else ''} (round, aggregate) | " + " | ".join(cells + extra) + " |"
         )
@@ -213,17 +263,21 @@ def main() -> None:
         c = "cpu"
         body += [
             "",
-            f"llama.cpp: llama-cpp-python {lc['version']}. Targets (issue 19): one lane >= llama.cpp's stream: "
-            f"{1 / t[c, 1]:.0f} vs {1 / lc['decode']:.0f} tok/s; 8 lanes >= 3x its stream: {8 / t[c, 8]:.0f} vs "
-            f"{3 / lc['decode']:.0f} tok/s; 8-lane round <= 2x the 1-lane round: {t[c, 'ratio']:.2f}x; cold 1,000-token "
+            f"llama.cpp: llama-cpp-python {lc['version']}; its decode row is ``eval`` of one token then ``sample`` "
+            f"(temperature 0.7, top-p 0.9, as ours; ``eval`` alone {lc['decode'] * 1e3:.1f} ms). "
+            f"Targets (issue 19): one lane >= llama.cpp's stream: "
+            f"{1 / t[c, 1]:.0f} vs {1 / lc['decode_sampled']:.0f} tok/s; 8 lanes >= 3x its stream: {8 / t[c, 8]:.0f} vs "
+            f"{3 / lc['decode_sampled']:.0f} tok/s; 8-lane round <= 2x the 1-lane round: {t[c, 'ratio']:.2f}x; "
+            f"cold 1,000-token "
             f"prompt <= 1.5x llama.cpp's: {t[c, 'p1000']:.3f} vs {1.5 * lc['prompt']['1000']:.3f} s.",
         ]
     body += [
         "",
-        "Where a cpu round goes (median wall ms / median CPU ms of the process, both threads' CPU counted):",
+        "Where a cpu round goes, timed inside `decode_round` (cpu rounds back to back; median wall ms / median "
+        "CPU ms of the process, both threads' CPU counted; the rest: the round less the C calls and the sampler):",
         "",
-        "| lanes | forward (layers) | lm_head | sampling (Python) |",
-        "|---|---|---|---|",
+        "| lanes | round | forward (layers, C) | lm_head (C) | sampling (Python) | the rest (staging, cffi) |",
+        "|---|---|---|---|---|---|",
     ]
     for n, parts in where.items():
         body.append(f"| {n} | " + " | ".join(f"{w:.1f} / {c:.1f}" for w, c in parts.values()) + " |")

@@ -29,6 +29,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from engine import truncation
 from engine.backend import SampleRequest, TokenLogprob
 from engine.sampling import SamplingParams
 
@@ -63,8 +64,14 @@ def sample_row(row: np.ndarray, req: SampleRequest, position: int) -> tuple[int,
     if p.is_greedy:
         token = int(np.argmax(x))
     else:
-        x = process_logits(x, p)
-        token = draw(x, req.seed, position)
+        x = np.divide(x, np.float32(p.temperature), out=x)  # x is this row's own copy
+        live, vals = _truncate(x, p)
+        if live is None:
+            token = draw(x, req.seed, position)
+        else:
+            token = int(live[_draw_index(vals, req.seed, position)])
+            if req.want_logprobs:
+                x = _dense(x, live, vals)
     if not req.want_logprobs:
         return token, None
     return token, token_logprob(x, token, req.num_logprobs)
@@ -114,61 +121,66 @@ def suppress(x: np.ndarray, token_ids: Sequence[int]) -> None:
 def process_logits(x: np.ndarray, p: SamplingParams) -> np.ndarray:
     """Temperature, then top-k / top-p / min-p masks (masked entries become -inf)."""
     x = x / np.float32(p.temperature)
+    live, vals = _truncate(x, p)
+    return x if live is None else _dense(x, live, vals)
+
+
+def _truncate(x: np.ndarray, p: SamplingParams) -> tuple[np.ndarray | None, np.ndarray]:
+    """The masks of :func:`process_logits` on the temperature-scaled ``x`` (modified in place).
+
+    Returns ``(None, x)`` when ``x`` itself is the masked row, or ``(live, vals)``: the
+    ascending indices of the only entries left above -inf and their values (all finite),
+    the rest of the row being -inf -- what a small nucleus or top-k set is drawn from
+    without another pass over the vocabulary. Either way the same entries with the same
+    values as the one dense implementation (tests/engine/sampler_before.py keeps it)."""
     vocab = x.shape[0]
+    live = vals = None
     if 0 < p.top_k < vocab:
-        # Keep exactly top_k entries (ties at the boundary broken by argpartition).
-        drop = np.argpartition(-x, p.top_k)[p.top_k :]
-        x[drop] = -np.inf
+        live = truncation.top_k_set(x, p.top_k)
+        if live is None:  # a tie at the boundary, or non-finite entries: argpartition decides, as ever
+            # Keep exactly top_k entries (ties at the boundary broken by argpartition).
+            drop = np.argpartition(-x, p.top_k)[p.top_k :]
+            x[drop] = -np.inf
+        else:
+            vals = x[live]
     if p.min_p > 0.0:
         # p_i >= min_p * p_max  <=>  x_i >= x_max + log(min_p)
-        x[x < x.max() + np.float32(np.log(p.min_p))] = -np.inf
+        if live is None:
+            x[x < x.max() + np.float32(np.log(p.min_p))] = -np.inf
+        else:
+            keep = ~(vals < vals.max() + np.float32(np.log(p.min_p)))
+            live, vals = live[keep], vals[keep]
     if p.top_p < 1.0:
-        _top_p_mask(x, p.top_p)
-    return x
+        if live is None:
+            finite = np.isfinite(x)
+            if finite.all():
+                live = truncation.nucleus(x, p.top_p)
+                return live, x[live]
+            live = np.flatnonzero(finite)
+            if np.count_nonzero(x == -np.inf) + len(live) < vocab:  # NaN or +inf entries: the dense mask
+                _top_p_mask(x, p.top_p)
+                return None, x
+            vals = x[live]
+        kept = truncation.nucleus(vals, p.top_p)
+        live, vals = live[kept], vals[kept]
+    return (None, x) if live is None else (live, vals)
 
 
-_TOP_P_BINS_PER_LOGIT = np.float32(16)  # histogram bins of the top-p cut per logit unit
-_TOP_P_BINS = 512  # 32 logit units; everything further below the best shares the last bin
+def _dense(x: np.ndarray, live: np.ndarray, vals: np.ndarray) -> np.ndarray:
+    """The row of :func:`_truncate`'s ``(live, vals)``: -inf everywhere else."""
+    out = np.full_like(x, -np.inf)
+    out[live] = vals
+    return out
 
 
 def _top_p_mask(x: np.ndarray, top_p: float) -> None:
     """Keep the smallest prefix of the (stable) descending order whose mass reaches
-    ``top_p`` (always >= 1 token), over the survivors of top-k / min-p.
-
-    Only a prefix can survive, so only the candidates above a cut are sorted. The
-    cut comes from one histogram of the survivors' mass by distance below the best
-    logit (bins of 1/16): the first bins whose mass reaches ``top_p``. A bin holds
-    every entry tied with any of its entries, so the candidates are exactly a prefix
-    of the full stable order, and their sorted cumulative sum is the full sort's; the
-    cut widens a bin if rounding leaves their mass short. A full argsort of a
-    50k-152k vocabulary costs milliseconds per row; this costs a few passes over it.
-    """
-    finite = np.isfinite(x)
-    live = None if finite.all() else np.flatnonzero(finite)  # None: every entry (no earlier mask)
-    xl = x if live is None else x[live]
-    best = xl.max()
-    e = np.exp(xl.astype(np.float64) - float(best))
-    total = e.sum()
-    bins = np.minimum((best - xl) * _TOP_P_BINS_PER_LOGIT, np.float32(_TOP_P_BINS - 1)).astype(np.intp)
-    mass = np.cumsum(np.bincount(bins, weights=e, minlength=_TOP_P_BINS))
-    last = int(np.searchsorted(mass, top_p * total))  # first bin whose cumulative mass reaches top_p
-    while True:
-        cand = np.flatnonzero(bins <= last) if last < _TOP_P_BINS - 1 else np.arange(len(xl))
-        idx = cand[np.argsort(-xl[cand], kind="stable")]
-        probs = e[idx] / total
-        cum = np.cumsum(probs)
-        if len(cand) == len(xl) or cum[-1] >= top_p:
-            break
-        last += 1
-    kept = idx[cum - probs < top_p]
-    if live is None:  # the nucleus is small: rewrite the row around it
-        vals = x[kept]
-        x.fill(-np.inf)
-        x[kept] = vals
-    else:
-        keep = np.zeros(len(live), dtype=bool)
-        keep[kept] = True
-        x[live[~keep]] = -np.inf
+    ``top_p`` (always >= 1 token) over the finite entries, in place; NaN and +inf entries
+    are left as they are (rows :func:`_truncate` does not take apart)."""
+    live = np.flatnonzero(np.isfinite(x))
+    keep = np.zeros(len(live), dtype=bool)
+    keep[truncation.nucleus(x[live], top_p)] = True
+    x[live[~keep]] = -np.inf
 
 
 def draw(x: np.ndarray, seed: int, position: int) -> int:
@@ -178,15 +190,54 @@ def draw(x: np.ndarray, seed: int, position: int) -> int:
     leaving them out changes no token, and a top-p row then costs its nucleus, not
     the vocabulary.
     """
-    live = np.flatnonzero(x > -np.inf)
-    probs = _softmax64(x[live])
+    above = x > -np.inf
+    if above.all():
+        return _draw_index(x, seed, position)
+    live = np.flatnonzero(above)
+    return int(live[_draw_index(x[live], seed, position)])
+
+
+_DRAW_BLOCK = 256  # entries a block of the draw's two-level search
+
+
+def _draw_index(vals: np.ndarray, seed: int, position: int) -> int:
+    """The position in ``vals`` (the row's entries above -inf, in index order) of the draw: the
+    first j with cdf[j] > u * cdf[-1], cdf the float64 cumulative sum of softmax(vals)."""
+    probs = _softmax64(vals)
+    u = _uniform(seed, position)
+    if probs.shape[0] > 4 * _DRAW_BLOCK:
+        j = _search_blocks(probs, u)
+        if j is not None:
+            return j
     cdf = np.cumsum(probs)
-    u = _uniform(seed, position) * cdf[-1]
-    j = int(np.searchsorted(cdf, u, side="right"))
+    j = int(np.searchsorted(cdf, u * cdf[-1], side="right"))
     if j >= cdf.shape[0] or probs[j] == 0.0:
         # u rounded up to the total mass: take the last token that has any.
         j = int(np.flatnonzero(probs)[-1])
-    return int(live[j])
+    return j
+
+
+def _search_blocks(probs: np.ndarray, u: float) -> int | None:
+    """:func:`_draw_index`'s j from block sums and one block's cumulative sum, or None when that
+    cannot tell. Either way of summing is within ``n`` roundings of 2^-53 of the exact partial
+    sums (all <= 1), so a j whose two partial sums lie further than twice that from u times the
+    total is the full cumulative sum's j: one pass over the row instead of a sequential sum."""
+    n = probs.shape[0]
+    margin = 4 * n * 2.0**-53
+    blocks = np.cumsum(np.add.reduceat(probs, np.arange(0, n, _DRAW_BLOCK)))
+    target = u * blocks[-1]
+    b = int(np.searchsorted(blocks, target, side="right"))
+    if b >= blocks.shape[0]:
+        return None
+    lo = blocks[b - 1] if b else 0.0
+    local = lo + np.cumsum(probs[b * _DRAW_BLOCK : (b + 1) * _DRAW_BLOCK])
+    k = int(np.searchsorted(local, target, side="right"))
+    if k >= local.shape[0]:
+        return None
+    prev = local[k - 1] if k else lo
+    if not ((b == 0 and k == 0) or prev < target - margin) or not local[k] > target + margin:
+        return None
+    return b * _DRAW_BLOCK + k
 
 
 def token_logprob(x: np.ndarray, token: int, num_top: int) -> TokenLogprob:
@@ -212,11 +263,27 @@ def _softmax64(x: np.ndarray) -> np.ndarray:
     return e / e.sum()
 
 
+_PHILOX_M = (0xD2E7470EE14C6C93, 0xCA5A826395121157)  # Philox4x64's multipliers
+_PHILOX_W = (0x9E3779B97F4A7C15, 0xBB67AE8584CAA73B)  # and its key's increments (Weyl)
+
+
 def uniform(seed: int, position: int, stream: int = 0) -> float:
     """The uniform in [0, 1) keyed by ``(seed, position)``; ``stream`` > 0 gives further
-    independent ones of the same key (Philox counter), as speculative acceptance needs."""
-    key = np.array([int(seed) & _MASK64, int(position) & _MASK64], dtype=np.uint64)
-    return float(np.random.Generator(np.random.Philox(key=key, counter=int(stream))).random())
+    independent ones of the same key (Philox counter), as speculative acceptance needs.
+
+    numpy's ``Generator(Philox(key=[seed, position], counter=stream)).random()``, bit for
+    bit (tests/engine/test_sampler.py checks), computed here on Python integers: its first
+    64-bit word of Philox4x64-10 at counter + 1, as a double of its top 53 bits. A
+    Generator's construction cost more than the row's draw it keyed."""
+    k0, k1 = int(seed) & _MASK64, int(position) & _MASK64
+    c = (int(stream) + 1) % (1 << 256)
+    c0, c1, c2, c3 = c & _MASK64, (c >> 64) & _MASK64, (c >> 128) & _MASK64, c >> 192
+    for r in range(10):
+        if r:
+            k0, k1 = (k0 + _PHILOX_W[0]) & _MASK64, (k1 + _PHILOX_W[1]) & _MASK64
+        p0, p1 = _PHILOX_M[0] * c0, _PHILOX_M[1] * c2
+        c0, c1, c2, c3 = (p1 >> 64) ^ c1 ^ k0, p1 & _MASK64, (p0 >> 64) ^ c3 ^ k1, p0 & _MASK64
+    return (c0 >> 11) * 2.0**-53
 
 
 _uniform = uniform

@@ -205,3 +205,201 @@ def test_logprobs_under_truncation_renormalize():
     assert len(lp.top) == 4  # only finite alternatives
     assert sum(np.exp(v) for _, v in lp.top) == pytest.approx(1.0)
     assert tok in [t for t, _ in lp.top]
+
+
+# --- the sampler's partial passes against the dense implementation and plain references ---------
+
+from engine import sampler, truncation  # noqa: E402
+
+from . import sampler_before  # noqa: E402  (the dense implementation, as it was)
+
+
+def _row(rng: np.random.Generator, vocab: int) -> np.ndarray:
+    """Logits as a model's, flat to peaked, with the rows' usual trouble: ties, rounded values, masks."""
+    x = (rng.standard_normal(vocab) * rng.choice([0.5, 1.5, 2.5, 4.0, 10.0])).astype(np.float32)
+    if rng.random() < 0.3:
+        x = np.round(x, 1)  # ties everywhere
+    if rng.random() < 0.3:
+        x[rng.integers(0, vocab, int(rng.integers(2, 60)))] = x.max()  # ties at the top
+    if rng.random() < 0.3:
+        x[rng.integers(0, vocab, vocab // 5)] = -np.inf  # a grammar's mask
+    if rng.random() < 0.1:
+        x[rng.integers(0, vocab, 3)] = 0.0
+        x[rng.integers(0, vocab, 3)] = -0.0
+    return x
+
+
+def _params(rng: np.random.Generator) -> dict:
+    p: dict = dict(temperature=float(rng.choice([0.0, MIN_TEMPERATURE, 0.3, 0.7, 1.0, 1.6])))
+    if rng.random() < 0.6:
+        p["top_p"] = float(rng.choice([1e-9, 0.01, 0.5, 0.8, 0.9, 0.95, 0.999, 1 - 1e-12]))
+    if rng.random() < 0.4:
+        p["top_k"] = int(rng.choice([1, 2, 5, 40, 50, 300]))
+    if rng.random() < 0.3:
+        p["min_p"] = float(rng.choice([1e-4, 0.05, 0.2, 0.9]))
+    if rng.random() < 0.3:
+        p["repetition_penalty"] = float(rng.choice([0.9, 1.1, 1.5]))
+    if rng.random() < 0.3:
+        p["presence_penalty"], p["frequency_penalty"] = float(rng.uniform(-1, 1)), float(rng.uniform(-1, 1))
+    if rng.random() < 0.2:
+        p["logit_bias"] = tuple((int(t), float(rng.uniform(-100, 100))) for t in rng.integers(0, 1000, 5))
+    return p
+
+
+def _request(rng: np.random.Generator, vocab: int, seed: int) -> SampleRequest:
+    history = [int(t) for t in rng.integers(0, vocab, int(rng.integers(0, 400)))]
+    cut = int(rng.integers(0, len(history) + 1))
+    want = bool(rng.random() < 0.4)
+    return SampleRequest(
+        SamplingParams(**_params(rng)), seed=seed, prompt_token_ids=history[:cut], output_token_ids=history[cut:],
+        want_logprobs=want, num_logprobs=int(rng.choice([0, 1, 5])) if want else 0,
+        suppress_token_ids=[int(t) for t in rng.integers(0, vocab, 2)] if rng.random() < 0.2 else (),
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_rows_are_the_dense_implementations_bit_for_bit(seed):
+    """Tokens, logprobs and masked rows equal to the dense passes' on many rows and parameter sets."""
+    rng = np.random.default_rng(100 + seed)
+    for trial in range(60):
+        vocab = int(rng.choice([50, 3000, 49152]))
+        x = _row(rng, vocab)
+        for draw_seed in range(2):
+            r = _request(rng, vocab, draw_seed)
+            pos = int(rng.integers(0, 10_000))
+            assert sampler.sample_row(x, r, pos) == sampler_before.sample_row(x, r, pos), (trial, r.params)
+        p = SamplingParams(**{**_params(rng), "temperature": 0.8})
+        np.testing.assert_array_equal(sampler.process_logits(x, p), sampler_before.process_logits(x, p))
+
+
+def _reference_token(x: np.ndarray, p: SamplingParams, seed: int, position: int) -> int:
+    """The plain definition, float64 and full sorts: temperature, top-k (no tie at its boundary in the
+    rows given), min-p, top-p over the stable descending order, an inverse-CDF draw in index order."""
+    y = (x / np.float32(p.temperature)).astype(np.float64)
+    alive = np.isfinite(y)
+    if p.top_k:
+        alive &= y >= np.sort(y[alive])[::-1][p.top_k - 1]
+    if p.min_p:
+        alive &= y >= np.float32(y[alive].max()) + np.float32(np.log(p.min_p))
+    if p.top_p < 1.0:
+        live = np.flatnonzero(alive)
+        order = live[np.argsort(-y[live], kind="stable")]
+        probs = np.exp(y[order] - y[order].max())
+        probs /= probs.sum()
+        alive[order[np.cumsum(probs) - probs >= p.top_p]] = False
+    live = np.flatnonzero(alive)
+    probs = np.exp(y[live] - y[live].max())
+    cdf = np.cumsum(probs / probs.sum())
+    return int(live[min(int(np.searchsorted(cdf, sampler.uniform(seed, position) * cdf[-1], side="right")),
+                        len(live) - 1)])  # fmt: skip
+
+
+def test_tokens_follow_the_plain_definition():
+    """On rows without ties at a top-k boundary: the token of the plain full-sort float64 definition."""
+    rng = np.random.default_rng(7)
+    agree = total = 0
+    for trial in range(150):
+        x = (rng.standard_normal(49152) * rng.choice([1.0, 2.5, 5.0])).astype(np.float32)
+        x[rng.integers(0, 49152, 3000)] = -np.inf
+        p = SamplingParams(temperature=float(rng.choice([0.5, 0.8, 1.0])), top_k=int(rng.choice([0, 0, 40])),
+                           top_p=float(rng.choice([0.5, 0.9, 1.0])), min_p=float(rng.choice([0.0, 0.0, 0.02])))  # fmt: skip
+        tok, _ = sampler.sample_row(x, SampleRequest(p, seed=trial), trial)
+        total += 1
+        agree += tok == _reference_token(x, p, trial, trial)
+    # float64 rounding of the reference's own sums may move a draw at a CDF boundary: (almost) never
+    assert agree >= total - 1
+
+
+def test_descending_is_the_stable_argsort():
+    rng = np.random.default_rng(3)
+    for n in (1, 2, 17, 1000, 40000):
+        x = np.round(rng.standard_normal(n) * 3, int(rng.integers(0, 3))).astype(np.float32)
+        x[rng.integers(0, n, max(1, n // 10))] = 0.0
+        x[rng.integers(0, n, max(1, n // 10))] = -0.0
+        x[rng.integers(0, n, max(1, n // 50))] = np.float32(3e38)
+        x[rng.integers(0, n, max(1, n // 50))] = np.float32(-3e38)
+        idx = np.sort(rng.choice(n, size=max(1, n // 2), replace=False))
+        np.testing.assert_array_equal(truncation.descending(x, idx), idx[np.argsort(-x[idx], kind="stable")])
+
+
+def test_nucleus_at_its_boundaries_is_the_histogram_cut():
+    """top_p exactly at, and one ulp either side of, the cumulative masses of the full sort: the same
+    kept set as the histogram cut the sampler used before (ties of mass included)."""
+    rng = np.random.default_rng(11)
+    for _ in range(40):
+        x = _row(rng, int(rng.choice([100, 6000, 49152])))
+        xl = x[np.isfinite(x)]
+        order = np.argsort(-xl, kind="stable")
+        probs = np.exp(xl[order].astype(np.float64) - float(xl.max()))
+        cum = np.cumsum(probs / probs.sum())
+        for k in rng.integers(0, min(len(cum), 3000), 4):
+            for top_p in (cum[k], np.nextafter(cum[k], 0), np.nextafter(cum[k], 2)):
+                if 0 < top_p < 1:
+                    got = truncation.nucleus(xl, float(top_p))
+                    np.testing.assert_array_equal(got, np.sort(truncation.nucleus_by_bins(xl, float(top_p))))
+
+
+def test_block_search_is_the_cumulative_sums_answer_or_declines():
+    rng = np.random.default_rng(5)
+    declined = 0  # of the random uniforms (those at a CDF step, or at the total, may be declined)
+    for _ in range(300):
+        n = int(rng.choice([1025, 5000, 49152]))
+        x = rng.standard_normal(n) * rng.choice([1.0, 4.0, 30.0])
+        probs = np.exp(x - x.max())
+        probs /= probs.sum()
+        cdf = np.cumsum(probs)
+        # uniforms at random, and at the CDF's own steps (where the two sums could disagree)
+        j0 = int(rng.integers(0, n))
+        us = (rng.random(), cdf[j0] / cdf[-1], np.nextafter(cdf[j0] / cdf[-1], 0), 0.0, 1 - 2**-53)
+        for u in us:
+            got = sampler._search_blocks(probs, float(u))
+            if got is None:
+                declined += u == us[0]
+                continue
+            want = int(np.searchsorted(cdf, u * cdf[-1], side="right"))
+            assert got == want and probs[got] > 0
+    assert declined < 15  # it answers (almost) every one
+
+
+def test_top_k_with_a_tie_at_its_boundary_keeps_argpartitions_choice():
+    x = np.array([5, 4, 3, 3, 3, 1, 0] * 2000, np.float32)
+    for k in (2, 3, 4, 5, 100):
+        p = SamplingParams(temperature=1.0, top_k=k)
+        np.testing.assert_array_equal(sampler.process_logits(x, p), sampler_before.process_logits(x, p))
+        for s in range(5):
+            r = SampleRequest(p, seed=s, want_logprobs=True, num_logprobs=3)
+            assert sampler.sample_row(x, r, s) == sampler_before.sample_row(x, r, s)
+
+
+def _outcome(f, *args):
+    try:
+        return f(*args)
+    except ValueError as e:  # a row that leaves nothing to reduce over raises in both
+        return type(e)
+
+
+def test_rows_with_nan_or_inf_keep_the_dense_behaviour():
+    rng = np.random.default_rng(2)
+    for bad in (np.nan, np.inf):
+        x = (rng.standard_normal(6000) * 2).astype(np.float32)
+        x[[5, 77]] = bad
+        for p in (SamplingParams(top_p=0.9), SamplingParams(top_k=40), SamplingParams(min_p=0.1, top_p=0.5)):
+            with np.errstate(invalid="ignore"):
+                got, want = _outcome(sampler.process_logits, x, p), _outcome(sampler_before.process_logits, x, p)
+            if isinstance(want, type):
+                assert got is want
+            else:
+                np.testing.assert_array_equal(got, want)
+
+
+def test_uniform_is_numpys_philox():
+    """The draw's uniform: numpy's Philox generator's first double for key (seed, position), counter stream."""
+    m = (1 << 64) - 1
+    rng = np.random.default_rng(9)
+    keys = [(0, 0, 0), (1, 5, 0), (m, m, 7), (2**63, 3, m), (-1, -5, 3), (12345, 2**40, 2**64 + 5)]
+    keys += [tuple(int(v) for v in k) for k in zip(rng.integers(0, 2**63, 500), rng.integers(0, 2**40, 500),
+                                                   rng.integers(0, 20, 500))]  # fmt: skip
+    for seed, pos, stream in keys:
+        key = np.array([seed & m, pos & m], dtype=np.uint64)
+        want = float(np.random.Generator(np.random.Philox(key=key, counter=stream)).random())
+        assert sampler.uniform(seed, pos, stream) == want, (seed, pos, stream)

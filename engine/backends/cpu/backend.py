@@ -164,16 +164,24 @@ class CpuBackend(Backend):
     def decode_logits(self, lanes: Sequence[DecodeLane]) -> np.ndarray:
         """Write each lane's K/V and return logits [lanes, vocab]; each lane reads only its own context."""
         positions = np.array([ln.position for ln in lanes], dtype=np.int64)
-        p0 = np.array([self._window_start(int(p)) for p in positions], dtype=np.int64)
-        slots = [
-            self._slots(ln.block_table, np.arange(s, p + 1, dtype=np.int64)) for ln, s, p in zip(lanes, p0, positions)
-        ]
+        slide = self.config.all_layers_slide  # a walk over the layers: once a round, not once a lane
+        p0 = np.array([self._window_start(int(p)) if slide else 0 for p in positions], dtype=np.int64)
+        slots = [self._lane_slots(ln.block_table, int(s), int(p) + 1) for ln, s, p in zip(lanes, p0, positions)]
         n_ctx = positions - p0 + 1
         offsets = np.concatenate([[0], np.cumsum(n_ctx)[:-1]])
         write = np.array([s[-1] for s in slots], dtype=np.int64)
         h = self.model.forward([ln.token_id for ln in lanes], positions, write, np.concatenate(slots), offsets,
                                n_ctx, p0)  # fmt: skip
         return self.model.logits(h)
+
+    def _lane_slots(self, block_table: Sequence[int], start: int, end: int) -> np.ndarray:
+        """:meth:`_slots` of the positions ``start .. end - 1``: every slot of the lane's blocks, sliced."""
+        bs = self.block_size
+        first, last = start // bs, -(-end // bs)
+        if last > len(block_table):
+            raise ValueError(f"block table of {len(block_table)} blocks does not reach position {end - 1}")
+        bt = np.asarray(block_table[first:last], dtype=np.int64)
+        return (bt[:, None] * bs + np.arange(bs)).ravel()[start - first * bs : end - first * bs]
 
     # --- KV pages -------------------------------------------------------------------------
 
