@@ -30,6 +30,9 @@
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define IG_AVX2 1
 #include <immintrin.h>
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512F__) && defined(__AVX512BW__)
+#define IG_AMX 1 /* the amx build: tile products (kernels_amx.c) */
+#endif
 #endif
 
 #include "kernels.h"
@@ -455,6 +458,13 @@ static void matmul_parts(ig_step *st, const ig_mat *parts, int nparts, const ig_
     free(dtab);
 }
 
+#ifdef IG_AMX
+#include "kernels_amx.c"
+#else
+int ig_amx_init(void) { return -1; }
+void ig_amx_rows(int rows) { (void)rows; }
+#endif
+
 /* ---- prefill: a register-blocked product over many rows ---------------------------------
  *
  * A span of many rows (a prefill chunk) meets each weight row often enough to unpack it
@@ -637,6 +647,12 @@ static void product(ig_step *st, const ig_mat *parts, int nparts, const ig_xblk 
 #else
     (void)tiled_rows;
 #endif
+#ifdef IG_AMX
+    if (amx_takes(parts, nparts, nx)) { /* the same bits as matmul_parts */
+        amx_parts(st, parts, nparts, x, nx, y, ldy);
+        return;
+    }
+#endif
     matmul_parts(st, parts, nparts, x, nx, y, ldy);
 }
 
@@ -649,7 +665,7 @@ void ig_matmul_tiled(const ig_mat *parts, int nparts, const ig_xblk *x, int nx, 
 void ig_matmul(const ig_mat *parts, int nparts, const ig_xblk *x, int nx, float *y, int ldy, int threads) {
     ig_step st = {0, 0};
 #pragma omp parallel num_threads(threads)
-    matmul_parts(&st, parts, nparts, x, nx, y, ldy);
+    product(&st, parts, nparts, x, nx, y, ldy, 0);
 }
 
 /* ---- the forward ------------------------------------------------------------------ */

@@ -67,3 +67,8 @@ void ig_matmul(const ig_mat *parts, int nparts, const ig_xblk *x, int nx, float 
 void ig_matmul_tiled(const ig_mat *parts, int nparts, const ig_xblk *x, int nx, float *y, int ldy, int threads);
 int ig_forward(const ig_model *m, const ig_batch *b, float *out_h);
 int ig_logits(const ig_model *m, const float *h, int n, float *logits);
+/* AMX tile products (the amx build): 0 once this process may use the tiles (asks the kernel
+ * once, arch_prctl); -1 where the build has none or the kernel refuses. */
+int ig_amx_init(void);
+/* Decode products of at least ``rows`` rows go through the tiles (the same bits); 0: never. */
+void ig_amx_rows(int rows);
