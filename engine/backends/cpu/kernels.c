@@ -639,6 +639,13 @@ static void tiled_parts(ig_step *st, const ig_mat *parts, int nparts, const ig_x
  * the build has the tiled kernel, else the decode path (matmul_parts). */
 static void product(ig_step *st, const ig_mat *parts, int nparts, const ig_xblk *x, int nx, float *y, int ldy,
                     int tiled_rows) {
+#ifdef IG_AMX
+    /* prefill chunks (and decode rounds of ig_amx_rows rows on) through tile products: tiled_parts' bits */
+    if (amx_usable(parts, nparts) && ((tiled_rows > 0 && nx >= tiled_rows) || (amx_min_rows > 0 && nx >= amx_min_rows))) {
+        amx_parts(st, parts, nparts, x, nx, y, ldy);
+        return;
+    }
+#endif
 #ifdef IG_AVX2
     if (tiled_rows > 0 && nx >= tiled_rows) {
         tiled_parts(st, parts, nparts, x, nx, y, ldy);
@@ -646,12 +653,6 @@ static void product(ig_step *st, const ig_mat *parts, int nparts, const ig_xblk 
     }
 #else
     (void)tiled_rows;
-#endif
-#ifdef IG_AMX
-    if (amx_takes(parts, nparts, nx)) { /* the same bits as matmul_parts */
-        amx_parts(st, parts, nparts, x, nx, y, ldy);
-        return;
-    }
 #endif
     matmul_parts(st, parts, nparts, x, nx, y, ldy);
 }

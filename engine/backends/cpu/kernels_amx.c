@@ -1,28 +1,31 @@
 /* AMX-INT8 weight products (the amx build; #included from kernels.c where IG_AMX is set).
  *
- * The same bits as the AVX2 decode path (dot_group / dot_rows). There, a (block, row) pair's
- * integer sum is kept as 8 partial sums ("lanes": lane i holds weights k = 2i, 2i+1, 16+2i,
- * 17+2i), each scaled into its own float accumulator, and the 8 accumulators are added at
- * the end in hsum's order. A tile product gives whole sums, so the lanes are made separate
- * outputs: tile B holds two activation rows x 8 lanes as its 16 columns, column (row, i)
- * keeping only lane i's activations (zeros elsewhere). Tile A is 16 weight rows of one
- * block as int8 (Q8_0 straight from the stored rows; Q4 nibbles unpacked to 0..15, the -8
- * of Q4_0 stays in the offset term as in dot_rows). Activations are int16: hi = q >> 8
- * (signed) and lo = q & 255 (unsigned) are two tiles, TDPBSSD and TDPBSUD give their sums,
- * and isum = 256 * hi + lo is the decode path's integer exactly. Then per C row (weight
- * row): acc = fma(d * x.d, float(isum), acc) over blocks, per lane, and at the end
- * out = hsum(lanes) + sum of m * x.s (fma over blocks), as dot_group does.
+ * The tiled (prefill) product's result, the same bits as tiled_parts: per (output column,
+ * activation row, block) the exact int32 sum of the block, then f = fma(float(isum), d * x.d, f)
+ * and, for Q4_1, f = fma(m, x.s, f), block after block. Tile A is 16 weight rows of one block
+ * as int8 (Q8_0 straight from the stored rows; Q4 nibbles unpacked, Q4_0 minus 8). Activations
+ * are int16: hi = q >> 8 (signed) and lo = q & 255 (unsigned) are two B tiles (16 activation
+ * rows as columns, VNNI layout: row g holds k 4g..4g+3 of each column); TDPBSSD and TDPBSUD
+ * give their sums and isum = 256 * hi + lo exactly. A block's scales force K = 32 a product,
+ * so every 256 pairs cost two TDPs and two tile stores (~15 cycles each) and the float
+ * epilogue (AVX-512: 16 weight rows x 16 activation rows in 16 registers).
  *
- * Tiles: 0 weights (16 x 32 B), 1 and 2 activations hi / lo (8 x 64 B), 3 and 4 the int32
- * sums (16 x 64 B). Each thread loads the config before its first tile instruction and
- * releases the tiles at the end of the product. */
+ * The decode path (dot_group) keeps each block's sum as 8 partial sums with float
+ * accumulators of their own; tile products can give those too (one lane per column) at 8x the
+ * products and stores, which measured slower than AVX2 (docs/CPU.md, "AMX products"). So
+ * decode products take the tiles only from ig_amx_rows on (default: never), and then carry
+ * the prefill's bits, not dot_group's.
+ *
+ * Tiles: 0 weights (16 x 32 B), 1 and 2 activations hi / lo (8 x 64 B), 3 and 4 the int32 sums
+ * (16 x 64 B). Each thread loads the config before its first tile instruction and releases the
+ * tiles at the end of the product; the process asks for them once (ig_amx_init). */
 #include <sys/syscall.h>
 #include <unistd.h>
 
-#define AMX_XT 32 /* activation rows a tile of items (16 row pairs) */
+#define AMX_XT 64 /* activation rows a tile of items: four B tiles of 16 */
 
-static int amx_state = 0; /* 0 untried, 1 usable, -1 refused */
-static int amx_min_rows = 0; /* decode products of at least this many rows go through AMX; 0: never (slower, see docs/CPU.md) */
+static int amx_state = 0;    /* 0 untried, 1 usable, -1 refused */
+static int amx_min_rows = 0; /* decode products of at least this many rows take the tiles; 0: never */
 
 int ig_amx_init(void) {
     if (amx_state == 0) {
@@ -55,80 +58,61 @@ static void amx_config(void) {
     _tile_loadconfig(&c);
 }
 
-/* A thread's activation tiles: per row pair and block, hi then lo (512 B each), then the
- * pair's scales xd2[16] (row 0's d x 8, row 1's d x 8) and sums xs[2]. Kept between products
- * (a thread of the pool lives on): only the nonzero bytes of each tile are written, always
- * the same positions, so the zeros of a fresh (calloc) buffer stay zeros. */
+/* A thread's activation tiles, kept between products (the pool's threads live on): per group of
+ * 16 rows and block, B hi then B lo (512 B each) and the rows' d[16], s[16]. */
 static __thread uint8_t *amx_x;
 static __thread size_t amx_xcap;
-static __thread float *amx_sc;
-static __thread size_t amx_sccap;
 
-static int amx_reserve(int pairs, int nb) {
-    size_t need = (size_t)pairs * nb * 1024, sneed = (size_t)pairs * nb * 18 * sizeof(float);
+static int amx_reserve(int groups, int nb) {
+    size_t need = (size_t)groups * nb * (1024 + 128);
     if (need > amx_xcap) {
         free(amx_x);
         amx_x = aligned_alloc(64, need);
         amx_xcap = amx_x ? need : 0;
-        if (!amx_x) return 0;
-        memset(amx_x, 0, need);
     }
-    if (sneed > amx_sccap) {
-        free(amx_sc);
-        amx_sc = malloc(sneed);
-        amx_sccap = amx_sc ? sneed : 0;
-        if (!amx_sc) return 0;
-    }
-    return 1;
+    return amx_x != NULL;
 }
 
-/* Tile B of group g (k 4g..4g+3): column (row mm, lane i) holds the bytes of lane i only. Lane of
- * k is (k & 15) >> 1, so group g feeds lanes 2(g & 3) (k 4g, 4g+1) and 2(g & 3) + 1 (k 4g+2, 4g+3):
- * row g has 8 nonzero bytes per activation row, at 64 g + 4 (8 mm + 2 (g & 3)): x0 x1 0 0 0 0 x2 x3. */
+/* Rows [r0, r1) into B tiles: column n of group t is row r0 + 16 t + n (zeros past r1). */
 static void amx_build_x(const ig_xblk *x, int nb, int r0, int r1) {
-    for (int p = 0; p < (r1 - r0 + 1) / 2; p++)
+    for (int t = 0; t < (r1 - r0 + 15) / 16; t++)
         for (int b = 0; b < nb; b++) {
-            uint8_t *hi = amx_x + ((size_t)p * nb + b) * 1024, *lo = hi + 512;
-            float *sc = amx_sc + ((size_t)p * nb + b) * 18;
-            for (int mm = 0; mm < 2; mm++) {
-                int r = r0 + 2 * p + mm;
-                const ig_xblk *xb = r < r1 ? x + (int64_t)r * nb + b : NULL;
-                for (int g = 0; g < 8; g++) {
-                    uint64_t vh = 0, vl = 0;
-                    if (xb) {
-                        const int16_t *q = xb->q + 4 * g;
-                        vh = (uint64_t)(uint8_t)(q[0] >> 8) | (uint64_t)(uint8_t)(q[1] >> 8) << 8 |
-                             (uint64_t)(uint8_t)(q[2] >> 8) << 48 | (uint64_t)(uint8_t)(q[3] >> 8) << 56;
-                        vl = (uint64_t)(uint8_t)q[0] | (uint64_t)(uint8_t)q[1] << 8 | (uint64_t)(uint8_t)q[2] << 48 |
-                             (uint64_t)(uint8_t)q[3] << 56;
-                    }
-                    int o = 64 * g + 4 * (8 * mm + 2 * (g & 3));
-                    memcpy(hi + o, &vh, 8);
-                    memcpy(lo + o, &vl, 8);
+            uint8_t *hi = amx_x + ((size_t)t * nb + b) * (1024 + 128), *lo = hi + 512;
+            float *xd = (float *)(hi + 1024), *xs = xd + 16;
+            for (int n = 0; n < 16; n++) {
+                int r = r0 + 16 * t + n;
+                uint8_t h8[32], l8[32];
+                if (r < r1) {
+                    const ig_xblk *xb = x + (int64_t)r * nb + b;
+                    __m512i q = _mm512_loadu_si512(xb->q);
+                    _mm256_storeu_si256((__m256i *)h8, _mm512_cvtepi16_epi8(_mm512_srai_epi16(q, 8)));
+                    _mm256_storeu_si256((__m256i *)l8, _mm512_cvtepi16_epi8(q)); /* q & 255 */
+                    xd[n] = xb->d, xs[n] = xb->s;
+                } else {
+                    memset(h8, 0, 32), memset(l8, 0, 32);
+                    xd[n] = xs[n] = 0.0f;
                 }
-                for (int i = 0; i < 8; i++) sc[8 * mm + i] = xb ? xb->d : 0.0f;
-                sc[16 + mm] = xb ? xb->s : 0.0f;
+                for (int g = 0; g < 8; g++) {
+                    memcpy(hi + 64 * g + 4 * n, h8 + 4 * g, 4);
+                    memcpy(lo + 64 * g + 4 * n, l8 + 4 * g, 4);
+                }
             }
         }
 }
 
-/* Output rows [j0, j0 + 16) of w (n valid) against activation rows [r0, r1): y[r * ldy + off + j]. */
+/* Output rows [j0, j0 + n) of w (n <= 16) against activation rows [r0, r1): y[r * ldy + off + j]. */
 static void amx_strip(const ig_mat *w, int j0, int n, int r0, int r1, float *y, int ldy, int off, int8_t *ua,
                       float *dw, float *mw) {
     int nb = w->cols / QK, type = w->type, bb = block_bytes(type), qoff = type == IG_Q4_1 ? 4 : 2;
+    int has_m = type == IG_Q4_1, direct = type == IG_Q8_0 && n == 16; /* tile A straight from the stored rows */
     const uint8_t *base = w->data + (int64_t)j0 * w->row_bytes;
-    int direct = type == IG_Q8_0 && n == 16; /* tile A straight from the stored rows */
     __m512i idx = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
                                      _mm512_set1_epi32((int)w->row_bytes));
     __mmask16 valid = (__mmask16)((1u << n) - 1);
-    for (int b = 0; b < nb; b++) { /* scales (and unpacked weights) of the strip, by block */
+    for (int b = 0; b < nb; b++) { /* the strip's scales (and unpacked weights), by block */
         __m512i h = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), valid, idx, base + (int64_t)b * bb, 1);
-        __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(h));
-        __m512 m = type == IG_Q4_1   ? _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(h, 16)))
-                   : type == IG_Q4_0 ? _mm512_mul_ps(_mm512_set1_ps(-8.0f), d)
-                                     : _mm512_setzero_ps();
-        _mm512_storeu_ps(dw + b * 16, d);
-        _mm512_storeu_ps(mw + b * 16, m);
+        _mm512_storeu_ps(dw + b * 16, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(h)));
+        _mm512_storeu_ps(mw + b * 16, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(h, 16))));
         if (direct) continue;
         int8_t *ub = ua + b * 512;
         for (int r = 0; r < 16; r++) {
@@ -137,24 +121,24 @@ static void amx_strip(const ig_mat *w, int j0, int n, int r0, int r1, float *y, 
                 continue;
             }
             const uint8_t *q = base + (int64_t)r * w->row_bytes + (int64_t)b * bb + qoff;
-            __m128i t = _mm_loadu_si128((const __m128i *)q);
+            __m128i t = _mm_loadu_si128((const __m128i *)q), lo, hi;
             if (type == IG_Q8_0) {
-                _mm_storeu_si128((__m128i *)(ub + 32 * r), t);
-                _mm_storeu_si128((__m128i *)(ub + 32 * r + 16), _mm_loadu_si128((const __m128i *)(q + 16)));
+                lo = t, hi = _mm_loadu_si128((const __m128i *)(q + 16));
             } else {
-                __m128i mask = _mm_set1_epi8(0x0f);
-                _mm_storeu_si128((__m128i *)(ub + 32 * r), _mm_and_si128(t, mask));
-                _mm_storeu_si128((__m128i *)(ub + 32 * r + 16), _mm_and_si128(_mm_srli_epi16(t, 4), mask));
+                __m128i mask = _mm_set1_epi8(0x0f), off8 = _mm_set1_epi8(type == IG_Q4_0 ? 8 : 0);
+                lo = _mm_sub_epi8(_mm_and_si128(t, mask), off8);
+                hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(t, 4), mask), off8);
             }
+            _mm_storeu_si128((__m128i *)(ub + 32 * r), lo);
+            _mm_storeu_si128((__m128i *)(ub + 32 * r + 16), hi);
         }
     }
     int32_t chi[256] __attribute__((aligned(64))), clo[256] __attribute__((aligned(64)));
-    for (int p = 0; p < (r1 - r0 + 1) / 2; p++) {
-        __m512 acc[16], ex0 = _mm512_setzero_ps(), ex1 = _mm512_setzero_ps();
+    for (int t = 0; t < (r1 - r0 + 15) / 16; t++) {
+        __m512 acc[16];
         for (int i = 0; i < 16; i++) acc[i] = _mm512_setzero_ps();
         for (int b = 0; b < nb; b++) {
-            const uint8_t *xt = amx_x + ((size_t)p * nb + b) * 1024;
-            const float *sc = amx_sc + ((size_t)p * nb + b) * 18;
+            const uint8_t *xt = amx_x + ((size_t)t * nb + b) * (1024 + 128);
             if (direct)
                 _tile_loadd(0, base + (int64_t)b * bb + 2, w->row_bytes);
             else
@@ -167,41 +151,31 @@ static void amx_strip(const ig_mat *w, int j0, int n, int r0, int r1, float *y, 
             _tile_dpbsud(4, 0, 2);
             _tile_stored(3, chi, 64);
             _tile_stored(4, clo, 64);
-            __m512 xd2 = _mm512_loadu_ps(sc);
-            ex0 = _mm512_fmadd_ps(_mm512_loadu_ps(mw + b * 16), _mm512_set1_ps(sc[16]), ex0);
-            ex1 = _mm512_fmadd_ps(_mm512_loadu_ps(mw + b * 16), _mm512_set1_ps(sc[17]), ex1);
+            __m512 xd = _mm512_load_ps((const float *)(xt + 1024)), xs = _mm512_load_ps((const float *)(xt + 1088));
 #pragma GCC unroll 16
-            for (int i = 0; i < 16; i++) {
+            for (int i = 0; i < 16; i++) { /* C row i: weight row i against the 16 activation rows */
                 __m512i s = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(chi + 16 * i), 8),
                                              _mm512_load_si512(clo + 16 * i));
-                __m512 sci = _mm512_mul_ps(xd2, _mm512_set1_ps(dw[b * 16 + i]));
-                acc[i] = _mm512_fmadd_ps(sci, _mm512_cvtepi32_ps(s), acc[i]);
+                acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(_mm512_set1_ps(dw[b * 16 + i]), xd),
+                                         acc[i]);
+                if (has_m) acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(mw[b * 16 + i]), xs, acc[i]);
             }
         }
-        float a[16][16] __attribute__((aligned(64))), e[2][16];
+        float a[16][16] __attribute__((aligned(64)));
         for (int i = 0; i < 16; i++) _mm512_store_ps(a[i], acc[i]);
-        _mm512_storeu_ps(e[0], ex0);
-        _mm512_storeu_ps(e[1], ex1);
-        for (int mm = 0; mm < 2; mm++) {
-            int r = r0 + 2 * p + mm;
-            if (r >= r1) break;
-            for (int i = 0; i < n; i++) {
-                const float *l = a[i] + 8 * mm; /* hsum's order */
-                y[(int64_t)r * ldy + off + j0 + i] = (((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]))) + e[mm][i];
-            }
-        }
+        for (int k = 0; k < 16 && r0 + 16 * t + k < r1; k++)
+            for (int i = 0; i < n; i++) y[(int64_t)(r0 + 16 * t + k) * ldy + off + j0 + i] = a[i][k];
     }
 }
 
-/* matmul_parts' result (and bits) through tile products. Items: (tile of AMX_XT rows, strip of
- * 16 output rows of one part), tile by tile; a thread builds a tile's activations about once. */
+/* tiled_parts' result (and bits) through tile products. Items: (tile of AMX_XT rows, strip of 16
+ * output rows of one part), tile by tile; a thread builds a tile's activations about once. */
 static void amx_parts(ig_step *st, const ig_mat *parts, int nparts, const ig_xblk *x, int nx, float *y, int ldy) {
     int nb = parts[0].cols / QK, nstrips = 0, ntiles = (nx + AMX_XT - 1) / AMX_XT, built = -1;
     for (int p = 0; p < nparts; p++) nstrips += (parts[p].rows + 15) / 16;
-    int ok = amx_reserve(AMX_XT / 2, nb);
     int8_t *ua = aligned_alloc(64, (size_t)nb * 512);
     float *dw = malloc(sizeof(float) * 32 * nb), *mw = dw ? dw + 16 * nb : NULL;
-    ok = ok && ua && dw;
+    int ok = amx_reserve(AMX_XT / 16, nb) && ua && dw;
     if (ok) amx_config();
     FOR_ITEMS(st, ntiles * nstrips, item) {
         int tile = item / nstrips, s = item % nstrips, p = 0, off = 0;
@@ -227,10 +201,9 @@ static void amx_parts(ig_step *st, const ig_mat *parts, int nparts, const ig_xbl
     free(ua), free(dw);
 }
 
-/* Whether a product of nx rows goes through AMX: the process has the tiles, the row count is at
- * least amx_min_rows, and every part is Q8_0, Q4_0 or Q4_1. */
-static int amx_takes(const ig_mat *parts, int nparts, int nx) {
-    if (amx_state != 1 || amx_min_rows <= 0 || nx < amx_min_rows) return 0;
+/* Whether the tiles take a product: the process has them, and every part is Q8_0, Q4_0 or Q4_1. */
+static int amx_usable(const ig_mat *parts, int nparts) {
+    if (amx_state != 1) return 0;
     for (int p = 0; p < nparts; p++)
         if (parts[p].type != IG_Q8_0 && parts[p].type != IG_Q4_0 && parts[p].type != IG_Q4_1) return 0;
     return 1;
