@@ -16,8 +16,10 @@
  * decode products take the tiles only from ig_amx_rows on (default: never), and then carry
  * the prefill's bits, not dot_group's.
  *
- * Tiles: 0 weights (16 x 32 B), 1 and 2 activations hi / lo (8 x 64 B), 3 and 4 the int32 sums
- * (16 x 64 B). Each thread loads the config before its first tile instruction and releases the
+ * Tiles: 0 and 7 weights (16 x 32 B), 1 and 2 activations hi / lo (8 x 64 B), 3, 4 and 5, 6 the
+ * int32 sums (16 x 64 B): even blocks in 0, 3, 4 and odd ones in 7, 5, 6, so block b + 1's products
+ * run while block b's sums are stored and scaled (0.68 -> 0.60 cycles a pair at 64 rows, 1.8 ->
+ * 1.57 at 8). Each thread loads the config before its first tile instruction and releases the
  * tiles at the end of the product; the process asks for them once (ig_amx_init). */
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -55,6 +57,9 @@ static void amx_config(void) {
     c.rows[2] = 8, c.colsb[2] = 64;
     c.rows[3] = 16, c.colsb[3] = 64;
     c.rows[4] = 16, c.colsb[4] = 64;
+    c.rows[5] = 16, c.colsb[5] = 64;
+    c.rows[6] = 16, c.colsb[6] = 64;
+    c.rows[7] = 16, c.colsb[7] = 32;
     _tile_loadconfig(&c);
 }
 
@@ -133,34 +138,52 @@ static void amx_strip(const ig_mat *w, int j0, int n, int r0, int r1, float *y, 
             _mm_storeu_si128((__m128i *)(ub + 32 * r + 16), hi);
         }
     }
-    int32_t chi[256] __attribute__((aligned(64))), clo[256] __attribute__((aligned(64)));
+    int32_t cs[4][256] __attribute__((aligned(64)));
     for (int t = 0; t < (r1 - r0 + 15) / 16; t++) {
         __m512 acc[16];
         for (int i = 0; i < 16; i++) acc[i] = _mm512_setzero_ps();
-        for (int b = 0; b < nb; b++) {
-            const uint8_t *xt = amx_x + ((size_t)t * nb + b) * (1024 + 128);
-            if (direct)
-                _tile_loadd(0, base + (int64_t)b * bb + 2, w->row_bytes);
-            else
-                _tile_loadd(0, ua + b * 512, 32);
-            _tile_loadd(1, xt, 64);
-            _tile_loadd(2, xt + 512, 64);
-            _tile_zero(3);
-            _tile_zero(4);
-            _tile_dpbssd(3, 0, 1);
-            _tile_dpbsud(4, 0, 2);
-            _tile_stored(3, chi, 64);
-            _tile_stored(4, clo, 64);
-            __m512 xd = _mm512_load_ps((const float *)(xt + 1024)), xs = _mm512_load_ps((const float *)(xt + 1088));
-#pragma GCC unroll 16
-            for (int i = 0; i < 16; i++) { /* C row i: weight row i against the 16 activation rows */
-                __m512i s = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(chi + 16 * i), 8),
-                                             _mm512_load_si512(clo + 16 * i));
-                acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(_mm512_set1_ps(dw[b * 16 + i]), xd),
-                                         acc[i]);
-                if (has_m) acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(mw[b * 16 + i]), xs, acc[i]);
+        const uint8_t *xp = amx_x + (size_t)t * nb * (1024 + 128);
+#define ISSUE(b, ta, th, tl)                                                            \
+    do {                                                                                \
+        const uint8_t *xt_ = xp + (size_t)(b) * (1024 + 128);                           \
+        if (direct)                                                                     \
+            _tile_loadd(ta, base + (int64_t)(b) * bb + 2, w->row_bytes);                \
+        else                                                                            \
+            _tile_loadd(ta, ua + (b) * 512, 32);                                        \
+        _tile_loadd(1, xt_, 64);                                                        \
+        _tile_loadd(2, xt_ + 512, 64);                                                  \
+        _tile_zero(th);                                                                 \
+        _tile_zero(tl);                                                                 \
+        _tile_dpbssd(th, ta, 1);                                                        \
+        _tile_dpbsud(tl, ta, 2);                                                        \
+    } while (0)
+#define SCALE(b, chi, clo)                                                                                      \
+    do {                                                                                                        \
+        const float *xd_ = (const float *)(xp + (size_t)(b) * (1024 + 128) + 1024);                             \
+        __m512 xd = _mm512_load_ps(xd_), xs = _mm512_load_ps(xd_ + 16);                                          \
+        _Pragma("GCC unroll 16") for (int i = 0; i < 16; i++) {                                                 \
+            __m512i s = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512((chi) + 16 * i), 8),               \
+                                         _mm512_load_si512((clo) + 16 * i));                                    \
+            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(_mm512_set1_ps(dw[(b) * 16 + i]), xd), \
+                                     acc[i]);                                                                   \
+            if (has_m) acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(mw[(b) * 16 + i]), xs, acc[i]);                  \
+        }                                                                                                       \
+    } while (0)
+        ISSUE(0, 0, 3, 4);
+        for (int b = 0; b < nb; b += 2) {
+            if (b + 1 < nb) ISSUE(b + 1, 7, 5, 6);
+            _tile_stored(3, cs[0], 64);
+            _tile_stored(4, cs[1], 64);
+            SCALE(b, cs[0], cs[1]);
+            if (b + 1 < nb) {
+                if (b + 2 < nb) ISSUE(b + 2, 0, 3, 4);
+                _tile_stored(5, cs[2], 64);
+                _tile_stored(6, cs[3], 64);
+                SCALE(b + 1, cs[2], cs[3]);
             }
         }
+#undef ISSUE
+#undef SCALE
         float a[16][16] __attribute__((aligned(64)));
         for (int i = 0; i < 16; i++) _mm512_store_ps(a[i], acc[i]);
         for (int k = 0; k < 16 && r0 + 16 * t + k < r1; k++)
