@@ -23,8 +23,8 @@ HERE = Path(__file__).resolve().parent
 # -O3 (vectorised loops); OpenMP for the threads and the simd reductions.
 BASE_FLAGS = ("-O3", "-std=gnu11", "-fopenmp")
 ISA_FLAGS = {
-    # avx2vnni plus AMX-INT8 tile products for decode rounds of several rows (kernels_amx.c, the
-    # same bits as avx2vnni); AVX-512 for their epilogue only: the compiler's own vectors stay
+    # avx2vnni plus AMX-INT8 tile products for prefill chunks (kernels_amx.c: the bits of
+    # avx2vnni's tiled products); AVX-512 for their epilogue only: the compiler's own vectors stay
     # 256 bits wide, so what it vectorises adds in the same order as in the other builds
     "amx": ("-mavx2", "-mfma", "-mf16c", "-mavxvnni", "-mamx-tile", "-mamx-int8", "-mavx512f", "-mavx512bw",
             "-mprefer-vector-width=256"),  # fmt: skip

@@ -16,7 +16,9 @@
  * of items the threads claim from a counter (see "work sharing" below).
  *
  * Compiled twice by build.py: with -mavx2 -mfma -mf16c (the IG_AVX2 path below)
- * and without (portable C); the backend picks by the processor's flags.
+ * and without (portable C); the backend picks by the processor's flags. Two more
+ * builds add -mavxvnni (avx2vnni) and AMX tiles with AVX-512 (amx: IG_AMX,
+ * kernels_amx.c's prefill products).
  */
 #include <math.h>
 #include <sched.h>
