@@ -71,7 +71,7 @@ def main() -> None:
             reps = args.reps if rows * nx < 200_000 else max(3, args.reps // 3)
             inner = max(1, 200_000 // (rows * nx))
             for _ in range(reps):
-                for label, (fn, m, xq, y, yp, times) in runs.items():
+                for fn, m, xq, _y, yp, times in runs.values():
                     t0 = time.process_time()
                     for _ in range(inner):
                         fn(m, 1, xq, nx, yp, rows, args.threads)
@@ -81,6 +81,7 @@ def main() -> None:
             c = {label: min(r[5]) * GHZ * 1e9 / pairs for label, r in runs.items()}
             print(f"| {name} | {nx} | {c['amx']:.2f} | {c['tiled']:.2f} | {c['decode']:.2f} | "
                   f"{c['decode'] / c['amx']:.1f}x |", flush=True)  # fmt: skip
+
 
 if __name__ == "__main__":
     main()

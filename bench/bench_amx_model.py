@@ -50,7 +50,9 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=1000)
     ap.add_argument("--wall", action="store_true", help="decode in wall ms (for more than one thread), not CPU ms")
     ap.add_argument("--skip-prompt", action="store_true")
-    ap.add_argument("--twice", action="store_true", help="a second avx2vnni backend (how much the placement alone moves)")
+    ap.add_argument(
+        "--twice", action="store_true", help="a second avx2vnni backend (how much the placement alone moves)"
+    )
     args = ap.parse_args()
     b = {"amx": _load("amx", args.threads), "avx2vnni": _load("avx2vnni", args.threads)}
     if args.twice:
@@ -97,8 +99,10 @@ def main() -> None:
                 res[label][0].append((c1 - c0) - (c2 - c1)), res[label][1].append(c2 - c1)
                 be.kernels.lib.ig_amx_rows(0)
         for label, (fw, lm) in res.items():
-            print(f"decode {n} lanes {label}: forward {'wall' if args.wall else 'CPU'} ms median {1e3 * statistics.median(fw):.2f} "
-                  f"min {1e3 * min(fw):.2f}, lm_head {1e3 * statistics.median(lm):.2f} min {1e3 * min(lm):.2f}")
+            print(
+                f"decode {n} lanes {label}: forward {'wall' if args.wall else 'CPU'} ms median {1e3 * statistics.median(fw):.2f} "
+                f"min {1e3 * min(fw):.2f}, lm_head {1e3 * statistics.median(lm):.2f} min {1e3 * min(lm):.2f}"
+            )
 
 
 if __name__ == "__main__":

@@ -167,4 +167,3 @@ def test_a_kernel_that_refuses_the_tiles_falls_back_with_one_log_line(monkeypatc
     assert backend.isa == "avx2vnni"
     assert [r.getMessage() for r in caplog.records] == ["ignis.cpu.amx_refused"]
     assert not build.runnable_isas(build.cpu_flags() - {"amx_tile"})[0] == "amx"
-

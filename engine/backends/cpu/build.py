@@ -11,26 +11,26 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import logging
 import os
 import shutil
 import sys
 import tempfile
-import logging
 import threading
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 # -O3 (vectorised loops); OpenMP for the threads and the simd reductions.
 BASE_FLAGS = ("-O3", "-std=gnu11", "-fopenmp")
+_VNNI = ("-mavx2", "-mfma", "-mf16c", "-mavxvnni")
 ISA_FLAGS = {
     # avx2vnni plus AMX-INT8 tile products for prefill chunks (kernels_amx.c: the bits of
     # avx2vnni's tiled products); AVX-512 for their epilogue only: the compiler's own vectors stay
     # 256 bits wide, so what it vectorises adds in the same order as in the other builds
-    "amx": ("-mavx2", "-mfma", "-mf16c", "-mavxvnni", "-mamx-tile", "-mamx-int8", "-mavx512f", "-mavx512bw",
-            "-mprefer-vector-width=256"),  # fmt: skip
+    "amx": (*_VNNI, "-mamx-tile", "-mamx-int8", "-mavx512f", "-mavx512bw", "-mprefer-vector-width=256"),
     # avx2 plus AVX-VNNI: the prefill products' multiply-adds accumulate in one instruction
     # (vpdpwssd); every other path is avx2's, with the same bits (integer sums are exact)
-    "avx2vnni": ("-mavx2", "-mfma", "-mf16c", "-mavxvnni"),
+    "avx2vnni": _VNNI,
     "avx2": ("-mavx2", "-mfma", "-mf16c"),  # the intrinsics path (IG_AVX2 in kernels.c)
     "portable": (),  # plain C; what the compiler does with the baseline ISA
 }
@@ -105,7 +105,8 @@ def _build(isa: str, cache: Path):
     source = (HERE / "kernels.c").read_text()
     included = (HERE / "kernels_amx.c").read_text()  # #included by kernels.c: the hash covers it too
     flags = [*BASE_FLAGS, *ISA_FLAGS[isa]]
-    digest = hashlib.sha256("\0".join([header, source, included, *flags, cffi.__version__, sys.version]).encode()).hexdigest()
+    parts = [header, source, included, *flags, cffi.__version__, sys.version]
+    digest = hashlib.sha256("\0".join(parts).encode()).hexdigest()
     name = f"_ignis_cpu_{isa}_{digest[:16]}"
     cache.mkdir(parents=True, exist_ok=True)
     found = [p for p in cache.glob(name + ".*") if p.suffix in (".so", ".pyd")]
