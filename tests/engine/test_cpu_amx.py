@@ -1,9 +1,11 @@
-"""The amx build's tile products against numpy and against the avx2vnni build, bit for bit.
+"""The amx build's products against numpy and against the avx2vnni build, bit for bit.
 
-What is promised: a product through the tiles (prefill chunks; decode rounds only from
-``ig_amx_rows`` on, never by default) has the bits of avx2vnni's tiled (prefill) product; decode
-products below that row count have avx2vnni's decode bits. Fresh random Q8_0 / Q4_0 / Q4_1
-matrices each run; everything skips where the processor (or its kernel) lends no AMX.
+What is promised: every product of the amx build (prefill chunks through the tiles; decode rounds
+through the tiles from ``ig_amx_rows`` rows on, 3 by default, and through AVX2 block sums below)
+has the bits of avx2vnni's tiled (prefill) product, so a row's bits do not depend on the rows
+beside it at any width; with ``ig_amx_rows(0)`` decode rounds have avx2vnni's decode bits.
+Fresh random Q8_0 / Q4_0 / Q4_1 matrices each run; everything skips where the processor (or its
+kernel) lends no AMX.
 """
 
 from __future__ import annotations
@@ -28,9 +30,12 @@ def pair():
 
 @pytest.fixture
 def amx_rows(pair):
-    """Sets ig_amx_rows for one test, then back to the default (0: decode never takes the tiles)."""
+    """Sets ig_amx_rows for one test, then back to what it was (the default, 3)."""
+    was = pair[0].lib.ig_amx_rows(3)
+    pair[0].lib.ig_amx_rows(was)
+    assert was == 3
     yield pair[0].lib.ig_amx_rows
-    pair[0].lib.ig_amx_rows(0)
+    pair[0].lib.ig_amx_rows(was)
 
 
 def _parts(ks, rng, specs, cols):
@@ -88,7 +93,7 @@ def test_each_type_alone_at_the_model_widths(pair, t):
         assert rel_err(got, x @ w.T) < 1e-4
 
 
-def test_decode_products_take_the_tiles_only_from_ig_amx_rows(pair, amx_rows):
+def test_decode_products_have_the_tiled_bits_at_every_width(pair, amx_rows):
     amx, vnni = pair
     rng = np.random.default_rng()
     (pa, pv), _keep, w = _parts(pair, rng, SPECS, 160)
@@ -102,15 +107,17 @@ def test_decode_products_take_the_tiles_only_from_ig_amx_rows(pair, amx_rows):
         tiled = _product(vnni, vnni.lib.ig_matmul_tiled, pv, xv, rows, n, 2, len(SPECS))
         return got, decode, tiled
 
-    for rows in (1, 8, 16):  # the default: decode bits at every width
+    for limit in (3, 5):  # below the limit AVX2 block sums, from it on the tiles
+        amx_rows(limit)
+        for rows in (1, 2, 3, 4, 5, 8, 19):
+            got, decode, tiled = both(rows)
+            assert np.array_equal(got, tiled)
+            assert not np.array_equal(got, decode)  # the two orders of float sums do differ (this could fail)
+            assert np.abs(got - decode).max() <= 1e-5 * np.abs(decode).max()
+    amx_rows(0)  # the other builds' decode path
+    for rows in (1, 8, 16):
         got, decode, tiled = both(rows)
         assert np.array_equal(got, decode)
-    amx_rows(4)
-    for rows in (1, 3, 4, 8, 19):
-        got, decode, tiled = both(rows)
-        assert np.array_equal(got, tiled if rows >= 4 else decode)
-        if rows >= 4:  # the two orders of float sums do differ somewhere (this test could fail)
-            assert not np.array_equal(got, decode)
 
 
 def test_tile_rows_do_not_depend_on_their_neighbours(pair):
@@ -125,22 +132,29 @@ def test_tile_rows_do_not_depend_on_their_neighbours(pair):
                               together[r])  # fmt: skip
 
 
-def test_tiny_model_has_the_avx2vnni_bits(pair):
-    """Prefill (tiled products through the tiles) and decode rounds: the same logits as avx2vnni."""
+def test_tiny_model_against_avx2vnni(pair, amx_rows):
+    """With ig_amx_rows(0) a tiled prefill chunk (products through the tiles), a short one and decode
+    rounds have avx2vnni's bits; by default the decode products (the lm_head's too) carry the tiled
+    bits: close to them."""
     from engine.backends.cpu import CpuBackend
 
     cfg, stored, _ = _tiny()
     rng = np.random.default_rng()
     ids = [list(rng.integers(3, cfg.vocab_size, n)) for n in (40, 9)]
-    got = []
-    for isa in ("amx", "avx2vnni"):
+    runs = {}
+    for isa, limit in (("amx", 3), ("amx", 0), ("avx2vnni", 3)):
+        amx_rows(limit)
         cpu = _load(CpuBackend(threads=2, isa=isa), cfg, stored)
         assert cpu.isa == isa
         logits = [_prefill_logits(cpu, p, [3 * i, 3 * i + 1, 3 * i + 2]) for i, p in enumerate(ids)]
         lanes = [DecodeLane(i, int(logits[i].argmax()), len(p), [3 * i, 3 * i + 1, 3 * i + 2], GREEDY)
                  for i, p in enumerate(ids)]  # fmt: skip
-        got.append((np.stack(logits), cpu.decode_logits(lanes)))
-    assert np.array_equal(got[0][0], got[1][0]) and np.array_equal(got[0][1], got[1][1])
+        runs[isa, limit] = (logits[0], logits[1], cpu.decode_logits(lanes))
+    tiled, short, decode = runs["avx2vnni", 3]
+    assert all(np.array_equal(a, b) for a, b in zip(runs["amx", 0], runs["avx2vnni", 3]))
+    got = runs["amx", 3]
+    # sums in another order, then int16 activations and float16 K/V rounded again (as tiled against untiled)
+    assert rel_err(got[0], tiled) < 1e-3 and rel_err(got[1], short) < 1e-3 and rel_err(got[2], decode) < 1e-3
 
 
 def test_a_kernel_that_refuses_the_tiles_falls_back_with_one_log_line(monkeypatch, caplog):

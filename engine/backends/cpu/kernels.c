@@ -464,7 +464,10 @@ static void matmul_parts(ig_step *st, const ig_mat *parts, int nparts, const ig_
 #include "kernels_amx.c"
 #else
 int ig_amx_init(void) { return -1; }
-void ig_amx_rows(int rows) { (void)rows; }
+int ig_amx_rows(int rows) {
+    (void)rows;
+    return 0;
+}
 #endif
 
 /* ---- prefill: a register-blocked product over many rows ---------------------------------
@@ -642,9 +645,13 @@ static void tiled_parts(ig_step *st, const ig_mat *parts, int nparts, const ig_x
 static void product(ig_step *st, const ig_mat *parts, int nparts, const ig_xblk *x, int nx, float *y, int ldy,
                     int tiled_rows) {
 #ifdef IG_AMX
-    /* prefill chunks (and decode rounds of ig_amx_rows rows on) through tile products: tiled_parts' bits */
-    if (amx_usable(parts, nparts) && ((tiled_rows > 0 && nx >= tiled_rows) || (amx_min_rows > 0 && nx >= amx_min_rows))) {
-        amx_parts(st, parts, nparts, x, nx, y, ldy);
+    /* prefill chunks and decode rounds of amx_min_rows rows on through the tiles, decode rounds
+     * below on AVX2 with the same bits (tiled_parts'); amx_min_rows 0: decode keeps dot_group's */
+    if (amx_usable(parts, nparts) && ((tiled_rows > 0 && nx >= tiled_rows) || amx_min_rows > 0)) {
+        if ((tiled_rows > 0 && nx >= tiled_rows) || nx >= amx_min_rows)
+            amx_parts(st, parts, nparts, x, nx, y, ldy);
+        else
+            sums_parts(st, parts, nparts, x, nx, y, ldy);
         return;
     }
 #endif

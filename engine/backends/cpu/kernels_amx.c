@@ -10,11 +10,12 @@
  * so every 256 pairs cost two TDPs and two tile stores (~15 cycles each) and the float
  * epilogue (AVX-512: 16 weight rows x 16 activation rows in 16 registers).
  *
- * The decode path (dot_group) keeps each block's sum as 8 partial sums with float
+ * The other builds' decode path (dot_group) keeps each block's sum as 8 partial sums with float
  * accumulators of their own; tile products can give those too (one lane per column) at 8x the
- * products and stores, which measured slower than AVX2 (docs/CPU.md, "AMX products"). So
- * decode products take the tiles only from ig_amx_rows on (default: never), and then carry
- * the prefill's bits, not dot_group's.
+ * products and stores, which measured slower than AVX2 (docs/CPU.md, "AMX products"). So this
+ * build's decode rounds carry the prefill's bits instead: through the tiles from amx_min_rows
+ * rows on, below that through sums_parts (AVX2, the same sums and order), so a row's bits do not
+ * depend on the rows beside it at any width.
  *
  * Tiles: 0 and 7 weights (16 x 32 B), 1 and 2 activations hi / lo (8 x 64 B), 3, 4 and 5, 6 the
  * int32 sums (16 x 64 B): even blocks in 0, 3, 4 and odd ones in 7, 5, 6, so block b + 1's products
@@ -27,7 +28,9 @@
 #define AMX_XT 64 /* activation rows a tile of items: four B tiles of 16 */
 
 static int amx_state = 0;    /* 0 untried, 1 usable, -1 refused */
-static int amx_min_rows = 0; /* decode products of at least this many rows take the tiles; 0: never */
+/* Decode products of at least this many rows take the tiles, those below sums_parts (the same bits);
+ * 0: decode keeps dot_group's path and bits. 3: where the tiles win (docs/CPU.md, "AMX products"). */
+static int amx_min_rows = 3;
 
 int ig_amx_init(void) {
     if (amx_state == 0) {
@@ -40,7 +43,11 @@ int ig_amx_init(void) {
     return amx_state == 1 ? 0 : -1;
 }
 
-void ig_amx_rows(int rows) { amx_min_rows = rows; }
+int ig_amx_rows(int rows) {
+    int was = amx_min_rows;
+    amx_min_rows = rows;
+    return was;
+}
 
 typedef struct {
     uint8_t palette, start_row, reserved[14];
@@ -222,6 +229,65 @@ static void amx_parts(ig_step *st, const ig_mat *parts, int nparts, const ig_xbl
     }
     if (ok) _tile_release();
     free(ua), free(dw);
+}
+
+/* Decode rows below amx_min_rows, with the same bits (each row alone): one activation row against 8
+ * weight rows [j0, j0 + n) of w at a time, the 8 block sums reduced exactly (vphaddd) into one
+ * vector, then f = fma(float(isum), d * x.d, f) and for Q4_1 f = fma(m, x.s, f), as the tiles do. */
+static void dot8_sums(const ig_mat *w, int j0, int n, const ig_xblk *x, const char *ahead, float *out) {
+    int nb = w->cols / QK, type = w->type, bb = block_bytes(type), qoff = type == IG_Q4_1 ? 4 : 2;
+    const uint8_t *base = w->data + (int64_t)j0 * w->row_bytes;
+    __m512i idx = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 0, 0, 0, 0, 0, 0, 0, 0),
+                                     _mm512_set1_epi32((int)w->row_bytes));
+    __mmask16 valid = (__mmask16)((1u << n) - 1);
+    __m256i eight = _mm256_set1_epi16(type == IG_Q4_0 ? 8 : 0);
+    __m256 f = _mm256_setzero_ps();
+    for (int b = 0; b < nb; b++) {
+        const ig_xblk *xb = x + b;
+        if (ahead) /* the next 8 rows, a block of each, while these are dotted (one lane streams the weights) */
+            for (int k = 0; k < 8; k++) _mm_prefetch(ahead + k * w->row_bytes + (int64_t)b * bb, _MM_HINT_T0);
+        __m256i x0 = _mm256_loadu_si256((const __m256i *)xb->q), x1 = _mm256_loadu_si256((const __m256i *)(xb->q + 16));
+        __m256i p[8];
+        for (int k = 0; k < 8; k++) {
+            if (k >= n) {
+                p[k] = _mm256_setzero_si256();
+                continue;
+            }
+            __m256i lo, hi;
+            unpack_block(type, base + (int64_t)k * w->row_bytes + (int64_t)b * bb + qoff, &lo, &hi);
+            lo = _mm256_sub_epi16(lo, eight), hi = _mm256_sub_epi16(hi, eight);
+            p[k] = _mm256_add_epi32(_mm256_madd_epi16(lo, x0), _mm256_madd_epi16(hi, x1));
+        }
+        __m256i h0 = _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
+        __m256i h1 = _mm256_hadd_epi32(_mm256_hadd_epi32(p[4], p[5]), _mm256_hadd_epi32(p[6], p[7]));
+        __m256i isum = _mm256_add_epi32(_mm256_permute2x128_si256(h0, h1, 0x20), _mm256_permute2x128_si256(h0, h1, 0x31));
+        __m512i g = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), valid, idx, base + (int64_t)b * bb, 1);
+        __m256 d = _mm256_cvtph_ps(_mm256_castsi256_si128(_mm512_cvtepi32_epi16(g)));
+        f = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(d, _mm256_set1_ps(xb->d)), f);
+        if (type == IG_Q4_1) {
+            __m256 m = _mm256_cvtph_ps(_mm256_castsi256_si128(_mm512_cvtepi32_epi16(_mm512_srli_epi32(g, 16))));
+            f = _mm256_fmadd_ps(m, _mm256_set1_ps(xb->s), f);
+        }
+    }
+    _mm256_storeu_ps(out, f);
+}
+
+/* The decode product below amx_min_rows: items are 8 weight rows of one part against every row. */
+static void sums_parts(ig_step *st, const ig_mat *parts, int nparts, const ig_xblk *x, int nx, float *y, int ldy) {
+    int nb = parts[0].cols / QK, nitems = 0;
+    for (int p = 0; p < nparts; p++) nitems += (parts[p].rows + 7) / 8;
+    FOR_ITEMS(st, nitems, item) {
+        int s = item, p = 0, off = 0;
+        while (s >= (parts[p].rows + 7) / 8) s -= (parts[p].rows + 7) / 8, off += parts[p++].rows;
+        const ig_mat *w = &parts[p];
+        int j0 = s * 8, n = w->rows - j0 < 8 ? w->rows - j0 : 8;
+        const char *ahead = j0 + 16 <= w->rows ? (const char *)w->data + (int64_t)(j0 + 8) * w->row_bytes : NULL;
+        for (int r = 0; r < nx; r++) {
+            float o[8];
+            dot8_sums(w, j0, n, x + (int64_t)r * nb, r == 0 ? ahead : NULL, o);
+            for (int k = 0; k < n; k++) y[(int64_t)r * ldy + off + j0 + k] = o[k];
+        }
+    }
 }
 
 /* Whether the tiles take a product: the process has them, and every part is Q8_0, Q4_0 or Q4_1. */
