@@ -198,6 +198,8 @@ static void amx_strip(const ig_mat *w, int j0, int n, int r0, int r1, float *y, 
     }
 }
 
+static void dot8_sums(const ig_mat *w, int j0, int n, const ig_xblk *x, const char *ahead, float *out);
+
 /* tiled_parts' result (and bits) through tile products. Items: (tile of AMX_XT rows, strip of 16
  * output rows of one part), tile by tile; a thread builds a tile's activations about once. */
 static void amx_parts(ig_step *st, const ig_mat *parts, int nparts, const ig_xblk *x, int nx, float *y, int ldy) {
@@ -212,12 +214,12 @@ static void amx_parts(ig_step *st, const ig_mat *parts, int nparts, const ig_xbl
         while (s >= (parts[p].rows + 15) / 16) s -= (parts[p].rows + 15) / 16, off += parts[p++].rows;
         int r0 = tile * AMX_XT, r1 = r0 + AMX_XT < nx ? r0 + AMX_XT : nx, j0 = s * 16;
         int n = parts[p].rows - j0 < 16 ? parts[p].rows - j0 : 16;
-        if (!ok) { /* every thread claims items alike: one without buffers does its items the AVX2 way */
+        if (!ok) { /* every thread claims items alike: one without buffers does its items on AVX2, same bits */
             for (int r = r0; r < r1; r++)
-                for (int j = j0; j < j0 + n; j++) {
-                    const ig_xblk *xs = x + (int64_t)r * nb;
-                    dot_rows(&parts[p], parts[p].data + (int64_t)j * parts[p].row_bytes, &xs, 1,
-                             y + (int64_t)r * ldy + off + j);
+                for (int k = 0; k < n; k += 8) {
+                    float o[8];
+                    dot8_sums(&parts[p], j0 + k, n - k < 8 ? n - k : 8, x + (int64_t)r * nb, NULL, o);
+                    for (int i = 0; i < 8 && k + i < n; i++) y[(int64_t)r * ldy + off + j0 + k + i] = o[i];
                 }
             continue;
         }
