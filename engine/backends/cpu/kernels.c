@@ -18,7 +18,7 @@
  * Compiled twice by build.py: with -mavx2 -mfma -mf16c (the IG_AVX2 path below)
  * and without (portable C); the backend picks by the processor's flags. Two more
  * builds add -mavxvnni (avx2vnni) and AMX tiles with AVX-512 (amx: IG_AMX,
- * kernels_amx.c's prefill products).
+ * kernels_amx.c's tile products and AVX2 block sums).
  */
 #include <math.h>
 #include <sched.h>
