@@ -29,7 +29,7 @@ from gguf.quants import dequantize, quantize  # noqa: E402
 DEFAULT_GGUF = Path(__file__).resolve().parents[2] / "models/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf"
 TYPES = (T.Q8_0, T.Q4_0, T.Q4_1)
 BLOCK = 16
-ISAS = ["avx2vnni", "avx2", "portable"]  # every build; those this processor lacks skip
+ISAS = ["amx", "avx2vnni", "avx2", "portable"]  # every build; those this processor lacks skip
 TIE = 0.02  # a near-tie: numpy's top-2 logit gap below this (the cpu logits sit ~0.004 off at most)
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import logging
 import os
 import shutil
 import sys
@@ -21,14 +22,20 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 # -O3 (vectorised loops); OpenMP for the threads and the simd reductions.
 BASE_FLAGS = ("-O3", "-std=gnu11", "-fopenmp")
+_VNNI = ("-mavx2", "-mfma", "-mf16c", "-mavxvnni")
 ISA_FLAGS = {
+    # avx2vnni plus AMX-INT8 tile products for prefill chunks (kernels_amx.c: the bits of
+    # avx2vnni's tiled products); AVX-512 for their epilogue only: the compiler's own vectors stay
+    # 256 bits wide, so what it vectorises adds in the same order as in the other builds
+    "amx": (*_VNNI, "-mamx-tile", "-mamx-int8", "-mavx512f", "-mavx512bw", "-mprefer-vector-width=256"),
     # avx2 plus AVX-VNNI: the prefill products' multiply-adds accumulate in one instruction
     # (vpdpwssd); every other path is avx2's, with the same bits (integer sums are exact)
-    "avx2vnni": ("-mavx2", "-mfma", "-mf16c", "-mavxvnni"),
+    "avx2vnni": _VNNI,
     "avx2": ("-mavx2", "-mfma", "-mf16c"),  # the intrinsics path (IG_AVX2 in kernels.c)
     "portable": (),  # plain C; what the compiler does with the baseline ISA
 }
 _lock = threading.Lock()
+log = logging.getLogger("ignis.engine")
 _loaded: dict[tuple[str, str], object] = {}
 
 
@@ -44,6 +51,7 @@ def cpu_flags() -> set[str]:
 
 
 ISA_NEEDS = {
+    "amx": {"avx2", "fma", "f16c", "avx_vnni", "amx_tile", "amx_int8", "avx512f", "avx512bw"},
     "avx2vnni": {"avx2", "fma", "f16c", "avx_vnni"},
     "avx2": {"avx2", "fma", "f16c"},
     "portable": set(),
@@ -57,7 +65,8 @@ def runnable_isas(flags: set[str] | None = None) -> list[str]:
 
 
 def best_isa(flags: set[str] | None = None) -> str:
-    """``avx2vnni`` where the processor also has AVX-VNNI, ``avx2`` where it has AVX2, FMA and F16C;
+    """``amx`` where it also has AMX-INT8 and AVX-512 BW (the kernel must still allow the tiles:
+    load_kernels asks), ``avx2vnni`` where the processor also has AVX-VNNI, ``avx2`` where it has AVX2, FMA and F16C;
     else ``portable``."""
     return runnable_isas(flags)[0]
 
@@ -80,7 +89,12 @@ def load_kernels(isa: str | None = None, cache_dir: str | Path | None = None):
     key = (isa, str(cache))
     with _lock:
         if key not in _loaded:
-            _loaded[key] = _build(isa, cache)
+            module = _build(isa, cache)
+            if isa == "amx" and module.lib.ig_amx_init() != 0:
+                # the processor has the tiles but the kernel (arch_prctl) does not lend them
+                log.warning("ignis.cpu.amx_refused", extra={"reason": "arch_prctl(ARCH_REQ_XCOMP_PERM) refused"})
+                raise RuntimeError("cpu backend: the kernel refuses AMX tiles (arch_prctl ARCH_REQ_XCOMP_PERM)")
+            _loaded[key] = module
         return _loaded[key]
 
 
@@ -89,8 +103,10 @@ def _build(isa: str, cache: Path):
 
     header = (HERE / "kernels.h").read_text()
     source = (HERE / "kernels.c").read_text()
+    included = (HERE / "kernels_amx.c").read_text()  # #included by kernels.c: the hash covers it too
     flags = [*BASE_FLAGS, *ISA_FLAGS[isa]]
-    digest = hashlib.sha256("\0".join([header, source, *flags, cffi.__version__, sys.version]).encode()).hexdigest()
+    parts = [header, source, included, *flags, cffi.__version__, sys.version]
+    digest = hashlib.sha256("\0".join(parts).encode()).hexdigest()
     name = f"_ignis_cpu_{isa}_{digest[:16]}"
     cache.mkdir(parents=True, exist_ok=True)
     found = [p for p in cache.glob(name + ".*") if p.suffix in (".so", ".pyd")]

@@ -16,7 +16,9 @@
  * of items the threads claim from a counter (see "work sharing" below).
  *
  * Compiled twice by build.py: with -mavx2 -mfma -mf16c (the IG_AVX2 path below)
- * and without (portable C); the backend picks by the processor's flags.
+ * and without (portable C); the backend picks by the processor's flags. Two more
+ * builds add -mavxvnni (avx2vnni) and AMX tiles with AVX-512 (amx: IG_AMX,
+ * kernels_amx.c's tile products and AVX2 block sums).
  */
 #include <math.h>
 #include <sched.h>
@@ -30,6 +32,9 @@
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define IG_AVX2 1
 #include <immintrin.h>
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512F__) && defined(__AVX512BW__)
+#define IG_AMX 1 /* the amx build: tile products (kernels_amx.c) */
+#endif
 #endif
 
 #include "kernels.h"
@@ -455,6 +460,16 @@ static void matmul_parts(ig_step *st, const ig_mat *parts, int nparts, const ig_
     free(dtab);
 }
 
+#ifdef IG_AMX
+#include "kernels_amx.c"
+#else
+int ig_amx_init(void) { return -1; }
+int ig_amx_rows(int rows) {
+    (void)rows;
+    return 0;
+}
+#endif
+
 /* ---- prefill: a register-blocked product over many rows ---------------------------------
  *
  * A span of many rows (a prefill chunk) meets each weight row often enough to unpack it
@@ -629,6 +644,17 @@ static void tiled_parts(ig_step *st, const ig_mat *parts, int nparts, const ig_x
  * the build has the tiled kernel, else the decode path (matmul_parts). */
 static void product(ig_step *st, const ig_mat *parts, int nparts, const ig_xblk *x, int nx, float *y, int ldy,
                     int tiled_rows) {
+#ifdef IG_AMX
+    /* prefill chunks and decode rounds of amx_min_rows rows on through the tiles, decode rounds
+     * below on AVX2 with the same bits (tiled_parts'); amx_min_rows 0: decode keeps dot_group's */
+    if (amx_usable(parts, nparts) && ((tiled_rows > 0 && nx >= tiled_rows) || amx_min_rows > 0)) {
+        if ((tiled_rows > 0 && nx >= tiled_rows) || nx >= amx_min_rows)
+            amx_parts(st, parts, nparts, x, nx, y, ldy);
+        else
+            sums_parts(st, parts, nparts, x, nx, y, ldy);
+        return;
+    }
+#endif
 #ifdef IG_AVX2
     if (tiled_rows > 0 && nx >= tiled_rows) {
         tiled_parts(st, parts, nparts, x, nx, y, ldy);
@@ -649,7 +675,7 @@ void ig_matmul_tiled(const ig_mat *parts, int nparts, const ig_xblk *x, int nx, 
 void ig_matmul(const ig_mat *parts, int nparts, const ig_xblk *x, int nx, float *y, int ldy, int threads) {
     ig_step st = {0, 0};
 #pragma omp parallel num_threads(threads)
-    matmul_parts(&st, parts, nparts, x, nx, y, ldy);
+    product(&st, parts, nparts, x, nx, y, ldy, 0);
 }
 
 /* ---- the forward ------------------------------------------------------------------ */
