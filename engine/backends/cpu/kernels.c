@@ -312,17 +312,18 @@ static inline __attribute__((always_inline)) void dot_rows(const ig_mat *w, cons
             const uint8_t *q = p + qoff;
             float d = h2f(rd16(p)), m = 0.0f;
             int isum = 0;
+            int64_t lsum = 0; /* Q6_K's |v| <= 4096: 32 products may pass int32 */
             if (kq) {
                 int16_t v[QK];
                 kq_unpack(type, row0, b, v, &d, &m);
-                for (int i = 0; i < QK; i++) isum += v[i] * xb->q[i];
+                for (int i = 0; i < QK; i++) lsum += v[i] * xb->q[i];
             } else if (type == IG_Q8_0) {
                 for (int i = 0; i < QK; i++) isum += (int8_t)q[i] * xb->q[i];
             } else {
                 for (int i = 0; i < 16; i++) isum += (q[i] & 15) * xb->q[i] + (q[i] >> 4) * xb->q[i + 16];
             }
             if (!kq) m = type == IG_Q4_1 ? h2f(rd16(p + 2)) : type == IG_Q4_0 ? -8.0f * d : 0.0f;
-            sum += d * xb->d * (float)isum + m * xb->s;
+            sum += d * xb->d * (float)(kq ? lsum : isum) + m * xb->s;
         }
         out[r] = sum;
     }
