@@ -273,27 +273,23 @@ static inline void unpack_block(int type, const uint8_t *qs, __m256i *lo, __m256
 static inline __attribute__((always_inline)) void dot_rows(const ig_mat *w, const uint8_t *row,
                                                             const ig_xblk *const *x, int R, float *out) {
     int nb = w->cols / QK, type = w->type, bb = type == IG_Q8_0 ? 34 : type == IG_Q4_0 ? 18 : 20;
-    int qoff = type == IG_Q4_1 ? 4 : 2, kq = kq_type(type);
-    const uint8_t *row0 = row;
-    bb = kq ? 0 : bb; /* kernels_kquants.c finds its blocks from row0 */
+    int qoff = type == IG_Q4_1 ? 4 : 2, kq = kq_type(type); /* kernels_kquants.c's types */
 #ifdef IG_AVX2
+    if (kq) {
+        kq_dot(type, row, nb, x, NULL, NULL, 0, R, out);
+        return;
+    }
     __m256 acc[4];
     float extra[4];
-    kq_scales ks;
     for (int r = 0; r < R; r++) {
         acc[r] = _mm256_setzero_ps();
         extra[r] = 0.0f;
     }
     for (int b = 0; b < nb; b++, row += bb) {
-        float d, m;
+        float d = _cvtsh_ss(rd16(row));
+        float m = type == IG_Q4_1 ? _cvtsh_ss(rd16(row + 2)) : type == IG_Q4_0 ? -8.0f * d : 0.0f;
         __m256i lo, hi;
-        if (kq) {
-            kq_fetch(type, row0, b, &ks, &lo, &hi, &d, &m);
-        } else {
-            d = _cvtsh_ss(rd16(row));
-            m = type == IG_Q4_1 ? _cvtsh_ss(rd16(row + 2)) : type == IG_Q4_0 ? -8.0f * d : 0.0f;
-            unpack_block(type, row + qoff, &lo, &hi);
-        }
+        unpack_block(type, row + qoff, &lo, &hi);
         for (int r = 0; r < R; r++) {
             const ig_xblk *xb = x[r] + b;
             __m256i p = _mm256_add_epi32(_mm256_madd_epi16(lo, _mm256_loadu_si256((const __m256i *)xb->q)),
@@ -307,7 +303,7 @@ static inline __attribute__((always_inline)) void dot_rows(const ig_mat *w, cons
     for (int r = 0; r < R; r++) {
         const uint8_t *p = row;
         float sum = 0.0f;
-        for (int b = 0; b < nb; b++, p += bb) {
+        for (int b = 0; b < nb; b++, p += kq ? 0 : bb) {
             const ig_xblk *xb = x[r] + b;
             const uint8_t *q = p + qoff;
             float d = h2f(rd16(p)), m = 0.0f;
@@ -315,7 +311,7 @@ static inline __attribute__((always_inline)) void dot_rows(const ig_mat *w, cons
             int64_t lsum = 0; /* Q6_K's |v| <= 4096: 32 products may pass int32 */
             if (kq) {
                 int16_t v[QK];
-                kq_unpack(type, row0, b, v, &d, &m);
+                kq_unpack(type, row, b, v, &d, &m);
                 for (int i = 0; i < QK; i++) lsum += v[i] * xb->q[i];
             } else if (type == IG_Q8_0) {
                 for (int i = 0; i < QK; i++) isum += (int8_t)q[i] * xb->q[i];
@@ -341,27 +337,23 @@ static inline __attribute__((always_inline)) void dot_group(const ig_mat *w, con
                                                              const ig_xblk *const *x, const float *dtab,
                                                              const float *stab, int G, float *out) {
     int nb = w->cols / QK, type = w->type, bb = type == IG_Q8_0 ? 34 : type == IG_Q4_0 ? 18 : 20;
-    int qoff = type == IG_Q4_1 ? 4 : 2, kq = kq_type(type);
-    const uint8_t *row0 = row;
-    bb = kq ? 0 : bb;
+    int qoff = type == IG_Q4_1 ? 4 : 2;
+    if (kq_type(type)) {
+        kq_dot(type, row, nb, x, dtab, stab, 1, G, out);
+        return;
+    }
     __m256 acc[8], ex = _mm256_setzero_ps();
     float sc[8] __attribute__((aligned(32)));
-    kq_scales ks;
     for (int r = 0; r < G; r++) acc[r] = _mm256_setzero_ps();
     for (int b = 0; b < nb; b++, row += bb) {
-        float d, m;
-        __m256i lo, hi;
-        if (kq) {
-            kq_fetch(type, row0, b, &ks, &lo, &hi, &d, &m);
-        } else {
-            d = _cvtsh_ss(rd16(row));
-            m = type == IG_Q4_1 ? _cvtsh_ss(rd16(row + 2)) : type == IG_Q4_0 ? -8.0f * d : 0.0f;
-            unpack_block(type, row + qoff, &lo, &hi);
-        }
+        float d = _cvtsh_ss(rd16(row));
+        float m = type == IG_Q4_1 ? _cvtsh_ss(rd16(row + 2)) : type == IG_Q4_0 ? -8.0f * d : 0.0f;
         __m256 xd = G == 8 ? _mm256_loadu_ps(dtab + b * 8) : _mm256_zextps128_ps256(_mm_loadu_ps(dtab + b * 4));
         __m256 xs = G == 8 ? _mm256_loadu_ps(stab + b * 8) : _mm256_zextps128_ps256(_mm_loadu_ps(stab + b * 4));
         _mm256_store_ps(sc, _mm256_mul_ps(xd, _mm256_set1_ps(d)));
         ex = _mm256_fmadd_ps(_mm256_set1_ps(m), xs, ex);
+        __m256i lo, hi;
+        unpack_block(type, row + qoff, &lo, &hi);
         for (int r = 0; r < G; r++) {
             const ig_xblk *xb = x[r] + b;
             __m256i p = _mm256_add_epi32(_mm256_madd_epi16(lo, _mm256_loadu_si256((const __m256i *)xb->q)),
@@ -539,8 +531,6 @@ static int unpack_strip(const ig_mat *parts, int nparts, int j0, int rows, int n
             float d, m = 0.0f;
             if (kq) {
                 kq_unpack(type, row0, b, v, &d, &m);
-                if (type == IG_Q5_0)
-                    for (int i = 0; i < QK; i++) v[i] -= 16, m = 0.0f;
             } else if (type == IG_Q8_0) {
                 for (int i = 0; i < QK; i++) v[i] = (int8_t)q[i];
             } else {

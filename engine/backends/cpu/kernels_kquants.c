@@ -42,16 +42,17 @@ static inline void kq_scale_min(const uint8_t *s, int j, int *sc, int *mn) {
 }
 
 /* Block b of a row (portable; the tiled kernel's unpacking and dequantization): v, d, m as above.
- * Q5_0's v is unsigned (0..31) with m = -16 d, as Q4_0's -8 in the decode path. */
+ * Q5_0's v is signed (q - 16, m = 0). */
 static void kq_unpack(int type, const uint8_t *row, int b, int16_t *v, float *d, float *m) {
     if (type == IG_Q5_0 || type == IG_Q5_1) {
         const uint8_t *p = row + (int64_t)b * kq_bytes(type), *qh = p + (type == IG_Q5_0 ? 2 : 4), *qs = qh + 4;
         uint32_t h = qh[0] | qh[1] << 8 | qh[2] << 16 | (uint32_t)qh[3] << 24;
+        int off = type == IG_Q5_0 ? 16 : 0;
         *d = h2f(rd16(p));
-        *m = type == IG_Q5_0 ? -16.0f * *d : h2f(rd16(p + 2));
+        *m = type == IG_Q5_0 ? 0.0f : h2f(rd16(p + 2));
         for (int i = 0; i < 16; i++) {
-            v[i] = (int16_t)((qs[i] & 15) | ((h >> i) & 1) << 4);
-            v[i + 16] = (int16_t)((qs[i] >> 4) | ((h >> (i + 16)) & 1) << 4);
+            v[i] = (int16_t)(((qs[i] & 15) | ((h >> i) & 1) << 4) - off);
+            v[i + 16] = (int16_t)(((qs[i] >> 4) | ((h >> (i + 16)) & 1) << 4) - off);
         }
     } else if (type == IG_Q4_K || type == IG_Q5_K) {
         const uint8_t *p = row + (int64_t)(b / 8) * kq_bytes(type);
@@ -75,73 +76,158 @@ static void kq_unpack(int type, const uint8_t *row, int b, int16_t *v, float *d,
 }
 
 #ifdef IG_AVX2
-/* A K-quant super-block's 8 sub-block scales and offsets, decoded once when its first block is met. */
+/* The decode path (dot_rows / dot_group hand these types here): one weight row against G activation
+ * rows, specialised by type (T a constant after inlining), K-quant scales decoded once a super-block
+ * for all G rows. With tables (tabs: dtab / stab by block, as dot_group's) the G products d * x.d come
+ * from one vector multiply and the offsets from one FMA, else per row; the same IEEE operations per
+ * row either way, so a row's bits do not depend on its group. */
+
+/* A block's int32 pair sums against a row: lo * x.q[0..15] + hi * x.q[16..31] pairwise (AVX-VNNI adds the
+ * second product in the same instruction; the integers, so the bits, are the same). */
+#if defined(__AVXVNNI__)
+#define KQ_PAIRS(lo, hi, q) _mm256_dpwssd_avx_epi32(_mm256_madd_epi16((lo), _mm256_loadu_si256((const __m256i *)(q))), \
+                                                     (hi), _mm256_loadu_si256((const __m256i *)((q) + 16)))
+#else
+#define KQ_PAIRS(lo, hi, q) _mm256_add_epi32(_mm256_madd_epi16((lo), _mm256_loadu_si256((const __m256i *)(q))), \
+                                             _mm256_madd_epi16((hi), _mm256_loadu_si256((const __m256i *)((q) + 16))))
+#endif
+
+/* A K-quant super-block's 8 sub-block scales and offsets. */
 typedef struct {
     float d[8], m[8];
 } kq_scales;
 
-static inline void kq_decode_scales(int type, const uint8_t *p, kq_scales *ks) {
-    if (type == IG_Q6_K) {
-        float d = _cvtsh_ss(rd16(p + 208));
-        for (int j = 0; j < 8; j++) ks->d[j] = d, ks->m[j] = 0.0f;
-        return;
+/* Q4_K / Q5_K: kq_scale_min for the 8 sub-blocks at once, 4 bytes a word. */
+static inline void kq_decode_scales(const uint8_t *p, kq_scales *ks) {
+    uint32_t u0, u1, u2;
+    memcpy(&u0, p + 4, 4), memcpy(&u1, p + 8, 4), memcpy(&u2, p + 12, 4);
+    uint32_t sc_lo = u0 & 0x3f3f3f3f, sc_hi = (u2 & 0x0f0f0f0f) | ((u0 >> 2) & 0x30303030);
+    uint32_t m_lo = u1 & 0x3f3f3f3f, m_hi = ((u2 >> 4) & 0x0f0f0f0f) | ((u1 >> 2) & 0x30303030);
+    __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_set_epi32(0, 0, (int)sc_hi, (int)sc_lo)));
+    __m256 mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_set_epi32(0, 0, (int)m_hi, (int)m_lo)));
+    _mm256_storeu_ps(ks->d, _mm256_mul_ps(_mm256_set1_ps(_cvtsh_ss(rd16(p))), sc));
+    /* -(dmin * m): the product is exact, so its negation is kq_unpack's value */
+    _mm256_storeu_ps(ks->m, _mm256_mul_ps(_mm256_set1_ps(-_cvtsh_ss(rd16(p + 2))), mn));
+}
+
+/* Block b's 32 weights (lo: elements 0..15, hi: 16..31, int16, scale *dp, offset m) met by the G rows;
+ * has_m (a constant): the type has offsets (Q5_0 and Q6_K have none, and an FMA by m = 0 is not free).
+ * The scales d * x.d come from two broadcast loads and a multiply: no shuffle-port work (that port,
+ * busy with the unpacking, is what one row waits on). */
+static inline __attribute__((always_inline)) void kq_rows(__m256i lo, __m256i hi, const float *dp, float m, int has_m, int b,
+                                                          const ig_xblk *const *x, const float *dtab,
+                                                          const float *stab, int tabs, int G, __m256 *acc,
+                                                          float *ex, __m256 *exv) {
+    float sc[8] __attribute__((aligned(32)));
+    if (tabs) {
+        __m256 xd = G == 8 ? _mm256_loadu_ps(dtab + b * 8) : _mm256_zextps128_ps256(_mm_loadu_ps(dtab + b * 4));
+        __m256 xs = G == 8 ? _mm256_loadu_ps(stab + b * 8) : _mm256_zextps128_ps256(_mm_loadu_ps(stab + b * 4));
+        _mm256_store_ps(sc, _mm256_mul_ps(xd, _mm256_broadcast_ss(dp)));
+        if (has_m) *exv = _mm256_fmadd_ps(_mm256_set1_ps(m), xs, *exv);
     }
-    float d = _cvtsh_ss(rd16(p)), dmin = _cvtsh_ss(rd16(p + 2));
-    for (int j = 0; j < 8; j++) {
-        int sc, mn;
-        kq_scale_min(p + 4, j, &sc, &mn);
-        ks->d[j] = d * (float)sc;
-        ks->m[j] = -(dmin * (float)mn);
+    for (int r = 0; r < G; r++) {
+        const ig_xblk *xb = x[r] + b;
+        __m256i p = KQ_PAIRS(lo, hi, xb->q);
+        __m256 s = tabs ? _mm256_broadcast_ss(sc + r) : _mm256_mul_ps(_mm256_broadcast_ss(dp), _mm256_broadcast_ss(&xb->d));
+        acc[r] = _mm256_fmadd_ps(s, _mm256_cvtepi32_ps(p), acc[r]);
+        if (!tabs && has_m) ex[r] = fmaf(m, xb->s, ex[r]);
     }
 }
 
 static inline __m256i kq_join(__m128i lo, __m128i hi) { return _mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1); }
 
-/* Block b of a row (AVX2 decode path): its 32 weights as int16 in lo (elements 0..15) and hi
- * (16..31), d and m as kq_unpack's. Blocks must come in order from b = 0 (K-quant scales). */
-static inline __attribute__((always_inline)) void kq_fetch(int type, const uint8_t *row, int b, kq_scales *ks,
-                                                           __m256i *lo, __m256i *hi, float *d, float *m) {
+/* 32 unsigned bytes as elements 0..15 and 16..31 in int16. */
+#define KQ_WIDEN_U8(v, lo, hi)                                                                              \
+    ((lo) = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(v)), (hi) = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(v, 1)))
+
+static inline __attribute__((always_inline)) void kq_dot_t(const int T, const uint8_t *row, int nb,
+                                                           const ig_xblk *const *x, const float *dtab,
+                                                           const float *stab, int tabs, int G, float *out) {
     const __m256i m4 = _mm256_set1_epi8(0x0f);
-    __m256i v;
-    if (type == IG_Q5_0 || type == IG_Q5_1) {
-        const uint8_t *p = row + (int64_t)b * kq_bytes(type), *qh = p + (type == IG_Q5_0 ? 2 : 4);
-        *d = _cvtsh_ss(rd16(p));
-        *m = type == IG_Q5_0 ? -16.0f * *d : _cvtsh_ss(rd16(p + 2));
-        int32_t h;
-        memcpy(&h, qh, 4);
-        __m128i t = _mm_loadu_si128((const __m128i *)(qh + 4));
-        /* bit i of h to byte i (0x10 where set): byte i holds h's byte i / 8, tested against bit i % 8 */
+    __m256 acc[8], exv = _mm256_setzero_ps();
+    float ex[8] __attribute__((aligned(32)));
+    __m256i lo, hi;
+    for (int r = 0; r < G; r++) acc[r] = _mm256_setzero_ps(), ex[r] = 0.0f;
+    if (T == IG_Q5_0 || T == IG_Q5_1) {
+        /* bit i of qh to byte i (0x10 where set): byte i holds qh's byte i / 8, tested against bit i % 8 */
         const __m256i sel = _mm256_setr_epi64x(0, 0x0101010101010101LL, 0x0202020202020202LL, 0x0303030303030303LL);
         const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
-        __m256i bytes = _mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32(h), sel), bit);
-        __m256i hb = _mm256_and_si256(_mm256_cmpeq_epi8(bytes, bit), _mm256_set1_epi8(0x10));
-        v = _mm256_or_si256(_mm256_and_si256(kq_join(t, _mm_srli_epi16(t, 4)), m4), hb);
-    } else {
-        int j = b & 7;
-        const uint8_t *p = row + (int64_t)(b >> 3) * kq_bytes(type);
-        if (j == 0) kq_decode_scales(type, p, ks);
-        *d = ks->d[j];
-        *m = ks->m[j];
-        if (type == IG_Q6_K) {
-            int h = j >> 2, k = j & 3;
-            __m256i ql = _mm256_loadu_si256((const __m256i *)(p + 64 * h + 32 * (k & 1)));
-            __m256i qh = _mm256_loadu_si256((const __m256i *)(p + 128 + 32 * h));
-            ql = _mm256_and_si256(k >> 1 ? _mm256_srli_epi16(ql, 4) : ql, m4);
-            qh = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * k)), _mm256_set1_epi8(3));
-            v = _mm256_sub_epi8(_mm256_or_si256(ql, _mm256_slli_epi16(qh, 4)), _mm256_set1_epi8(32));
-            const int8_t *sc = (const int8_t *)(p + 192) + 2 * j;
-            *lo = _mm256_mullo_epi16(_mm256_cvtepi8_epi16(_mm256_castsi256_si128(v)), _mm256_set1_epi16(sc[0]));
-            *hi = _mm256_mullo_epi16(_mm256_cvtepi8_epi16(_mm256_extracti128_si256(v, 1)), _mm256_set1_epi16(sc[1]));
-            return;
+        const __m256i b16 = _mm256_set1_epi8(0x10), neg16 = _mm256_set1_epi8(-16);
+        for (int b = 0; b < nb; b++) {
+            const uint8_t *p = row + (int64_t)b * kq_bytes(T), *qh = p + (T == IG_Q5_0 ? 2 : 4);
+            float d = _cvtsh_ss(rd16(p));
+            float m = T == IG_Q5_0 ? 0.0f : _cvtsh_ss(rd16(p + 2));
+            __m256i h = _mm256_castps_si256(_mm256_broadcast_ss((const float *)qh)); /* the 32 bits, each lane */
+            __m128i t = _mm_loadu_si128((const __m128i *)(qh + 4));
+            __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(_mm256_shuffle_epi8(h, sel), bit), bit);
+            __m256i v = _mm256_and_si256(kq_join(t, _mm_srli_epi16(t, 4)), m4);
+            if (T == IG_Q5_0) { /* q - 16 = nibble - (high bit clear ? 16 : 0) */
+                v = _mm256_add_epi8(v, _mm256_andnot_si256(set, neg16));
+                lo = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(v));
+                hi = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(v, 1));
+            } else {
+                v = _mm256_or_si256(v, _mm256_and_si256(set, b16));
+                KQ_WIDEN_U8(v, lo, hi);
+            }
+            kq_rows(lo, hi, &d, m, T == IG_Q5_1, b, x, dtab, stab, tabs, G, acc, ex, &exv);
         }
-        __m256i t = _mm256_loadu_si256((const __m256i *)(p + (type == IG_Q4_K ? 16 : 48) + 32 * (j >> 1)));
-        v = _mm256_and_si256(j & 1 ? _mm256_srli_epi16(t, 4) : t, m4);
-        if (type == IG_Q5_K) {
-            __m256i qh = _mm256_srl_epi16(_mm256_loadu_si256((const __m256i *)(p + 16)), _mm_cvtsi32_si128(j));
-            v = _mm256_or_si256(v, _mm256_slli_epi16(_mm256_and_si256(qh, _mm256_set1_epi8(1)), 4));
+    } else {
+        for (int sb = 0; sb < nb / 8; sb++) {
+            const uint8_t *p = row + (int64_t)sb * kq_bytes(T);
+            if (T == IG_Q6_K) { /* block j = 4 h + k: quarter k of half h */
+                const int8_t *sc = (const int8_t *)(p + 192);
+                float d = _cvtsh_ss(rd16(p + 208));
+                for (int h = 0; h < 2; h++) {
+                    __m256i ql2[2] = {_mm256_loadu_si256((const __m256i *)(p + 64 * h)),
+                                      _mm256_loadu_si256((const __m256i *)(p + 64 * h + 32))};
+                    __m256i qh = _mm256_loadu_si256((const __m256i *)(p + 128 + 32 * h));
+                    for (int k = 0; k < 4; k++) {
+                        int j = 4 * h + k;
+                        __m256i ql = _mm256_and_si256(k >> 1 ? _mm256_srli_epi16(ql2[k & 1], 4) : ql2[k & 1], m4);
+                        __m256i q2 = _mm256_and_si256(qh, _mm256_set1_epi8(3)); /* qh shifted 2 bits a quarter */
+                        qh = _mm256_srli_epi16(qh, 2);
+                        __m256i v = _mm256_sub_epi8(_mm256_or_si256(ql, _mm256_slli_epi16(q2, 4)), _mm256_set1_epi8(32));
+                        lo = _mm256_mullo_epi16(_mm256_cvtepi8_epi16(_mm256_castsi256_si128(v)),
+                                                _mm256_set1_epi16(sc[2 * j]));
+                        hi = _mm256_mullo_epi16(_mm256_cvtepi8_epi16(_mm256_extracti128_si256(v, 1)),
+                                                _mm256_set1_epi16(sc[2 * j + 1]));
+                        kq_rows(lo, hi, &d, 0.0f, 0, sb * 8 + j, x, dtab, stab, tabs, G, acc, ex, &exv);
+                    }
+                }
+            } else { /* Q4_K, Q5_K: sub-blocks 2c and 2c + 1 are the low and high nibbles of 32 bytes */
+                kq_scales ks;
+                kq_decode_scales(p, &ks);
+                __m256i qh = T == IG_Q5_K ? _mm256_loadu_si256((const __m256i *)(p + 16)) : _mm256_setzero_si256();
+                for (int c = 0; c < 4; c++) {
+                    __m256i t = _mm256_loadu_si256((const __m256i *)(p + (T == IG_Q4_K ? 16 : 48) + 32 * c));
+                    for (int half = 0; half < 2; half++) {
+                        int j = 2 * c + half;
+                        __m256i v = _mm256_and_si256(half ? _mm256_srli_epi16(t, 4) : t, m4);
+                        if (T == IG_Q5_K) { /* bit j of each byte: qh is shifted one bit a sub-block */
+                            v = _mm256_or_si256(v, _mm256_slli_epi16(_mm256_and_si256(qh, _mm256_set1_epi8(1)), 4));
+                            qh = _mm256_srli_epi16(qh, 1);
+                        }
+                        KQ_WIDEN_U8(v, lo, hi);
+                        kq_rows(lo, hi, ks.d + j, ks.m[j], 1, sb * 8 + j, x, dtab, stab, tabs, G, acc, ex, &exv);
+                    }
+                }
+            }
         }
     }
-    *lo = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(v));
-    *hi = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(v, 1));
+    if (tabs) _mm256_store_ps(ex, exv);
+    for (int r = 0; r < G; r++) out[r] = hsum(acc[r]) + ex[r];
+}
+
+/* dot_rows (tabs 0) and dot_group (tabs 1) for the types here. */
+static inline __attribute__((always_inline)) void kq_dot(int type, const uint8_t *row, int nb, const ig_xblk *const *x,
+                                                         const float *dtab, const float *stab, int tabs, int G,
+                                                         float *out) {
+    switch (type) {
+    case IG_Q5_0: kq_dot_t(IG_Q5_0, row, nb, x, dtab, stab, tabs, G, out); break;
+    case IG_Q5_1: kq_dot_t(IG_Q5_1, row, nb, x, dtab, stab, tabs, G, out); break;
+    case IG_Q4_K: kq_dot_t(IG_Q4_K, row, nb, x, dtab, stab, tabs, G, out); break;
+    case IG_Q5_K: kq_dot_t(IG_Q5_K, row, nb, x, dtab, stab, tabs, G, out); break;
+    default: kq_dot_t(IG_Q6_K, row, nb, x, dtab, stab, tabs, G, out); break;
+    }
 }
 #endif
