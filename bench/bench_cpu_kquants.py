@@ -6,7 +6,8 @@ kept as stored against the same file through the old Q8_0 conversion (docs/CPU.m
   repetitions of the CPU time of a batch of calls, at a nominal 2.6 GHz.
 * Rounds: one-thread CPU time of a decode round (forward and lm_head) at 1 and 8 lanes over
   256-token contexts; the file loaded twice (its Q5_0 / Q4_K / Q6_K kept, and re-quantized to Q8_0
-  as before), rounds of both interleaved, medians; and the weight bytes each streams a round.
+  as before), rounds of both interleaved, medians; the weight bytes each streams a round; and a
+  256-token prompt's prefill (the tiled kernels) on each.
 
     .venv/bin/python bench/bench_cpu_kquants.py /tmp/kq19/SmolLM2-135M-Instruct.Q4_K_M.gguf
 """
@@ -75,7 +76,7 @@ def load(path: Path, kept: frozenset):
     return cfg, backend
 
 
-def rounds(path: Path, reps: int) -> dict:
+def rounds(path: Path, reps: int, prefills: int) -> dict:
     from engine.backend import DecodeLane, PrefillSpan, StepOutput
     from engine.backends.cpu import CpuBackend
     from tests.engine.test_hf_parity import GREEDY
@@ -94,13 +95,19 @@ def rounds(path: Path, reps: int) -> dict:
             b.prefill(PrefillSpan(0, ids, 0, table), StepOutput())
             ls.append(DecodeLane(i, ids[-1], 256, table, GREEDY))
         lanes[name] = ls
-    times = {(n, w): [] for n in backends for w in (1, 8)}
-    for _ in range(reps):
+    times = {(n, w): [] for n in backends for w in (1, 8, "prefill")}
+    prompt = [int(t) for t in rng.integers(3, 1000, 256)]
+    for rep in range(reps):
         for w in (1, 8):
             for name, (_, b) in backends.items():
                 c0 = time.process_time()
                 b.decode_logits(lanes[name][:w])
                 times[name, w].append(time.process_time() - c0)
+        if rep < prefills:  # a 256-token prompt on fresh pages, through the tiled kernels
+            for name, (_, b) in backends.items():
+                c0 = time.process_time()
+                b.prefill(PrefillSpan(0, prompt, 0, list(range(140, 156))), StepOutput())
+                times[name, "prefill"].append(time.process_time() - c0)
     out = {key: statistics.median(v) * 1e3 for key, v in times.items()}
     out["bytes"] = {name: int(b.model.nbytes) for name, (_, b) in backends.items()}
     return out
@@ -110,16 +117,17 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("gguf", type=Path)
     ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--prefills", type=int, default=5)
     a = ap.parse_args()
     print(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, load {os.getloadavg()[0]:.2f} at start")
     cyc = products(a.reps)
     print("| type | cycles a pair, 1 row | 8 rows |\n|---|---|---|")
     for fmt in TYPES:
         print(f"| {fmt} | {cyc[fmt, 1]:.2f} | {cyc[fmt, 8]:.2f} |")
-    r = rounds(a.gguf, a.reps)
-    print("| weights | bytes a round | 1 lane, ms | 8 lanes, ms |\n|---|---|---|---|")
+    r = rounds(a.gguf, a.reps, a.prefills)
+    print("| weights | bytes a round | 1 lane, ms | 8 lanes, ms | 256-token prefill, ms |\n|---|---|---|---|---|")
     for name, nbytes in r["bytes"].items():
-        print(f"| {name} | {nbytes / 1e6:.1f} MB | {r[name, 1]:.2f} | {r[name, 8]:.2f} |")
+        print(f"| {name} | {nbytes / 1e6:.1f} MB | {r[name, 1]:.2f} | {r[name, 8]:.2f} | {r[name, 'prefill']:.0f} |")
     print(f"load {os.getloadavg()[0]:.2f} at end")
 
 
