@@ -525,12 +525,16 @@ static int unpack_strip(const ig_mat *parts, int nparts, int j0, int rows, int n
         const uint8_t *blk = w->data + (int64_t)jj * w->row_bytes, *row0 = blk;
         has_m |= type == IG_Q4_1 || type == IG_Q5_1 || type == IG_Q4_K || type == IG_Q5_K;
         split |= type == IG_Q6_K;
+        int16_t kv[kq ? nb * QK : 1];
+        float kd[kq ? nb : 1], km[kq ? nb : 1];
+        if (kq) kq_unpack_row(type, row0, nb, kv, kd, km); /* the new types' blocks, by SIMD */
         for (int b = 0; b < nb; b++, blk += bb) {
             const uint8_t *q = blk + qoff;
             int16_t v[QK];
             float d, m = 0.0f;
             if (kq) {
-                kq_unpack(type, row0, b, v, &d, &m);
+                memcpy(v, kv + b * QK, sizeof(v));
+                d = kd[b], m = km[b];
             } else if (type == IG_Q8_0) {
                 for (int i = 0; i < QK; i++) v[i] = (int8_t)q[i];
             } else {

@@ -140,9 +140,23 @@ static inline __m256i kq_join(__m128i lo, __m128i hi) { return _mm256_inserti128
 #define KQ_WIDEN_U8(v, lo, hi)                                                                              \
     ((lo) = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(v)), (hi) = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(v, 1)))
 
+/* Block b's weights, scale and offset: met by the G rows, or (vout non-NULL, a constant) stored for the
+ * tiled kernel's strips. */
+#define KQ_EMIT(dp, m, has_m, b)                                                                           \
+    do {                                                                                                  \
+        if (vout) {                                                                                       \
+            _mm256_storeu_si256((__m256i *)(vout + (int64_t)(b) * QK), lo);                               \
+            _mm256_storeu_si256((__m256i *)(vout + (int64_t)(b) * QK + 16), hi);                          \
+            dout[b] = *(dp), mout[b] = (m);                                                               \
+        } else {                                                                                          \
+            kq_rows(lo, hi, dp, m, has_m, b, x, dtab, stab, tabs, G, acc, ex, &exv);                      \
+        }                                                                                                 \
+    } while (0)
+
 static inline __attribute__((always_inline)) void kq_dot_t(const int T, const uint8_t *row, int nb,
                                                            const ig_xblk *const *x, const float *dtab,
-                                                           const float *stab, int tabs, int G, float *out) {
+                                                           const float *stab, int tabs, int G, float *out,
+                                                           int16_t *vout, float *dout, float *mout) {
     const __m256i m4 = _mm256_set1_epi8(0x0f);
     __m256 acc[8], exv = _mm256_setzero_ps();
     float ex[8] __attribute__((aligned(32)));
@@ -169,7 +183,7 @@ static inline __attribute__((always_inline)) void kq_dot_t(const int T, const ui
                 v = _mm256_or_si256(v, _mm256_and_si256(set, b16));
                 KQ_WIDEN_U8(v, lo, hi);
             }
-            kq_rows(lo, hi, &d, m, T == IG_Q5_1, b, x, dtab, stab, tabs, G, acc, ex, &exv);
+            KQ_EMIT(&d, m, T == IG_Q5_1, b);
         }
     } else {
         for (int sb = 0; sb < nb / 8; sb++) {
@@ -191,7 +205,7 @@ static inline __attribute__((always_inline)) void kq_dot_t(const int T, const ui
                                                 _mm256_set1_epi16(sc[2 * j]));
                         hi = _mm256_mullo_epi16(_mm256_cvtepi8_epi16(_mm256_extracti128_si256(v, 1)),
                                                 _mm256_set1_epi16(sc[2 * j + 1]));
-                        kq_rows(lo, hi, &d, 0.0f, 0, sb * 8 + j, x, dtab, stab, tabs, G, acc, ex, &exv);
+                        KQ_EMIT(&d, 0.0f, 0, sb * 8 + j);
                     }
                 }
             } else { /* Q4_K, Q5_K: sub-blocks 2c and 2c + 1 are the low and high nibbles of 32 bytes */
@@ -208,12 +222,13 @@ static inline __attribute__((always_inline)) void kq_dot_t(const int T, const ui
                             qh = _mm256_srli_epi16(qh, 1);
                         }
                         KQ_WIDEN_U8(v, lo, hi);
-                        kq_rows(lo, hi, ks.d + j, ks.m[j], 1, sb * 8 + j, x, dtab, stab, tabs, G, acc, ex, &exv);
+                        KQ_EMIT(ks.d + j, ks.m[j], 1, sb * 8 + j);
                     }
                 }
             }
         }
     }
+    if (vout) return;
     if (tabs) _mm256_store_ps(ex, exv);
     for (int r = 0; r < G; r++) out[r] = hsum(acc[r]) + ex[r];
 }
@@ -223,11 +238,22 @@ static inline __attribute__((always_inline)) void kq_dot(int type, const uint8_t
                                                          const float *dtab, const float *stab, int tabs, int G,
                                                          float *out) {
     switch (type) {
-    case IG_Q5_0: kq_dot_t(IG_Q5_0, row, nb, x, dtab, stab, tabs, G, out); break;
-    case IG_Q5_1: kq_dot_t(IG_Q5_1, row, nb, x, dtab, stab, tabs, G, out); break;
-    case IG_Q4_K: kq_dot_t(IG_Q4_K, row, nb, x, dtab, stab, tabs, G, out); break;
-    case IG_Q5_K: kq_dot_t(IG_Q5_K, row, nb, x, dtab, stab, tabs, G, out); break;
-    default: kq_dot_t(IG_Q6_K, row, nb, x, dtab, stab, tabs, G, out); break;
+    case IG_Q5_0: kq_dot_t(IG_Q5_0, row, nb, x, dtab, stab, tabs, G, out, NULL, NULL, NULL); break;
+    case IG_Q5_1: kq_dot_t(IG_Q5_1, row, nb, x, dtab, stab, tabs, G, out, NULL, NULL, NULL); break;
+    case IG_Q4_K: kq_dot_t(IG_Q4_K, row, nb, x, dtab, stab, tabs, G, out, NULL, NULL, NULL); break;
+    case IG_Q5_K: kq_dot_t(IG_Q5_K, row, nb, x, dtab, stab, tabs, G, out, NULL, NULL, NULL); break;
+    default: kq_dot_t(IG_Q6_K, row, nb, x, dtab, stab, tabs, G, out, NULL, NULL, NULL); break;
+    }
+}
+
+/* A row's nb blocks as kq_unpack gives them (v[32 b + i], d[b], m[b]), by the decode path's unpacking. */
+static void kq_unpack_row(int type, const uint8_t *row, int nb, int16_t *v, float *d, float *m) {
+    switch (type) {
+    case IG_Q5_0: kq_dot_t(IG_Q5_0, row, nb, NULL, NULL, NULL, 0, 1, NULL, v, d, m); break;
+    case IG_Q5_1: kq_dot_t(IG_Q5_1, row, nb, NULL, NULL, NULL, 0, 1, NULL, v, d, m); break;
+    case IG_Q4_K: kq_dot_t(IG_Q4_K, row, nb, NULL, NULL, NULL, 0, 1, NULL, v, d, m); break;
+    case IG_Q5_K: kq_dot_t(IG_Q5_K, row, nb, NULL, NULL, NULL, 0, 1, NULL, v, d, m); break;
+    default: kq_dot_t(IG_Q6_K, row, nb, NULL, NULL, NULL, 0, 1, NULL, v, d, m); break;
     }
 }
 #endif
