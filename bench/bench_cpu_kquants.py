@@ -80,6 +80,7 @@ def rounds(path: Path, reps: int, prefills: int) -> dict:
     from engine.backend import DecodeLane, PrefillSpan, StepOutput
     from engine.backends.cpu import CpuBackend
     from tests.engine.test_hf_parity import GREEDY
+
     backends = {
         "as stored": load(path, CpuBackend.weights_as_stored),
         "Q8_0 conversion": load(path, frozenset({"Q8_0", "Q4_0", "Q4_1"})),

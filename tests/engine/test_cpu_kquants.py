@@ -15,7 +15,7 @@ import pytest
 
 from engine.backends.numpy import NumpyBackend
 from engine.loaders.gguf import BLOCK_TYPES, QuantizedTensor
-from tests.engine.test_cpu_backend import ISAS, TIE, _greedy_lanes, _kernels, _load, _product, _quantized_x
+from tests.engine.test_cpu_backend import ISAS, TIE, _greedy_lanes, _kernels, _load, _quantized_x
 from tests.engine.test_hf_parity import rel_err
 from tests.kernels.test_cuda_quant import random_blocks
 from tests.loaders.tiny_gguf import FIXTURES
@@ -162,7 +162,11 @@ def test_fixture_matrices_are_kept_as_stored(name):
     reader = gguf.GGUFReader(str(FIXTURES / name))
     file_bytes = sum(int(t.n_bytes) for t in reader.tensors if len(t.shape) == 2)
     cfg, stored, _, cpu = _stored_pair(name, best_isa())
-    mats = {n: w for n, w in stored.items() if n.endswith("proj.weight") or n in ("lm_head.weight", "model.embed_tokens.weight")}
+    mats = {
+        n: w
+        for n, w in stored.items()
+        if n.endswith("proj.weight") or n in ("lm_head.weight", "model.embed_tokens.weight")
+    }
     assert all(isinstance(w, QuantizedTensor) for w in mats.values())
     assert {w.type_name for w in mats.values()} == FILES[name]
     for w in mats.values():

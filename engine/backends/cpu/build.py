@@ -91,7 +91,9 @@ def _build(isa: str, cache: Path):
     source = (HERE / "kernels.c").read_text()
     flags = [*BASE_FLAGS, *ISA_FLAGS[isa]]
     included = [p.read_text() for p in sorted(HERE.glob("kernels_*.c"))]  # #included by kernels.c
-    digest = hashlib.sha256("\0".join([header, source, *included, *flags, cffi.__version__, sys.version]).encode()).hexdigest()
+    digest = hashlib.sha256(
+        "\0".join([header, source, *included, *flags, cffi.__version__, sys.version]).encode()
+    ).hexdigest()
     name = f"_ignis_cpu_{isa}_{digest[:16]}"
     cache.mkdir(parents=True, exist_ok=True)
     found = [p for p in cache.glob(name + ".*") if p.suffix in (".so", ".pyd")]
