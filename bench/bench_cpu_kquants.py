@@ -26,7 +26,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
+TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 GHZ = 2.6
 
 
@@ -34,7 +34,7 @@ def products(reps: int) -> dict:
     from gguf import GGMLQuantizationType as T
 
     from engine.backends.cpu.build import load_kernels
-    from tests.kernels.test_cuda_quant import random_blocks
+    from tests.engine.test_cpu_kquants import random_blocks
 
     k = load_kernels()
     out_rows, cols = 1536, 768

@@ -74,6 +74,33 @@ def quantize_q6_k(w: np.ndarray) -> np.ndarray:
     return out.reshape(rows, k // 256 * 210)
 
 
+def quantize_q3_k(w: np.ndarray) -> np.ndarray:
+    """float32 [rows, k] (k a multiple of 256) -> Q3_K rows [rows, k / 256 * 110] (q in -4..3, signed 6-bit scales)."""
+    rows, k = w.shape
+    x = w.reshape(-1, 16, 16).astype(np.float32)
+    scale = np.abs(x).max(axis=2) / 3.5
+    d = (scale.max(axis=1) / 31.0).astype(np.float16).astype(np.float32)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        sc = np.where(d[:, None] > 0, np.rint(scale / d[:, None]), 0).clip(-32, 31)
+        ds = d[:, None] * sc
+        q = np.where(ds[..., None] != 0, np.rint(x / ds[..., None]), 0).clip(-4, 3).astype(np.int16) + 4
+    q = q.reshape(-1, 256).astype(np.uint8)  # 0..7: bit 2 the high bit
+    hi = (q >> 2).reshape(-1, 8, 32)  # element 32 j + i: bit j of hmask[i]
+    hmask = np.zeros((q.shape[0], 32), np.uint8)
+    for j in range(8):
+        hmask |= hi[:, j] << j
+    lo = (q & 3).reshape(-1, 2, 4, 32)  # element 128 h + 32 s + i: bits 2s of qs[32 h + i]
+    qs = (lo[:, :, 0] | lo[:, :, 1] << 2 | lo[:, :, 2] << 4 | lo[:, :, 3] << 6).reshape(-1, 64)
+    s6 = (sc.astype(np.int16) + 32).astype(np.uint8)  # [n, 16]
+    scales = np.zeros((q.shape[0], 12), np.uint8)
+    scales[:, :8] = (s6[:, :8] & 15) | (s6[:, 8:] & 15) << 4
+    for k4 in range(4):
+        scales[:, 8 + k4] = (
+            (s6[:, k4] >> 4) | (s6[:, 4 + k4] >> 4) << 2 | (s6[:, 8 + k4] >> 4) << 4 | (s6[:, 12 + k4] >> 4) << 6
+        )
+    return np.concatenate([hmask, qs, scales, _half(d)], axis=1).reshape(rows, k // 256 * 110)
+
+
 def use_more_bits(i: int, n: int) -> bool:
     return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
 

@@ -1,11 +1,11 @@
-"""The cpu backend's Q5_0, Q5_1, Q4_K, Q5_K and Q6_K kernels against numpy (issue 19).
+"""The cpu backend's Q5_0, Q5_1, Q3_K, Q4_K, Q5_K and Q6_K kernels against numpy (issue 19).
 
 Kernels run on fresh random valid blocks (random quants and scales, finite half d / m) in every
 instruction set this processor has: dequantization equals ``gguf.quants.dequantize`` bit for bit;
 products, decode and tiled paths, equal the float64 product of gguf's dequantized weights and the
 kernels' own int16 activations within float32 rounding; a row's bits do not depend on the rows
-beside it. The K-quant fixtures (tests/fixtures/gguf/, made by llama-quantize) load with their
-matrices as stored and decode greedily as the numpy backend does.
+beside it. The K-quant fixtures (tests/fixtures/gguf/, made by llama-quantize; Q3_K written here) load
+with their matrices as stored and decode greedily as the numpy backend does.
 """
 
 from __future__ import annotations
@@ -17,20 +17,32 @@ from engine.backends.numpy import NumpyBackend
 from engine.loaders.gguf import BLOCK_TYPES, QuantizedTensor
 from tests.engine.test_cpu_backend import ISAS, TIE, _greedy_lanes, _kernels, _load, _quantized_x
 from tests.engine.test_hf_parity import rel_err
-from tests.kernels.test_cuda_quant import random_blocks
+from tests.kernels.test_cuda_quant import random_blocks as cuda_random_blocks
 from tests.loaders.tiny_gguf import FIXTURES
 
 gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType as T  # noqa: E402
 from gguf.quants import dequantize  # noqa: E402
 
-NEW = ("Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
+NEW = ("Q5_0", "Q5_1", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 COLS = 512  # two K-quant super-blocks, sixteen 32-blocks
 
 
 @pytest.fixture(scope="module", params=ISAS)
 def kernels(request):
     return _kernels(request.param)
+
+
+def random_blocks(fmt: str, rows: int, k: int, scale: float = 0.02, gen=None) -> np.ndarray:
+    """Valid rows of ``fmt`` (Q3_K here, the others as the CUDA tests make them): random bytes, finite half d."""
+    gen = gen or np.random.default_rng()
+    if fmt != "Q3_K":
+        return cuda_random_blocks(fmt, rows, k, scale, gen)
+    b = gen.integers(0, 256, (rows, k // 256, 110), dtype=np.uint8)
+    b[:, :, 108:110] = (
+        (gen.standard_normal((rows, k // 256)) * scale).astype(np.float16).view(np.uint8).reshape(rows, k // 256, 2)
+    )
+    return b.reshape(rows, -1)
 
 
 def _mat(k, fmt: str, raw: np.ndarray, cols: int = COLS):
@@ -87,16 +99,16 @@ def test_fused_mixed_parts_match_numpy(kernels, rows):
     """Q4_K_M's q|k|v (Q4_K, Q4_K, Q6_K) beside Q5_0 and Q8_0 parts: strips straddle the parts."""
     rng = np.random.default_rng()
     x = rng.standard_normal((rows, COLS)).astype(np.float32)
-    specs = [("Q4_K", 24), ("Q4_K", 13), ("Q6_K", 11), ("Q5_0", 9), ("Q5_1", 6), ("Q5_K", 5)]
+    specs = [("Q4_K", 24), ("Q4_K", 13), ("Q6_K", 11), ("Q5_0", 9), ("Q5_1", 6), ("Q5_K", 5), ("Q3_K", 7)]
     parts, _keep, w = _parts(kernels, specs)
     q8 = gguf.quants.quantize(rng.standard_normal((7, COLS)).astype(np.float32), T.Q8_0)
     m8, w8 = _mat(kernels, "Q8_0", q8)
-    allp = kernels.ffi.new("ig_mat[7]", [parts[i] for i in range(6)] + [m8[0]])
+    allp = kernels.ffi.new("ig_mat[8]", [parts[i] for i in range(7)] + [m8[0]])
     w = np.concatenate([w, w8])
     xq, buf = _quantized_x(kernels, x)
     ref = (buf["d"][:, None] * buf["q"]).reshape(rows, COLS).astype(np.float64) @ w.T.astype(np.float64)
     for fn in (kernels.lib.ig_matmul, kernels.lib.ig_matmul_tiled):
-        y = _run(kernels, fn, allp, 7, xq, rows, len(w), threads=2)
+        y = _run(kernels, fn, allp, 8, xq, rows, len(w), threads=2)
         assert np.abs(y - ref).max() <= 1e-5 * np.abs(ref).max()
 
 
@@ -141,27 +153,46 @@ FILES = {
     "tiny-Q6_K.gguf": {"Q6_K"},
     "tiny-Q5_0.gguf": {"Q5_0"},
     "tiny-Q5_1.gguf": {"Q5_1"},
+    "tiny-Q3_K.gguf": {"Q3_K"},  # no fixture: written here by bench/make_kquant_gguf.py's encoder
 }
 
 
-def _stored_pair(name: str, isa: str):
+@pytest.fixture(scope="module")
+def paths(tmp_path_factory):
+    """name -> file: the llama-quantize fixtures, and the tiny model in Q3_K."""
+    from bench.make_kquant_gguf import quantize_q3_k
+    from tests.loaders.tiny_gguf import _finish, _writer, tiny_weights
+
+    out = {name: FIXTURES / name for name in FILES}
+    out["tiny-Q3_K.gguf"] = tmp_path_factory.mktemp("q3k") / "tiny-Q3_K.gguf"
+    w = _writer(out["tiny-Q3_K.gguf"])
+    for name, x in tiny_weights().items():
+        if x.ndim == 2:
+            w.add_tensor(name, quantize_q3_k(x), raw_dtype=T.Q3_K)
+        else:
+            w.add_tensor(name, x)
+    _finish(w)
+    return out
+
+
+def _stored_pair(path, isa: str):
     from engine.backends.cpu import CpuBackend
     from engine.loaders.gguf import load_gguf
 
     _kernels(isa)
-    cfg, stored = load_gguf(FIXTURES / name, as_stored=CpuBackend.weights_as_stored)
-    _, floats = load_gguf(FIXTURES / name)
+    cfg, stored = load_gguf(path, as_stored=CpuBackend.weights_as_stored)
+    _, floats = load_gguf(path)
     return cfg, stored, floats, CpuBackend(threads=2, isa=isa)
 
 
 @pytest.mark.parametrize("name", FILES)
-def test_fixture_matrices_are_kept_as_stored(name):
+def test_fixture_matrices_are_kept_as_stored(paths, name):
     """Every matrix of the file stays in its blocks: the backend holds the file's matrix bytes, no Q8_0 copy."""
     from engine.backends.cpu.build import best_isa
 
-    reader = gguf.GGUFReader(str(FIXTURES / name))
+    reader = gguf.GGUFReader(str(paths[name]))
     file_bytes = sum(int(t.n_bytes) for t in reader.tensors if len(t.shape) == 2)
-    cfg, stored, _, cpu = _stored_pair(name, best_isa())
+    cfg, stored, _, cpu = _stored_pair(paths[name], best_isa())
     mats = {
         n: w
         for n, w in stored.items()
@@ -177,10 +208,10 @@ def test_fixture_matrices_are_kept_as_stored(name):
 
 @pytest.mark.parametrize("name", FILES)
 @pytest.mark.parametrize("isa", ISAS)
-def test_fixture_greedy_matches_numpy_until_a_near_tie(name, isa):
+def test_fixture_greedy_matches_numpy_until_a_near_tie(paths, name, isa):
     """Four prompts of 5-40 tokens (prefill through the tiled kernels past 16 rows), then 31 decode rounds of
     all four lanes: the same greedy tokens as numpy on the dequantized weights until a near-tie."""
-    cfg, stored, floats, cpu = _stored_pair(name, isa)
+    cfg, stored, floats, cpu = _stored_pair(paths[name], isa)
     cpu, ref = _load(cpu, cfg, stored), _load(NumpyBackend(), cfg, floats)
     rng = np.random.default_rng(19)
     prompts = [list(rng.integers(3, cfg.vocab_size, n)) for n in (5, 17, 40, 9)]

@@ -4,6 +4,7 @@
 #define IG_Q5_0 6
 #define IG_Q5_1 7
 #define IG_Q8_0 8
+#define IG_Q3_K 11
 #define IG_Q4_K 12
 #define IG_Q5_K 13
 #define IG_Q6_K 14

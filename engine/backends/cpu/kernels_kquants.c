@@ -1,21 +1,26 @@
 /* Block types beyond Q8_0 / Q4_0 / Q4_1, kept as stored (#included by kernels.c, after h2f and rd16).
  *
  * Q5_0, Q5_1: blocks of 32 (d [, m], 32 high bits qh, 16 bytes of low nibbles).
- * Q4_K, Q5_K, Q6_K: super-blocks of 256 values, read as 8 sub-blocks of 32, so every type meets the
+ * Q3_K, Q4_K, Q5_K, Q6_K: super-blocks of 256 values, read as 8 sub-blocks of 32, so every type meets the
  * activations' 32-blocks (ig_xblk) the way Q4_1 does. docs/QUANT.md has the layouts; in short:
  *   Q4_K (144 B): d, dmin, 12 bytes of 6-bit scales sc_j and mins m_j, 128 bytes of nibbles;
  *                 weight = d*sc_j * q - dmin*m_j, q in 0..15 (Q4_1-like with a negative min).
  *   Q5_K (176 B): as Q4_K plus 32 bytes of high bits (bit j of byte i: sub-block j, element i).
  *   Q6_K (210 B): 128 bytes of low nibbles, 64 of 2-bit highs, 16 int8 scales (one per 16 values),
  *                 d last; weight = d * sc_g * (q - 32).
+ *   Q3_K (110 B): 32 bytes of high bits (bit j of byte i: sub-block j, element i), 64 of 2-bit lows,
+ *                 12 bytes of 6-bit scales (one per 16 values, minus 32), d last;
+ *                 weight = d * sc_g * (q - (high bit ? 0 : 4)).
  * A 32-block b of a row comes out as 32 integers v with a float scale d and offset m,
  * weight i = d * v[i] + m, so a product is d * x.d * sum(v * x.q) + m * x.s. Q6_K's two scales a
- * block go into v (v = (q - 32) * sc: |v| <= 4096, exact in int16), leaving d the super-block's.
+ * block go into v (v = (q - 32) * sc: |v| <= 4096, exact in int16), leaving d the super-block's; Q3_K's
+ * likewise (|v| <= 128).
  * Every d and m is exact in float (an 11-bit half times a 6-bit integer), so the dequantized
  * weights equal gguf's bit for bit. */
 
 static inline int kq_type(int type) {
-    return type == IG_Q5_0 || type == IG_Q5_1 || type == IG_Q4_K || type == IG_Q5_K || type == IG_Q6_K;
+    return type == IG_Q5_0 || type == IG_Q5_1 || type == IG_Q3_K || type == IG_Q4_K || type == IG_Q5_K ||
+           type == IG_Q6_K;
 }
 
 /* Bytes of a Q5 block (32 values) or a K-quant super-block (256 values). */
@@ -23,6 +28,7 @@ static inline int kq_bytes(int type) {
     switch (type) {
     case IG_Q5_0: return 22;
     case IG_Q5_1: return 24;
+    case IG_Q3_K: return 110;
     case IG_Q4_K: return 144;
     case IG_Q5_K: return 176;
     case IG_Q6_K: return 210;
@@ -38,6 +44,14 @@ static inline void kq_scale_min(const uint8_t *s, int j, int *sc, int *mn) {
     } else {
         *sc = (s[j + 4] & 15) | ((s[j - 4] >> 6) << 4);
         *mn = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+    }
+}
+
+/* Q3_K's 16 scales (minus 32) from the 12 packed bytes s: low 4 bits from s[0..7], high 2 from s[8..11]. */
+static inline void kq_q3_scales(const uint8_t *s, int8_t *sc) {
+    for (int k = 0; k < 16; k++) {
+        int lo = k < 8 ? s[k] & 15 : s[k - 8] >> 4, hi = (s[8 + k % 4] >> (2 * (k / 4))) & 3;
+        sc[k] = (int8_t)((lo | hi << 4) - 32);
     }
 }
 
@@ -63,6 +77,16 @@ static void kq_unpack(int type, const uint8_t *row, int b, int16_t *v, float *d,
         const uint8_t *qs = p + (type == IG_Q4_K ? 16 : 48) + 32 * (j / 2), *qh = p + 16;
         for (int i = 0; i < QK; i++)
             v[i] = (int16_t)(((qs[i] >> shift) & 15) | (type == IG_Q5_K ? ((qh[i] >> j) & 1) << 4 : 0));
+    } else if (type == IG_Q3_K) { /* block j: 2-bit lows at shift 2 (j % 4) of bytes 32 (j / 4)..; bit j of hmask */
+        const uint8_t *p = row + (int64_t)(b / 8) * 110;
+        int j = b % 8;
+        int8_t sc[16];
+        kq_q3_scales(p + 96, sc);
+        const uint8_t *ql = p + 32 + 32 * (j / 4);
+        *d = h2f(rd16(p + 108));
+        *m = 0.0f;
+        for (int i = 0; i < QK; i++)
+            v[i] = (int16_t)((((ql[i] >> (2 * (j % 4))) & 3) - (((p[i] >> j) & 1) ? 0 : 4)) * sc[2 * j + i / 16]);
     } else { /* Q6_K: block j is quarter k of half h; its low nibbles, high 2-bit pairs, two scales */
         const uint8_t *p = row + (int64_t)(b / 8) * 210;
         int j = b % 8, h = j / 4, k = j % 4;
@@ -188,7 +212,27 @@ static inline __attribute__((always_inline)) void kq_dot_t(const int T, const ui
     } else {
         for (int sb = 0; sb < nb / 8; sb++) {
             const uint8_t *p = row + (int64_t)sb * kq_bytes(T);
-            if (T == IG_Q6_K) { /* block j = 4 h + k: quarter k of half h */
+            if (T == IG_Q3_K) { /* block j = 4 h + k: the 2-bit lows of bytes 32 h.. at shift 2 k, bit j of hmask */
+                int8_t sc[16];
+                kq_q3_scales(p + 96, sc);
+                float d = _cvtsh_ss(rd16(p + 108));
+                __m256i hm = _mm256_loadu_si256((const __m256i *)p);
+                for (int h = 0; h < 2; h++) {
+                    __m256i ql = _mm256_loadu_si256((const __m256i *)(p + 32 + 32 * h));
+                    for (int k = 0; k < 4; k++) {
+                        int j = 4 * h + k;
+                        __m256i q = _mm256_and_si256(ql, _mm256_set1_epi8(3)); /* ql, hm shifted as they are used */
+                        __m256i hb = _mm256_slli_epi16(_mm256_and_si256(hm, _mm256_set1_epi8(1)), 2);
+                        ql = _mm256_srli_epi16(ql, 2), hm = _mm256_srli_epi16(hm, 1);
+                        __m256i v = _mm256_sub_epi8(_mm256_or_si256(q, hb), _mm256_set1_epi8(4));
+                        lo = _mm256_mullo_epi16(_mm256_cvtepi8_epi16(_mm256_castsi256_si128(v)),
+                                                _mm256_set1_epi16(sc[2 * j]));
+                        hi = _mm256_mullo_epi16(_mm256_cvtepi8_epi16(_mm256_extracti128_si256(v, 1)),
+                                                _mm256_set1_epi16(sc[2 * j + 1]));
+                        KQ_EMIT(&d, 0.0f, 0, sb * 8 + j);
+                    }
+                }
+            } else if (T == IG_Q6_K) { /* block j = 4 h + k: quarter k of half h */
                 const int8_t *sc = (const int8_t *)(p + 192);
                 float d = _cvtsh_ss(rd16(p + 208));
                 for (int h = 0; h < 2; h++) {
@@ -240,6 +284,7 @@ static inline __attribute__((always_inline)) void kq_dot(int type, const uint8_t
     switch (type) {
     case IG_Q5_0: kq_dot_t(IG_Q5_0, row, nb, x, dtab, stab, tabs, G, out, NULL, NULL, NULL); break;
     case IG_Q5_1: kq_dot_t(IG_Q5_1, row, nb, x, dtab, stab, tabs, G, out, NULL, NULL, NULL); break;
+    case IG_Q3_K: kq_dot_t(IG_Q3_K, row, nb, x, dtab, stab, tabs, G, out, NULL, NULL, NULL); break;
     case IG_Q4_K: kq_dot_t(IG_Q4_K, row, nb, x, dtab, stab, tabs, G, out, NULL, NULL, NULL); break;
     case IG_Q5_K: kq_dot_t(IG_Q5_K, row, nb, x, dtab, stab, tabs, G, out, NULL, NULL, NULL); break;
     default: kq_dot_t(IG_Q6_K, row, nb, x, dtab, stab, tabs, G, out, NULL, NULL, NULL); break;
@@ -251,6 +296,7 @@ static void kq_unpack_row(int type, const uint8_t *row, int nb, int16_t *v, floa
     switch (type) {
     case IG_Q5_0: kq_dot_t(IG_Q5_0, row, nb, NULL, NULL, NULL, 0, 1, NULL, v, d, m); break;
     case IG_Q5_1: kq_dot_t(IG_Q5_1, row, nb, NULL, NULL, NULL, 0, 1, NULL, v, d, m); break;
+    case IG_Q3_K: kq_dot_t(IG_Q3_K, row, nb, NULL, NULL, NULL, 0, 1, NULL, v, d, m); break;
     case IG_Q4_K: kq_dot_t(IG_Q4_K, row, nb, NULL, NULL, NULL, 0, 1, NULL, v, d, m); break;
     case IG_Q5_K: kq_dot_t(IG_Q5_K, row, nb, NULL, NULL, NULL, 0, 1, NULL, v, d, m); break;
     default: kq_dot_t(IG_Q6_K, row, nb, NULL, NULL, NULL, 0, 1, NULL, v, d, m); break;

@@ -1,9 +1,9 @@
 """A loaded model as the C kernels see it: block matrices, norms and the ``ig_model`` struct.
 
 Weights arrive from the loader either as stored (``QuantizedTensor``: Q8_0, Q4_0,
-Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K rows, kept as they are: ``KEPT_TYPES``) or as
-float32 arrays (safetensors, a GGUF's F16 / BF16 / F32 matrices and its other block
-types, Q2_K and Q3_K among them), which are quantized once at load to Q8_0: 34 bytes
+Q4_1, Q5_0, Q5_1, Q3_K, Q4_K, Q5_K, Q6_K rows, kept as they are: ``KEPT_TYPES``) or
+as float32 arrays (safetensors, a GGUF's F16 / BF16 / F32 matrices and its other block
+types, Q2_K among them), which are quantized once at load to Q8_0: 34 bytes
 a block of 32 (8.5 bits a weight) and the closest to float32 of the kept types, so
 a float checkpoint loses the least.
 
@@ -29,7 +29,7 @@ from ..numpy import ops
 
 QK = 32
 # The block types kernels.c reads (kernels.h's IG_*): GGML type id -> (values a block, bytes a block).
-KEPT_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
+KEPT_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 BLOCKS = {BLOCK_TYPES[n][0]: BLOCK_TYPES[n][1:] for n in KEPT_TYPES}
 MAX_HEAD_DIM = 256  # kernels.c keeps one scaled query head on the stack
 
