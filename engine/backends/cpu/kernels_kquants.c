@@ -134,6 +134,19 @@ static inline void kq_decode_scales(const uint8_t *p, kq_scales *ks) {
     _mm256_storeu_ps(ks->m, _mm256_mul_ps(_mm256_set1_ps(-_cvtsh_ss(rd16(p + 2))), mn));
 }
 
+/* kq_q3_scales 8 bytes at a time: the low 4 bits of scales 0..7 and 8..15 are the nibbles of s[0..7], the
+ * high 2 of scale 4 q + i bits 2 q of s[8 + i]. */
+static inline void kq_q3_scales_8(const uint8_t *s, int8_t *sc) {
+    uint64_t l;
+    uint32_t h;
+    memcpy(&l, s, 8), memcpy(&h, s + 8, 4);
+    const uint64_t m4 = 0x0f0f0f0f0f0f0f0fULL, m2 = 0x0303030303030303ULL;
+    uint64_t h01 = ((uint64_t)h & 0x03030303) | (((uint64_t)h >> 2) & 0x03030303) << 32;
+    uint64_t h23 = (((uint64_t)h >> 4) & 0x03030303) | (((uint64_t)h >> 6) & 0x03030303) << 32;
+    __m128i v = _mm_set_epi64x((long long)((l >> 4 & m4) | (h23 & m2) << 4), (long long)((l & m4) | (h01 & m2) << 4));
+    _mm_storeu_si128((__m128i *)sc, _mm_sub_epi8(v, _mm_set1_epi8(32)));
+}
+
 /* Block b's 32 weights (lo: elements 0..15, hi: 16..31, int16, scale *dp, offset m) met by the G rows;
  * has_m (a constant): the type has offsets (Q5_0 and Q6_K have none, and an FMA by m = 0 is not free).
  * The scales d * x.d come from two broadcast loads and a multiply: no shuffle-port work (that port,
@@ -214,7 +227,7 @@ static inline __attribute__((always_inline)) void kq_dot_t(const int T, const ui
             const uint8_t *p = row + (int64_t)sb * kq_bytes(T);
             if (T == IG_Q3_K) { /* block j = 4 h + k: the 2-bit lows of bytes 32 h.. at shift 2 k, bit j of hmask */
                 int8_t sc[16];
-                kq_q3_scales(p + 96, sc);
+                kq_q3_scales_8(p + 96, sc);
                 float d = _cvtsh_ss(rd16(p + 108));
                 __m256i hm = _mm256_loadu_si256((const __m256i *)p);
                 for (int h = 0; h < 2; h++) {
