@@ -2,10 +2,11 @@
  * model in one call, over weights kept in GGML's block formats.
  *
  * Weights: Q8_0, Q4_0 and Q4_1 rows as stored in the GGUF (blocks of 32 along the
- * input dimension); Q5_0, Q5_1, Q4_K, Q5_K and Q6_K through kernels_kquants.c, which
- * reads their blocks (K-quants: sub-blocks) of 32 the same way. Activations are quantized
- * per row to blocks of 32 int16 with a float scale d and s = d * sum(q) (llama.cpp's Q8_1 idea at 16 bits: int8 cost a
- * percent of the logits, int16 a few parts in 10^5), so every weight block meets
+ * input dimension); Q5_0, Q5_1, Q3_K, Q4_K, Q5_K and Q6_K through kernels_kquants.c,
+ * which reads their blocks (K-quants: sub-blocks) of 32 the same way. Activations are
+ * quantized per row to blocks of 32 int16 with a float scale d and s = d * sum(q)
+ * (llama.cpp's Q8_1 idea at 16 bits: int8 cost a percent of the logits, int16 a few
+ * parts in 10^5), so every weight block meets
  * every row's block as an integer multiply-add.
  *
  * One weight stream a round: a product walks the weight rows once; each row's
@@ -491,8 +492,8 @@ static void matmul_parts(ig_step *st, const ig_mat *parts, int nparts, const ig_
  * sums are exact; then scaled into float: sum += float(isum) * (d * x.d), and for Q4_1
  * sum += m * x.s (Q4_0's -8 is applied while unpacking). A strip with a Q6_K column scales its
  * sums per 16 weights (16 pairs of its int16 v = q * sc, |v| <= 4096, stay within int32; 32
- * might not). Decode rows keep dot_group's
- * path and its bits; a row's result here does not depend on the rows beside it either. */
+ * might not; Q3_K's |v| <= 128 needs no split). Decode rows keep dot_group's path and its
+ * bits; a row's result here does not depend on the rows beside it either. */
 #define TILE_COLS 16
 #define TILE_ROWS 4
 
