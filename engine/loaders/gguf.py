@@ -11,8 +11,8 @@ ggml shape ``[in, out]``, which numpy sees as ``[out, in]`` -- already the
 ``torch.nn.Linear`` layout the backends expect.
 
 As stored (``as_stored``): 2-D tensors of the GGML block types a backend keeps
-(its ``weights_as_stored``: the cpu backend Q8_0 / Q4_0 / Q4_1, the cuda backend
-those plus Q5_0 / Q5_1 / Q4_K / Q5_K / Q6_K) stay in their blocks, as a
+(its ``weights_as_stored``: the cpu and cuda backends Q8_0 / Q4_0 / Q4_1 / Q5_0 /
+Q5_1 / Q4_K / Q5_K / Q6_K, the cpu backend Q3_K too) stay in their blocks, as a
 :class:`QuantizedTensor` over the raw rows; every other tensor is float32 as
 above, except, for a backend that takes 16-bit floats (``bf16_as_stored``), F16 and BF16
 matrices, which stay float16 and ``engine.loaders.bf16`` tensors (no float32 copy). Blocks run along the input dimension, so a row of blocks is one output
@@ -34,11 +34,11 @@ from engine.models import definition, for_gguf
 
 # GGML block types a backend can take as stored (gguf.GGMLQuantizationType values); ``as_stored=True``
 # means these (the cpu backend's).
-STORED_TYPES = {"Q8_0": 8, "Q4_0": 2, "Q4_1": 3}
+STORED_TYPES = {"Q8_0": 8, "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q3_K": 11, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
 # Every block type some backend keeps: name -> (type id, values a block, bytes a block).
 BLOCK_TYPES = {
     "Q4_0": (2, 32, 18), "Q4_1": (3, 32, 20), "Q5_0": (6, 32, 22), "Q5_1": (7, 32, 24), "Q8_0": (8, 32, 34),
-    "Q4_K": (12, 256, 144), "Q5_K": (13, 256, 176), "Q6_K": (14, 256, 210),
+    "Q3_K": (11, 256, 110), "Q4_K": (12, 256, 144), "Q5_K": (13, 256, 176), "Q6_K": (14, 256, 210),
 }  # fmt: skip
 TYPE_NAMES = {tid: name for name, (tid, _, _) in BLOCK_TYPES.items()}
 

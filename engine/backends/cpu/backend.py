@@ -52,7 +52,7 @@ class CpuBackend(Backend):
     name = "cpu"
     supports_prompt_logprobs = True
     # The GGUF block types the loader keeps as stored (engine.loaders.gguf.QuantizedTensor).
-    weights_as_stored = frozenset({"Q8_0", "Q4_0", "Q4_1"})
+    weights_as_stored = frozenset({"Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q3_K", "Q4_K", "Q5_K", "Q6_K"})
     # A lane's verify rows are rows of the round, each attending up to its own position
     # (tests/engine/test_spec_model.py: tokens identical to speculation off).
     max_round_rows = 16

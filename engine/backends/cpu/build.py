@@ -103,10 +103,11 @@ def _build(isa: str, cache: Path):
 
     header = (HERE / "kernels.h").read_text()
     source = (HERE / "kernels.c").read_text()
-    included = (HERE / "kernels_amx.c").read_text()  # #included by kernels.c: the hash covers it too
     flags = [*BASE_FLAGS, *ISA_FLAGS[isa]]
-    parts = [header, source, included, *flags, cffi.__version__, sys.version]
-    digest = hashlib.sha256("\0".join(parts).encode()).hexdigest()
+    included = [p.read_text() for p in sorted(HERE.glob("kernels_*.c"))]  # #included by kernels.c
+    digest = hashlib.sha256(
+        "\0".join([header, source, *included, *flags, cffi.__version__, sys.version]).encode()
+    ).hexdigest()
     name = f"_ignis_cpu_{isa}_{digest[:16]}"
     cache.mkdir(parents=True, exist_ok=True)
     found = [p for p in cache.glob(name + ".*") if p.suffix in (".so", ".pyd")]

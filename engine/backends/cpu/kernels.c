@@ -2,9 +2,11 @@
  * model in one call, over weights kept in GGML's block formats.
  *
  * Weights: Q8_0, Q4_0 and Q4_1 rows as stored in the GGUF (blocks of 32 along the
- * input dimension). Activations are quantized per row to blocks of 32 int16 with a
- * float scale d and s = d * sum(q) (llama.cpp's Q8_1 idea at 16 bits: int8 cost a
- * percent of the logits, int16 a few parts in 10^5), so every weight block meets
+ * input dimension); Q5_0, Q5_1, Q3_K, Q4_K, Q5_K and Q6_K through kernels_kquants.c,
+ * which reads their blocks (K-quants: sub-blocks) of 32 the same way. Activations are
+ * quantized per row to blocks of 32 int16 with a float scale d and s = d * sum(q)
+ * (llama.cpp's Q8_1 idea at 16 bits: int8 cost a percent of the logits, int16 a few
+ * parts in 10^5), so every weight block meets
  * every row's block as an integer multiply-add.
  *
  * One weight stream a round: a product walks the weight rows once; each row's
@@ -105,9 +107,20 @@ static int block_bytes(int type) {
 
 /* ---- dequantization (embedding rows, tests) ---------------------------------------- */
 
+#include "kernels_kquants.c"
+
 static void dequant_row(const ig_mat *w, int row, float *out) {
     const uint8_t *p = w->data + (int64_t)row * w->row_bytes;
     int nb = w->cols / QK, bb = block_bytes(w->type);
+    if (kq_type(w->type)) {
+        for (int b = 0; b < nb; b++, out += QK) {
+            int16_t v[QK];
+            float d, m;
+            kq_unpack(w->type, p, b, v, &d, &m);
+            for (int i = 0; i < QK; i++) out[i] = d * (float)v[i] + m;
+        }
+        return;
+    }
     for (int b = 0; b < nb; b++, p += bb, out += QK) {
         float d = h2f(rd16(p));
         if (w->type == IG_Q8_0) {
@@ -266,8 +279,12 @@ static inline void unpack_block(int type, const uint8_t *qs, __m256i *lo, __m256
 static inline __attribute__((always_inline)) void dot_rows(const ig_mat *w, const uint8_t *row,
                                                             const ig_xblk *const *x, int R, float *out) {
     int nb = w->cols / QK, type = w->type, bb = type == IG_Q8_0 ? 34 : type == IG_Q4_0 ? 18 : 20;
-    int qoff = type == IG_Q4_1 ? 4 : 2;
+    int qoff = type == IG_Q4_1 ? 4 : 2, kq = kq_type(type); /* kernels_kquants.c's types */
 #ifdef IG_AVX2
+    if (kq) {
+        kq_dot(type, row, nb, x, NULL, NULL, 0, R, out);
+        return;
+    }
     __m256 acc[4];
     float extra[4];
     for (int r = 0; r < R; r++) {
@@ -292,18 +309,23 @@ static inline __attribute__((always_inline)) void dot_rows(const ig_mat *w, cons
     for (int r = 0; r < R; r++) {
         const uint8_t *p = row;
         float sum = 0.0f;
-        for (int b = 0; b < nb; b++, p += bb) {
+        for (int b = 0; b < nb; b++, p += kq ? 0 : bb) {
             const ig_xblk *xb = x[r] + b;
             const uint8_t *q = p + qoff;
-            float d = h2f(rd16(p));
+            float d = h2f(rd16(p)), m = 0.0f;
             int isum = 0;
-            if (type == IG_Q8_0) {
+            int64_t lsum = 0; /* Q6_K's |v| <= 4096: 32 products may pass int32 */
+            if (kq) {
+                int16_t v[QK];
+                kq_unpack(type, row, b, v, &d, &m);
+                for (int i = 0; i < QK; i++) lsum += v[i] * xb->q[i];
+            } else if (type == IG_Q8_0) {
                 for (int i = 0; i < QK; i++) isum += (int8_t)q[i] * xb->q[i];
             } else {
                 for (int i = 0; i < 16; i++) isum += (q[i] & 15) * xb->q[i] + (q[i] >> 4) * xb->q[i + 16];
             }
-            float m = type == IG_Q4_1 ? h2f(rd16(p + 2)) : type == IG_Q4_0 ? -8.0f * d : 0.0f;
-            sum += d * xb->d * (float)isum + m * xb->s;
+            if (!kq) m = type == IG_Q4_1 ? h2f(rd16(p + 2)) : type == IG_Q4_0 ? -8.0f * d : 0.0f;
+            sum += d * xb->d * (float)(kq ? lsum : isum) + m * xb->s;
         }
         out[r] = sum;
     }
@@ -322,6 +344,10 @@ static inline __attribute__((always_inline)) void dot_group(const ig_mat *w, con
                                                              const float *stab, int G, float *out) {
     int nb = w->cols / QK, type = w->type, bb = type == IG_Q8_0 ? 34 : type == IG_Q4_0 ? 18 : 20;
     int qoff = type == IG_Q4_1 ? 4 : 2;
+    if (kq_type(type)) {
+        kq_dot(type, row, nb, x, dtab, stab, 1, G, out);
+        return;
+    }
     __m256 acc[8], ex = _mm256_setzero_ps();
     float sc[8] __attribute__((aligned(32)));
     for (int r = 0; r < G; r++) acc[r] = _mm256_setzero_ps();
@@ -479,8 +505,10 @@ int ig_amx_rows(int rows) {
  * of a row's activation pair meets 8 columns in one vpmaddwd (vpdpwssd with AVX-VNNI,
  * which also does the accumulate). Per block, TILE_ROWS rows x TILE_COLS columns of int32
  * sums are exact; then scaled into float: sum += float(isum) * (d * x.d), and for Q4_1
- * sum += m * x.s (Q4_0's -8 is applied while unpacking). Decode rows keep dot_group's
- * path and its bits; a row's result here does not depend on the rows beside it either. */
+ * sum += m * x.s (Q4_0's -8 is applied while unpacking). A strip with a Q6_K column scales its
+ * sums per 16 weights (16 pairs of its int16 v = q * sc, |v| <= 4096, stay within int32; 32
+ * might not; Q3_K's |v| <= 128 needs no split). Decode rows keep dot_group's path and its
+ * bits; a row's result here does not depend on the rows beside it either. */
 #define TILE_COLS 16
 #define TILE_ROWS 4
 
@@ -492,11 +520,11 @@ int ig_amx_rows(int rows) {
 #endif
 
 /* Unpack output columns [j0, j0 + TILE_COLS) of the fused parts: ws[(b * 16 + p) * 2 * TILE_COLS
- * + 2 * c + t] = weight 32 b + 2 p + t of column c (int16; Q4_0 minus 8), dw / mw[b * TILE_COLS + c]
- * its block's scale and Q4_1 offset (0 otherwise). Columns past the last are zeros. Returns
- * whether any column has an offset. */
+ * + 2 * c + t] = weight 32 b + 2 p + t of column c (int16; Q4_0 minus 8, Q5_0 minus 16), dw /
+ * mw[b * TILE_COLS + c] its block's scale and offset (Q4_1, Q5_1, Q4_K, Q5_K; 0 otherwise). Columns
+ * past the last are zeros. Returns 1 if any column has an offset, plus 2 if any is Q6_K. */
 static int unpack_strip(const ig_mat *parts, int nparts, int j0, int rows, int nb, int16_t *ws, float *dw, float *mw) {
-    int has_m = 0;
+    int has_m = 0, split = 0;
     for (int c = 0; c < TILE_COLS; c++) {
         int j = j0 + c;
         if (j >= rows) {
@@ -509,13 +537,21 @@ static int unpack_strip(const ig_mat *parts, int nparts, int j0, int rows, int n
         int p = 0, jj = j;
         while (p < nparts - 1 && jj >= parts[p].rows) jj -= parts[p++].rows;
         const ig_mat *w = &parts[p];
-        int type = w->type, bb = block_bytes(type), qoff = type == IG_Q4_1 ? 4 : 2;
-        const uint8_t *blk = w->data + (int64_t)jj * w->row_bytes;
-        has_m |= type == IG_Q4_1;
+        int type = w->type, bb = block_bytes(type), qoff = type == IG_Q4_1 ? 4 : 2, kq = kq_type(type);
+        const uint8_t *blk = w->data + (int64_t)jj * w->row_bytes, *row0 = blk;
+        has_m |= type == IG_Q4_1 || type == IG_Q5_1 || type == IG_Q4_K || type == IG_Q5_K;
+        split |= type == IG_Q6_K;
+        int16_t kv[kq ? nb * QK : 1];
+        float kd[kq ? nb : 1], km[kq ? nb : 1];
+        if (kq) kq_unpack_row(type, row0, nb, kv, kd, km); /* the new types' blocks, by SIMD */
         for (int b = 0; b < nb; b++, blk += bb) {
             const uint8_t *q = blk + qoff;
             int16_t v[QK];
-            if (type == IG_Q8_0) {
+            float d, m = 0.0f;
+            if (kq) {
+                memcpy(v, kv + b * QK, sizeof(v));
+                d = kd[b], m = km[b];
+            } else if (type == IG_Q8_0) {
                 for (int i = 0; i < QK; i++) v[i] = (int8_t)q[i];
             } else {
                 int off = type == IG_Q4_0 ? 8 : 0;
@@ -529,11 +565,12 @@ static int unpack_strip(const ig_mat *parts, int nparts, int j0, int rows, int n
                 dst[(i / 2) * 2 * TILE_COLS] = v[i];
                 dst[(i / 2) * 2 * TILE_COLS + 1] = v[i + 1];
             }
-            dw[b * TILE_COLS + c] = h2f(rd16(blk));
-            mw[b * TILE_COLS + c] = type == IG_Q4_1 ? h2f(rd16(blk + 2)) : 0.0f;
+            if (!kq) d = h2f(rd16(blk)), m = type == IG_Q4_1 ? h2f(rd16(blk + 2)) : 0.0f;
+            dw[b * TILE_COLS + c] = d;
+            mw[b * TILE_COLS + c] = m;
         }
     }
-    return has_m;
+    return has_m | split << 1;
 }
 
 static inline __m256i bcast_pair(const int16_t *q) {
@@ -542,17 +579,40 @@ static inline __m256i bcast_pair(const int16_t *q) {
     return _mm256_set1_epi32(pair);
 }
 
+/* out[k * TILE_COLS + c] += the int32 sums acc of block b's rows xb[k] scaled into float: d * x.d, and
+ * with has_m, m * x.s. */
+static inline __attribute__((always_inline)) void tile_scale(__m256i acc[TILE_ROWS][2], const float *dw,
+                                                              const float *mw, int has_m, int b,
+                                                              const ig_xblk *const *xb, int R, float *out) {
+    __m256 d0 = _mm256_loadu_ps(dw + b * TILE_COLS), d1 = _mm256_loadu_ps(dw + b * TILE_COLS + 8);
+    __m256 m0 = _mm256_loadu_ps(mw + b * TILE_COLS), m1 = _mm256_loadu_ps(mw + b * TILE_COLS + 8);
+    for (int k = 0; k < R; k++) {
+        __m256 dx = _mm256_set1_ps(xb[k]->d), f0 = _mm256_loadu_ps(out + k * TILE_COLS),
+               f1 = _mm256_loadu_ps(out + k * TILE_COLS + 8);
+        f0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[k][0]), _mm256_mul_ps(d0, dx), f0);
+        f1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[k][1]), _mm256_mul_ps(d1, dx), f1);
+        if (has_m) {
+            __m256 sx = _mm256_set1_ps(xb[k]->s);
+            f0 = _mm256_fmadd_ps(m0, sx, f0);
+            f1 = _mm256_fmadd_ps(m1, sx, f1);
+        }
+        _mm256_storeu_ps(out + k * TILE_COLS, f0);
+        _mm256_storeu_ps(out + k * TILE_COLS + 8, f1);
+    }
+}
+
 /* out[k * TILE_COLS + c] = column c of the strip . x[k] for k < R (R: 1 or TILE_ROWS, constant after
  * inlining). The R x 16 int32 sums of a block stay in registers (8 of the 16 at R = 4); the float
- * sums live in ``out`` across blocks. */
+ * sums live in ``out`` across blocks. ``split``: the sums are scaled after each 16 weights. */
 static inline __attribute__((always_inline)) void tile_rows(const int16_t *ws, const float *dw, const float *mw,
-                                                             int has_m, int nb, const ig_xblk *const *x, int R,
-                                                             float *out) {
+                                                             int has_m, int split, int nb, const ig_xblk *const *x,
+                                                             int R, float *out) {
     for (int i = 0; i < R * TILE_COLS; i++) out[i] = 0.0f;
     const ig_xblk *x0 = x[0], *x1 = x[R > 1 ? 1 : 0], *x2 = x[R > 1 ? 2 : 0], *x3 = x[R > 1 ? 3 : 0];
     for (int b = 0; b < nb; b++) {
         const int16_t *wb = ws + (int64_t)b * 16 * 2 * TILE_COLS;
         const int16_t *q0 = x0[b].q, *q1 = x1[b].q, *q2 = x2[b].q, *q3 = x3[b].q;
+        const ig_xblk *xb[TILE_ROWS] = {x0 + b, x1 + b, x2 + b, x3 + b};
         __m256i a00 = _mm256_setzero_si256(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00, a30 = a00,
                 a31 = a00;
 #pragma GCC unroll 16
@@ -577,24 +637,14 @@ static inline __attribute__((always_inline)) void tile_rows(const int16_t *ws, c
              * reassociates the integer adds into trees over spilled products) */
             __asm__("" : "+x"(a00), "+x"(a01), "+x"(a10), "+x"(a11));
             __asm__("" : "+x"(a20), "+x"(a21), "+x"(a30), "+x"(a31));
-        }
-        __m256 d0 = _mm256_loadu_ps(dw + b * TILE_COLS), d1 = _mm256_loadu_ps(dw + b * TILE_COLS + 8);
-        __m256 m0 = _mm256_loadu_ps(mw + b * TILE_COLS), m1 = _mm256_loadu_ps(mw + b * TILE_COLS + 8);
-        __m256i acc[TILE_ROWS][2] = {{a00, a01}, {a10, a11}, {a20, a21}, {a30, a31}};
-        const ig_xblk *xb[TILE_ROWS] = {x0 + b, x1 + b, x2 + b, x3 + b};
-        for (int k = 0; k < R; k++) {
-            __m256 dx = _mm256_set1_ps(xb[k]->d), f0 = _mm256_loadu_ps(out + k * TILE_COLS),
-                   f1 = _mm256_loadu_ps(out + k * TILE_COLS + 8);
-            f0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[k][0]), _mm256_mul_ps(d0, dx), f0);
-            f1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[k][1]), _mm256_mul_ps(d1, dx), f1);
-            if (has_m) {
-                __m256 sx = _mm256_set1_ps(xb[k]->s);
-                f0 = _mm256_fmadd_ps(m0, sx, f0);
-                f1 = _mm256_fmadd_ps(m1, sx, f1);
+            if (split && p == 7) { /* Q6_K: the first 16 weights' sums into float now */
+                __m256i half[TILE_ROWS][2] = {{a00, a01}, {a10, a11}, {a20, a21}, {a30, a31}};
+                tile_scale(half, dw, mw, 0, b, xb, R, out);
+                a00 = a01 = a10 = a11 = a20 = a21 = a30 = a31 = _mm256_setzero_si256();
             }
-            _mm256_storeu_ps(out + k * TILE_COLS, f0);
-            _mm256_storeu_ps(out + k * TILE_COLS + 8, f1);
         }
+        __m256i acc[TILE_ROWS][2] = {{a00, a01}, {a10, a11}, {a20, a21}, {a30, a31}};
+        tile_scale(acc, dw, mw, has_m, b, xb, R, out);
     }
 }
 
@@ -623,15 +673,15 @@ static void tiled_parts(ig_step *st, const ig_mat *parts, int nparts, const ig_x
             }
             continue;
         }
-        int has_m = unpack_strip(parts, nparts, j0, rows, nb, ws, dw, mw);
+        int flags = unpack_strip(parts, nparts, j0, rows, nb, ws, dw, mw), has_m = flags & 1, split = flags >> 1;
         for (int r = 0, g; r < nx; r += g) {
             const ig_xblk *xs[TILE_ROWS];
             g = r + TILE_ROWS <= nx ? TILE_ROWS : 1;
             for (int k = 0; k < g; k++) xs[k] = x + (int64_t)(r + k) * nb;
             if (g == TILE_ROWS)
-                tile_rows(ws, dw, mw, has_m, nb, xs, TILE_ROWS, o);
+                tile_rows(ws, dw, mw, has_m, split, nb, xs, TILE_ROWS, o);
             else
-                tile_rows(ws, dw, mw, has_m, nb, xs, 1, o);
+                tile_rows(ws, dw, mw, has_m, split, nb, xs, 1, o);
             for (int k = 0; k < g; k++)
                 for (int c = 0; c < ncols; c++) y[(int64_t)(r + k) * ldy + j0 + c] = o[k * TILE_COLS + c];
         }

@@ -1,7 +1,13 @@
 /* The C side of the cpu backend's interface; build.py passes this text to cffi's cdef too. */
 #define IG_Q4_0 2
 #define IG_Q4_1 3
+#define IG_Q5_0 6
+#define IG_Q5_1 7
 #define IG_Q8_0 8
+#define IG_Q3_K 11
+#define IG_Q4_K 12
+#define IG_Q5_K 13
+#define IG_Q6_K 14
 
 /* A weight matrix [rows, cols] in one of the block types above, rows as stored. */
 typedef struct {

@@ -1,10 +1,11 @@
 """A loaded model as the C kernels see it: block matrices, norms and the ``ig_model`` struct.
 
 Weights arrive from the loader either as stored (``QuantizedTensor``: Q8_0, Q4_0,
-Q4_1 rows, kept as they are) or as float32 arrays (safetensors, a GGUF's F16 /
-BF16 / F32 matrices), which are quantized once at load to Q8_0, the one compact
-format: 34 bytes a block of 32 (8.5 bits a weight) and the closest to float32
-of the three, so a float checkpoint loses the least.
+Q4_1, Q5_0, Q5_1, Q3_K, Q4_K, Q5_K, Q6_K rows, kept as they are: ``KEPT_TYPES``) or
+as float32 arrays (safetensors, a GGUF's F16 / BF16 / F32 matrices and its other block
+types, Q2_K among them), which are quantized once at load to Q8_0: 34 bytes
+a block of 32 (8.5 bits a weight) and the closest to float32 of the kept types, so
+a float checkpoint loses the least.
 
 Only the llama-family block runs here (llama, mistral, qwen2): RMSNorm, neox
 rope (one rope for every layer), attention with optional q/k/v biases and
@@ -18,7 +19,7 @@ import math
 
 import numpy as np
 
-from engine.loaders.gguf import STORED_TYPES, QuantizedTensor
+from engine.loaders.gguf import BLOCK_TYPES, STORED_TYPES, QuantizedTensor
 from engine.model_config import ModelConfig
 from engine.models import definition
 from engine.models.ops import Attention, Block, GatedMLP, Head, RMSNorm
@@ -27,7 +28,9 @@ from engine.models.rope import rope_tables
 from ..numpy import ops
 
 QK = 32
-BLOCK_BYTES = {8: 34, 2: 18, 3: 20}  # Q8_0, Q4_0, Q4_1
+# The block types kernels.c reads (kernels.h's IG_*): GGML type id -> (values a block, bytes a block).
+KEPT_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+BLOCKS = {BLOCK_TYPES[n][0]: BLOCK_TYPES[n][1:] for n in KEPT_TYPES}
 MAX_HEAD_DIM = 256  # kernels.c keeps one scaled query head on the stack
 
 
@@ -70,7 +73,7 @@ def check_supported(cfg: ModelConfig, blocks: list[Block], head: Head) -> None:
 def as_blocks(w) -> QuantizedTensor:
     """A weight as block rows: as stored if it is, else float32 quantized to Q8_0."""
     if isinstance(w, QuantizedTensor):
-        if w.type not in BLOCK_BYTES:
+        if w.type not in BLOCKS:
             raise ValueError(f"cpu backend: GGML type {w.type} has no kernel")
         return QuantizedTensor(w.type, w.shape, np.ascontiguousarray(w.data))
     from gguf import GGMLQuantizationType
@@ -128,7 +131,8 @@ class CpuModel:
         self._keep.append(w.data)
         dst.type, (dst.rows, dst.cols) = w.type, w.shape
         dst.row_bytes = w.data.shape[1] if w.data.ndim == 2 else 0
-        if dst.row_bytes != w.shape[1] // QK * BLOCK_BYTES[w.type]:
+        values, nbytes = BLOCKS[w.type]
+        if w.shape[1] % values or dst.row_bytes != w.shape[1] // values * nbytes:
             raise ValueError(f"cpu backend: rows of {dst.row_bytes} B for a {w.shape} matrix of type {w.type}")
         dst.data = self.ffi.cast("const uint8_t *", self.ffi.from_buffer(w.data))
 
