@@ -105,7 +105,7 @@ class StepPlan:
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block)
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
     prefill: PrefillSpan | None = None
-    # Prompts prefilled with ``prefill`` in the same step (a group; engine/scheduler.py _join_group):
+    # Prompts prefilled with ``prefill`` in the same step (a group; engine/prefill_group.py):
     # whole prompts of other sequences, each span with its own positions, blocks and sample request.
     # Empty whenever ``prefill`` is None.
     prefill_more: list[PrefillSpan] = field(default_factory=list)

@@ -12,7 +12,7 @@ Invariants:
   and while lanes decode its chunks wait on the decode-share gate
   (engine/pacing.py); when its first chunk is the whole of it and leaves room,
   the waiting prompts next in rank order that fit whole in the rest of the chunk
-  join it (``_join_group``, ``cfg.prefill_group``): one step prefills them all,
+  join it (``engine/prefill_group.py``, ``cfg.prefill_group``): one step prefills them all,
   each span with its own positions and pages, and the gate counts the group's
   tokens; a prompt whose uncached tail is at most
   ``cfg.short_prefill`` tokens skips the prefill pass instead: it joins the
@@ -45,7 +45,7 @@ from collections.abc import Callable, Iterable
 
 import numpy as np
 
-from engine import admission
+from engine import admission, prefill_group
 from engine.backend import PrefillSpan, StepOutput, StepPlan, TokenLogprob
 from engine.config import EngineConfig
 from engine.kv_manager import KVManager
@@ -66,11 +66,6 @@ log = logging.getLogger("ignis.engine")
 
 def _insort(queue: list[Sequence], seq: Sequence) -> None:
     bisect.insort(queue, seq, key=lambda s: s.rank)
-
-
-def _plain(seq: Sequence) -> bool:
-    """Whether ``seq`` may prefill in a group: no images, prompt scoring or decide."""
-    return not (seq.images or seq.prompt_logprobs is not None or seq.is_decide)
 
 
 class Scheduler:
@@ -112,7 +107,7 @@ class Scheduler:
         self.by_seq_id: dict[int, Sequence] = {}
         self.waiting: list[Sequence] = []  # rank order
         self.prefilling: Sequence | None = None  # the prompt holding the prefill lane
-        # Whole prompts prefilled with ``prefilling``'s next chunk (a group: _join_group); never
+        # Whole prompts prefilled with ``prefilling``'s next chunk (a group: engine/prefill_group.py); never
         # non-empty while ``prefilling`` is None.
         self.joined: list[Sequence] = []
         self.running: list[Sequence] = []  # DECODING, rank order
@@ -320,40 +315,8 @@ class Scheduler:
         seq.status = S.PREFILLING
         self.prefilling = seq
         first_chunk = min(self.cfg.prefill_chunk, seq.num_tokens - seq.num_computed_tokens)
-        first_chunk += self._join_group(first_chunk)
+        first_chunk += prefill_group.join(self, first_chunk)
         self.pacer.prompt_started(self.clock(), first_chunk, bool(self.running))
-
-    def _join_group(self, lead_tokens: int) -> int:
-        """The prompt that just took the prefill lane prefills whole (``lead_tokens``, less than the
-        chunk): the waiting prompts next in rank order join its step while each fits whole in what
-        is left of the chunk, its pages are free without preempting anyone, and no better-ranked
-        preempted lane waits. The first that does not qualify ends the group (it leads the next
-        one, or prefills alone); so do images, prompt scoring and decide requests, in the lead too,
-        and a prompt whose next block after what it claims now is one the group computes (a burst
-        sharing a system prompt: it claims those blocks once they are computed, as without groups).
-        Returns the tokens that joined."""
-        lead = self.prefilling
-        budget = self.cfg.prefill_chunk - lead_tokens
-        if not self.cfg.prefill_group or lead.num_computed_tokens + lead_tokens < lead.num_tokens or not _plain(lead):
-            return 0
-        joined = 0
-        while self.waiting and budget > 0:
-            seq = self.waiting[0]
-            if not _plain(seq) or (self.preempted and self.preempted[0].rank < seq.rank):
-                break
-            claimable = self.kv.num_claimable_tokens(seq)
-            if seq.num_tokens - claimable > budget or not self.kv.can_allocate(0, seq):
-                break
-            if self._shares_a_block(seq, claimable):
-                break
-            self.waiting.pop(0)
-            self.kv.allocate(seq)
-            seq.status = S.PREFILLING
-            self.joined.append(seq)
-            tail = seq.num_tokens - seq.num_computed_tokens
-            budget -= tail
-            joined += tail
-        return joined
 
     def _preempt(self, seq: Sequence, plan: StepPlan) -> None:
         self.running.remove(seq)
@@ -369,15 +332,6 @@ class Scheduler:
             seq.drop_image_rows(0)
             seq.status = S.WAITING
             _insort(self.waiting, seq)
-
-    def _shares_a_block(self, seq: Sequence, start: int) -> bool:
-        """Whether the full block of ``seq``'s prompt at ``start`` (and all before it) is the same
-        tokens in a prompt of the group being formed."""
-        end = start + self.kv.block_size
-        if end > seq.num_prompt_tokens:
-            return False
-        head = seq.prompt_token_ids[:end]
-        return any(m.prompt_token_ids[:end] == head for m in [self.prefilling, *self.joined])
 
     def _next_chunk(self, seq: Sequence, whole: bool = False) -> PrefillSpan:
         """``seq``'s next span: up to a chunk (``whole``: the rest of it, a group member's, whose
