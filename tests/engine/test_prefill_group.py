@@ -15,7 +15,7 @@ import pytest
 from engine.backend import PrefillSpan, SampleRequest, StepOutput, StepPlan
 from engine.backends.numpy import NumpyBackend
 from engine.sampling import SamplingParams
-from tests.engine.test_cpu_backend import DEFAULT_GGUF, _kernels, _load
+from tests.engine.test_cpu_backend import BLOCK, DEFAULT_GGUF, _kernels, _load
 
 BLOCKS_PER_SEQ = 8  # 128 tokens
 # Tails of 5 and 9 rows take the cpu backend's decode kernels alone, the rest its tiled ones: a
@@ -112,3 +112,40 @@ def test_each_span_of_a_group_computes_what_it_computes_alone(backend, seeded, e
         _same(a, b)
         np.testing.assert_array_equal(_cache(backend, alone_tables[i]), _cache(backend, group_tables[i]))
     assert out.prefill_results[0].prefill_token is not None
+
+
+def _generate(backend, prompts, group: bool, sampling: dict, tokens: int = 8) -> tuple[dict, int]:
+    """Every prompt through the Scheduler at once; each one's tokens, and how many steps prefilled."""
+    import random
+
+    from engine.config import EngineConfig
+    from engine.kv_manager import KVManager
+    from engine.messages import AddRequest, TokenEvent
+    from engine.scheduler import Scheduler
+
+    cfg = EngineConfig(decode_lanes=8, prefill_chunk=256, max_context=512, block_size=BLOCK, prefill_group=group)
+    sched = Scheduler(cfg, KVManager(backend.plan.num_blocks, BLOCK, 0), seed_rng=random.Random(0),
+                      max_round_rows=backend.max_round_rows)  # fmt: skip
+    for i, ids in enumerate(prompts):
+        assert (
+            sched.add_request(AddRequest(f"p{i}", "c", ids, tokens, sampling={**sampling, "ignore_eos": True})) is None
+        )
+    out: dict[str, list[int]] = {f"p{i}": [] for i in range(len(prompts))}
+    steps = 0
+    while sched.has_work:
+        p = sched.schedule()
+        steps += p.prefill is not None
+        for o in sched.update_from_output(p, backend.step(p)):
+            if isinstance(o, TokenEvent):
+                out[o.request_id] += o.token_ids
+    return out, steps
+
+
+@pytest.mark.parametrize("sampling", [{"temperature": 0}, {"temperature": 0.9, "seed": 7}])
+def test_a_burst_through_the_scheduler_gives_the_tokens_of_one_prompt_a_step(backend, sampling):
+    rng = np.random.default_rng()
+    prompts = [[int(t) for t in rng.integers(3, backend.config.vocab_size, n)] for n in (17, 60, 30, 45)]
+    together, steps_together = _generate(backend, prompts, True, sampling)
+    alone, steps_alone = _generate(backend, prompts, False, sampling)
+    assert (steps_together, steps_alone) == (1, 4)
+    assert together == alone
