@@ -38,8 +38,8 @@ def test_random_bursts_keep_the_chunk_budget_and_the_tokens(group):
     rng = random.Random()
     sched, backend, clock = create_scheduler(prefill_chunk=32, num_blocks=256, decode_lanes=24, max_context=512)
     sched.cfg.prefill_group = group
-    reqs = []
-    for i in range(24):
+    reqs = create_requests(2, prompt_len=5)  # a group at least, whatever the draw
+    for i in range(2, 24):
         reqs += create_requests(1, prompt_len=rng.randint(2, 45), max_tokens=rng.randint(1, 8), start=i)
     for r in reqs:
         assert sched.add_request(r) is None
