@@ -1,6 +1,7 @@
 """The step interface: what the scheduler hands a backend, and what comes back.
 
-One call per model load, per prefill span, per decode round (never one per
+One call per model load, per prefill group (one span, or several prompts
+prefilled together: ``Backend.prefill_group``), per decode round (never one per
 operator). Activations stay inside the backend; what crosses is token ids,
 positions, block tables, sampling parameters and sampled tokens (plus logits
 only at positions that asked for them).
@@ -98,15 +99,24 @@ class DecodeLane:
 @dataclass
 class StepPlan:
     """Everything the scheduler decided for one step, in execution order:
-    swaps first, then at most one prefill span, then one decode round over
-    all lanes."""
+    swaps first, then the prefill (one span, or a group: ``prefill`` and
+    ``prefill_more``), then one decode round over all lanes."""
 
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block)
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
     prefill: PrefillSpan | None = None
+    # Prompts prefilled with ``prefill`` in the same step (a group; engine/prefill_group.py):
+    # whole prompts of other sequences, each span with its own positions, blocks and sample request.
+    # Empty whenever ``prefill`` is None.
+    prefill_more: list[PrefillSpan] = field(default_factory=list)
     decode: list[DecodeLane] = field(default_factory=list)
     # seq_id -> the drafts its rows verify (its rows: 1 + len(drafts) consecutive ones in ``decode``).
     drafts: dict[int, list[int]] = field(default_factory=dict)
+
+    @property
+    def prefills(self) -> list[PrefillSpan]:
+        """The step's prefill spans in order: ``prefill`` then ``prefill_more`` ([] for none)."""
+        return [] if self.prefill is None else [self.prefill, *self.prefill_more]
 
     @property
     def is_empty(self) -> bool:
@@ -122,14 +132,23 @@ class TokenLogprob:
 
 @dataclass
 class StepOutput:
+    """What a step computed. The ``prefill_*`` and ``prompt_logprobs`` fields are ``plan.prefill``'s;
+    each span of ``plan.prefill_more`` has its own in a StepOutput of ``prefill_more`` (same order)."""
+
     prefill_token: int | None = None  # set when the span carried a SampleRequest
     prefill_logprob: TokenLogprob | None = None
     prefill_logits: np.ndarray | None = None  # float32 [vocab] when want_logits
     prompt_logprobs: list[TokenLogprob] | None = None  # want_prompt_logprobs: one per scored token, in order
     decode_tokens: list[int] = field(default_factory=list)  # one per lane, in plan order
     decode_logprobs: list[TokenLogprob | None] = field(default_factory=list)
-    prefill_seconds: float = 0.0
+    prefill_seconds: float = 0.0  # the whole group's
     decode_seconds: float = 0.0
+    prefill_more: list[StepOutput] = field(default_factory=list)
+
+    @property
+    def prefill_results(self) -> list[StepOutput]:
+        """One result per span of ``plan.prefills``: this output itself, then ``prefill_more``."""
+        return [self, *self.prefill_more]
 
 
 class Backend(abc.ABC):
@@ -174,6 +193,13 @@ class Backend(abc.ABC):
     def prefill(self, span: PrefillSpan, out: StepOutput) -> None:
         """Write the span's K/V into its blocks; fill ``out.prefill_*``."""
 
+    def prefill_group(self, spans: Sequence[PrefillSpan], outs: Sequence[StepOutput]) -> None:
+        """Several prompts' spans in one step, span i's results into ``outs[i]``. This default runs them
+        one by one; a backend that runs them in one forward must give each span exactly what its
+        ``prefill`` alone gives (a row's results never depend on the other spans)."""
+        for span, out in zip(spans, outs, strict=True):
+            self.prefill(span, out)
+
     @abc.abstractmethod
     def decode_round(self, lanes: Sequence[DecodeLane], out: StepOutput) -> None:
         """One batched forward over all lanes; fill ``out.decode_tokens``."""
@@ -209,7 +235,11 @@ class Backend(abc.ABC):
         self.step_stage = "rows"
         if plan.prefill is not None:
             t0 = time.perf_counter()
-            self.prefill(plan.prefill, out)
+            if plan.prefill_more:
+                out.prefill_more = [StepOutput() for _ in plan.prefill_more]
+                self.prefill_group(plan.prefills, out.prefill_results)
+            else:
+                self.prefill(plan.prefill, out)
             out.prefill_seconds = time.perf_counter() - t0
         if plan.decode:
             t0 = time.perf_counter()

@@ -35,6 +35,9 @@ class EngineConfig:
     # the decode round instead of a prefill pass (0 = never); engine/scheduler.py _admit_short.
     short_prefill: int = 16
     decode_share: float = 0.25  # model.decode_share (fraction of time the lanes keep)
+    # model.prefill_group: prompts that fit whole in one chunk together prefill in one step
+    # (engine/prefill_group.py); False: one prompt a step.
+    prefill_group: bool = True
     # model.async_rounds: plan a decode round while the one before computes (engine/run_ahead.py)
     # on a backend that can (Backend.supports_async_rounds); False: every round after the last one's output.
     async_rounds: bool = True

@@ -10,7 +10,11 @@ Invariants:
 
 * one prompt prefills at a time, at most ``cfg.prefill_chunk`` tokens a step,
   and while lanes decode its chunks wait on the decode-share gate
-  (engine/pacing.py); a prompt whose uncached tail is at most
+  (engine/pacing.py); when its first chunk is the whole of it and leaves room,
+  the waiting prompts next in rank order that fit whole in the rest of the chunk
+  join it (``engine/prefill_group.py``, ``cfg.prefill_group``): one step prefills them all,
+  each span with its own positions and pages, and the gate counts the group's
+  tokens; a prompt whose uncached tail is at most
   ``cfg.short_prefill`` tokens skips the prefill pass instead: it joins the
   lanes at once and its tail is fed as known rows of the decode round
   (``_admit_short``), so a burst of short prompts starts in one round;
@@ -41,7 +45,7 @@ from collections.abc import Callable, Iterable
 
 import numpy as np
 
-from engine import admission
+from engine import admission, prefill_group
 from engine.backend import PrefillSpan, StepOutput, StepPlan, TokenLogprob
 from engine.config import EngineConfig
 from engine.kv_manager import KVManager
@@ -102,7 +106,10 @@ class Scheduler:
         self.seqs: dict[str, Sequence] = {}  # live, by request_id
         self.by_seq_id: dict[int, Sequence] = {}
         self.waiting: list[Sequence] = []  # rank order
-        self.prefilling: Sequence | None = None
+        self.prefilling: Sequence | None = None  # the prompt holding the prefill lane
+        # Whole prompts prefilled with ``prefilling``'s next chunk (a group: engine/prefill_group.py); never
+        # non-empty while ``prefilling`` is None.
+        self.joined: list[Sequence] = []
         self.running: list[Sequence] = []  # DECODING, rank order
         self.preempted: list[Sequence] = []  # rank order
         self.next_seq_id = 0
@@ -194,6 +201,7 @@ class Scheduler:
             self._start_prefill(plan, protected=swapped_in)
         if self.prefilling is not None and self.pacer.may_run_chunk(self.clock(), bool(self.running)):
             plan.prefill = self._next_chunk(self.prefilling)
+            plan.prefill_more = [self._next_chunk(seq, whole=True) for seq in self.joined]
         self._plan_rows(plan)
         return plan
 
@@ -307,6 +315,7 @@ class Scheduler:
         seq.status = S.PREFILLING
         self.prefilling = seq
         first_chunk = min(self.cfg.prefill_chunk, seq.num_tokens - seq.num_computed_tokens)
+        first_chunk += prefill_group.join(self, first_chunk)
         self.pacer.prompt_started(self.clock(), first_chunk, bool(self.running))
 
     def _preempt(self, seq: Sequence, plan: StepPlan) -> None:
@@ -324,9 +333,11 @@ class Scheduler:
             seq.status = S.WAITING
             _insort(self.waiting, seq)
 
-    def _next_chunk(self, seq: Sequence) -> PrefillSpan:
+    def _next_chunk(self, seq: Sequence, whole: bool = False) -> PrefillSpan:
+        """``seq``'s next span: up to a chunk (``whole``: the rest of it, a group member's, whose
+        place in the chunk was counted when it joined)."""
         start = seq.num_computed_tokens
-        end = min(start + self.cfg.prefill_chunk, seq.num_tokens)
+        end = seq.num_tokens if whole else min(start + self.cfg.prefill_chunk, seq.num_tokens)
         tokens = (seq.prompt_token_ids + seq.output_token_ids)[start:end]
         last = end == seq.num_tokens
         score = seq.prompt_logprobs is not None and not seq.prompt_lps_sent  # (a recompute has sent them)
@@ -350,7 +361,11 @@ class Scheduler:
         now = self.clock()
         outputs: list[EngineOutput] = []
         if plan.prefill is not None:
-            self._prefill_done(plan.prefill, out, now, outputs)
+            spans = plan.prefills
+            tokens = sum(len(span.token_ids) for span in spans)
+            self.pacer.chunk_ran(now, tokens, out.prefill_seconds, out.decode_seconds)
+            for span, result in zip(spans, out.prefill_results):
+                self._prefill_done(span, result, now, outputs)
         if plan.decode:
             self.counters["decode_rounds"] += 1
             self.pacer.round_ran(out.decode_seconds)
@@ -394,9 +409,9 @@ class Scheduler:
         return outputs
 
     def _prefill_done(self, span: PrefillSpan, out: StepOutput, now: float, outputs: list[EngineOutput]) -> None:
+        """One span of the step's prefill ran (``out``: its results)."""
         self.counters["prefill_chunks"] += 1
         self.counters["prefilled_tokens"] += len(span.token_ids)
-        self.pacer.chunk_ran(now, len(span.token_ids), out.prefill_seconds, out.decode_seconds)
         seq = self.by_seq_id.get(span.seq_id)
         if seq is None or seq.status != S.PREFILLING:
             return  # finished while the chunk ran
@@ -406,7 +421,7 @@ class Scheduler:
             seq.prompt_lps = (seq.prompt_lps or []) + [logprob_item(lp) for lp in out.prompt_logprobs]
         if seq.num_computed_tokens < seq.num_tokens:
             return
-        self.prefilling = None
+        self._leave_prefill(seq)
         if seq.is_decide:
             self._prompt_done(seq, now, outputs)
             outputs.append(self._finish(seq, S.FINISHED_STOPPED, logits=out.prefill_logits))
@@ -416,6 +431,14 @@ class Scheduler:
         assert out.prefill_token is not None, "the last prefill chunk carried a SampleRequest"
         if self._prompt_done(seq, now, outputs):
             self._append_token(seq, out.prefill_token, out.prefill_logprob, now, outputs)
+
+    def _leave_prefill(self, seq: Sequence) -> None:
+        """``seq`` no longer prefills (computed, or finished): out of the lane or the group; should it
+        have held the lane, the group's next member takes it (its span may already be planned)."""
+        if seq in self.joined:
+            self.joined.remove(seq)
+        elif self.prefilling is seq:
+            self.prefilling = self.joined.pop(0) if self.joined else None
 
     def _prompt_done(self, seq: Sequence, now: float, outputs: list[EngineOutput]) -> bool:
         """``seq``'s prompt is computed (by prefill, or as decode rows): pin its shared prefix; False
@@ -476,8 +499,7 @@ class Scheduler:
         for queue in (self.waiting, self.running, self.preempted):
             if seq in queue:
                 queue.remove(seq)
-        if self.prefilling is seq:
-            self.prefilling = None
+        self._leave_prefill(seq)
         self.kv.free(seq)
         if self.draft_model is not None:
             self.draft_model.release(seq.seq_id)
@@ -491,7 +513,7 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.prefilling or self.running or self.preempted)
+        return bool(self.waiting or self.prefilling or self.joined or self.running or self.preempted)
 
     def prefill_wait(self) -> float | None:
         """Seconds until the decode-share gate lets the held prompt's next chunk run;

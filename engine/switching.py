@@ -22,6 +22,7 @@ LIVE_FIELDS = (
     "prefill_chunk",
     "short_prefill",
     "decode_share",
+    "prefill_group",
     "async_rounds",
     "default_max_tokens",
     "spec_enabled",

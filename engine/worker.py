@@ -472,7 +472,7 @@ class EngineWorker:
     async def _isolate(self, plan: StepPlan) -> tuple[StepPlan, StepOutput]:
         """A step raised: find the rows that raise and end only those with engine_error.
 
-        The prefill span and each decode lane run again alone; what the rows that ran
+        Each prefill span (a group's one by one) and each decode lane run again alone; what the rows that ran
         computed comes back as one plan and output for ``update_from_output``. Running
         a row again is safe: it writes the same tokens into the same KV slots. The
         swaps ran once (the backend's ``step_stage`` says how far the step got): done
@@ -481,10 +481,11 @@ class EngineWorker:
         so does every lane they were moving out (its host copy is not there).
         """
         stage = getattr(self.host.backend, "step_stage", "plan")
-        rows = [StepPlan(prefill=plan.prefill)] if plan.prefill is not None else []
+        rows = [StepPlan(prefill=span) for span in plan.prefills]
         rows += [StepPlan(decode=[lane]) for lane in plan.decode]
         failed: list[StepPlan] = []
         ran, out = StepPlan(), StepOutput()
+        spans: list[tuple] = []  # (span, its output) of the prefill spans that ran
         swaps_failed = stage == "swaps"
         if stage == "plan" and (plan.swap_out or plan.swap_in):
             try:
@@ -501,15 +502,18 @@ class EngineWorker:
                 log.warning("ignis.engine.row_failed", extra={"seq_id": _row_seq_id(row), "error": repr(exc)})
                 continue
             if row.prefill is not None:
-                ran.prefill = row.prefill
-                out.prefill_token, out.prefill_logprob = got.prefill_token, got.prefill_logprob
-                out.prefill_logits, out.prompt_logprobs = got.prefill_logits, got.prompt_logprobs
-                out.prefill_seconds = got.prefill_seconds
+                spans.append((row.prefill, got))
             else:
                 ran.decode += row.decode
                 out.decode_tokens += got.decode_tokens
                 out.decode_logprobs += got.decode_logprobs or [None] * len(got.decode_tokens)
                 out.decode_seconds = max(out.decode_seconds, got.decode_seconds)
+        if spans:
+            (ran.prefill, first), *more = spans
+            out.prefill_token, out.prefill_logprob = first.prefill_token, first.prefill_logprob
+            out.prefill_logits, out.prompt_logprobs = first.prefill_logits, first.prompt_logprobs
+            ran.prefill_more, out.prefill_more = [s for s, _ in more], [o for _, o in more]
+            out.prefill_seconds = sum(o.prefill_seconds for _, o in spans)
         sched = self.host.scheduler
         seqs = [sched.sequence(_row_seq_id(row)) for row in failed]
         if swaps_failed:  # the lanes they were moving out end too: their host copy is not there
@@ -535,6 +539,7 @@ class EngineWorker:
                 extra={
                     "decode_seconds": round(out.decode_seconds, 6),
                     "prefill_seconds": round(out.prefill_seconds, 6),
+                    "prefill_spans": len(plan.prefills),
                     "lanes": len(plan.decode),
                     "ahead": planned_ahead,
                 },

@@ -215,6 +215,7 @@ FIELDS: dict[str, Field] = {
             64,
         ),
         Field("model.decode_share", float, 0.25, "fraction of time decoding lanes keep during a prefill", 0.0, 0.95),
+        Field("model.prefill_group", bool, True, "prompts that fit one prefill chunk together prefill in one step"),
         Field(
             "model.async_rounds", bool, True, "plan each decode round while the one before computes (backends that can)"
         ),
@@ -395,6 +396,7 @@ LIVE_KEYS = frozenset(
         "model.prefill_chunk",
         "model.short_prefill",
         "model.decode_share",
+        "model.prefill_group",
         "model.async_rounds",
         "model.default_max_tokens",
         "model.idle_unload",
@@ -496,6 +498,7 @@ def engine_config_dict(values: dict[str, Any]) -> dict[str, Any]:
         "prefill_chunk": values["model.prefill_chunk"],
         "short_prefill": values["model.short_prefill"],
         "decode_share": values["model.decode_share"],
+        "prefill_group": values["model.prefill_group"],
         "async_rounds": values["model.async_rounds"],
         "default_max_tokens": values["model.default_max_tokens"],
         "max_context": values["model.max_context"],

@@ -37,6 +37,7 @@ ENGINE_LIVE = {
     "model.prefill_chunk": "prefill_chunk",
     "model.short_prefill": "short_prefill",
     "model.decode_share": "decode_share",
+    "model.prefill_group": "prefill_group",
     "model.async_rounds": "async_rounds",
     "model.default_max_tokens": "default_max_tokens",
     "spec.enabled": "spec_enabled",

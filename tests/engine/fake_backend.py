@@ -124,7 +124,7 @@ class FakeBackend(Backend):
             self.before_step(plan)
         self.plans.append(plan)
         out = super().step(plan)
-        out.prefill_seconds = self.prefill_seconds * len(plan.prefill.token_ids) if plan.prefill else 0.0
+        out.prefill_seconds = self.prefill_seconds * sum(len(span.token_ids) for span in plan.prefills)
         out.decode_seconds = self.decode_seconds if plan.decode else 0.0
         return out
 

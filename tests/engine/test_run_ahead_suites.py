@@ -1,7 +1,8 @@
 """The fake backend's scheduler suites again, with rounds planned ahead (engine/run_ahead.py).
 
 Every test of test_scheduler (preemption, swaps, recomputes, aborts, prefix caching, the
-decode-share gate), test_short_prefill, test_loop_guard_rounds and test_spec_rounds runs
+decode-share gate), test_short_prefill, test_loop_guard_rounds, test_spec_rounds and
+test_prefill_groups (prompts prefilled together) runs
 here once more with the fake's ``step`` doing what the worker does: after a round, plan the
 next one ahead when it can and step it before the round's output is taken in. Their
 assertions (tokens, books, pages drained) must hold unchanged.
@@ -14,8 +15,16 @@ import weakref
 import pytest
 
 from engine.run_ahead import plan_ahead
-from tests.engine import fake_backend, test_loop_guard_rounds, test_scheduler, test_short_prefill, test_spec_rounds
+from tests.engine import (
+    fake_backend,
+    test_loop_guard_rounds,
+    test_prefill_groups,
+    test_scheduler,
+    test_short_prefill,
+    test_spec_rounds,
+)
 from tests.engine.test_loop_guard_rounds import *  # noqa: F403
+from tests.engine.test_prefill_groups import *  # noqa: F403
 from tests.engine.test_scheduler import *  # noqa: F403
 from tests.engine.test_short_prefill import *  # noqa: F403
 from tests.engine.test_spec_rounds import *  # noqa: F403
@@ -41,7 +50,8 @@ def step_ahead(sched, backend, clock):
 
 @pytest.fixture(autouse=True)
 def rounds_ahead(monkeypatch):
-    for module in (fake_backend, test_scheduler, test_short_prefill, test_loop_guard_rounds, test_spec_rounds):
+    modules = (fake_backend, test_scheduler, test_short_prefill, test_loop_guard_rounds, test_spec_rounds)
+    for module in (*modules, test_prefill_groups):
         if getattr(module, "step", None) is _plain_step:
             monkeypatch.setattr(module, "step", step_ahead)
     yield

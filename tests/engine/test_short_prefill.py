@@ -159,7 +159,7 @@ def generate_real(real_model, prompts: list[str], short_prefill: int, tokens: in
     prefills = 0
     while sched.has_work:
         p = sched.schedule()
-        prefills += p.prefill is not None
+        prefills += len(p.prefills)  # spans: a group prefills several prompts in one step
         for o in sched.update_from_output(p, backend.step(p)):
             if isinstance(o, TokenEvent):
                 out[o.request_id] += o.token_ids

@@ -169,6 +169,7 @@ def test_a_windowed_sequence_swaps_out_and_back_without_its_released_pages():
     live pages are copied out, its host table keeps the released entries as RELEASED, and it
     comes back (nothing copied for them) to finish with the undisturbed tokens."""
     sched, backend, clock = windowed(8, num_blocks=12, block_size=4, num_host_blocks=16, prefill_chunk=32)
+    sched.cfg.prefill_group = False  # b starts a step after a: at step 30 it holds the block that makes c preempt it
     a, b = request(0, 6, 40), request(1, 6, 40, request_class="agent")
     sched.add_request(a)
     sched.add_request(b)

@@ -144,6 +144,50 @@ class CpuBackend(Backend):
             tokens, lps = sampler.sample_rows(logits, [span.sample], [end])
             out.prefill_token, out.prefill_logprob = tokens[0], lps[0]
 
+    def prefill_group(self, spans: Sequence[PrefillSpan], outs: Sequence[StepOutput]) -> None:
+        """Several prompts' spans (a group), each with its own context list, in one forward per kernel
+        path: spans of at least TILED_ROWS rows together through the tiled kernels, shorter ones
+        together through the decode kernels, as each runs alone (a row's bits are its own on either
+        path, never the other spans'); then the wanted logits rows in one call, and the draws."""
+        for tiled in (True, False):
+            group = [(s, o) for s, o in zip(spans, outs, strict=True) if (len(s.token_ids) >= TILED_ROWS) == tiled]
+            if not group:
+                continue
+            tokens, positions, writes, slots, off, n_ctx, p0s, rows = [], [], [], [], [], [], [], []
+            n_slots = 0
+            for span, _ in group:
+                t, end = len(span.token_ids), span.start_pos + len(span.token_ids)
+                if t == 0:
+                    raise ValueError("empty prefill span")
+                pos = np.arange(span.start_pos, end, dtype=np.int64)
+                p0 = self._window_start(span.start_pos)
+                ctx_slots = self._slots(span.block_table, np.arange(p0, end, dtype=np.int64))
+                rows.append(len(tokens))
+                tokens += span.token_ids
+                positions.append(pos)
+                writes.append(ctx_slots[span.start_pos - p0 :])
+                slots.append(ctx_slots)
+                off.append(np.full(t, n_slots, np.int32))
+                n_ctx.append(pos - p0 + 1)
+                p0s.append(np.full(t, p0, np.int32))
+                n_slots += len(ctx_slots)
+            rows.append(len(tokens))
+            h = self.model.forward(tokens, np.concatenate(positions), np.concatenate(writes), np.concatenate(slots),
+                                   np.concatenate(off), np.concatenate(n_ctx), np.concatenate(p0s),
+                                   tiled_rows=TILED_ROWS if tiled else 0)  # fmt: skip
+            wanted = [j for j, (s, _) in enumerate(group) if s.sample is not None or s.want_logits]
+            logits = self.model.logits(h[[rows[j + 1] - 1 for j in wanted]]) if wanted else None
+            for j, (span, out) in enumerate(group):
+                if span.want_prompt_logprobs is not None:
+                    out.prompt_logprobs = self._prompt_logprobs(h[rows[j] : rows[j + 1]], span)
+            for row, j in zip(logits if wanted else (), wanted):
+                span, out = group[j]
+                if span.want_logits:
+                    out.prefill_logits = row.copy()
+                if span.sample is not None:
+                    drawn, lps = sampler.sample_rows(row[None], [span.sample], [span.start_pos + len(span.token_ids)])
+                    out.prefill_token, out.prefill_logprob = drawn[0], lps[0]
+
     def _prompt_logprobs(self, h: np.ndarray, span: PrefillSpan, rows: int = 64) -> list[TokenLogprob]:
         """Row j's log-softmax scores the token after it (see PrefillSpan.want_prompt_logprobs)."""
         targets = list(span.token_ids[1:]) + ([span.next_prompt_token] if span.next_prompt_token is not None else [])

@@ -26,6 +26,7 @@ from engine.backends import host_tier
 from engine.memory import MemoryPlan, kv_block_bytes, workspace_bytes
 
 from .forward import KVViews, NumpyModel
+from .linear import plain_gemm
 from .vision import VisionTower
 
 # Without a KV budget the pool holds this many max-context sequences.
@@ -122,6 +123,42 @@ class NumpyBackend(Backend):
         write = ctx_slots[span.start_pos - int(ctx[0]) :]
         h = self.model.forward(span.token_ids, positions, write, ctx_slots[None], ctx[None], self.kv,
                                rope_positions=span.rope_positions, embeds=self._image_rows(span))  # fmt: skip
+        self._span_results(h, span, out)
+
+    def prefill_group(self, spans: Sequence[PrefillSpan], outs: Sequence[StepOutput]) -> None:
+        """Several prompts' spans in one forward: the products over every row at once, attention span
+        by span (``NumpyModel.forward``'s ``parts``), each span's logits and draw as its ``prefill``
+        alone takes them. Only spans whose products run as plain GEMMs alone (``plain_gemm``: then a
+        row's bits do not depend on the rows beside it) join that forward; the others, and spans with
+        images or rope positions of their own, run one by one."""
+        together = [(s, o) for s, o in zip(spans, outs, strict=True) if plain_gemm(len(s.token_ids))]
+        together = [] if len(together) < 2 else together
+        together = [] if any(s.images or s.rope_positions is not None for s, _ in together) else together
+        for span, out in zip(spans, outs):
+            if all(span is not s for s, _ in together):
+                self.prefill(span, out)
+        if not together:
+            return
+        tokens, positions, writes, parts = [], [], [], []
+        for span, _ in together:
+            t, r0 = len(span.token_ids), len(tokens)
+            if t == 0:
+                raise ValueError("empty prefill span")
+            end = span.start_pos + t
+            ctx = np.arange(self._window_start(span.start_pos), end, dtype=np.int64)
+            ctx_slots = self._slots(span.block_table, ctx)
+            tokens += span.token_ids
+            positions.append(np.arange(span.start_pos, end, dtype=np.int64))
+            writes.append(ctx_slots[span.start_pos - int(ctx[0]) :])
+            parts.append((r0, r0 + t, ctx_slots[None], ctx[None]))
+        h = self.model.forward(tokens, np.concatenate(positions), np.concatenate(writes), None, None, self.kv,
+                               parts=parts)  # fmt: skip
+        for (span, out), (r0, r1, *_) in zip(together, parts, strict=True):
+            self._span_results(h[r0:r1], span, out)
+
+    def _span_results(self, h: np.ndarray, span: PrefillSpan, out: StepOutput) -> None:
+        """A span's results from its rows' final hidden states ``h``: prompt scores, logits, the draw."""
+        end = span.start_pos + len(span.token_ids)
         if span.want_prompt_logprobs is not None:
             out.prompt_logprobs = self._prompt_logprobs(h, span)
         if span.sample is None and not span.want_logits:

@@ -190,7 +190,8 @@ class NumpyModel:
 
     def forward(self, token_ids, positions: np.ndarray, write_slots: np.ndarray, ctx_slots: np.ndarray,
                 ctx_positions: np.ndarray, kv: KVViews, *, rope_positions: np.ndarray | None = None,
-                embeds: list[tuple[int, np.ndarray]] = ()) -> np.ndarray:  # fmt: skip
+                embeds: list[tuple[int, np.ndarray]] = (),
+                parts: list[tuple[int, int, np.ndarray, np.ndarray]] | None = None) -> np.ndarray:  # fmt: skip
         """Run every layer over rows ``token_ids`` at ``positions``; return final-normed hidden [n, H].
 
         Rows are ``ctx_slots.shape[0]`` sequences of equal row counts (prefill: one;
@@ -199,6 +200,10 @@ class NumpyModel:
         [seqs, S], the slots of positions ``ctx_positions`` [seqs, S], which
         include its own rows; a context position after a row's own (padding) or
         outside its layer's window is masked.
+
+        ``parts``: rows of several prefill spans at once (a group): (first row, end row, ctx_slots,
+        ctx_positions) each, attending apart as above (``ctx_slots`` and ``ctx_positions`` are
+        then unused); the products run once over every row.
 
         ``rope_positions``: where the rows rotate when that is not ``positions`` ([n], or
         [3, n] for ``MRope``; a 1-D one is alike in all three). ``embeds``: (first row, rows)
@@ -214,14 +219,17 @@ class NumpyModel:
         for row, rows in embeds:
             x[row : row + len(rows)] = rows
         tables = self._rope_tables(positions if rope_positions is None else rope_positions)
-        q_pos = positions.reshape(ctx_slots.shape[0], -1)
-        masks: dict[int | None, np.ndarray | None] = {}
+        parts = [(0, n, ctx_slots, ctx_positions)] if parts is None else parts
+        q_pos = [positions[r0:r1].reshape(c.shape[0], -1) for r0, r1, c, _ in parts]
+        masks: dict[int | None, list[np.ndarray | None]] = {}
         eps = cfg.rms_norm_eps
         with np.errstate(over="ignore"):  # exp(-g) of a very negative gate: inf, and silu's 0 is right
             for i, lw in enumerate(self.layers):
                 attn = lw.block.attention
                 if attn.sliding_window not in masks:
-                    masks[attn.sliding_window] = ops.attention_mask(q_pos, ctx_positions, attn.sliding_window)
+                    masks[attn.sliding_window] = [
+                        ops.attention_mask(q, p[3], attn.sliding_window) for q, p in zip(q_pos, parts)
+                    ]
                 h = ops.rms_norm(x, lw.attn_norm, eps)
                 qkv = lw.w_qkv(h)
                 if lw.b_qkv is not None:
@@ -236,10 +244,11 @@ class NumpyModel:
                     qk = ops.ROPE[attn.rope.style](qk, *tables[attn.rope])
                 kv.k_slots[i][write_slots] = qk[:, nh:]
                 kv.v_slots[i][write_slots] = qkv[:, nq + nkv :].reshape(n, nkvh, hd)
-                out = ops.paged_attention(
-                    qk[:, :nh], kv.k_rows[i], kv.v_rows[i], ctx_slots, masks[attn.sliding_window], nkvh,
-                    scale=attn.scale, softcap=attn.softcap, sinks=lw.sinks,
-                )  # fmt: skip
+                out = []
+                for (r0, r1, slots, _), mask in zip(parts, masks[attn.sliding_window]):
+                    out.append(ops.paged_attention(qk[r0:r1, :nh], kv.k_rows[i], kv.v_rows[i], slots, mask, nkvh,
+                                                   scale=attn.scale, softcap=attn.softcap, sinks=lw.sinks))  # fmt: skip
+                out = out[0] if len(out) == 1 else np.concatenate(out)
                 out = lw.w_o(out)
                 if lw.b_o is not None:
                     out += lw.b_o

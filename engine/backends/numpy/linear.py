@@ -34,6 +34,12 @@ def block_width(rows: int, n_out: int, k_in: int) -> int | None:
     return next((b for b in range(cap, _MIN_BLOCK - 1, -16) if n_out % b == 0), cap)
 
 
+def plain_gemm(rows: int) -> bool:
+    """Whether every product of ``rows`` rows, whatever the matrix, runs as one plain GEMM (no column
+    blocks, no GEMV): then a row's result does not depend on how many rows share the product."""
+    return rows > 1 and _SMALL_MN // rows < _MIN_BLOCK
+
+
 class Linear:
     """``y = x @ w.T`` for ``w`` [out, in] (the checkpoint's layout, C-contiguous).
 
