@@ -170,6 +170,10 @@ class Backend(abc.ABC):
     # the step before, which this backend keeps (``last_tokens``; on a GPU it would stay in a device
     # buffer). False: the worker plans every round after the one before has come back.
     supports_async_rounds: bool = False
+    # Runs a prefill group in one forward (``prefill_group`` overridden), so a group costs less than
+    # its spans one by one. False (the default's loop): the scheduler does not group, since grouping
+    # would only hold the first prompts' first tokens back until the last span ran.
+    prefills_together: bool = False
 
     def __init__(self) -> None:
         self.config: ModelConfig | None = None

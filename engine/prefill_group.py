@@ -16,7 +16,9 @@ chunk: the waiting prompts next in rank order join it (``sched.joined``, PREFILL
 The first prompt that does not qualify ends the group: none jumps another. The members' spans
 run in the lead's step (``StepPlan.prefill_more``), each with its own positions, block table and
 sample request, and the decode-share gate counts the group's tokens (the caller adds what
-``join`` returns to the lead's first chunk). ``cfg.prefill_group`` off: nobody joins.
+``join`` returns to the lead's first chunk). ``cfg.prefill_group`` off, or a backend that would run
+the spans one by one anyway (``Backend.prefills_together`` False: the CUDA backend for now), nobody
+joins: there a group would only hold its first prompts' first tokens until the last span ran.
 """
 
 from __future__ import annotations
@@ -34,7 +36,11 @@ def join(sched, lead_tokens: int) -> int:
     chunk of ``lead_tokens`` (see the module doc); returns the tokens that joined."""
     lead, kv = sched.prefilling, sched.kv
     budget = sched.cfg.prefill_chunk - lead_tokens
-    if not sched.cfg.prefill_group or lead.num_computed_tokens + lead_tokens < lead.num_tokens or not plain(lead):
+    if (
+        not (sched.cfg.prefill_group and sched.groups_prefill)
+        or lead.num_computed_tokens + lead_tokens < lead.num_tokens
+        or not plain(lead)
+    ):
         return 0
     joined = 0
     while sched.waiting and budget > 0:

@@ -90,6 +90,7 @@ class Scheduler:
         supports_prompt_logprobs: bool = True,
         kv_window: int | None = None,
         max_round_rows: int = 0,
+        groups_prefill: bool = True,
         draft_model=None,
         vision: VisionConfig | None = None,
     ) -> None:
@@ -101,6 +102,7 @@ class Scheduler:
         self.supports_prompt_logprobs = supports_prompt_logprobs
         self.kv_window = kv_window
         self.max_round_rows = max_round_rows  # Backend.max_round_rows: 0 = no speculation
+        self.groups_prefill = groups_prefill  # Backend.prefills_together (and cfg.prefill_group): prefill groups
         self.draft_model = draft_model  # engine.spec.draft_model.DraftModel (spec.draft_model), or None
         self.vision = vision  # ModelConfig.vision: the tower AddRequest.images are checked against (None: no images)
         self.seqs: dict[str, Sequence] = {}  # live, by request_id

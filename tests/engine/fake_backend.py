@@ -44,6 +44,7 @@ class FakeClock:
 
 class FakeBackend(Backend):
     name = "fake"
+    prefills_together = True  # the scheduler groups prefills (engine/prefill_group.py) for this backend
     supports_async_rounds = True  # the worker plans rounds ahead (engine/run_ahead.py) unless cfg says not
 
     def __init__(

@@ -33,6 +33,19 @@ def test_a_burst_prefills_in_one_step_as_far_as_the_chunk_goes():
     assert spans_of(sched.schedule()) == [(6, 0, 10), (7, 0, 10)]  # the rest: the next group
 
 
+def test_a_backend_that_prefills_span_by_span_gets_no_groups():
+    """A backend whose prefill_group is the default loop (Backend.prefills_together False: the CUDA
+    backend for now) gains nothing from a group: its first prompts would only wait for the last."""
+    sched, backend, clock = create_scheduler(prefill_chunk=64, num_blocks=128, decode_lanes=8)
+    sched.groups_prefill = False  # as engine.loading sets it from such a backend
+    for r in create_requests(3, prompt_len=10, max_tokens=4):
+        sched.add_request(r)
+    first = sched.schedule()
+    assert spans_of(first) == [(0, 0, 10)]
+    sched.update_from_output(first, backend.step(first))
+    assert spans_of(sched.schedule()) == [(1, 0, 10)]
+
+
 @pytest.mark.parametrize("group", [True, False])
 def test_random_bursts_keep_the_chunk_budget_and_the_tokens(group):
     rng = random.Random()

@@ -57,6 +57,7 @@ class CpuBackend(Backend):
     # (tests/engine/test_spec_model.py: tokens identical to speculation off).
     max_round_rows = 16
     supports_async_rounds = True  # rounds planned ahead: Backend.step fills PENDING rows (engine/run_ahead.py)
+    prefills_together = True  # prefill_group: one C forward over the group's rows
 
     def __init__(self, *, threads: int = 0, isa: str | None = None, cache_dir: str | None = None) -> None:
         """Compile (or find in the cache) the kernels now, so a factory can fall back before a load."""

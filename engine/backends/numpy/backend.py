@@ -57,6 +57,7 @@ class NumpyBackend(Backend):
     releases_window_pages = True  # no row gathers a slot behind its own window (_window_start)
     max_round_rows = 16  # each row is a product row on the CPU: more costs time (docs/SPECULATION.md)
     supports_async_rounds = True  # a row may feed PENDING: Backend.step fills it from last_tokens
+    prefills_together = True  # prefill_group: one forward for the spans that group exactly
 
     def __init__(self, *, blas_threads: int = 1) -> None:
         super().__init__()
