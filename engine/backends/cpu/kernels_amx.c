@@ -112,27 +112,57 @@ static void amx_build_x(const ig_xblk *x, int nb, int r0, int r1) {
         }
 }
 
-/* Output rows [j0, j0 + n) of w (n <= 16) against activation rows [r0, r1): y[r * ldy + off + j]. */
-static void amx_strip(const ig_mat *w, int j0, int n, int r0, int r1, float *y, int ldy, int off, int8_t *ua,
-                      float *dw, float *mw) {
+/* The tile types: exact int8 weights with one scale (and offset) a 32-block. Q6_K (|v| <= 4096) and
+ * Q3_K (|v| <= 128) do not fit int8: they stay on dot_group / tiled_parts. */
+static int amx_type(int type) {
+    return type == IG_Q8_0 || type == IG_Q4_0 || type == IG_Q4_1 || type == IG_Q5_0 || type == IG_Q5_1 ||
+           type == IG_Q4_K || type == IG_Q5_K;
+}
+
+static int amx_has_m(int type) { return type == IG_Q4_1 || type == IG_Q5_1 || type == IG_Q4_K || type == IG_Q5_K; }
+
+/* Bytes a (strip of 16 rows, block) in the tile layout: tile A (16 rows x 32 int8, the block's
+ * weights of row r at 32 r; Q4_0 minus 8, Q5_0 minus 16; rows past the matrix zeros), then the
+ * 16 rows' scales d as floats, then (types with an offset) the 16 offsets m. */
+static int amx_pack_bytes(int type) { return 512 + 64 * (1 + amx_has_m(type)); }
+
+/* Rows [j0, j0 + n) of w (n <= 16), every block, into the tile layout at dst (nb blocks of
+ * amx_pack_bytes); weights_too 0: only the scales (Q8_0's tile A loads from the stored rows). The
+ * scales are the ones tiled_parts uses (unpack_strip), the weights the same integers. */
+static void amx_fill(const ig_mat *w, int j0, int n, uint8_t *dst, int weights_too) {
     int nb = w->cols / QK, type = w->type, bb = block_bytes(type), qoff = type == IG_Q4_1 ? 4 : 2;
-    int has_m = type == IG_Q4_1, direct = type == IG_Q8_0 && n == 16; /* tile A straight from the stored rows */
+    int pb = amx_pack_bytes(type), has_m = amx_has_m(type);
     const uint8_t *base = w->data + (int64_t)j0 * w->row_bytes;
-    __m512i idx = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                     _mm512_set1_epi32((int)w->row_bytes));
-    __mmask16 valid = (__mmask16)((1u << n) - 1);
-    for (int b = 0; b < nb; b++) { /* the strip's scales (and unpacked weights), by block */
-        __m512i h = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), valid, idx, base + (int64_t)b * bb, 1);
-        _mm512_storeu_ps(dw + b * 16, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(h)));
-        _mm512_storeu_ps(mw + b * 16, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(h, 16))));
-        if (direct) continue;
-        int8_t *ub = ua + b * 512;
-        for (int r = 0; r < 16; r++) {
-            if (r >= n) {
+    for (int r = 0; r < 16; r++) {
+        const uint8_t *row = base + (int64_t)r * w->row_bytes;
+        if (r >= n) {
+            for (int b = 0; b < nb; b++) {
+                uint8_t *ub = dst + (int64_t)b * pb;
                 memset(ub + 32 * r, 0, 32);
-                continue;
+                ((float *)(ub + 512))[r] = 0.0f;
+                if (has_m) ((float *)(ub + 512))[16 + r] = 0.0f;
             }
-            const uint8_t *q = base + (int64_t)r * w->row_bytes + (int64_t)b * bb + qoff;
+            continue;
+        }
+        if (kq_type(type)) { /* the decode path's SIMD unpacking, narrowed to int8 (|v| <= 31) */
+            int16_t kv[nb * QK];
+            float kd[nb], km[nb];
+            kq_unpack_row(type, row, nb, kv, kd, km);
+            for (int b = 0; b < nb; b++) {
+                uint8_t *ub = dst + (int64_t)b * pb;
+                _mm256_storeu_si256((__m256i *)(ub + 32 * r), _mm512_cvtepi16_epi8(_mm512_loadu_si512(kv + b * QK)));
+                ((float *)(ub + 512))[r] = kd[b];
+                if (has_m) ((float *)(ub + 512))[16 + r] = km[b];
+            }
+            continue;
+        }
+        for (int b = 0; b < nb; b++) {
+            const uint8_t *blk = row + (int64_t)b * bb;
+            uint8_t *ub = dst + (int64_t)b * pb;
+            ((float *)(ub + 512))[r] = h2f(rd16(blk));
+            if (has_m) ((float *)(ub + 512))[16 + r] = h2f(rd16(blk + 2));
+            if (!weights_too) continue;
+            const uint8_t *q = blk + qoff;
             __m128i t = _mm_loadu_si128((const __m128i *)q), lo, hi;
             if (type == IG_Q8_0) {
                 lo = t, hi = _mm_loadu_si128((const __m128i *)(q + 16));
@@ -145,6 +175,33 @@ static void amx_strip(const ig_mat *w, int j0, int n, int r0, int r1, float *y, 
             _mm_storeu_si128((__m128i *)(ub + 32 * r + 16), hi);
         }
     }
+}
+
+/* Whether a matrix gets a repacked copy: a tile type whose tile A is not the stored bytes. */
+static int amx_repacks(const ig_mat *w) { return amx_type(w->type) && w->type != IG_Q8_0; }
+
+int64_t ig_amx_repack_bytes(const ig_mat *w) {
+    if (!amx_repacks(w) || w->cols % QK) return 0;
+    return (int64_t)(w->rows + 15) / 16 * (w->cols / QK) * amx_pack_bytes(w->type);
+}
+
+void ig_amx_repack(const ig_mat *w, uint8_t *out) {
+    int64_t strip = (int64_t)(w->cols / QK) * amx_pack_bytes(w->type);
+    for (int j0 = 0; j0 < w->rows; j0 += 16)
+        amx_fill(w, j0, w->rows - j0 < 16 ? w->rows - j0 : 16, out + j0 / 16 * strip, 1);
+}
+
+/* Output rows [j0, j0 + n) of w (n <= 16, j0 a multiple of 16) against activation rows [r0, r1):
+ * y[r * ldy + off + j]. Tile A and the scales from w->tiles where the matrix has the repacked copy,
+ * else unpacked into ua here (Q8_0's tile A from the stored rows). */
+static void amx_strip(const ig_mat *w, int j0, int n, int r0, int r1, float *y, int ldy, int off, uint8_t *ua) {
+    int nb = w->cols / QK, type = w->type, bb = block_bytes(type), pb = amx_pack_bytes(type);
+    int has_m = amx_has_m(type), direct = type == IG_Q8_0 && n == 16; /* tile A straight from the stored rows */
+    const uint8_t *base = w->data + (int64_t)j0 * w->row_bytes, *pk = ua;
+    if (w->tiles)
+        pk = w->tiles + (int64_t)(j0 / 16) * nb * pb;
+    else
+        amx_fill(w, j0, n, ua, !direct);
     int32_t cs[4][256] __attribute__((aligned(64)));
     for (int t = 0; t < (r1 - r0 + 15) / 16; t++) {
         __m512 acc[16];
@@ -156,7 +213,7 @@ static void amx_strip(const ig_mat *w, int j0, int n, int r0, int r1, float *y, 
         if (direct)                                                                     \
             _tile_loadd(ta, base + (int64_t)(b) * bb + 2, w->row_bytes);                \
         else                                                                            \
-            _tile_loadd(ta, ua + (b) * 512, 32);                                        \
+            _tile_loadd(ta, pk + (int64_t)(b) * pb, 32);                                \
         _tile_loadd(1, xt_, 64);                                                        \
         _tile_loadd(2, xt_ + 512, 64);                                                  \
         _tile_zero(th);                                                                 \
@@ -167,13 +224,14 @@ static void amx_strip(const ig_mat *w, int j0, int n, int r0, int r1, float *y, 
 #define SCALE(b, chi, clo)                                                                                      \
     do {                                                                                                        \
         const float *xd_ = (const float *)(xp + (size_t)(b) * (1024 + 128) + 1024);                             \
+        const float *dw_ = (const float *)(pk + (int64_t)(b) * pb + 512);                                       \
         __m512 xd = _mm512_load_ps(xd_), xs = _mm512_load_ps(xd_ + 16);                                          \
         _Pragma("GCC unroll 16") for (int i = 0; i < 16; i++) {                                                 \
             __m512i s = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512((chi) + 16 * i), 8),               \
                                          _mm512_load_si512((clo) + 16 * i));                                    \
-            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(_mm512_set1_ps(dw[(b) * 16 + i]), xd), \
+            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(_mm512_set1_ps(dw_[i]), xd), \
                                      acc[i]);                                                                   \
-            if (has_m) acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(mw[(b) * 16 + i]), xs, acc[i]);                  \
+            if (has_m) acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(dw_[16 + i]), xs, acc[i]);                  \
         }                                                                                                       \
     } while (0)
         ISSUE(0, 0, 3, 4);
@@ -198,16 +256,17 @@ static void amx_strip(const ig_mat *w, int j0, int n, int r0, int r1, float *y, 
     }
 }
 
-static void dot8_sums(const ig_mat *w, int j0, int n, const ig_xblk *x, const char *ahead, float *out);
+typedef struct amx_kq8 amx_kq8;
+static void dot8_sums(const ig_mat *w, int j0, int n, const ig_xblk *x, const char *ahead, float *out,
+                      const amx_kq8 *u);
 
 /* tiled_parts' result (and bits) through tile products. Items: (tile of AMX_XT rows, strip of 16
  * output rows of one part), tile by tile; a thread builds a tile's activations about once. */
 static void amx_parts(ig_step *st, const ig_mat *parts, int nparts, const ig_xblk *x, int nx, float *y, int ldy) {
     int nb = parts[0].cols / QK, nstrips = 0, ntiles = (nx + AMX_XT - 1) / AMX_XT, built = -1;
     for (int p = 0; p < nparts; p++) nstrips += (parts[p].rows + 15) / 16;
-    int8_t *ua = aligned_alloc(64, (size_t)nb * 512);
-    float *dw = malloc(sizeof(float) * 32 * nb), *mw = dw ? dw + 16 * nb : NULL;
-    int ok = amx_reserve(AMX_XT / 16, nb) && ua && dw;
+    uint8_t *ua = aligned_alloc(64, (size_t)nb * 640); /* a strip unpacked, where its matrix has no copy */
+    int ok = amx_reserve(AMX_XT / 16, nb) && ua;
     if (ok) amx_config();
     FOR_ITEMS(st, ntiles * nstrips, item) {
         int tile = item / nstrips, s = item % nstrips, p = 0, off = 0;
@@ -218,7 +277,7 @@ static void amx_parts(ig_step *st, const ig_mat *parts, int nparts, const ig_xbl
             for (int r = r0; r < r1; r++)
                 for (int k = 0; k < n; k += 8) {
                     float o[8];
-                    dot8_sums(&parts[p], j0 + k, n - k < 8 ? n - k : 8, x + (int64_t)r * nb, NULL, o);
+                    dot8_sums(&parts[p], j0 + k, n - k < 8 ? n - k : 8, x + (int64_t)r * nb, NULL, o, NULL);
                     for (int i = 0; i < 8 && k + i < n; i++) y[(int64_t)r * ldy + off + j0 + k + i] = o[i];
                 }
             continue;
@@ -227,17 +286,54 @@ static void amx_parts(ig_step *st, const ig_mat *parts, int nparts, const ig_xbl
             amx_build_x(x, nb, r0, r1);
             built = tile;
         }
-        amx_strip(&parts[p], j0, n, r0, r1, y, ldy, off, ua, dw, mw);
+        amx_strip(&parts[p], j0, n, r0, r1, y, ldy, off, ua);
     }
     if (ok) _tile_release();
-    free(ua), free(dw);
+    free(ua);
+}
+
+/* 8 weight rows of a kernels_kquants.c type unpacked once for the rows of a decode item: v[k][32 b + i]
+ * (int16) and the scales by block, d[8 b + k], m[8 b + k]. */
+struct amx_kq8 {
+    int16_t *v;
+    float *d, *m;
+};
+
+static __thread uint8_t *amx_kqbuf;
+static __thread size_t amx_kqcap;
+
+/* Rows [j0, j0 + n) of w (n <= 8) into a thread's amx_kq8 (rows past n zeros); 0 if it cannot be had. */
+static int amx_kq_unpack(const ig_mat *w, int j0, int n, amx_kq8 *u) {
+    int nb = w->cols / QK;
+    size_t need = (size_t)nb * (8 * QK * 2 + 64);
+    if (need > amx_kqcap) {
+        free(amx_kqbuf);
+        amx_kqbuf = aligned_alloc(64, need);
+        amx_kqcap = amx_kqbuf ? need : 0;
+    }
+    if (!amx_kqbuf) return 0;
+    u->v = (int16_t *)amx_kqbuf, u->d = (float *)(amx_kqbuf + (size_t)nb * 8 * QK * 2), u->m = u->d + 8 * nb;
+    float kd[nb], km[nb];
+    for (int k = 0; k < 8; k++) {
+        int16_t *v = u->v + (int64_t)k * nb * QK;
+        if (k < n)
+            kq_unpack_row(w->type, w->data + (int64_t)(j0 + k) * w->row_bytes, nb, v, kd, km);
+        else
+            memset(v, 0, sizeof(int16_t) * nb * QK), memset(kd, 0, sizeof kd), memset(km, 0, sizeof km);
+        for (int b = 0; b < nb; b++) u->d[8 * b + k] = kd[b], u->m[8 * b + k] = km[b];
+    }
+    return 1;
 }
 
 /* Decode rows below amx_min_rows, with the same bits (each row alone): one activation row against 8
  * weight rows [j0, j0 + n) of w at a time, the 8 block sums reduced exactly (vphaddd) into one
- * vector, then f = fma(float(isum), d * x.d, f) and for Q4_1 f = fma(m, x.s, f), as the tiles do. */
-static void dot8_sums(const ig_mat *w, int j0, int n, const ig_xblk *x, const char *ahead, float *out) {
+ * vector, then f = fma(float(isum), d * x.d, f) and with an offset f = fma(m, x.s, f), as the tiles
+ * do. The kernels_kquants.c types read u (amx_kq8), or without it (no buffer) kq_unpack block by block:
+ * the same integers and scales. */
+static void dot8_sums(const ig_mat *w, int j0, int n, const ig_xblk *x, const char *ahead, float *out,
+                      const amx_kq8 *u) {
     int nb = w->cols / QK, type = w->type, bb = block_bytes(type), qoff = type == IG_Q4_1 ? 4 : 2;
+    int kq = kq_type(type), has_m = amx_has_m(type);
     const uint8_t *base = w->data + (int64_t)j0 * w->row_bytes;
     __m512i idx = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 0, 0, 0, 0, 0, 0, 0, 0),
                                      _mm512_set1_epi32((int)w->row_bytes));
@@ -246,30 +342,44 @@ static void dot8_sums(const ig_mat *w, int j0, int n, const ig_xblk *x, const ch
     __m256 f = _mm256_setzero_ps();
     for (int b = 0; b < nb; b++) {
         const ig_xblk *xb = x + b;
-        if (ahead) /* the next 8 rows, a block of each, while these are dotted (one lane streams the weights) */
+        if (ahead && !kq) /* the next 8 rows, a block of each, while these are dotted (one lane streams the weights) */
             for (int k = 0; k < 8; k++) _mm_prefetch(ahead + k * w->row_bytes + (int64_t)b * bb, _MM_HINT_T0);
         __m256i x0 = _mm256_loadu_si256((const __m256i *)xb->q), x1 = _mm256_loadu_si256((const __m256i *)(xb->q + 16));
         __m256i p[8];
+        float kd[8] __attribute__((aligned(32))) = {0}, km[8] __attribute__((aligned(32))) = {0};
         for (int k = 0; k < 8; k++) {
             if (k >= n) {
                 p[k] = _mm256_setzero_si256();
                 continue;
             }
             __m256i lo, hi;
-            unpack_block(type, base + (int64_t)k * w->row_bytes + (int64_t)b * bb + qoff, &lo, &hi);
-            lo = _mm256_sub_epi16(lo, eight), hi = _mm256_sub_epi16(hi, eight);
+            if (kq && u) {
+                const int16_t *v = u->v + ((int64_t)k * nb + b) * QK;
+                lo = _mm256_loadu_si256((const __m256i *)v), hi = _mm256_loadu_si256((const __m256i *)(v + 16));
+            } else if (kq) {
+                int16_t v[QK];
+                kq_unpack(type, base + (int64_t)k * w->row_bytes, b, v, kd + k, km + k);
+                lo = _mm256_loadu_si256((const __m256i *)v), hi = _mm256_loadu_si256((const __m256i *)(v + 16));
+            } else {
+                unpack_block(type, base + (int64_t)k * w->row_bytes + (int64_t)b * bb + qoff, &lo, &hi);
+                lo = _mm256_sub_epi16(lo, eight), hi = _mm256_sub_epi16(hi, eight);
+            }
             p[k] = _mm256_add_epi32(_mm256_madd_epi16(lo, x0), _mm256_madd_epi16(hi, x1));
         }
         __m256i h0 = _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
         __m256i h1 = _mm256_hadd_epi32(_mm256_hadd_epi32(p[4], p[5]), _mm256_hadd_epi32(p[6], p[7]));
         __m256i isum = _mm256_add_epi32(_mm256_permute2x128_si256(h0, h1, 0x20), _mm256_permute2x128_si256(h0, h1, 0x31));
-        __m512i g = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), valid, idx, base + (int64_t)b * bb, 1);
-        __m256 d = _mm256_cvtph_ps(_mm256_castsi256_si128(_mm512_cvtepi32_epi16(g)));
-        f = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(d, _mm256_set1_ps(xb->d)), f);
-        if (type == IG_Q4_1) {
-            __m256 m = _mm256_cvtph_ps(_mm256_castsi256_si128(_mm512_cvtepi32_epi16(_mm512_srli_epi32(g, 16))));
-            f = _mm256_fmadd_ps(m, _mm256_set1_ps(xb->s), f);
+        __m256 d, m = _mm256_setzero_ps();
+        if (kq) {
+            d = u ? _mm256_loadu_ps(u->d + 8 * b) : _mm256_load_ps(kd);
+            m = u ? _mm256_loadu_ps(u->m + 8 * b) : _mm256_load_ps(km);
+        } else {
+            __m512i g = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), valid, idx, base + (int64_t)b * bb, 1);
+            d = _mm256_cvtph_ps(_mm256_castsi256_si128(_mm512_cvtepi32_epi16(g)));
+            if (has_m) m = _mm256_cvtph_ps(_mm256_castsi256_si128(_mm512_cvtepi32_epi16(_mm512_srli_epi32(g, 16))));
         }
+        f = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(d, _mm256_set1_ps(xb->d)), f);
+        if (has_m) f = _mm256_fmadd_ps(m, _mm256_set1_ps(xb->s), f);
     }
     _mm256_storeu_ps(out, f);
 }
@@ -284,18 +394,20 @@ static void sums_parts(ig_step *st, const ig_mat *parts, int nparts, const ig_xb
         const ig_mat *w = &parts[p];
         int j0 = s * 8, n = w->rows - j0 < 8 ? w->rows - j0 : 8;
         const char *ahead = j0 + 16 <= w->rows ? (const char *)w->data + (int64_t)(j0 + 8) * w->row_bytes : NULL;
+        amx_kq8 u;
+        int unpacked = kq_type(w->type) && amx_kq_unpack(w, j0, n, &u);
         for (int r = 0; r < nx; r++) {
             float o[8];
-            dot8_sums(w, j0, n, x + (int64_t)r * nb, r == 0 ? ahead : NULL, o);
+            dot8_sums(w, j0, n, x + (int64_t)r * nb, r == 0 ? ahead : NULL, o, unpacked ? &u : NULL);
             for (int k = 0; k < n; k++) y[(int64_t)r * ldy + off + j0 + k] = o[k];
         }
     }
 }
 
-/* Whether the tiles take a product: the process has them, and every part is Q8_0, Q4_0 or Q4_1. */
+/* Whether the tiles take a product: the process has them, and every part is a tile type. */
 static int amx_usable(const ig_mat *parts, int nparts) {
     if (amx_state != 1) return 0;
     for (int p = 0; p < nparts; p++)
-        if (parts[p].type != IG_Q8_0 && parts[p].type != IG_Q4_0 && parts[p].type != IG_Q4_1) return 0;
+        if (!amx_type(parts[p].type)) return 0;
     return 1;
 }
