@@ -133,6 +133,17 @@ static void amx_fill(const ig_mat *w, int j0, int n, uint8_t *dst, int weights_t
     int nb = w->cols / QK, type = w->type, bb = block_bytes(type), qoff = type == IG_Q4_1 ? 4 : 2;
     int pb = amx_pack_bytes(type), has_m = amx_has_m(type);
     const uint8_t *base = w->data + (int64_t)j0 * w->row_bytes;
+    if (!kq_type(type)) { /* the 16 rows' d (and m) of a block by one gather (rows past n: zeros) */
+        __m512i idx = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                         _mm512_set1_epi32((int)w->row_bytes));
+        __mmask16 valid = (__mmask16)((1u << n) - 1);
+        for (int b = 0; b < nb; b++) {
+            float *dw = (float *)(dst + (int64_t)b * pb + 512);
+            __m512i h = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), valid, idx, base + (int64_t)b * bb, 1);
+            _mm512_storeu_ps(dw, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(h)));
+            if (has_m) _mm512_storeu_ps(dw + 16, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(h, 16))));
+        }
+    }
     for (int r = 0; r < 16; r++) {
         const uint8_t *row = base + (int64_t)r * w->row_bytes;
         if (r >= n) {
@@ -156,13 +167,10 @@ static void amx_fill(const ig_mat *w, int j0, int n, uint8_t *dst, int weights_t
             }
             continue;
         }
+        if (!weights_too) continue;
         for (int b = 0; b < nb; b++) {
-            const uint8_t *blk = row + (int64_t)b * bb;
+            const uint8_t *q = row + (int64_t)b * bb + qoff;
             uint8_t *ub = dst + (int64_t)b * pb;
-            ((float *)(ub + 512))[r] = h2f(rd16(blk));
-            if (has_m) ((float *)(ub + 512))[16 + r] = h2f(rd16(blk + 2));
-            if (!weights_too) continue;
-            const uint8_t *q = blk + qoff;
             __m128i t = _mm_loadu_si128((const __m128i *)q), lo, hi;
             if (type == IG_Q8_0) {
                 lo = t, hi = _mm_loadu_si128((const __m128i *)(q + 16));
