@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT))
 from engine.backends.cpu import build  # noqa: E402
 
 GHZ = 2.6
-MATRICES = {"gate_up 1536x576 Q4_1": (1536, 576, "Q4_1"), "down 576x1536 Q4_1": (576, 1536, "Q4_1"),
+MATRICES = {"lm_head 49152x576 Q8_0": (49152, 576, "Q8_0"), "gate_up 1536x576 Q4_1": (1536, 576, "Q4_1"), "down 576x1536 Q4_1": (576, 1536, "Q4_1"),
             "1536x768 Q4_0": (1536, 768, "Q4_0"), "1536x768 Q5_0": (1536, 768, "Q5_0"),
             "1536x768 Q4_K": (1536, 768, "Q4_K"), "1536x768 Q5_K": (1536, 768, "Q5_K")}  # fmt: skip
 
@@ -51,7 +51,7 @@ def _raw(fmt, rows, cols, rng):
 
     from tests.engine.test_cpu_kquants import random_blocks
 
-    if fmt in ("Q4_0", "Q4_1"):
+    if fmt in ("Q4_0", "Q4_1", "Q8_0"):
         return quantize(rng.standard_normal((rows, cols)).astype(np.float32), T[fmt])
     return random_blocks(fmt, rows, cols, gen=rng)
 
@@ -97,7 +97,7 @@ def products(args) -> None:
                         k.lib.ig_matmul(m, 1, xq, nx, yp, rows, 1)
                     times.append((time.process_time() - t0) / inner)
             assert np.array_equal(runs["copy"][3], runs["no copy"][3])
-            if "base" in runs and fmt in ("Q4_0", "Q4_1"):  # the base keeps the others on dot_group's bits
+            if "base" in runs and fmt in ("Q4_0", "Q4_1", "Q8_0"):  # the base keeps the others on dot_group's bits
                 assert np.array_equal(runs["copy"][3], runs["base"][3])
             pairs = rows * (cols // 32) * nx
             c = [min(r[5]) * GHZ * 1e9 / pairs for r in runs.values()]

@@ -55,18 +55,15 @@ typedef struct {
     uint8_t rows[16];
 } amx_cfg;
 
-static void amx_config(void) {
+/* Tiles 1, 2: activations hi / lo (M rows x 32 B), 0 and 7: weights (8 x 64 B, VNNI order), 3-6: the
+ * int32 sums (M rows x 16). M: the product's rows, at most 16 (a round of 8 rows does half a tile's work). */
+static void amx_config(int M) {
     amx_cfg c;
     memset(&c, 0, sizeof c);
     c.palette = 1;
-    c.rows[0] = 16, c.colsb[0] = 32;
-    c.rows[1] = 8, c.colsb[1] = 64;
-    c.rows[2] = 8, c.colsb[2] = 64;
-    c.rows[3] = 16, c.colsb[3] = 64;
-    c.rows[4] = 16, c.colsb[4] = 64;
-    c.rows[5] = 16, c.colsb[5] = 64;
-    c.rows[6] = 16, c.colsb[6] = 64;
-    c.rows[7] = 16, c.colsb[7] = 32;
+    c.rows[0] = c.rows[7] = 8, c.colsb[0] = c.colsb[7] = 64;
+    c.rows[1] = c.rows[2] = (uint8_t)M, c.colsb[1] = c.colsb[2] = 32;
+    for (int t = 3; t <= 6; t++) c.rows[t] = (uint8_t)M, c.colsb[t] = 64;
     _tile_loadconfig(&c);
 }
 
@@ -85,7 +82,7 @@ static int amx_reserve(int groups, int nb) {
     return amx_x != NULL;
 }
 
-/* Rows [r0, r1) into B tiles: column n of group t is row r0 + 16 t + n (zeros past r1). */
+/* Rows [r0, r1) into A tiles: row n of group t is activation row r0 + 16 t + n (zeros past r1). */
 static void amx_build_x(const ig_xblk *x, int nb, int r0, int r1) {
     for (int t = 0; t < (r1 - r0 + 15) / 16; t++)
         for (int b = 0; b < nb; b++) {
@@ -104,10 +101,8 @@ static void amx_build_x(const ig_xblk *x, int nb, int r0, int r1) {
                     memset(h8, 0, 32), memset(l8, 0, 32);
                     xd[n] = xs[n] = 0.0f;
                 }
-                for (int g = 0; g < 8; g++) {
-                    memcpy(hi + 64 * g + 4 * n, h8 + 4 * g, 4);
-                    memcpy(lo + 64 * g + 4 * n, l8 + 4 * g, 4);
-                }
+                memcpy(hi + 32 * n, h8, 32);
+                memcpy(lo + 32 * n, l8, 32);
             }
         }
 }
@@ -121,15 +116,17 @@ static int amx_type(int type) {
 
 static int amx_has_m(int type) { return type == IG_Q4_1 || type == IG_Q5_1 || type == IG_Q4_K || type == IG_Q5_K; }
 
-/* Bytes a (strip of 16 rows, block) in the tile layout: tile A (16 rows x 32 int8, the block's
- * weights of row r at 32 r; Q4_0 minus 8, Q5_0 minus 16; rows past the matrix zeros), then the
- * 16 rows' scales d as floats, then (types with an offset) the 16 offsets m. */
+/* Bytes a (strip of 16 rows, block) in the tile layout: the weight tile (B: 8 rows of 64 B in VNNI
+ * order, row g holding weights 4g..4g+3 of each of the 16 weight rows; int8, Q4_0 minus 8, Q5_0 minus
+ * 16; rows past the matrix zeros), then the 16 rows' scales d as floats, then (types with an offset)
+ * the 16 offsets m. */
 static int amx_pack_bytes(int type) { return 512 + 64 * (1 + amx_has_m(type)); }
 
 /* Rows [j0, j0 + n) of w (n <= 16), every block, into the tile layout at dst (nb blocks of
- * amx_pack_bytes); weights_too 0: only the scales (Q8_0's tile A loads from the stored rows). The
- * scales are the ones tiled_parts uses (unpack_strip), the weights the same integers. */
-static void amx_fill(const ig_mat *w, int j0, int n, uint8_t *dst, int weights_too) {
+ * amx_pack_bytes): unpacked row by row (row r's 32 weights at 32 r), then each block's 16 x 8 words
+ * turned into VNNI order in place (8 gathers). The scales are the ones tiled_parts uses
+ * (unpack_strip), the weights the same integers. */
+static void amx_fill(const ig_mat *w, int j0, int n, uint8_t *dst) {
     int nb = w->cols / QK, type = w->type, bb = block_bytes(type), qoff = type == IG_Q4_1 ? 4 : 2;
     int pb = amx_pack_bytes(type), has_m = amx_has_m(type);
     const uint8_t *base = w->data + (int64_t)j0 * w->row_bytes;
@@ -167,7 +164,6 @@ static void amx_fill(const ig_mat *w, int j0, int n, uint8_t *dst, int weights_t
             }
             continue;
         }
-        if (!weights_too) continue;
         for (int b = 0; b < nb; b++) {
             const uint8_t *q = row + (int64_t)b * bb + qoff;
             uint8_t *ub = dst + (int64_t)b * pb;
@@ -183,10 +179,18 @@ static void amx_fill(const ig_mat *w, int j0, int n, uint8_t *dst, int weights_t
             _mm_storeu_si128((__m128i *)(ub + 32 * r + 16), hi);
         }
     }
+    __m512i rows32 = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                        _mm512_set1_epi32(32));
+    for (int b = 0; b < nb; b++) {
+        uint8_t *ub = dst + (int64_t)b * pb;
+        __m512i g[8];
+        for (int k = 0; k < 8; k++) g[k] = _mm512_i32gather_epi32(rows32, ub + 4 * k, 1);
+        for (int k = 0; k < 8; k++) _mm512_storeu_si512(ub + 64 * k, g[k]);
+    }
 }
 
-/* Whether a matrix gets a repacked copy: a tile type whose tile A is not the stored bytes. */
-static int amx_repacks(const ig_mat *w) { return amx_type(w->type) && w->type != IG_Q8_0; }
+/* Whether a matrix gets a repacked copy: every tile type (Q8_0 too: its bytes are not in VNNI order). */
+static int amx_repacks(const ig_mat *w) { return amx_type(w->type); }
 
 int64_t ig_amx_repack_bytes(const ig_mat *w) {
     if (!amx_repacks(w) || w->cols % QK) return 0;
@@ -196,50 +200,50 @@ int64_t ig_amx_repack_bytes(const ig_mat *w) {
 void ig_amx_repack(const ig_mat *w, uint8_t *out) {
     int64_t strip = (int64_t)(w->cols / QK) * amx_pack_bytes(w->type);
     for (int j0 = 0; j0 < w->rows; j0 += 16)
-        amx_fill(w, j0, w->rows - j0 < 16 ? w->rows - j0 : 16, out + j0 / 16 * strip, 1);
+        amx_fill(w, j0, w->rows - j0 < 16 ? w->rows - j0 : 16, out + j0 / 16 * strip);
 }
 
-/* Output rows [j0, j0 + n) of w (n <= 16, j0 a multiple of 16) against activation rows [r0, r1):
- * y[r * ldy + off + j]. Tile A and the scales from w->tiles where the matrix has the repacked copy,
- * else unpacked into ua here (Q8_0's tile A from the stored rows). */
-static void amx_strip(const ig_mat *w, int j0, int n, int r0, int r1, float *y, int ldy, int off, uint8_t *ua) {
-    int nb = w->cols / QK, type = w->type, bb = block_bytes(type), pb = amx_pack_bytes(type);
-    int has_m = amx_has_m(type), direct = type == IG_Q8_0 && n == 16; /* tile A straight from the stored rows */
-    const uint8_t *base = w->data + (int64_t)j0 * w->row_bytes, *pk = ua;
+/* Output rows [j0, j0 + n) of w (n <= 16, j0 a multiple of 16) against activation rows [r0, r1) in
+ * groups of M (the config's tile rows): y[r * ldy + off + j]. The weight tiles and scales from
+ * w->tiles where the matrix has the repacked copy, else unpacked into ua here. Sums: C[m][j] =
+ * row m's block sum with weight row j; scaled per activation row m, 16 weight rows a vector. */
+static void amx_strip(const ig_mat *w, int j0, int n, int r0, int r1, int M, float *y, int ldy, int off,
+                      uint8_t *ua) {
+    int nb = w->cols / QK, pb = amx_pack_bytes(w->type), has_m = amx_has_m(w->type);
+    const uint8_t *pk = ua;
     if (w->tiles)
         pk = w->tiles + (int64_t)(j0 / 16) * nb * pb;
     else
-        amx_fill(w, j0, n, ua, !direct);
+        amx_fill(w, j0, n, ua);
+    __mmask16 cols = (__mmask16)((1u << n) - 1);
     int32_t cs[4][256] __attribute__((aligned(64)));
-    for (int t = 0; t < (r1 - r0 + 15) / 16; t++) {
+    for (int r = r0; r < r1; r += M) {
         __m512 acc[16];
         for (int i = 0; i < 16; i++) acc[i] = _mm512_setzero_ps();
-        const uint8_t *xp = amx_x + (size_t)t * nb * (1024 + 128);
+        const uint8_t *xp = amx_x + (size_t)((r - r0) / 16) * nb * (1024 + 128) + ((r - r0) % 16) * 32;
+        const float *xdp = (const float *)(amx_x + (size_t)((r - r0) / 16) * nb * (1024 + 128) + 1024) + (r - r0) % 16;
 #define ISSUE(b, ta, th, tl)                                                            \
     do {                                                                                \
         const uint8_t *xt_ = xp + (size_t)(b) * (1024 + 128);                           \
-        if (direct)                                                                     \
-            _tile_loadd(ta, base + (int64_t)(b) * bb + 2, w->row_bytes);                \
-        else                                                                            \
-            _tile_loadd(ta, pk + (int64_t)(b) * pb, 32);                                \
-        _tile_loadd(1, xt_, 64);                                                        \
-        _tile_loadd(2, xt_ + 512, 64);                                                  \
+        _tile_loadd(ta, pk + (int64_t)(b) * pb, 64);                                    \
+        _tile_loadd(1, xt_, 32);                                                        \
+        _tile_loadd(2, xt_ + 512, 32);                                                  \
         _tile_zero(th);                                                                 \
         _tile_zero(tl);                                                                 \
-        _tile_dpbssd(th, ta, 1);                                                        \
-        _tile_dpbsud(tl, ta, 2);                                                        \
+        _tile_dpbssd(th, 1, ta);                                                        \
+        _tile_dpbusd(tl, 2, ta);                                                        \
     } while (0)
 #define SCALE(b, chi, clo)                                                                                      \
     do {                                                                                                        \
-        const float *xd_ = (const float *)(xp + (size_t)(b) * (1024 + 128) + 1024);                             \
+        const float *xd_ = xdp + (size_t)(b) * (1024 + 128) / 4;                                                \
         const float *dw_ = (const float *)(pk + (int64_t)(b) * pb + 512);                                       \
-        __m512 xd = _mm512_load_ps(xd_), xs = _mm512_load_ps(xd_ + 16);                                          \
+        __m512 dv = _mm512_loadu_ps(dw_), mv = has_m ? _mm512_loadu_ps(dw_ + 16) : dv;                          \
         _Pragma("GCC unroll 16") for (int i = 0; i < 16; i++) {                                                 \
+            if (i >= M) break;                                                                                  \
             __m512i s = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512((chi) + 16 * i), 8),               \
                                          _mm512_load_si512((clo) + 16 * i));                                    \
-            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(_mm512_set1_ps(dw_[i]), xd), \
-                                     acc[i]);                                                                   \
-            if (has_m) acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(dw_[16 + i]), xs, acc[i]);                  \
+            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dv, _mm512_set1_ps(xd_[i])), acc[i]); \
+            if (has_m) acc[i] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xd_[16 + i]), acc[i]);                      \
         }                                                                                                       \
     } while (0)
         ISSUE(0, 0, 3, 4);
@@ -257,10 +261,7 @@ static void amx_strip(const ig_mat *w, int j0, int n, int r0, int r1, float *y, 
         }
 #undef ISSUE
 #undef SCALE
-        float a[16][16] __attribute__((aligned(64)));
-        for (int i = 0; i < 16; i++) _mm512_store_ps(a[i], acc[i]);
-        for (int k = 0; k < 16 && r0 + 16 * t + k < r1; k++)
-            for (int i = 0; i < n; i++) y[(int64_t)(r0 + 16 * t + k) * ldy + off + j0 + i] = a[i][k];
+        for (int i = 0; i < M && r + i < r1; i++) _mm512_mask_storeu_ps(y + (int64_t)(r + i) * ldy + off + j0, cols, acc[i]);
     }
 }
 
@@ -275,7 +276,8 @@ static void amx_parts(ig_step *st, const ig_mat *parts, int nparts, const ig_xbl
     for (int p = 0; p < nparts; p++) nstrips += (parts[p].rows + 15) / 16;
     uint8_t *ua = aligned_alloc(64, (size_t)nb * 640); /* a strip unpacked, where its matrix has no copy */
     int ok = amx_reserve(AMX_XT / 16, nb) && ua;
-    if (ok) amx_config();
+    int M = nx < 16 ? nx : 16; /* tile rows: a round of fewer rows configures tiles of its size */
+    if (ok) amx_config(M);
     FOR_ITEMS(st, ntiles * nstrips, item) {
         int tile = item / nstrips, s = item % nstrips, p = 0, off = 0;
         while (s >= (parts[p].rows + 15) / 16) s -= (parts[p].rows + 15) / 16, off += parts[p++].rows;
@@ -294,7 +296,7 @@ static void amx_parts(ig_step *st, const ig_mat *parts, int nparts, const ig_xbl
             amx_build_x(x, nb, r0, r1);
             built = tile;
         }
-        amx_strip(&parts[p], j0, n, r0, r1, y, ldy, off, ua);
+        amx_strip(&parts[p], j0, n, r0, r1, M, y, ldy, off, ua);
     }
     if (ok) _tile_release();
     free(ua);
