@@ -111,20 +111,33 @@ def model(args) -> None:
     from engine.loaders import load_artifact
     from tests.engine.test_hf_parity import GREEDY
 
+    import importlib.util
+
+    import engine.backends.cpu.backend as cpu_backend
+
     path = ROOT / "models/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf"
     cfg, weights = load_artifact(path, as_stored=True)
     b, real = {}, cpu_model.repack_budget
-    for label, budget in (("copy", real), ("no copy", lambda: 0)):
+    variants = [("copy", real, None), ("no copy", lambda: 0, None)]
+    if args.base_src:  # the other commit's kernels and model.py (its ig_mat has no copy)
+        spec = importlib.util.spec_from_file_location("engine.backends.cpu._base_model", Path(args.base_src) / "model.py")
+        base_model = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(base_model)
+        variants.append(("base", real, base_model))
+    for label, budget, other in variants:
         cpu_model.repack_budget = budget
         be = CpuBackend(threads=1, isa="amx")
+        if other:
+            be.kernels, cpu_backend.CpuModel = _base(args.base_src), other.CpuModel
         be.load(cfg, weights, block_size=16, kv_budget_bytes=256 * 16 * cfg.kv_bytes_per_token_fp32,
                 host_kv_budget_bytes=0, max_context=4096)  # fmt: skip
+        cpu_backend.CpuModel = cpu_model.CpuModel
         b[label] = be
-        print(f"# {label}: stored {be.model.nbytes / 1e6:.1f} MB, copies {be.model.repacked_bytes / 1e6:.1f} MB")
+        print(f"# {label}: stored {be.model.nbytes / 1e6:.1f} MB, copies {getattr(be.model, 'repacked_bytes', 0) / 1e6:.1f} MB")
     cpu_model.repack_budget = real
     rng = np.random.default_rng(0)
     vocab = cfg.vocab_size
-    tables = [list(range(17 * i, 17 * (i + 1))) for i in range(8)]
+    tables = [list(range(24 * i, 24 * (i + 1))) for i in range(8)]  # room for 128 rounds
     for be in b.values():
         for t in tables:
             be.prefill(PrefillSpan(0, [int(x) for x in rng.integers(100, vocab, 256)], 0, t), StepOutput())

@@ -340,10 +340,11 @@ static int amx_kq_unpack(const ig_mat *w, int j0, int n, amx_kq8 *u) {
  * vector, then f = fma(float(isum), d * x.d, f) and with an offset f = fma(m, x.s, f), as the tiles
  * do. The kernels_kquants.c types read u (amx_kq8), or without it (no buffer) kq_unpack block by block:
  * the same integers and scales. */
-static void dot8_sums(const ig_mat *w, int j0, int n, const ig_xblk *x, const char *ahead, float *out,
-                      const amx_kq8 *u) {
+static inline __attribute__((always_inline)) void dot8_t(const int kq, const ig_mat *w, int j0, int n,
+                                                         const ig_xblk *x, const char *ahead, float *out,
+                                                         const amx_kq8 *u) {
     int nb = w->cols / QK, type = w->type, bb = block_bytes(type), qoff = type == IG_Q4_1 ? 4 : 2;
-    int kq = kq_type(type), has_m = amx_has_m(type);
+    int has_m = amx_has_m(type);
     const uint8_t *base = w->data + (int64_t)j0 * w->row_bytes;
     __m512i idx = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 0, 0, 0, 0, 0, 0, 0, 0),
                                      _mm512_set1_epi32((int)w->row_bytes));
@@ -356,10 +357,11 @@ static void dot8_sums(const ig_mat *w, int j0, int n, const ig_xblk *x, const ch
             for (int k = 0; k < 8; k++) _mm_prefetch(ahead + k * w->row_bytes + (int64_t)b * bb, _MM_HINT_T0);
         __m256i x0 = _mm256_loadu_si256((const __m256i *)xb->q), x1 = _mm256_loadu_si256((const __m256i *)(xb->q + 16));
         __m256i p[8];
-        float kd[8] __attribute__((aligned(32))) = {0}, km[8] __attribute__((aligned(32))) = {0};
+        float kd[8] __attribute__((aligned(32))), km[8] __attribute__((aligned(32)));
         for (int k = 0; k < 8; k++) {
             if (k >= n) {
                 p[k] = _mm256_setzero_si256();
+                if (kq) kd[k] = km[k] = 0.0f;
                 continue;
             }
             __m256i lo, hi;
@@ -392,6 +394,14 @@ static void dot8_sums(const ig_mat *w, int j0, int n, const ig_xblk *x, const ch
         if (has_m) f = _mm256_fmadd_ps(m, _mm256_set1_ps(xb->s), f);
     }
     _mm256_storeu_ps(out, f);
+}
+
+static void dot8_sums(const ig_mat *w, int j0, int n, const ig_xblk *x, const char *ahead, float *out,
+                      const amx_kq8 *u) {
+    if (kq_type(w->type))
+        dot8_t(1, w, j0, n, x, ahead, out, u);
+    else
+        dot8_t(0, w, j0, n, x, ahead, out, NULL);
 }
 
 /* The decode product below amx_min_rows: items are 8 weight rows of one part against every row. */
