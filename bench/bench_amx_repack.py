@@ -115,8 +115,7 @@ def model(args) -> None:
 
     import engine.backends.cpu.backend as cpu_backend
 
-    path = ROOT / "models/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf"
-    cfg, weights = load_artifact(path, as_stored=True)
+    cfg, weights = load_artifact(Path(args.gguf), as_stored=CpuBackend.weights_as_stored)
     b, real = {}, cpu_model.repack_budget
     variants = [("copy", real, None), ("no copy", lambda: 0, None)]
     if args.base_src:  # the other commit's kernels and model.py (its ig_mat has no copy)
@@ -164,6 +163,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--model-reps", type=int, default=15)
     ap.add_argument("--base-src", default="")
+    ap.add_argument("--gguf", default=str(ROOT / "models/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf"))
     ap.add_argument("--skip-products", action="store_true")
     ap.add_argument("--skip-model", action="store_true")
     args = ap.parse_args()

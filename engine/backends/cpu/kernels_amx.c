@@ -312,8 +312,9 @@ struct amx_kq8 {
 static __thread uint8_t *amx_kqbuf;
 static __thread size_t amx_kqcap;
 
-/* Rows [j0, j0 + n) of w (n <= 8) into a thread's amx_kq8 (rows past n zeros); 0 if it cannot be had. */
-static int amx_kq_unpack(const ig_mat *w, int j0, int n, amx_kq8 *u) {
+/* Rows [j0, j0 + n) of w (n <= 8) into a thread's amx_kq8 (rows past n zeros); 0 if it cannot be had.
+ * ahead: the next item's 8 rows, a row's lines fetched while one is unpacked (one lane streams them). */
+static int amx_kq_unpack(const ig_mat *w, int j0, int n, const char *ahead, amx_kq8 *u) {
     int nb = w->cols / QK;
     size_t need = (size_t)nb * (8 * QK * 2 + 64);
     if (need > amx_kqcap) {
@@ -326,6 +327,8 @@ static int amx_kq_unpack(const ig_mat *w, int j0, int n, amx_kq8 *u) {
     float kd[nb], km[nb];
     for (int k = 0; k < 8; k++) {
         int16_t *v = u->v + (int64_t)k * nb * QK;
+        if (ahead)
+            for (int64_t c = 0; c < w->row_bytes; c += 64) _mm_prefetch(ahead + k * w->row_bytes + c, _MM_HINT_T0);
         if (k < n)
             kq_unpack_row(w->type, w->data + (int64_t)(j0 + k) * w->row_bytes, nb, v, kd, km);
         else
@@ -415,7 +418,7 @@ static void sums_parts(ig_step *st, const ig_mat *parts, int nparts, const ig_xb
         int j0 = s * 8, n = w->rows - j0 < 8 ? w->rows - j0 : 8;
         const char *ahead = j0 + 16 <= w->rows ? (const char *)w->data + (int64_t)(j0 + 8) * w->row_bytes : NULL;
         amx_kq8 u;
-        int unpacked = kq_type(w->type) && amx_kq_unpack(w, j0, n, &u);
+        int unpacked = kq_type(w->type) && amx_kq_unpack(w, j0, n, ahead, &u);
         for (int r = 0; r < nx; r++) {
             float o[8];
             dot8_sums(w, j0, n, x + (int64_t)r * nb, r == 0 ? ahead : NULL, o, unpacked ? &u : NULL);
