@@ -2,13 +2,21 @@
  *
  * The tiled (prefill) product's result, the same bits as tiled_parts: per (output column,
  * activation row, block) the exact int32 sum of the block, then f = fma(float(isum), d * x.d, f)
- * and, for Q4_1, f = fma(m, x.s, f), block after block. Tile A is 16 weight rows of one block
- * as int8 (Q8_0 straight from the stored rows; Q4 nibbles unpacked, Q4_0 minus 8). Activations
- * are int16: hi = q >> 8 (signed) and lo = q & 255 (unsigned) are two B tiles (16 activation
- * rows as columns, VNNI layout: row g holds k 4g..4g+3 of each column); TDPBSSD and TDPBSUD
- * give their sums and isum = 256 * hi + lo exactly. A block's scales force K = 32 a product,
- * so every 256 pairs cost two TDPs and two tile stores (~15 cycles each) and the float
- * epilogue (AVX-512: 16 weight rows x 16 activation rows in 16 registers).
+ * and, with an offset (Q4_1, Q5_1, Q4_K, Q5_K), f = fma(m, x.s, f), block after block. The tile
+ * types are those with exact int8 weights and one scale (and offset) a 32-block: Q8_0, Q4_0, Q4_1,
+ * Q5_0, Q5_1, Q4_K, Q5_K (Q3_K's and Q6_K's values with their scales folded in pass int8; they
+ * stay on dot_group / tiled_parts). Activations are int16: hi = q >> 8 (signed) and lo = q & 255
+ * (unsigned) are two A tiles (M activation rows x 32 bytes, M the product's rows up to 16); the
+ * weights are the B tile (16 weight rows in VNNI order: row g holds weights 4g..4g+3 of each);
+ * TDPBSSD and TDPBUSD give the sums and isum = 256 * hi + lo exactly. A block's scales force
+ * K = 32 a product: per block two TDPs, two tile stores and the float epilogue (AVX-512: a
+ * vector of 16 weight rows for each of the M activation rows), all in proportion to M, so a
+ * round of 8 rows does half the work of 16.
+ *
+ * The B tiles come from a copy made at load (ig_amx_repack, w->tiles: per strip of 16 rows and
+ * block, the 512 B tile, then the 16 d and the 16 m as floats); a matrix without one is unpacked
+ * into that layout at every product (amx_fill). One and two rows read the stored bytes instead
+ * (sums_parts: one lane streams the weights, and the copy is ~2x the Q4 bytes).
  *
  * The other builds' decode path (dot_group) keeps each block's sum as 8 partial sums with float
  * accumulators of their own; tile products can give those too (one lane per column) at 8x the
@@ -17,15 +25,15 @@
  * rows on, below that through sums_parts (AVX2, the same sums and order), so a row's bits do not
  * depend on the rows beside it at any width.
  *
- * Tiles: 0 and 7 weights (16 x 32 B), 1 and 2 activations hi / lo (8 x 64 B), 3, 4 and 5, 6 the
- * int32 sums (16 x 64 B): even blocks in 0, 3, 4 and odd ones in 7, 5, 6, so block b + 1's products
- * run while block b's sums are stored and scaled (0.68 -> 0.60 cycles a pair at 64 rows, 1.8 ->
- * 1.57 at 8). Each thread loads the config before its first tile instruction and releases the
- * tiles at the end of the product; the process asks for them once (ig_amx_init). */
+ * Tiles: 0 and 7 weights (8 x 64 B), 1 and 2 activations hi / lo (M x 32 B), 3, 4 and 5, 6 the
+ * int32 sums (M x 64 B): even blocks in 0, 3, 4 and odd ones in 7, 5, 6, so block b + 1's products
+ * run while block b's sums are stored and scaled. Each thread loads the config before its first
+ * tile instruction and releases the tiles at the end of the product; the process asks for them
+ * once (ig_amx_init). */
 #include <sys/syscall.h>
 #include <unistd.h>
 
-#define AMX_XT 64 /* activation rows a tile of items: four B tiles of 16 */
+#define AMX_XT 64 /* activation rows a tile of items: four A tiles of 16 */
 
 static int amx_state = 0;    /* 0 untried, 1 usable, -1 refused */
 /* Decode products of at least this many rows take the tiles, those below sums_parts (the same bits);
@@ -68,7 +76,7 @@ static void amx_config(int M) {
 }
 
 /* A thread's activation tiles, kept between products (the pool's threads live on): per group of
- * 16 rows and block, B hi then B lo (512 B each) and the rows' d[16], s[16]. */
+ * 16 rows and block, A hi then A lo (16 rows x 32 B each) and the rows' d[16], s[16]. */
 static __thread uint8_t *amx_x;
 static __thread size_t amx_xcap;
 
@@ -302,130 +310,7 @@ static void amx_parts(ig_step *st, const ig_mat *parts, int nparts, const ig_xbl
     free(ua);
 }
 
-/* 8 weight rows of a kernels_kquants.c type unpacked once for the rows of a decode item: v[k][32 b + i]
- * (int16) and the scales by block, d[8 b + k], m[8 b + k]. */
-struct amx_kq8 {
-    int16_t *v;
-    float *d, *m;
-};
-
-static __thread uint8_t *amx_kqbuf;
-static __thread size_t amx_kqcap;
-
-/* Rows [j0, j0 + n) of w (n <= 8) into a thread's amx_kq8 (rows past n zeros); 0 if it cannot be had.
- * ahead: the next item's 8 rows, a row's lines fetched while one is unpacked (one lane streams them). */
-static int amx_kq_unpack(const ig_mat *w, int j0, int n, const char *ahead, amx_kq8 *u) {
-    int nb = w->cols / QK;
-    size_t need = (size_t)nb * (8 * QK * 2 + 64);
-    if (need > amx_kqcap) {
-        free(amx_kqbuf);
-        amx_kqbuf = aligned_alloc(64, need);
-        amx_kqcap = amx_kqbuf ? need : 0;
-    }
-    if (!amx_kqbuf) return 0;
-    u->v = (int16_t *)amx_kqbuf, u->d = (float *)(amx_kqbuf + (size_t)nb * 8 * QK * 2), u->m = u->d + 8 * nb;
-    float kd[nb], km[nb];
-    for (int k = 0; k < 8; k++) {
-        int16_t *v = u->v + (int64_t)k * nb * QK;
-        if (ahead)
-            for (int64_t c = 0; c < w->row_bytes; c += 64) _mm_prefetch(ahead + k * w->row_bytes + c, _MM_HINT_T0);
-        if (k < n)
-            kq_unpack_row(w->type, w->data + (int64_t)(j0 + k) * w->row_bytes, nb, v, kd, km);
-        else
-            memset(v, 0, sizeof(int16_t) * nb * QK), memset(kd, 0, sizeof kd), memset(km, 0, sizeof km);
-        for (int b = 0; b < nb; b++) u->d[8 * b + k] = kd[b], u->m[8 * b + k] = km[b];
-    }
-    return 1;
-}
-
-/* Decode rows below amx_min_rows, with the same bits (each row alone): one activation row against 8
- * weight rows [j0, j0 + n) of w at a time, the 8 block sums reduced exactly (vphaddd) into one
- * vector, then f = fma(float(isum), d * x.d, f) and with an offset f = fma(m, x.s, f), as the tiles
- * do. The kernels_kquants.c types read u (amx_kq8), or without it (no buffer) kq_unpack block by block:
- * the same integers and scales. */
-static inline __attribute__((always_inline)) void dot8_t(const int kq, const ig_mat *w, int j0, int n,
-                                                         const ig_xblk *x, const char *ahead, float *out,
-                                                         const amx_kq8 *u) {
-    int nb = w->cols / QK, type = w->type, bb = block_bytes(type), qoff = type == IG_Q4_1 ? 4 : 2;
-    int has_m = amx_has_m(type);
-    const uint8_t *base = w->data + (int64_t)j0 * w->row_bytes;
-    __m512i idx = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 0, 0, 0, 0, 0, 0, 0, 0),
-                                     _mm512_set1_epi32((int)w->row_bytes));
-    __mmask16 valid = (__mmask16)((1u << n) - 1);
-    __m256i eight = _mm256_set1_epi16(type == IG_Q4_0 ? 8 : 0);
-    __m256 f = _mm256_setzero_ps();
-    for (int b = 0; b < nb; b++) {
-        const ig_xblk *xb = x + b;
-        if (ahead && !kq) /* the next 8 rows, a block of each, while these are dotted (one lane streams the weights) */
-            for (int k = 0; k < 8; k++) _mm_prefetch(ahead + k * w->row_bytes + (int64_t)b * bb, _MM_HINT_T0);
-        __m256i x0 = _mm256_loadu_si256((const __m256i *)xb->q), x1 = _mm256_loadu_si256((const __m256i *)(xb->q + 16));
-        __m256i p[8];
-        float kd[8] __attribute__((aligned(32))), km[8] __attribute__((aligned(32)));
-        for (int k = 0; k < 8; k++) {
-            if (k >= n) {
-                p[k] = _mm256_setzero_si256();
-                if (kq) kd[k] = km[k] = 0.0f;
-                continue;
-            }
-            __m256i lo, hi;
-            if (kq && u) {
-                const int16_t *v = u->v + ((int64_t)k * nb + b) * QK;
-                lo = _mm256_loadu_si256((const __m256i *)v), hi = _mm256_loadu_si256((const __m256i *)(v + 16));
-            } else if (kq) {
-                int16_t v[QK];
-                kq_unpack(type, base + (int64_t)k * w->row_bytes, b, v, kd + k, km + k);
-                lo = _mm256_loadu_si256((const __m256i *)v), hi = _mm256_loadu_si256((const __m256i *)(v + 16));
-            } else {
-                unpack_block(type, base + (int64_t)k * w->row_bytes + (int64_t)b * bb + qoff, &lo, &hi);
-                lo = _mm256_sub_epi16(lo, eight), hi = _mm256_sub_epi16(hi, eight);
-            }
-            p[k] = _mm256_add_epi32(_mm256_madd_epi16(lo, x0), _mm256_madd_epi16(hi, x1));
-        }
-        __m256i h0 = _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
-        __m256i h1 = _mm256_hadd_epi32(_mm256_hadd_epi32(p[4], p[5]), _mm256_hadd_epi32(p[6], p[7]));
-        __m256i isum = _mm256_add_epi32(_mm256_permute2x128_si256(h0, h1, 0x20), _mm256_permute2x128_si256(h0, h1, 0x31));
-        __m256 d, m = _mm256_setzero_ps();
-        if (kq) {
-            d = u ? _mm256_loadu_ps(u->d + 8 * b) : _mm256_load_ps(kd);
-            m = u ? _mm256_loadu_ps(u->m + 8 * b) : _mm256_load_ps(km);
-        } else {
-            __m512i g = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), valid, idx, base + (int64_t)b * bb, 1);
-            d = _mm256_cvtph_ps(_mm256_castsi256_si128(_mm512_cvtepi32_epi16(g)));
-            if (has_m) m = _mm256_cvtph_ps(_mm256_castsi256_si128(_mm512_cvtepi32_epi16(_mm512_srli_epi32(g, 16))));
-        }
-        f = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(d, _mm256_set1_ps(xb->d)), f);
-        if (has_m) f = _mm256_fmadd_ps(m, _mm256_set1_ps(xb->s), f);
-    }
-    _mm256_storeu_ps(out, f);
-}
-
-static void dot8_sums(const ig_mat *w, int j0, int n, const ig_xblk *x, const char *ahead, float *out,
-                      const amx_kq8 *u) {
-    if (kq_type(w->type))
-        dot8_t(1, w, j0, n, x, ahead, out, u);
-    else
-        dot8_t(0, w, j0, n, x, ahead, out, NULL);
-}
-
-/* The decode product below amx_min_rows: items are 8 weight rows of one part against every row. */
-static void sums_parts(ig_step *st, const ig_mat *parts, int nparts, const ig_xblk *x, int nx, float *y, int ldy) {
-    int nb = parts[0].cols / QK, nitems = 0;
-    for (int p = 0; p < nparts; p++) nitems += (parts[p].rows + 7) / 8;
-    FOR_ITEMS(st, nitems, item) {
-        int s = item, p = 0, off = 0;
-        while (s >= (parts[p].rows + 7) / 8) s -= (parts[p].rows + 7) / 8, off += parts[p++].rows;
-        const ig_mat *w = &parts[p];
-        int j0 = s * 8, n = w->rows - j0 < 8 ? w->rows - j0 : 8;
-        const char *ahead = j0 + 16 <= w->rows ? (const char *)w->data + (int64_t)(j0 + 8) * w->row_bytes : NULL;
-        amx_kq8 u;
-        int unpacked = kq_type(w->type) && amx_kq_unpack(w, j0, n, ahead, &u);
-        for (int r = 0; r < nx; r++) {
-            float o[8];
-            dot8_sums(w, j0, n, x + (int64_t)r * nb, r == 0 ? ahead : NULL, o, unpacked ? &u : NULL);
-            for (int k = 0; k < n; k++) y[(int64_t)r * ldy + off + j0 + k] = o[k];
-        }
-    }
-}
+#include "kernels_amx_sums.c" /* sums_parts: one and two rows, the same bits, from the stored bytes */
 
 /* Whether the tiles take a product: the process has them, and every part is a tile type. */
 static int amx_usable(const ig_mat *parts, int nparts) {

@@ -7,11 +7,12 @@ types, Q2_K among them), which are quantized once at load to Q8_0: 34 bytes
 a block of 32 (8.5 bits a weight) and the closest to float32 of the kept types, so
 a float checkpoint loses the least.
 
-The amx build's tile products read each Q4_0, Q4_1, Q5_0, Q5_1, Q4_K and Q5_K matrix from a
-second copy made at load (``ig_amx_repack``: tile A's int8 bytes and the scales as floats, 2.0x the
-stored Q4 bytes, 1.6-2.2x the others), while one- and two-row products keep reading the stored
-bytes; copies are made while their total fits :func:`repack_budget`, the matrices after that
-unpack at every product as before (the same bits either way).
+The amx build's tile products read each matrix of a tile type (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1,
+Q4_K, Q5_K) from a second copy made at load (``ig_amx_repack``: the weight tiles' int8 bytes in
+VNNI order and the scales as floats: 2.0x the stored Q4_0 / Q4_1 bytes, 1.06x Q8_0's, 1.6-2.2x
+the others'), while one- and two-row products keep reading the stored bytes; copies are made
+while their total fits :func:`repack_budget`, the matrices after that are unpacked at every
+product instead (the same bits either way).
 
 Only the llama-family block runs here (llama, mistral, qwen2): RMSNorm, neox
 rope (one rope for every layer), attention with optional q/k/v biases and
