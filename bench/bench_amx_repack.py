@@ -127,7 +127,8 @@ def model(args) -> None:
         cpu_model.repack_budget = budget
         be = CpuBackend(threads=1, isa="amx")
         if other:
-            be.kernels, cpu_backend.CpuModel = _base(args.base_src), other.CpuModel
+            be.kernels = _base(args.base_src)
+            cpu_backend.CpuModel = type("BaseModel", (other.CpuModel,), {"repacked_bytes": 0})
         be.load(cfg, weights, block_size=16, kv_budget_bytes=256 * 16 * cfg.kv_bytes_per_token_fp32,
                 host_kv_budget_bytes=0, max_context=4096)  # fmt: skip
         cpu_backend.CpuModel = cpu_model.CpuModel
