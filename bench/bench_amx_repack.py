@@ -141,7 +141,7 @@ def model(args) -> None:
     for be in b.values():
         for t in tables:
             be.prefill(PrefillSpan(0, [int(x) for x in rng.integers(100, vocab, 256)], 0, t), StepOutput())
-    for n in (1, 8):
+    for n in (1, 2, 8):
         res = {k: ([], []) for k in b}
         for r in range(args.model_reps):
             for label, be in b.items():
