@@ -226,3 +226,21 @@ def test_fixture_greedy_matches_numpy_until_a_near_tie(paths, name, isa):
         compared += upto - 1
         assert rel_err(got_logits[p, 0], want_logits[p, 0]) < 3e-3  # float16 K/V, int16 activations
     assert compared >= 64
+
+
+def test_amx_copies_are_made_for_the_tile_types_only(paths, monkeypatch):
+    """Under amx each product matrix of a tile type (Q5_0, Q5_1, Q4_K, Q5_K here) gets its copy in the tiles'
+    layout at load, Q6_K and Q3_K (values past int8) none; a budget of 0 makes none at all."""
+    from engine.backends.cpu import model
+
+    tile = {"Q8_0": 576, "Q4_0": 576, "Q4_1": 640, "Q5_0": 576, "Q5_1": 640, "Q4_K": 640, "Q5_K": 640}
+    for name in ("tiny-Q4_K_M.gguf", "tiny-Q5_1.gguf", "tiny-Q3_K.gguf"):
+        cfg, stored, _, cpu = _stored_pair(paths[name], "amx")
+        mats = [w for n, w in stored.items() if n.endswith("proj.weight")]
+        mats.append(stored.get("lm_head.weight", stored["model.embed_tokens.weight"]))
+        want = sum(-(-w.shape[0] // 16) * (w.shape[1] // 32) * tile.get(w.type_name, 0) for w in mats)
+        assert _load(cpu, cfg, stored).model.repacked_bytes == want
+        assert (want > 0) == (name != "tiny-Q3_K.gguf")
+    monkeypatch.setattr(model, "repack_budget", lambda: 0)
+    cfg, stored, _, cpu = _stored_pair(paths["tiny-Q5_1.gguf"], "amx")
+    assert _load(cpu, cfg, stored).model.repacked_bytes == 0

@@ -95,7 +95,7 @@ class CpuBackend(Backend):
         self.host_k = self.host_v = None
         workspace = workspace_bytes(cfg)
         self.plan = MemoryPlan(
-            budget_bytes=model.nbytes + workspace + num_blocks * block_bytes,
+            budget_bytes=model.nbytes + model.repacked_bytes + workspace + num_blocks * block_bytes,
             weights_bytes=int(model.nbytes),
             workspace_bytes=int(workspace),
             kv_bytes=num_blocks * block_bytes,

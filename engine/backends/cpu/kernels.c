@@ -490,6 +490,11 @@ static void matmul_parts(ig_step *st, const ig_mat *parts, int nparts, const ig_
 #include "kernels_amx.c"
 #else
 int ig_amx_init(void) { return -1; }
+int64_t ig_amx_repack_bytes(const ig_mat *w) {
+    (void)w;
+    return 0;
+}
+void ig_amx_repack(const ig_mat *w, uint8_t *out) { (void)w, (void)out; }
 int ig_amx_rows(int rows) {
     (void)rows;
     return 0;

@@ -16,6 +16,7 @@ typedef struct {
     int cols;
     int64_t row_bytes;
     const uint8_t *data;
+    const uint8_t *tiles; /* the amx build: the copy in the tiles' layout (ig_amx_repack); NULL: none */
 } ig_mat;
 
 /* One activation block: x ~ d * q (q int16, d = amax / 32767), s = d * sum(q). */
@@ -80,3 +81,7 @@ int ig_amx_init(void);
  * through AVX2 block sums, all with the tiled (prefill) product's bits; 0: the other builds'
  * decode path and bits. Returns the previous value (3 at start); other builds ignore it. */
 int ig_amx_rows(int rows);
+/* The amx build: bytes of w's copy in the tile loads' layout (0: the tiles read w as stored, or
+ * the build has no tiles), and that copy written to out (64-byte aligned); point w->tiles at it. */
+int64_t ig_amx_repack_bytes(const ig_mat *w);
+void ig_amx_repack(const ig_mat *w, uint8_t *out);

@@ -7,6 +7,13 @@ types, Q2_K among them), which are quantized once at load to Q8_0: 34 bytes
 a block of 32 (8.5 bits a weight) and the closest to float32 of the kept types, so
 a float checkpoint loses the least.
 
+The amx build's tile products read each matrix of a tile type (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1,
+Q4_K, Q5_K) from a second copy made at load (``ig_amx_repack``: the weight tiles' int8 bytes in
+VNNI order and the scales as floats: 2.0x the stored Q4_0 / Q4_1 bytes, 1.06x Q8_0's, 1.6-2.2x
+the others'), while one- and two-row products keep reading the stored bytes; copies are made
+while their total fits :func:`repack_budget`, the matrices after that are unpacked at every
+product instead (the same bits either way).
+
 Only the llama-family block runs here (llama, mistral, qwen2): RMSNorm, neox
 rope (one rope for every layer), attention with optional q/k/v biases and
 sliding windows, SwiGLU, an unscaled embedding and a head without softcap.
@@ -32,6 +39,17 @@ QK = 32
 KEPT_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 BLOCKS = {BLOCK_TYPES[n][0]: BLOCK_TYPES[n][1:] for n in KEPT_TYPES}
 MAX_HEAD_DIM = 256  # kernels.c keeps one scaled query head on the stack
+
+
+def repack_budget() -> int:
+    """Bytes the amx build's repacked copies may take: half the memory available at load."""
+    try:
+        for line in open("/proc/meminfo"):
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024 // 2
+    except OSError:
+        pass
+    return 0
 
 
 def check_supported(cfg: ModelConfig, blocks: list[Block], head: Head) -> None:
@@ -100,6 +118,7 @@ class CpuModel:
         check_supported(cfg, blocks, head)
         self.cfg, self.ffi, self.lib = cfg, kernels.ffi, kernels.lib
         self._keep: list = []  # every buffer a pointer in the struct refers to
+        self.repacked_bytes, self._repack_left = 0, repack_budget()
         ffi = self.ffi
         m = self.struct = ffi.new("ig_model *")
         rope = blocks[0].attention.rope
@@ -114,7 +133,7 @@ class CpuModel:
         self.embed = as_blocks(weights["model.embed_tokens.weight"])
         self._mat(m.embed, self.embed)
         self.lm_head = self.embed if cfg.tie_word_embeddings else as_blocks(weights["lm_head.weight"])
-        self._mat(m.lm_head, self.lm_head)
+        self._mat(m.lm_head, self.lm_head, repack=True)
         m.final_norm = self._floats(ops.norm_weight(head.final_norm, f32(weights[head.final_norm.weight + ".weight"])))
         self.layers = ffi.new("ig_layer[]", cfg.num_layers)
         m.layers = self.layers
@@ -127,7 +146,7 @@ class CpuModel:
         self._keep.append(a)
         return self.ffi.cast("const float *", self.ffi.from_buffer(a))
 
-    def _mat(self, dst, w: QuantizedTensor) -> None:
+    def _mat(self, dst, w: QuantizedTensor, repack: bool = False) -> None:
         self._keep.append(w.data)
         dst.type, (dst.rows, dst.cols) = w.type, w.shape
         dst.row_bytes = w.data.shape[1] if w.data.ndim == 2 else 0
@@ -135,6 +154,18 @@ class CpuModel:
         if w.shape[1] % values or dst.row_bytes != w.shape[1] // values * nbytes:
             raise ValueError(f"cpu backend: rows of {dst.row_bytes} B for a {w.shape} matrix of type {w.type}")
         dst.data = self.ffi.cast("const uint8_t *", self.ffi.from_buffer(w.data))
+        dst.tiles = self.ffi.NULL
+        ptr = self.ffi.addressof(dst)
+        size = self.lib.ig_amx_repack_bytes(ptr) if repack else 0
+        if 0 < size <= self._repack_left:  # a product's matrix the tiles read: its copy in their layout
+            buf = np.empty(size + 64, dtype=np.uint8)
+            start = -buf.ctypes.data % 64
+            copy = buf[start : start + size]
+            self.lib.ig_amx_repack(ptr, self.ffi.cast("uint8_t *", self.ffi.from_buffer(copy)))
+            self._keep.append(buf)
+            dst.tiles = self.ffi.cast("const uint8_t *", self.ffi.from_buffer(copy))
+            self.repacked_bytes += size
+            self._repack_left -= size
 
     def _layer(self, L, block: Block, p: str, weights: dict) -> None:
         attn = block.attention
@@ -144,11 +175,11 @@ class CpuModel:
         }
         for field, parts in mats.items():
             for j, w in enumerate(parts):
-                self._mat(getattr(L, field)[j], w)
+                self._mat(getattr(L, field)[j], w, repack=True)
                 self.nbytes += w.nbytes
         for field, name in (("o", "self_attn.o_proj.weight"), ("down", "mlp.down_proj.weight")):
             w = as_blocks(weights[p + name])
-            self._mat(getattr(L, field), w)
+            self._mat(getattr(L, field), w, repack=True)
             self.nbytes += w.nbytes
         L.attn_norm = self._floats(
             ops.norm_weight(block.attn_norm, f32(weights[p + block.attn_norm.weight + ".weight"]))
