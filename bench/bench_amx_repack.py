@@ -105,21 +105,22 @@ def products(args) -> None:
 
 
 def model(args) -> None:
+    import importlib.util
+
+    import engine.backends.cpu.backend as cpu_backend
     from engine.backend import DecodeLane, PrefillSpan, StepOutput
     from engine.backends.cpu import CpuBackend
     from engine.backends.cpu import model as cpu_model
     from engine.loaders import load_artifact
     from tests.engine.test_hf_parity import GREEDY
 
-    import importlib.util
-
-    import engine.backends.cpu.backend as cpu_backend
-
     cfg, weights = load_artifact(Path(args.gguf), as_stored=CpuBackend.weights_as_stored)
     b, real = {}, cpu_model.repack_budget
     variants = [("copy", real, None), ("no copy", lambda: 0, None)]
     if args.base_src:  # the other commit's kernels and model.py (its ig_mat has no copy)
-        spec = importlib.util.spec_from_file_location("engine.backends.cpu._base_model", Path(args.base_src) / "model.py")
+        spec = importlib.util.spec_from_file_location(
+            "engine.backends.cpu._base_model", Path(args.base_src) / "model.py"
+        )
         base_model = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(base_model)
         variants.append(("base", real, base_model))
@@ -133,7 +134,9 @@ def model(args) -> None:
                 host_kv_budget_bytes=0, max_context=4096)  # fmt: skip
         cpu_backend.CpuModel = cpu_model.CpuModel
         b[label] = be
-        print(f"# {label}: stored {be.model.nbytes / 1e6:.1f} MB, copies {getattr(be.model, 'repacked_bytes', 0) / 1e6:.1f} MB")
+        print(
+            f"# {label}: stored {be.model.nbytes / 1e6:.1f} MB, copies {getattr(be.model, 'repacked_bytes', 0) / 1e6:.1f} MB"
+        )
     cpu_model.repack_budget = real
     rng = np.random.default_rng(0)
     vocab = cfg.vocab_size

@@ -205,7 +205,9 @@ def _struct(k, fmt, raws, cols, repack):
         p.data = k.ffi.cast("const uint8_t *", k.ffi.from_buffer(raw))
         size = k.lib.ig_amx_repack_bytes(p)
         if repack:
-            assert size == (p.rows + 15) // 16 * (cols // 32) * (640 if fmt in ("Q4_1", "Q5_1", "Q4_K", "Q5_K") else 576)
+            assert size == (p.rows + 15) // 16 * (cols // 32) * (
+                640 if fmt in ("Q4_1", "Q5_1", "Q4_K", "Q5_K") else 576
+            )
             buf = np.empty(size + 64, np.uint8)
             copy = buf[-buf.ctypes.data % 64 :][:size]
             copy[:] = 0xAA  # every byte is written by the repack (else the products below would differ)
@@ -275,7 +277,9 @@ def _lanes_alone_and_together(cpu, prompts):
     return cpu.decode_logits(batch), [cpu.decode_logits([lane])[0] for lane in batch]
 
 
-@pytest.mark.parametrize("name", ["default", "tiny-Q4_K_M.gguf", "tiny-Q5_0.gguf", "tiny-Q5_1.gguf", "tiny-Q5_K_M.gguf"])
+@pytest.mark.parametrize(
+    "name", ["default", "tiny-Q4_K_M.gguf", "tiny-Q5_0.gguf", "tiny-Q5_1.gguf", "tiny-Q5_K_M.gguf"]
+)
 def test_a_lane_alone_and_beside_seven_with_the_copies(pair, name, monkeypatch):
     """The whole model under amx as stored, the copies made: a lane's logits are the same bits alone as
     beside 7 others (1 row through AVX2 block sums, 8 through the tiles from the copies), and the same
