@@ -45,6 +45,15 @@ def test_a_killed_engine_ends_open_streams_refuses_new_requests_and_service_resu
     # A read timeout well above server.engine_timeout: on a front end that never notices, it fails the test.
     client = OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=30)
     try:
+        # /health answers from the engine's first beat, while it still loads: the subject here is a
+        # kill while streams run, so they start once the model answers (a clean-clone run under load
+        # saw the front end take the loading engine for silent and refuse the first stream 503)
+        wait_for(
+            lambda: client.chat.completions.create(model=MODEL, messages=LONG, max_tokens=1),
+            timeout=120,
+            message="the default model answering",
+            ignoring=(openai.APIStatusError, openai.APIConnectionError),
+        )
         streams = []
         for _ in range(4):
             stream = client.chat.completions.create(
