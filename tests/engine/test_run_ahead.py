@@ -15,6 +15,7 @@ from engine.kv_manager import KVManager
 from engine.messages import ENGINE_CHANNEL, AbortRequest, AddRequest, ConfigureEngine, RequestFinished, TokenEvent
 from engine.run_ahead import plan_ahead
 from engine.scheduler import Scheduler
+from tests.engine import test_spec_model
 from tests.engine.fake_backend import VOCAB, FakeBackend, FakeClock, tokens_of
 from tests.engine.test_scheduler import assert_pool_drained, expected_tokens
 
@@ -209,10 +210,9 @@ def test_a_lane_whose_round_commits_its_last_token_gets_no_row_ahead():
 # -- the worker --------------------------------------------------------------------------
 
 
-def test_the_worker_runs_rounds_ahead_and_the_key_turns_them_off_live(models):
-    from tests.engine.test_worker import Engine, expected, run
-
-    seen: list[bool] = []  # per decode step: a row fed PENDING
+def pending_steps(models) -> list[bool]:
+    """Per decode step the fake backends ``models`` makes from now on run: whether a row fed PENDING."""
+    seen: list[bool] = []
     make = models.create_backend
 
     def create_backend(name, config=None):
@@ -228,6 +228,13 @@ def test_the_worker_runs_rounds_ahead_and_the_key_turns_them_off_live(models):
         return backend
 
     models.create_backend = create_backend
+    return seen
+
+
+def test_the_worker_runs_rounds_ahead_and_the_key_turns_them_off_live(models):
+    from tests.engine.test_worker import Engine, expected, run
+
+    seen = pending_steps(models)
 
     async def scenario():
         async with Engine(models, models.model("m1")) as eng:
@@ -291,22 +298,7 @@ def test_an_abort_while_a_round_ahead_is_held_frees_its_lane_and_pages(models):
     planned with its row throw that row away, and the books end empty."""
     from tests.engine.test_worker import Engine, expected, reached, run
 
-    held: list[bool] = []  # per decode step entering the gate: a row fed PENDING
-    make = models.create_backend
-
-    def create_backend(name, config=None):
-        backend = make(name, config)
-        before = backend.before_step
-
-        def record(plan):
-            if plan.decode:
-                held.append(any(ln.token_id == PENDING for ln in plan.decode))
-            before(plan)
-
-        backend.before_step = record
-        return backend
-
-    models.create_backend = create_backend
+    held = pending_steps(models)  # per decode step entering the gate
 
     async def scenario():
         async with Engine(models, models.model("m1")) as e:
@@ -353,20 +345,7 @@ PROMPTS = [
 TOKENS = 20
 
 
-@pytest.fixture(scope="module", params=["numpy", "cpu"])
-def model(request, default_gguf_path):
-    from engine.backends import create_backend
-    from engine.loaders import load_artifact
-    from engine.tokenizer import load_tokenizer
-
-    backend = create_backend(request.param, EngineConfig(backend=request.param))
-    if backend.name != request.param:
-        pytest.skip(f"the {request.param} backend's kernels do not build here")
-    as_stored = {"as_stored": True} if getattr(backend, "weights_as_stored", False) else {}
-    cfg, weights = load_artifact(default_gguf_path, None, **as_stored)
-    plan = backend.load(cfg, weights, block_size=16, kv_budget_bytes=64 << 20, host_kv_budget_bytes=0,
-                        max_context=512)  # fmt: skip
-    return backend, plan, load_tokenizer(default_gguf_path)
+model = test_spec_model.model  # the fixture: the default GGUF on the numpy and cpu backends, its tokenizer
 
 
 def generate(model, width: int, sampling: dict, *, ahead: bool, stop_at: dict | None = None):
