@@ -110,7 +110,7 @@ def bench_ignis(be, cfg, rng, prompt_lens, rounds):
                                    sample=greedy), out)  # fmt: skip
             times.append(time.perf_counter() - t0)
         res[("prefill", n)] = min(times)
-    ctx_blocks = -(-(DECODE_CONTEXT + rounds + 8) // 16)
+    ctx_blocks = -(-(DECODE_CONTEXT + 2 * rounds + 8) // 16)  # the rounds, then as many planned ahead
     for w in WIDTHS:
         lanes = []
         for i in range(w):
@@ -130,7 +130,30 @@ def bench_ignis(be, cfg, rng, prompt_lens, rounds):
                 ln.token_id, ln.position = t, ln.position + 1
         res[("decode", w)] = statistics.median(times[3:])
         res[("graph", w)] = graph_time(be, w)
+        res[("ahead", w)] = ahead_time(be, lanes, rounds)
     return res
+
+
+def ahead_time(be, lanes, rounds: int) -> float:
+    """Wall time a round of rounds planned ahead, as the worker runs them (engine/run_ahead.py): each
+    round's rows feed PENDING (the token drawn a round before, read on the device) and are queued with
+    ``step(defer=True)`` before the round before is read back (``finish``)."""
+    from engine.backend import PENDING, DecodeLane, StepPlan
+
+    def plan(r: int) -> StepPlan:
+        return StepPlan(decode=[DecodeLane(seq_id=ln.seq_id, token_id=ln.token_id if r == 0 else PENDING,
+                                           position=ln.position + r, block_table=ln.block_table, sample=ln.sample)
+                                for ln in lanes])  # fmt: skip
+
+    be.finish(be.step(plan(0), defer=True))  # warm
+    t0 = time.perf_counter()
+    prev = be.step(plan(1), defer=True)
+    for r in range(2, rounds + 1):
+        cur = be.step(plan(r), defer=True)
+        be.finish(prev)
+        prev = cur
+    be.finish(prev)
+    return (time.perf_counter() - t0) / rounds
 
 
 def graph_time(be, w: int, reps: int = 20) -> float:
@@ -449,10 +472,12 @@ def fmt_table(bw, bound, ig, hf, prompt_lens) -> list[str]:
         t, h = ig[("decode", w)], hf.get(("decode", w))
         hs = f"{h * 1e3:.1f} ms ({1 / h:.1f} tok/s/lane, {w / h:.0f} agg)" if h else "n/a"
         vs_hf = f"; {h / t:.1f}x faster" if h else ""
-        g = ig[("graph", w)]
+        g, a = ig[("graph", w)], ig[("ahead", w)]
         rows.append(f"| decode round, width {w} | {t * 1e3:.2f} ms ({1 / t:.1f} tok/s/lane, {w / t:.0f} agg; "
                     f"graph alone {g * 1e3:.2f} ms) | {hs} "
                     f"| {t / bound:.2f}x bound{vs_hf} |")  # fmt: skip
+        rows.append(f"| rounds planned ahead, width {w} | {a * 1e3:.2f} ms ({w / a:.0f} agg) | | "
+                    f"{a / bound:.2f}x bound |")  # fmt: skip
     for n in prompt_lens:
         t, h = ig[("prefill", n)], hf.get(("prefill", n))
         hs = f"{h * 1e3:.0f} ms ({n / h:,.0f} tok/s)" if h else "OOM"
@@ -543,7 +568,9 @@ def main() -> None:
     body = [
         f"Model: Llama-3.1-8B shape, {cfg.num_layers} layers, random bf16 weights "
         f"({streamed_bytes(cfg) / 1e9:.2f} GB streamed per round); decode at {DECODE_CONTEXT}-token contexts, "
-        f"median of {args.rounds} rounds, wall time of decode_round (staging, graph replay, token read-back); "
+        f"median of {args.rounds} rounds, wall time of decode_round (staging, graph replay, token read-back; "
+        f"planned ahead: the mean of {args.rounds} rounds queued one behind the other, each read back after "
+        f"the next is queued); "
         f"ignis load {load_s:.1f} s (kernels compiled, graphs captured)",
         "",
         *fmt_table(bw, bound, ig, hf, args.prompts),

@@ -58,6 +58,16 @@ def write_model(models_dir: Path, layers: int) -> int:
     return nbytes
 
 
+def set_config(base: str, values: dict) -> None:
+    """PATCH /v1/config (a live key: the engine takes it before its next round)."""
+    import urllib.request
+
+    req = urllib.request.Request(f"{base}/v1/config", data=json.dumps(values).encode(), method="PATCH",
+                                 headers={"Content-Type": "application/json"})  # fmt: skip
+    with urllib.request.urlopen(req, timeout=30) as r:
+        r.read()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--layers", type=int, default=32)
@@ -66,6 +76,11 @@ def main() -> None:
     ap.add_argument("--port", type=int, default=18094)
     ap.add_argument("--label", default="this tree", help="the run's row label")
     ap.add_argument("--write", action="store_true", help="replace this section of docs/PERFORMANCE.md")
+    ap.add_argument(
+        "--compare-async",
+        action="store_true",
+        help="each stream count twice, model.async_rounds on then off (set live through /v1/config)",
+    )
     ap.add_argument("flags", nargs="*", help="extra flags for manage.py serve (after --)")
     args = ap.parse_args()
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
@@ -81,7 +96,13 @@ def main() -> None:
         base = f"http://127.0.0.1:{args.port}"
         try:
             run_streams(base, MODEL, log_path, 1, 16)  # warm: lazy imports, the first request's caches
-            figures = [run_streams(base, MODEL, log_path, int(n), args.tokens) for n in args.streams.split(",")]
+            modes = (True, False) if args.compare_async else (None,)
+            figures = {m: [] for m in modes}
+            for n in args.streams.split(","):
+                for m in modes:
+                    if m is not None:
+                        set_config(base, {"model.async_rounds": m})
+                    figures[m].append(run_streams(base, MODEL, log_path, int(n), args.tokens))
         finally:
             proc.terminate()
             try:
@@ -89,19 +110,26 @@ def main() -> None:
             except subprocess.TimeoutExpired:
                 proc.kill()
     backend = args.flags[args.flags.index("--model-backend") + 1] if "--model-backend" in args.flags[:-1] else "cuda"
-    run = {"label": args.label, "commit": commit.stdout.strip() or None, "figures": figures}
+    tree = commit.stdout.strip() or None
+    names = {None: args.label, True: f"{args.label}, async rounds on", False: f"{args.label}, async rounds off"}
+    runs = [{"label": names[m], "commit": tree, "figures": f} for m, f in figures.items()]
     gpu = "no GPU"
     if shutil.which("nvidia-smi"):
         query = ["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"]
         gpu = subprocess.run(query, capture_output=True, text=True).stdout.strip() or gpu
-    body = table([run]) + [
+    body = table(runs) + [
         "",
         f"Model: the Llama-3.1-8B shape ({args.layers} layers), random bf16 weights ({nbytes / 1e9:.2f} GB), "
         f"vocabulary {VOCAB} with SmolLM2's tokenizer; {backend} backend; {args.tokens} tokens a stream "
         "(`ignore_eos`), greedy, speculative rounds off; one openai client and thread per stream, all released "
         "together. Inter-token gaps and aggregate tok/s only while every stream decodes; engine round = the "
         "backend's decode round (`ignis.engine.round`), cadence = from one round's line to the next. "
-        f"Server start to healthy (load, kernels, graphs): {ready:.1f} s. Tree: {run['commit']}.",
+        f"Server start to healthy (load, kernels, graphs): {ready:.1f} s. Tree: {tree}."
+        + (
+            " Async rounds on and off alternate per stream count (one server, the key set live)."
+            if args.compare_async
+            else ""
+        ),
     ]
     machine = f"{gpu}, Python {platform.python_version()}"
     report(SECTION, machine=machine, command=command_line("python3"), body=body, write=args.write)

@@ -144,6 +144,9 @@ class StepOutput:
     prefill_seconds: float = 0.0  # the whole group's
     decode_seconds: float = 0.0
     prefill_more: list[StepOutput] = field(default_factory=list)
+    # Set by ``Backend.step(defer=True)`` on a round queued but not yet read back (the backend's own
+    # handle): ``decode_*`` are empty until ``Backend.finish`` fills them.
+    unfinished: object | None = None
 
     @property
     def prefill_results(self) -> list[StepOutput]:
@@ -174,6 +177,9 @@ class Backend(abc.ABC):
     # its spans one by one. False (the default's loop): the scheduler does not group, since grouping
     # would only hold the first prompts' first tokens back until the last span ran.
     prefills_together: bool = False
+    # ``step(plan, defer=True)`` may return a decode round before its tokens are in (``StepOutput.unfinished``;
+    # ``finish`` waits for them), so the round queued behind it starts on the device first.
+    defers_rounds: bool = False
 
     def __init__(self) -> None:
         self.config: ModelConfig | None = None
@@ -229,7 +235,7 @@ class Backend(abc.ABC):
 
         out = StepOutput()
         # The tokens a round planned ahead feeds, forgotten at once: should this step raise, the round
-        # queued behind it raises too (a KeyError in _fill_pending), never feeding older tokens.
+        # queued behind it raises too (a KeyError in fill_pending), never feeding older tokens.
         last, self.last_tokens = self.last_tokens, {}
         self.step_stage = "swaps"  # where a step that raises got to (the worker's _isolate reads it)
         if plan.swap_out:
@@ -248,17 +254,22 @@ class Backend(abc.ABC):
         if plan.decode:
             t0 = time.perf_counter()
             if self.supports_async_rounds:
-                _fill_pending(plan.decode, last)
+                self.fill_pending(plan.decode, last)
             self.decode_round(plan.decode, out)
             out.decode_seconds = time.perf_counter() - t0
             if self.supports_async_rounds:  # a lane's last row's draw is what its next row feeds
                 self.last_tokens = {ln.seq_id: int(t) for ln, t in zip(plan.decode, out.decode_tokens)}
         return out
 
+    def fill_pending(self, lanes: Sequence[DecodeLane], last: dict[int, int]) -> None:
+        """Rows feeding PENDING get the token their lane drew in the step before (``last``), written into
+        the lane (the host reads it only to run the row again: the worker's _isolate). A backend that
+        keeps the tokens on its device overrides this."""
+        for ln in lanes:
+            if ln.token_id == PENDING:
+                ln.token_id = last[ln.seq_id]
 
-def _fill_pending(lanes: Sequence[DecodeLane], last: dict[int, int]) -> None:
-    """Rows feeding PENDING get the token their lane drew in the step before (``last``), written into
-    the lane (the host reads it only to run the row again: the worker's _isolate)."""
-    for ln in lanes:
-        if ln.token_id == PENDING:
-            ln.token_id = last[ln.seq_id]
+    def finish(self, out: StepOutput) -> StepOutput:
+        """``out`` with its decode tokens in (``defers_rounds``: a round ``step(defer=True)`` returned
+        queued); this default has nothing to wait for."""
+        return out

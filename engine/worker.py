@@ -160,13 +160,15 @@ class EngineWorker:
         the finished round's output into events. Returns after a round nothing was planned ahead of
         (the loop then schedules as before: admissions, prefill, swaps, model transitions)."""
         loop = asyncio.get_running_loop()
-        running = loop.run_in_executor(self._thread, self._run_step, plan)
+        running = loop.run_in_executor(self._thread, self._run_step, plan, True)
         planned_ahead = False  # whether ``plan`` was planned while the round before it ran
         while True:
             ahead = run_ahead.plan_ahead(sched, plan) if self._may_run_ahead() else None
-            behind = loop.run_in_executor(self._thread, self._run_step, ahead) if ahead is not None else None
+            behind = loop.run_in_executor(self._thread, self._run_step, ahead, True) if ahead is not None else None
             try:
                 out = await running
+                if out.unfinished is not None:  # queued on the step thread behind ``behind``'s launches
+                    out = await loop.run_in_executor(self._thread, self.host.backend.finish, out)
             except Exception:
                 log.exception("ignis.engine.step_failed")
                 if behind is not None:  # it fed what the failed round drew: its output is no one's
@@ -183,11 +185,14 @@ class EngineWorker:
             plan, running, planned_ahead = ahead, behind, True
             await self._take_messages()  # an abort ends its lane now; an admission waits for a planned round
 
-    def _run_step(self, plan: StepPlan) -> StepOutput:
+    def _run_step(self, plan: StepPlan, defer: bool = False) -> StepOutput:
         """On the step thread: one step (``step_stage`` set here, so a step queued behind another
-        never resets the stage of the one that runs)."""
+        never resets the stage of the one that runs). ``defer``: a backend that can may return the
+        decode round queued (Backend.defers_rounds); the caller then runs ``finish`` on this thread."""
         backend = self.host.backend
         backend.step_stage = "plan"
+        if defer and backend.defers_rounds:
+            return backend.step(plan, defer=True)
         return backend.step(plan)
 
     def _may_run_ahead(self) -> bool:

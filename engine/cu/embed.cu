@@ -2,6 +2,9 @@
 //
 // x[row, :] = float(table[tokens[row], :]) * scale (gemma: sqrt(hidden); 1 otherwise)
 //   tokens int32 [rows]; table bf16 [vocab, H]; x fp32 [rows, H] (the residual stream).
+// With src (decode rounds planned ahead, docs/CUDA.md): a row with src[row] >= 0 embeds
+//   prev[src[row]] instead, the token row src[row] of the round before drew (still in the
+//   round's `out`, which this round's sampling overwrites only after its last layer).
 // With nw (decode rounds: the first layer's RMSNorm fused, see gemv.cu): also
 //   xw[row, :] = bf16(x[row, :] * nw) and ss_out[row] = sum(x[row, :]^2) (one partial per row).
 // One block per row; threads stride over H with 16-byte loads (8 bf16).
@@ -9,10 +12,13 @@
 
 extern "C" __global__ void embed(const int* __restrict__ tokens, const bf16* __restrict__ table,
                                  float* __restrict__ x, int H, const bf16* __restrict__ nw, bf16* __restrict__ xw,
-                                 float* __restrict__ ss_out, float scale) {
+                                 float* __restrict__ ss_out, float scale, const int* __restrict__ src_rows,
+                                 const int* __restrict__ prev) {
     __shared__ float scratch[32];
     const int row = blockIdx.x;
-    const uint4* src = reinterpret_cast<const uint4*>(table + (size_t)tokens[row] * H);
+    int token = tokens[row];
+    if (src_rows != nullptr && src_rows[row] >= 0) token = prev[src_rows[row]];
+    const uint4* src = reinterpret_cast<const uint4*>(table + (size_t)token * H);
     float4* dst = reinterpret_cast<float4*>(x + (size_t)row * H);
     float ss = 0.f;
     for (int c = threadIdx.x; c < H / 8; c += blockDim.x) {

@@ -115,7 +115,7 @@ class Kernels:
 
         attn = (("HEAD_DIM", head_dim), ("GROUP", group))
         self._embed = Kernel(mod("embed"), "embed", "tokens:ptr table:ptr x:ptr H:i32 nw:ptr xw:ptr ss_out:ptr "
-                             "scale:f32", 128)  # fmt: skip
+                             "scale:f32 src_rows:ptr prev:ptr", 128)  # fmt: skip
         norm = mod("norm")
         self._rmsnorm = Kernel(norm, "rmsnorm", "x:ptr w:ptr out:ptr H:i32 x_stride:i32 eps:f32 rows:i32 pf:ptr "
                                "pf_bytes:i64", 256)  # fmt: skip
@@ -163,11 +163,15 @@ class Kernels:
     # --- elementwise ---------------------------------------------------------------------
 
     def embed(self, s, tokens: int, table: int, x: int, rows: int, hidden: int,
-              norm_out: tuple[int, int, int] = (0, 0, 0), scale: float = 1.0) -> int:  # fmt: skip
+              norm_out: tuple[int, int, int] = (0, 0, 0), scale: float = 1.0,
+              feed: tuple[int, int] = (0, 0)) -> int:  # fmt: skip
         """x = table[tokens] * scale. ``norm_out`` = (norm weight, xw, ss_out): also write the first RMSNorm's
-        inputs for the fused decode GEMV (gemv.cu); returns the number of ss partials per row (1)."""
+        inputs for the fused decode GEMV (gemv.cu); returns the number of ss partials per row (1).
+        ``feed`` = (src_rows, prev): a row with src_rows[row] >= 0 embeds prev[src_rows[row]] instead
+        (a round planned ahead reads the tokens the round before drew on the device)."""
         nw, xw, ss = norm_out
-        self._embed(s, (rows,), tokens=tokens, table=table, x=x, H=hidden, nw=nw, xw=xw, ss_out=ss, scale=scale)
+        self._embed(s, (rows,), tokens=tokens, table=table, x=x, H=hidden, nw=nw, xw=xw, ss_out=ss, scale=scale,
+                    src_rows=feed[0], prev=feed[1])  # fmt: skip
         return 1
 
     def add_rmsnorm(self, s, y: int, w: int, x: int, rows: int, hidden: int, eps: float,

@@ -41,13 +41,17 @@ def current():
 
 
 class Staging:
-    """Named arrays in one pinned host buffer and one device buffer of the same layout.
+    """Named arrays in pinned host memory and one device buffer of the same layout.
 
     The host writes the views, then ``upload`` copies (a byte range of) the buffer on
     the stream; kernels and graphs read the device copies through ``ptr[name]``.
+    With ``sets=2`` the host side is two buffers used in turn (``flip``), so the host may
+    write one round's inputs while the round before still uploads from the other; ``mark``
+    records when the current set's copies (both ways) are done, and ``flip`` waits for that
+    on the set it turns to (at once, when the round that used it has long ended).
     """
 
-    def __init__(self, fields: dict[str, tuple[type, int]]) -> None:
+    def __init__(self, fields: dict[str, tuple[type, int]], sets: int = 1) -> None:
         import pycuda.driver as cuda
 
         self.offsets: dict[str, tuple[int, int]] = {}
@@ -57,12 +61,33 @@ class Staging:
             self.offsets[name] = (off, nbytes)
             off += (nbytes + 255) // 256 * 256
         self.nbytes = off
-        self.host = cuda.pagelocked_empty(off, np.uint8)
-        self.host[:] = 0
+        self._hosts = [cuda.pagelocked_empty(off, np.uint8) for _ in range(sets)]
+        for h in self._hosts:
+            h[:] = 0
+        self._views = [{n: h[o : o + b].view(fields[n][0]) for n, (o, b) in self.offsets.items()} for h in self._hosts]
+        self._marks: list = [None] * sets  # the event after each set's last copies
+        self.set = 0
+        self.host, self.view = self._hosts[0], self._views[0]
         self.dev = cuda.mem_alloc(off)
         cuda.memcpy_htod(self.dev, self.host)
-        self.view = {n: self.host[o : o + b].view(fields[n][0]) for n, (o, b) in self.offsets.items()}
         self.ptr = {n: int(self.dev) + o for n, (o, _) in self.offsets.items()}
+
+    def flip(self) -> int:
+        """Turn to the next host set (waiting until the copies ``mark`` recorded on it are done); returns it."""
+        self.set = (self.set + 1) % len(self._hosts)
+        ev = self._marks[self.set]
+        if ev is not None:
+            ev.synchronize()
+        self.host, self.view = self._hosts[self.set], self._views[self.set]
+        return self.set
+
+    def mark(self, stream) -> None:
+        """Record, on ``stream``, the point after which the current set's host bytes are free again."""
+        import pycuda.driver as cuda
+
+        if self._marks[self.set] is None:
+            self._marks[self.set] = cuda.Event(cuda.event_flags.DISABLE_TIMING)
+        self._marks[self.set].record(stream)
 
     def upload(self, stream, first: str, last: str | None = None, nbytes: int | None = None) -> None:
         """Copy fields ``first``..``last`` (declaration order), or ``nbytes`` from ``first``."""

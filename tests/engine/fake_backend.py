@@ -64,6 +64,9 @@ class FakeBackend(Backend):
         self.decode_seconds = decode_seconds  # per round
         self.plans: list[StepPlan] = []
         self.before_step: Callable[[StepPlan], None] | None = None  # FakeModels: hold or raise
+        # defers_rounds (set True by a test): step(defer=True) hands a decode round back "queued", its
+        # tokens held until finish(out), as a GPU backend's would be; ``calls`` logs ("step" | "finish", n).
+        self.calls: list[tuple[str, int]] = []
         self.unloaded = threading.Event()
 
     @staticmethod
@@ -120,13 +123,25 @@ class FakeBackend(Backend):
         self.plan = None
         self.unloaded.set()
 
-    def step(self, plan: StepPlan) -> StepOutput:
+    def step(self, plan: StepPlan, *, defer: bool = False) -> StepOutput:
         if self.before_step is not None:
             self.before_step(plan)
         self.plans.append(plan)
         out = super().step(plan)
         out.prefill_seconds = self.prefill_seconds * sum(len(span.token_ids) for span in plan.prefills)
         out.decode_seconds = self.decode_seconds if plan.decode else 0.0
+        n = len(self.plans)
+        self.calls.append(("step", n))
+        if defer and self.defers_rounds and out.decode_tokens:
+            out.unfinished = (n, out.decode_tokens, out.decode_logprobs)
+            out.decode_tokens, out.decode_logprobs = [], []
+        return out
+
+    def finish(self, out: StepOutput) -> StepOutput:
+        if out.unfinished is not None:
+            n, out.decode_tokens, out.decode_logprobs = out.unfinished
+            out.unfinished = None
+            self.calls.append(("finish", n))
         return out
 
 

@@ -20,12 +20,14 @@ from tests.engine.fake_backend import VOCAB, FakeBackend, FakeClock, tokens_of
 from tests.engine.test_scheduler import assert_pool_drained, expected_tokens
 
 
-def drive(sched, backend, *, ahead: bool, between=None, clock=None):
+def drive(sched, backend, *, ahead: bool, between=None, clock=None, defer: bool = False):
     """The worker's loop (engine/worker.py ``_run_rounds``) without an event loop: a round planned
     ahead is planned and stepped before the round before it has its output taken in, as on the
     step thread. ``between(sched, n)`` runs after round n's output is in (an abort arriving while
     the next round computes). Returns the outputs by request, how many rounds ran ahead, and the
-    books at each point where a round's output is in and the next round is planned."""
+    books at each point where a round's output is in and the next round is planned. ``defer``:
+    steps run with ``defer=True`` and a round's output is finished after the next one is queued
+    (the worker's order on a backend that defers rounds)."""
     outputs: dict[str, list] = {}
     books: list[tuple] = []
     num_ahead = n = 0
@@ -42,18 +44,22 @@ def drive(sched, backend, *, ahead: bool, between=None, clock=None):
             clock.advance(0.01)  # the worker would wait for the prefill gate
         return None
 
+    def step(plan):
+        return backend.step(plan, defer=True) if defer else backend.step(plan)
+
     plan = schedule()
-    out = backend.step(plan)
+    out = step(plan)
     while True:
         nxt = plan_ahead(sched, plan) if ahead else None
-        nxt_out = backend.step(nxt) if nxt is not None else None  # behind ``plan`` on the step thread
+        nxt_out = step(nxt) if nxt is not None else None  # behind ``plan`` on the step thread
+        out = backend.finish(out)
         take(sched.update_from_output(plan, out))
         n += 1
         if between is not None:
             take(between(sched, n))
         if nxt is None:
             nxt = schedule()
-            nxt_out = backend.step(nxt) if nxt is not None else None
+            nxt_out = step(nxt) if nxt is not None else None
         else:
             num_ahead += 1
         now = snapshot(sched, nxt)
@@ -255,6 +261,39 @@ def test_the_worker_runs_rounds_ahead_and_the_key_turns_them_off_live(models):
             assert seen and not any(seen)
 
     run(scenario)
+
+
+def test_the_worker_reads_a_deferred_round_back_after_queueing_the_next(models):
+    """A backend that defers rounds (a GPU's: Backend.defers_rounds) hands round N back queued; the
+    worker queues N+1 on the step thread before it asks for N's tokens (``finish``), and every
+    token is the synchronous run's."""
+    from tests.engine.test_worker import Engine, expected, run
+
+    make = models.create_backend
+
+    def create_backend(name, config=None):
+        backend = make(name, config)
+        backend.defers_rounds = True
+        return backend
+
+    models.create_backend = create_backend
+
+    async def scenario():
+        async with Engine(models, models.model("m1")) as eng:
+            adds = [await eng.submit(max_tokens=12) for _ in range(3)]
+            for add in adds:
+                tokens, last = await eng.outcome(add)
+                assert tokens == expected(add, 12) and last["finish_reason"] == "length"
+
+    run(scenario)
+    calls = models.backends[-1].calls
+    finished = [n for kind, n in calls if kind == "finish"]
+    assert finished, calls
+    # Round n was read back only after round n + 1 was stepped (queued behind it), for most rounds.
+    at = {call: i for i, call in enumerate(calls)}
+    later = [n for n in finished if at.get(("step", n + 1), len(calls)) < at[("finish", n)]]
+    assert len(later) >= len(finished) // 2, calls
+    assert all(at[("step", n)] < at[("finish", n)] for n in finished)
 
 
 def test_a_round_ahead_that_raises_ends_only_its_failing_lane(models):

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from engine.backend import Backend, DecodeLane, PrefillSpan, StepOutput
+from engine.backend import PENDING, Backend, DecodeLane, PrefillSpan, StepOutput, StepPlan
 from engine.backends.cuda import sampling
 from engine.backends.cuda.forward import MAX_LANES, PREFILL_CHUNK, QUANT_LANES, Forward, Workspace, check_model
 from engine.config import CudaTuning
@@ -49,6 +49,12 @@ class CudaBackend(Backend):
     takes_fp8 = True
     # bf16 checkpoint tensors arrive as stored (engine.loaders.bf16) and go up as their bits.
     takes_bf16 = True
+    # Rounds planned ahead (engine/run_ahead.py, docs/CUDA.md): a PENDING row's token is read on the
+    # device from the round before's ``out`` (the embed kernel's ``src`` rows); with ``step(defer=True)``
+    # a plain round returns once queued, and ``finish`` waits for its tokens: the next round is queued
+    # on the card behind it before the host reads them.
+    supports_async_rounds = True
+    defers_rounds = True
 
     def __init__(self, tuning: CudaTuning | None = None) -> None:
         super().__init__()
@@ -57,6 +63,11 @@ class CudaBackend(Backend):
         self.graphs = None
         self.dstage = self.pstage = None
         self.vision = None
+        self._rows_before: dict[int, int] = {}  # seq_id -> its row in the last round, whose token is on the device
+        self._feed_from: dict[int, int] = {}  # _rows_before as the step began
+        self._feed: dict[int, int] = {}  # this round's PENDING rows -> the row of the round before they feed
+        self._in_flight: dict[int, _Round] = {}  # staging set -> the deferred round that used it
+        self._defer = False
 
     # --- load ------------------------------------------------------------------------------
 
@@ -106,7 +117,7 @@ class CudaBackend(Backend):
         self.logits_host = cuda.pagelocked_empty((MAX_LANES, cfg.vocab_size), np.float32)
         self.bt_stride = -(-max_context // block_size)
         self.pen_stride = pen = min(cfg.vocab_size, max_context)
-        self.dstage = Staging(decode_fields(MAX_LANES, self.bt_stride, pen))
+        self.dstage = Staging(decode_fields(MAX_LANES, self.bt_stride, pen), sets=2)  # rounds planned ahead
         self.pstage = Staging({
             "sample_pos": (np.int32, 1), "seeds": (np.uint64, 1), "params": (np.float32, 8), "pen_num": (np.int32, 1),
             "out": (np.int32, 1), "block_table": (np.int32, self.bt_stride), "tokens": (np.int32, max_context),
@@ -296,21 +307,57 @@ class CudaBackend(Backend):
             raise ValueError(f"block table of {len(bt)} blocks does not reach position {int(positions.max())}")
         return bt[idx] * self.block_size + positions % self.block_size
 
+    def step(self, plan: StepPlan, *, defer: bool = False) -> StepOutput:
+        """Backend.step; ``defer``: a decode round whose rows need nothing on the host (one group of
+        rows, no logits read back) returns once queued, with ``out.unfinished`` set (``finish``)."""
+        self._defer = defer
+        # The device tokens a round planned ahead feeds, forgotten at once (as Backend.step forgets
+        # last_tokens): should this step raise, the one queued behind raises before it replays.
+        self._rows_before, self._feed_from = {}, self._rows_before
+        return super().step(plan)
+
+    def fill_pending(self, lanes: Sequence[DecodeLane], last: dict[int, int]) -> None:
+        """PENDING rows: from ``last`` where the round before ended on the host, else from its row's
+        token on the device (``_feed``: row -> the row of the round before)."""
+        self._feed = {}
+        for i, ln in enumerate(lanes):
+            if ln.token_id == PENDING:
+                if ln.seq_id in last:
+                    ln.token_id = last[ln.seq_id]
+                else:
+                    self._feed[i] = self._feed_from[ln.seq_id]  # KeyError: the round before raised
+
+    def finish(self, out: StepOutput) -> StepOutput:
+        """Wait for a deferred round's tokens (``step(defer=True)``) and fill them into ``out``."""
+        if out.unfinished is not None:
+            from engine.cu import runtime
+
+            with runtime.current():
+                self._land(out.unfinished)
+        return out
+
     def decode_round(self, lanes: Sequence[DecodeLane], out: StepOutput) -> None:
         from engine.cu import runtime
 
         with runtime.current():
             w = self.max_round_rows
+            if len(lanes) > w and self._feed:
+                raise ValueError("a round planned ahead wider than one graph")  # plan_ahead never makes one
+            defer = self._defer and len(lanes) <= w
             for g in range(0, len(lanes), w):
-                self._decode_group(lanes[g : g + w], out)
+                self._decode_group(lanes[g : g + w], out, defer)
 
-    def _decode_group(self, lanes: Sequence[DecodeLane], out: StepOutput) -> None:
+    def _decode_group(self, lanes: Sequence[DecodeLane], out: StepOutput, defer: bool = False) -> None:
         import pycuda.driver as cuda
 
         st, s, M = self.dstage, self.stream, len(lanes)
+        prev = self._in_flight.pop((st.set + 1) % 2, None)
+        if prev is not None:  # its tokens are in the host set this round is about to write
+            self._land(prev)
+        st.flip()
         v, stride, bs, vocab = st.view, self.bt_stride, self.block_size, self.config.vocab_size
         any_pen = False
-        tokens, positions, slots = v["tokens"], v["positions"], v["slots"]
+        tokens, positions, slots, src, feed = v["tokens"], v["positions"], v["slots"], v["src"], self._feed
         for i, ln in enumerate(lanes):  # plain Python per lane: this is on every round's critical path
             bt, pos = ln.block_table, int(ln.position)
             nb = len(bt)
@@ -318,13 +365,20 @@ class CudaBackend(Backend):
                 raise ValueError(f"block table longer than max_context ({stride} blocks)")
             if not 0 <= pos < self.max_context or pos // bs >= nb:
                 raise ValueError(f"block table of {nb} blocks does not reach position {pos}")
-            tokens[i] = ln.token_id
+            if ln.token_id == PENDING:
+                tokens[i], src[i] = 0, feed[i]
+            else:
+                tokens[i], src[i] = ln.token_id, -1
             positions[i] = pos
             if self.mrope:
                 v["rope_positions"][i] = pos + ln.rope_delta
             slots[i] = int(bt[pos // bs]) * bs + pos % bs
             v["block_tables"][i * stride : i * stride + nb] = bt
             any_pen |= sampling.stage_row(st, i, ln.sample, pos + 1, vocab, self.pen_stride)
+        want = any(sampling.needs_logits(ln.sample) for ln in lanes)
+        r = _Round(lanes, out, st.set, v["out"]) if defer and not want else None
+        if r is not None:
+            r.start.record(s)
         st.upload(s, "tokens", "pen_num")
         st.upload(s, "block_tables", nbytes=4 * M * stride)
         if self.mrope:
@@ -334,14 +388,31 @@ class CudaBackend(Backend):
             st.upload(s, "pen_counts", nbytes=4 * M * self.pen_stride)
         self.graphs.replay(M)
         cuda.memcpy_dtoh_async(v["out"], st.ptr["out"], s)
-        want = any(sampling.needs_logits(ln.sample) for ln in lanes)
         if want:
             cuda.memcpy_dtoh_async(self.logits_host[:M], self.ws.logits, s)
+        st.mark(s)
+        self._rows_before = {ln.seq_id: i for i, ln in enumerate(lanes)}  # (one group: see decode_round)
+        if r is not None:
+            r.end.record(s)
+            out.unfinished = self._in_flight[st.set] = r
+            return
         s.synchronize()
         for i, ln in enumerate(lanes):
             token, lp = sampling.finish_row(self.logits_host[i], ln.sample, int(v["out"][i]), int(ln.position) + 1)
             out.decode_tokens.append(token)
             out.decode_logprobs.append(lp)
+
+    def _land(self, r: _Round) -> None:
+        """A deferred round's tokens into its output, once its copies are done (at most once)."""
+        if r.out.unfinished is not r:
+            return
+        r.end.synchronize()
+        r.out.decode_tokens.extend(int(t) for t in r.tokens[: len(r.lanes)])
+        r.out.decode_logprobs.extend([None] * len(r.lanes))
+        r.out.decode_seconds = r.end.time_since(r.start) / 1e3
+        r.out.unfinished = None
+        if self._in_flight.get(r.set) is r:
+            del self._in_flight[r.set]
 
     # --- KV pages --------------------------------------------------------------------------
 
@@ -371,11 +442,23 @@ class CudaBackend(Backend):
                 if st is not None:
                     st.free()
             self.dstage = self.pstage = None
+            self._in_flight, self._rows_before = {}, {}
             if self.mem:
                 self.mem.free()
             self.mem = None
             self.kv = self.logits_host = self.vision = None
             self.plan = None
+
+
+class _Round:
+    """A decode round queued with ``step(defer=True)``: its lanes, output, staging set and the
+    events around it on the stream (``end``: its tokens are in ``tokens``, the set's host ``out``)."""
+
+    def __init__(self, lanes, out: StepOutput, set_: int, tokens: np.ndarray) -> None:
+        import pycuda.driver as cuda
+
+        self.lanes, self.out, self.set, self.tokens = lanes, out, set_, tokens
+        self.start, self.end = cuda.Event(), cuda.Event()
 
 
 def _clip_rows(runs: list[tuple[int, np.ndarray]], lo: int, hi: int) -> list[tuple[int, np.ndarray]]:

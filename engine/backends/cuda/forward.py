@@ -164,7 +164,8 @@ class Forward:
         hid, H, KVH, eps = c.hidden_size, c.num_heads, c.num_kv_heads, c.rms_norm_eps
         norms = [L.ln1 for L in w.layers[1:]] + [w.final_norm]
         first = w.layers[0].ln1 if w.layers else w.final_norm
-        nparts = k.embed(s, p["tokens"], w.embed, ws.x, rows, hid, norm_out=(first, ws.xn, ws.ss), scale=w.embed_scale)
+        nparts = k.embed(s, p["tokens"], w.embed, ws.x, rows, hid, norm_out=(first, ws.xn, ws.ss), scale=w.embed_scale,
+                         feed=(p["src"], p["out"]))  # fmt: skip
         for i, L in enumerate(w.layers):
             cache = kv.layer(i)
             self._qkv(i, L, rows, p["rope_positions" if self.mrope else "positions"], p["slots"],
