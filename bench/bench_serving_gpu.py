@@ -40,22 +40,38 @@ MODEL = "llama-8b-shape"
 VOCAB = 49152
 
 
-def write_model(models_dir: Path, layers: int) -> int:
-    """The checkpoint under ``models_dir/MODEL`` with the default GGUF's tokenizer files; its bytes."""
-    from engine.tokenizer import load_tokenizer
-    from tests.models.tiny import link_default_gguf
+# The default GGUF's tokenizer files, saved here by ``--save-tokenizer`` (the GGUF itself is more than
+# a device call carries; this directory is 2 MB): used when the GGUF is not in models/.
+SAVED_TOKENIZER = ROOT / ".gpu" / "tokenizer"
 
-    gguf = link_default_gguf(models_dir, ROOT / "models" / GGUF)
-    bundle = load_tokenizer(gguf)
+
+def save_tokenizer(target: Path) -> tuple[int, int]:
+    """tokenizer.json and tokenizer_config.json of the default GGUF into ``target``; its (bos, eos) ids."""
+    from engine.tokenizer import load_tokenizer
+
+    bundle = load_tokenizer(ROOT / "models" / GGUF)
     if bundle.tokenizer.get_vocab_size() > VOCAB:
         raise SystemExit(f"the tokenizer has {bundle.tokenizer.get_vocab_size()} tokens, more than {VOCAB}")
-    target = models_dir / MODEL
-    ids = {t: bundle.tokenizer.token_to_id(t) for t in (bundle.bos_token, bundle.eos_token)}
-    nbytes = write_checkpoint(target, layers, vocab=VOCAB, bos=ids[bundle.bos_token], eos=ids[bundle.eos_token])
+    target.mkdir(parents=True, exist_ok=True)
     bundle.tokenizer.save(str(target / "tokenizer.json"))
-    config = {"chat_template": bundle.chat_template, "bos_token": bundle.bos_token, "eos_token": bundle.eos_token}
+    ids = [bundle.tokenizer.token_to_id(t) for t in (bundle.bos_token, bundle.eos_token)]
+    config = {"chat_template": bundle.chat_template, "bos_token": bundle.bos_token, "eos_token": bundle.eos_token,
+              "ids": ids}  # fmt: skip
     (target / "tokenizer_config.json").write_text(json.dumps(config))
-    return nbytes
+    return ids[0], ids[1]
+
+
+def write_model(models_dir: Path, layers: int) -> int:
+    """The checkpoint under ``models_dir/MODEL`` with the default GGUF's tokenizer files; its bytes."""
+    target = models_dir / MODEL
+    target.mkdir(parents=True, exist_ok=True)
+    if (ROOT / "models" / GGUF).exists():
+        bos, eos = save_tokenizer(target)
+    else:
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy2(SAVED_TOKENIZER / name, target / name)
+        bos, eos = json.loads((target / "tokenizer_config.json").read_text())["ids"]
+    return write_checkpoint(target, layers, vocab=VOCAB, bos=bos, eos=eos)
 
 
 def set_config(base: str, values: dict) -> None:
@@ -81,8 +97,12 @@ def main() -> None:
         action="store_true",
         help="each stream count twice, model.async_rounds on then off (set live through /v1/config)",
     )
+    ap.add_argument("--save-tokenizer", action="store_true", help=f"only save the tokenizer to {SAVED_TOKENIZER}")
     ap.add_argument("flags", nargs="*", help="extra flags for manage.py serve (after --)")
     args = ap.parse_args()
+    if args.save_tokenizer:
+        save_tokenizer(SAVED_TOKENIZER)
+        return
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
     flags = ["--model-id", MODEL, "--model-path", MODEL, "--model-backend", "cuda", "--spec-enabled", "false"]
     with tempfile.TemporaryDirectory(prefix="ignis-bench-serving-gpu-") as tmp:
