@@ -5,9 +5,9 @@ Anywhere: which spans of a group run as one pass and where their rows sit
 stand-in forward and kernels (what it stages, which passes it launches, which draw each span
 gets back). On the GPU: each span of a group gets exactly what its ``prefill`` alone gets (its
 first token and logprobs, greedy and seeded, and the K/V it writes, so the decode rounds after
-it agree too), on a head_dim 64 model (attention_prefill.cu) and a head_dim 128 one
-(attention_prefill_hopper.cu on sm_90); and a burst through the scheduler gives the tokens of
-one prompt a step. The alone and grouped runs write into different fresh blocks, so a span
+it agree too), on models of both prefill attention kernels, a soft-capped head, sliding windows
+and sinks, and MoE layers (``MODELS``); and a burst through the scheduler gives the tokens of one
+prompt a step. The alone and grouped runs write into different fresh blocks, so a span
 reading another's pages (or its own stale ones) shows.
 """
 
@@ -226,22 +226,44 @@ TINY_LLAMA = dict(vocab_size=4096, hidden_size=1024, intermediate_size=2816, num
                   tie_word_embeddings=False, initializer_range=0.05)  # fmt: skip
 
 
-@pytest.fixture(scope="module", params=["qwen2_hd64", "llama_hd128"])
-def loaded(request):
-    pytest.importorskip("torch")
-    pytest.importorskip("transformers")
-    from tests.kernels.hf_models import DEFAULT_ROPE, QWEN_SMALL, random_model
-    from tests.kernels.test_cuda_model import load_cuda
+# Hugging Face models (head_dim 64: attention_prefill.cu; 128: attention_prefill_hopper.cu on sm_90),
+# and test_cuda_archs' synthetic ones: gemma2-like (head_dim 256, post-norms, the head's soft-cap on
+# the pass's head rows), gpt-oss-like (sinks, sliding windows, biases), qwen3-moe-like (MoE layers).
+MODELS = ("qwen2_hd64", "llama_hd128", "gemma2", "gpt_oss", "qwen3_moe")
 
-    if request.param == "qwen2_hd64":
-        model, cfg = random_model("qwen2", DEFAULT_ROPE, **QWEN_SMALL)
+
+@pytest.fixture(scope="module", params=MODELS)
+def loaded(request):
+    mp = pytest.MonkeyPatch()
+    if request.param in ("qwen2_hd64", "llama_hd128"):
+        pytest.importorskip("torch")
+        pytest.importorskip("transformers")
+        from tests.kernels.hf_models import DEFAULT_ROPE, QWEN_SMALL, random_model
+        from tests.kernels.test_cuda_model import load_cuda
+
+        if request.param == "qwen2_hd64":
+            model, cfg = random_model("qwen2", DEFAULT_ROPE, **QWEN_SMALL)
+        else:
+            model, cfg = random_model("llama", DEFAULT_ROPE, **TINY_LLAMA)
+        be, _ = load_cuda(model, cfg, as_numpy=True, max_context=1024, kv=256 << 20)
+        del model
     else:
-        model, cfg = random_model("llama", DEFAULT_ROPE, **TINY_LLAMA)
-    be, _ = load_cuda(model, cfg, as_numpy=True, max_context=1024, kv=256 << 20)
-    del model
+        from engine.backends import create_backend
+        from engine.models import DEFINITIONS
+        from tests.kernels import test_cuda_archs as archs
+
+        make, extra, cfg_kw = archs.MODELS[request.param]
+        name = f"test_cuda_group_{request.param}"
+        d = archs.Synthetic(name, (), (), make_block=make, **extra)
+        mp.setitem(DEFINITIONS, name, d)  # undone when this model's tests are done
+        cfg = archs._cfg(name, **cfg_kw)
+        be = create_backend("cuda")
+        be.load(cfg, archs.random_weights(d, cfg), block_size=BLOCK, kv_budget_bytes=256 << 20,
+                host_kv_budget_bytes=0, max_context=1024)  # fmt: skip
     be.next_block = 0  # the next block ``_tables`` hands out
     yield be
     be.unload()
+    mp.undo()
 
 
 def _tables(be, n: int) -> list[list[int]]:
