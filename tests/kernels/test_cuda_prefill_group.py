@@ -108,24 +108,24 @@ class _Staging:
 class _Forward:
     """Records each pass with the staged rows it would read, and each head launch."""
 
-    def __init__(self, st) -> None:
-        self.st, self.passes, self.heads = st, [], []
+    def __init__(self, st, per_row: int = 1) -> None:
+        self.st, self.per_row, self.passes, self.heads = st, per_row, [], []
 
     def prefill_rows(self, rows, tokens, positions, slots, spans, embeds=()) -> None:
-        v, p = self.st.view, self.st.ptr
+        v, p, k = self.st.view, self.st.ptr, self.per_row
         first = (tokens - p["tokens"]) // 4
-        assert (positions - p["positions"]) // 4 == first == (slots - p["slots"]) // 4
+        assert (positions - p["positions"]) // (4 * k) == first == (slots - p["slots"]) // 4
         tables = [v["block_table"][(bt - p["block_table"]) // 4 :] for _, _, bt, _ in spans]
         self.passes.append(dict(rows=rows, spans=[(r0, n, start) for r0, n, _, start in spans], tables=tables,
                                 tokens=v["tokens"][first : first + rows].copy(),
-                                positions=v["positions"][first : first + rows].copy(),
+                                positions=v["positions"][k * first : k * (first + rows)].reshape(rows, k).copy(),
                                 slots=v["slots"][first : first + rows].copy()))  # fmt: skip
 
     def head(self, rows, x_row, out_row=0) -> None:
         self.heads.append((rows, x_row, out_row))
 
 
-def _host_backend(monkeypatch, vocab=64, hidden=32, block_size=4, max_context=64):
+def _host_backend(monkeypatch, vocab=64, hidden=32, block_size=4, max_context=64, mrope=False):
     """A CudaBackend whose device is stand-ins: its prefill code runs here, every launch recorded."""
     from engine.backends.cuda import CudaBackend
     from engine.cu import runtime
@@ -145,10 +145,10 @@ def _host_backend(monkeypatch, vocab=64, hidden=32, block_size=4, max_context=64
     be = CudaBackend()
     be.config = ModelConfig(arch="llama", vocab_size=vocab, hidden_size=hidden, intermediate_size=64, num_layers=1,
                             num_heads=2, num_kv_heads=1, head_dim=16)  # fmt: skip
-    be.block_size, be.max_context, be.mrope = block_size, max_context, False
+    be.block_size, be.max_context, be.mrope = block_size, max_context, mrope
     be.bt_stride, be.pen_stride = max_context // block_size, min(vocab, max_context)
-    be.pstage = _Staging(prefill_fields(64, be.bt_stride, max_context, be.pen_stride, mrope=False))
-    be.forward = _Forward(be.pstage)
+    be.pstage = _Staging(prefill_fields(64, be.bt_stride, max_context, be.pen_stride, mrope=mrope))
+    be.forward = _Forward(be.pstage, 3 if mrope else 1)
     be.stream = SimpleNamespace(synchronize=lambda: None)
     be.ws = SimpleNamespace(x=1 << 30, logits=1 << 31)
     be.weights = SimpleNamespace(lm_head=1 << 32)  # a bf16 pointer: the GEMV takes 64 rows of it
@@ -185,7 +185,7 @@ def test_a_group_stages_one_pass_of_its_wide_spans_and_hands_each_its_draw(monke
     together = [spans[i] for i in (0, 2, 4, 5)]
     np.testing.assert_array_equal(one["tokens"], np.concatenate([s.token_ids for s in together]))
     pos = np.concatenate([np.arange(s.start_pos, s.start_pos + len(s.token_ids)) for s in together])
-    np.testing.assert_array_equal(one["positions"], pos)
+    np.testing.assert_array_equal(one["positions"][:, 0], pos)
     blocks = np.concatenate([np.asarray(s.block_table)[np.arange(s.start_pos, s.start_pos + len(s.token_ids)) // 4]
                              for s in together])  # fmt: skip
     np.testing.assert_array_equal(one["slots"], blocks * 4 + pos % 4)
@@ -199,6 +199,20 @@ def test_a_group_stages_one_pass_of_its_wide_spans_and_hands_each_its_draw(monke
     # every sampled span gets the draw at its own sample position (start + rows); the unsampled one none
     assert [o.prefill_token for o in outs] == [1006, 1003, 1013, 1007, 1011, None]
     assert be.pstage.view["pen_num"][:3].tolist() == [0, 0, 0]
+
+
+def test_a_group_on_multimodal_rope_stages_three_positions_a_row(monkeypatch):
+    be, _ = _host_backend(monkeypatch, mrope=True)
+    three = np.array([[5, 6, 7, 8, 9], [5, 5, 6, 6, 7], [5, 6, 5, 6, 5]])  # a span's own (t, h, w) positions
+    spans = [_span(0, 6, table=[1, 2]), _span(1, 5, start=4, table=[3, 4, 5], rope_positions=three)]
+    outs = [StepOutput() for _ in spans]
+    be.prefill_group(spans, outs)
+    (one,) = be.forward.passes
+    assert one["spans"] == [(0, 6, 0), (6, 5, 4)]
+    np.testing.assert_array_equal(one["positions"][:6], np.repeat(np.arange(6)[:, None], 3, axis=1))
+    np.testing.assert_array_equal(one["positions"][6:], three.T)
+    np.testing.assert_array_equal(one["slots"], [4, 5, 6, 7, 8, 9, 16, 17, 18, 19, 20])
+    assert [o.prefill_token for o in outs] == [1006, 1009]
 
 
 def test_a_group_of_narrow_spans_prefills_one_by_one(monkeypatch):
