@@ -17,8 +17,9 @@ The first prompt that does not qualify ends the group: none jumps another. The m
 run in the lead's step (``StepPlan.prefill_more``), each with its own positions, block table and
 sample request, and the decode-share gate counts the group's tokens (the caller adds what
 ``join`` returns to the lead's first chunk). ``cfg.prefill_group`` off, or a backend that would run
-the spans one by one anyway (``Backend.prefills_together`` False: the CUDA backend for now), nobody
-joins: there a group would only hold its first prompts' first tokens until the last span ran.
+the spans one by one anyway (``Backend.prefills_together`` False; the numpy, cpu and cuda backends
+run a group in one forward), nobody joins: there a group would only hold its first prompts' first
+tokens until the last span ran.
 """
 
 from __future__ import annotations

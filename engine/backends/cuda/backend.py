@@ -5,7 +5,8 @@ A load uploads the weights (``weights``: a GGUF's block-quantized matrices as st
 ``PREFILL_CHUNK`` rows (``forward.Workspace``) and two staging areas (decode round,
 prefill span), sizes the KV pool from what is left (``kv``), and captures one decode
 graph per width (``graphs``: 1..64 rows, 1..8 with quantized matrices). A prefill span
-runs in chunks through ``Forward``; a decode round stages its lanes (a speculating
+runs in chunks through ``Forward``, a prefill group's spans as one pass where each gets its
+own bits there (``prefill_rows``); a decode round stages its lanes (a speculating
 lane's verify rows among them) and replays its width's graph; both sample on the
 device (``sampling``). A vision-language model (qwen2_5_vl) also uploads its tower
 (``vision``): a span encodes each image it reaches once and its chunks take the image's
@@ -55,6 +56,9 @@ class CudaBackend(Backend):
     # on the card behind it before the host reads them.
     supports_async_rounds = True
     defers_rounds = True
+    # prefill_group: a group's spans of more rows than the GEMV takes run as one pass of the forward
+    # (prefill_rows.py), each with the bits it gets alone.
+    prefills_together = True
 
     def __init__(self, tuning: CudaTuning | None = None) -> None:
         super().__init__()
@@ -87,6 +91,7 @@ class CudaBackend(Backend):
 
         from engine.backends.cuda.graphs import GraphRunner, decode_fields
         from engine.backends.cuda.kv import KVPool
+        from engine.backends.cuda.prefill_rows import prefill_fields
         from engine.backends.cuda.weights import quant_formats, upload
         from engine.cu.kernels import gemv_rows
         from engine.cu.runtime import Allocations, Staging
@@ -118,12 +123,7 @@ class CudaBackend(Backend):
         self.bt_stride = -(-max_context // block_size)
         self.pen_stride = pen = min(cfg.vocab_size, max_context)
         self.dstage = Staging(decode_fields(MAX_LANES, self.bt_stride, pen), sets=2)  # rounds planned ahead
-        self.pstage = Staging({
-            "sample_pos": (np.int32, 1), "seeds": (np.uint64, 1), "params": (np.float32, 8), "pen_num": (np.int32, 1),
-            "out": (np.int32, 1), "block_table": (np.int32, self.bt_stride), "tokens": (np.int32, max_context),
-            "positions": (np.int32, (3 if self.mrope else 1) * max_context), "slots": (np.int32, max_context),
-            "pen_tokens": (np.int32, pen), "pen_counts": (np.int32, pen),
-        })  # fmt: skip
+        self.pstage = Staging(prefill_fields(MAX_LANES, self.bt_stride, max_context, pen, mrope=self.mrope))
         self.kv = KVPool(cfg, block_size, self.mem, kv_budget_bytes, host_kv_budget_bytes,
                          gpu_budget=self.tuning.gpu_budget, free_at_load=free_at_load)  # fmt: skip
         self.forward = Forward(cfg, self.kern, self.stream, self.weights, self.ws, self.kv.layout, moe=self.moe)
@@ -230,6 +230,24 @@ class CudaBackend(Backend):
         with runtime.current():
             self._prefill(span, out)
 
+    def prefill_group(self, spans: Sequence[PrefillSpan], outs: Sequence[StepOutput]) -> None:
+        """Several whole prompts in one step (engine/prefill_group.py): the spans ``prefill_rows.layout``
+        takes run as one pass of the forward (each weight streamed once for all their rows, attention
+        span by span) and draw in one sampling call; the others prefill one by one. Each span gets the
+        bits its ``prefill`` alone gets (engine/backends/cuda/prefill_rows.py says why)."""
+        from engine.backends.cuda.prefill_rows import layout
+        from engine.cu import runtime
+
+        with runtime.current():
+            rows = layout(spans, narrow=self.kern.gemv_cap, max_rows=min(PREFILL_CHUNK, self.max_context),
+                          max_spans=MAX_LANES)  # fmt: skip
+            together = {r.index for r in rows}
+            for i, (span, out) in enumerate(zip(spans, outs, strict=True)):
+                if i not in together:
+                    self._prefill(span, out)
+            if rows:
+                self._prefill_pass(spans, outs, rows)
+
     def _prefill(self, span: PrefillSpan, out: StepOutput) -> None:
         import pycuda.driver as cuda
 
@@ -239,29 +257,17 @@ class CudaBackend(Backend):
         if span.want_prompt_logprobs is not None:  # supports_prompt_logprobs is False: the scheduler refuses first
             raise ValueError("prompt logprobs are not available on the CUDA backend")
         st, s = self.pstage, self.stream
-        positions = np.arange(start, start + n, dtype=np.int64)
-        slots = self._slots(span.block_table, positions)
-        if len(span.block_table) > self.bt_stride:
-            raise ValueError(f"block table longer than max_context ({self.bt_stride} blocks)")
         v, p = st.view, st.ptr
-        v["tokens"][:n] = np.asarray(span.token_ids, dtype=np.int32)
+        self._stage_span(span, 0, 0)
+        self._upload_rows(n, len(span.block_table))
         per_row = 3 if self.mrope else 1  # multimodal rope: (t, h, w) a row
-        if self.mrope:
-            three = positions if span.rope_positions is None else span.rope_positions
-            v["positions"][: 3 * n] = np.broadcast_to(three, (3, n)).T.reshape(-1)
-        else:
-            v["positions"][:n] = positions
-        v["slots"][:n] = slots
-        v["block_table"][: len(span.block_table)] = np.asarray(span.block_table, dtype=np.int32)
-        st.upload(s, "block_table", nbytes=4 * len(span.block_table))
-        for name in ("tokens", "positions", "slots"):
-            st.upload(s, name, nbytes=4 * n * (per_row if name == "positions" else 1))
         images = self._image_rows(span)
         for c0 in range(0, n, PREFILL_CHUNK):
             rows = min(PREFILL_CHUNK, n - c0)
             embeds = [(lo - c0, r) for lo, r in _clip_rows(images, c0, c0 + rows)]
-            self.forward.prefill_chunk(rows, p["tokens"] + 4 * c0, p["positions"] + 4 * per_row * c0,
-                                       p["slots"] + 4 * c0, p["block_table"], start + c0, embeds=embeds)  # fmt: skip
+            self.forward.prefill_rows(rows, p["tokens"] + 4 * c0, p["positions"] + 4 * per_row * c0,
+                                      p["slots"] + 4 * c0, [(0, rows, p["block_table"], start + c0)],
+                                      embeds=embeds)  # fmt: skip
         req = span.sample
         if req is None and not span.want_logits:
             s.synchronize()
@@ -284,6 +290,71 @@ class CudaBackend(Backend):
         if req is not None:
             out.prefill_token, out.prefill_logprob = sampling.finish_row(self.logits_host[1], req, int(v["out"][0]),
                                                                          start + n)  # fmt: skip
+
+    def _prefill_pass(self, spans: Sequence[PrefillSpan], outs: Sequence[StepOutput], layout: list) -> None:
+        """The spans of ``layout`` (``prefill_rows.SpanRows``) as one pass of the forward; then each
+        sampled span's last row through the head (in slices the GEMV takes, as its ``prefill`` takes
+        its one row) and one sampling call over those rows; one read-back, one synchronization."""
+        import pycuda.driver as cuda
+
+        from engine.backends.cuda.prefill_rows import head_slices
+        from engine.cu.kernels import gemv_rows
+
+        st, s, ws = self.pstage, self.stream, self.ws
+        v, p = st.view, st.ptr
+        for r in layout:
+            self._stage_span(spans[r.index], r.row0, r.table0)
+        end = layout[-1]
+        self._upload_rows(end.row0 + end.rows, end.table0 + len(spans[end.index].block_table))
+        self.forward.prefill_rows(end.row0 + end.rows, p["tokens"], p["positions"], p["slots"],
+                                  [(r.row0, r.rows, p["block_table"] + 4 * r.table0, r.start) for r in layout])  # fmt: skip
+        sampled = [r for r in layout if spans[r.index].sample is not None]
+        if not sampled:
+            s.synchronize()
+            return
+        hid, vocab, m = self.config.hidden_size, self.config.vocab_size, len(sampled)
+        for j, r in enumerate(sampled):  # last rows to the front of ws.x, in order: row j <= r.last is no later source
+            if r.last != j:
+                cuda.memcpy_dtod_async(ws.x + 4 * hid * j, ws.x + 4 * hid * r.last, 4 * hid, s)
+        for r0, rows in head_slices(m, min(gemv_rows(self.weights.lm_head), self.kern.gemv_cap)):
+            self.forward.head(rows, r0, out_row=r0)
+        for j, r in enumerate(sampled):  # no penalty lists: layout leaves spans with penalties alone
+            sampling.stage_row(st, j, spans[r.index].sample, r.start + r.rows, vocab, self.pen_stride)
+        st.upload(s, "sample_pos", "out")
+        sampling.sample_on_device(self.kern, s, ws.logits, vocab, st, self.pen_stride, m)
+        cuda.memcpy_dtoh_async(v["out"], p["out"], s)
+        if any(sampling.needs_logits(spans[r.index].sample) for r in sampled):
+            cuda.memcpy_dtoh_async(self.logits_host[:m], ws.logits, s)
+        s.synchronize()
+        for j, r in enumerate(sampled):
+            out = outs[r.index]
+            out.prefill_token, out.prefill_logprob = sampling.finish_row(self.logits_host[j], spans[r.index].sample,
+                                                                         int(v["out"][j]), r.start + r.rows)  # fmt: skip
+
+    def _stage_span(self, span: PrefillSpan, row0: int, table0: int) -> None:
+        """Write ``span``'s tokens, rope positions and KV slots at rows ``row0..`` of the prefill staging's
+        host side, its block table at entry ``table0`` (the caller uploads: ``_upload_rows``)."""
+        n, start = len(span.token_ids), span.start_pos
+        if len(span.block_table) > self.bt_stride:
+            raise ValueError(f"block table longer than max_context ({self.bt_stride} blocks)")
+        positions = np.arange(start, start + n, dtype=np.int64)
+        slots = self._slots(span.block_table, positions)
+        v = self.pstage.view
+        v["tokens"][row0 : row0 + n] = np.asarray(span.token_ids, dtype=np.int32)
+        if self.mrope:  # multimodal rope: (t, h, w) a row
+            three = positions if span.rope_positions is None else span.rope_positions
+            v["positions"][3 * row0 : 3 * (row0 + n)] = np.broadcast_to(three, (3, n)).T.reshape(-1)
+        else:
+            v["positions"][row0 : row0 + n] = positions
+        v["slots"][row0 : row0 + n] = slots
+        v["block_table"][table0 : table0 + len(span.block_table)] = np.asarray(span.block_table, dtype=np.int32)
+
+    def _upload_rows(self, rows: int, tables: int) -> None:
+        """Copy the first ``rows`` rows and ``tables`` block-table entries of the prefill staging up."""
+        st, s = self.pstage, self.stream
+        st.upload(s, "block_table", nbytes=4 * tables)
+        for name in ("tokens", "positions", "slots"):
+            st.upload(s, name, nbytes=4 * rows * (3 if name == "positions" and self.mrope else 1))
 
     def _image_rows(self, span: PrefillSpan) -> list[tuple[int, np.ndarray]]:
         """(span row, float32 rows) of every image the span reaches, encoding an image the first time."""

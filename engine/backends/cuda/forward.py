@@ -1,9 +1,10 @@
 """The forward pass, built from the model definition's blocks (one per layer) and head.
 
 Each operation of a block (``engine.models.ops``) maps to kernels; a llama decode round
-fuses them into 5 kernels a layer, a prefill chunk runs them one by one. Layers may
-differ (gemma3, gpt-oss: sliding and full attention, their own rope): every layer
-launches with its own weights and options (``weights.Layer``).
+fuses them into 5 kernels a layer, a prefill chunk runs them one by one (``prefill_rows``: the
+rows of one span's chunk, or of several spans prefilled together, their attention span by
+span). Layers may differ (gemma3, gpt-oss: sliding and full attention, their own rope):
+every layer launches with its own weights and options (``weights.Layer``).
 
 | operation | decode round (1..64 rows; 8 quantized) | prefill chunk |
 |---|---|---|
@@ -178,35 +179,43 @@ class Forward:
         k.linear(s, ws.xn, w.lm_head, 0, ws.logits, rows, c.vocab_size, hid, ss_in=(ws.ss, nparts), eps=eps)
         self._head_softcap(rows)
 
-    def prefill_chunk(self, rows: int, tokens: int, positions: int, slots: int, block_table: int, start: int,
-                      embeds=()) -> None:  # fmt: skip
-        """Embed ``rows`` tokens at positions ``start..`` and run every layer (K and V into their slots);
-        leaves the residual stream in ``ws.x``. ``positions``: the rows' rope positions (three a row
-        with multimodal rope). ``embeds``: (chunk row, float32 host rows) runs that replace the token
-        embeddings there (an image's placeholders)."""
+    def prefill_rows(self, rows: int, tokens: int, positions: int, slots: int,
+                     spans: list[tuple[int, int, int, int]], embeds=()) -> None:  # fmt: skip
+        """Embed ``rows`` tokens and run every layer over them (K and V into their slots); leaves the
+        residual stream in ``ws.x``. The rows are those of one or more spans, each consecutive:
+        ``spans`` = (first row, rows, block table pointer, position of its first row) of each, in row
+        order. Every product, norm and rope runs over all the rows at once (a row's rope position and
+        KV slot are its own: ``positions``, three a row with multimodal rope, and ``slots``); the
+        attention runs span by span, each span's q over its own pages (its retained prefix whole).
+        ``embeds``: (row, float32 host rows) runs that replace the token embeddings there (an image's
+        placeholders)."""
         import pycuda.driver as cuda
 
         c, k, s, w, ws, kv = self.cfg, self.kern, self.stream, self.w, self.ws, self.kv
         hid, H, KVH, eps = c.hidden_size, c.num_heads, c.num_kv_heads, c.rms_norm_eps
+        q_row = H * c.head_dim * 2  # bytes of a row of ws.q and ws.attn (bf16)
         k.embed(s, tokens, w.embed, ws.x, rows, hid, scale=w.embed_scale)
         for row, rows_in in embeds:
             cuda.memcpy_htod_async(ws.x + row * hid * 4, rows_in, s)
         for i, L in enumerate(w.layers):
             k.rmsnorm(s, ws.x, L.ln1, ws.xn, rows, hid, eps)
             self._qkv(i, L, rows, positions, slots, ss_in=(0, 0), fused=False, mrope=L.mrope)
-            k.prefill_attention(s, ws.q, block_table, kv.layer(i), kv.block_stride, kv.block_size, KVH, rows, start,
-                                ws.attn, args=L.attn)  # fmt: skip
+            for r0, n, block_table, start in spans:
+                k.prefill_attention(s, ws.q + r0 * q_row, block_table, kv.layer(i), kv.block_stride, kv.block_size,
+                                    KVH, n, start, ws.attn + r0 * q_row, args=L.attn)  # fmt: skip
             self._residual(L.o, L.o_bias, ws.attn, H * c.head_dim, L.attn_post_norm, rows, NO_NORM)
             k.rmsnorm(s, ws.x, L.ln2, ws.xn, rows, hid, eps)
             self._mlp(i, L, rows, prefill=True)
 
-    def head(self, rows: int, x_row: int) -> None:
-        """Final norm of ``rows`` residual rows from row ``x_row``, then the LM head into ``ws.logits``."""
+    def head(self, rows: int, x_row: int, out_row: int = 0) -> None:
+        """Final norm of ``rows`` residual rows from row ``x_row``, then the LM head into ``ws.logits``
+        from row ``out_row``."""
         c, ws = self.cfg, self.ws
         x = ws.x + x_row * c.hidden_size * 4
+        logits = ws.logits + out_row * c.vocab_size * 4
         self.kern.rmsnorm(self.stream, x, self.w.final_norm, ws.xn, rows, c.hidden_size, c.rms_norm_eps)
-        self.kern.linear(self.stream, ws.xn, self.w.lm_head, 0, ws.logits, rows, c.vocab_size, c.hidden_size)
-        self._head_softcap(rows)
+        self.kern.linear(self.stream, ws.xn, self.w.lm_head, 0, logits, rows, c.vocab_size, c.hidden_size)
+        self._head_softcap(rows, out_row)
 
     # --- the pieces of a layer ---------------------------------------------------------------
 
@@ -259,6 +268,7 @@ class Forward:
             k.swiglu(s, ws.gu, ws.act, inter, rows, act=act)
         return self._residual(L.down, 0, ws.act, inter, L.mlp_post_norm, rows, norm_out)
 
-    def _head_softcap(self, rows: int) -> None:
+    def _head_softcap(self, rows: int, out_row: int = 0) -> None:
         if self.w.head_softcap:
-            self.kern.softcap(self.stream, self.ws.logits, rows * self.cfg.vocab_size, self.w.head_softcap)
+            v = self.cfg.vocab_size
+            self.kern.softcap(self.stream, self.ws.logits + out_row * v * 4, rows * v, self.w.head_softcap)
