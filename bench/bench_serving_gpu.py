@@ -97,6 +97,7 @@ def main() -> None:
         action="store_true",
         help="each stream count twice, model.async_rounds on then off (set live through /v1/config)",
     )
+    ap.add_argument("--server-log", help="copy the server's log here at the end")
     ap.add_argument("--save-tokenizer", action="store_true", help=f"only save the tokenizer to {SAVED_TOKENIZER}")
     ap.add_argument("flags", nargs="*", help="extra flags for manage.py serve (after --)")
     args = ap.parse_args()
@@ -124,6 +125,8 @@ def main() -> None:
                         set_config(base, {"model.async_rounds": m})
                     figures[m].append(run_streams(base, MODEL, log_path, int(n), args.tokens))
         finally:
+            if args.server_log:
+                shutil.copy2(log_path, args.server_log)
             proc.terminate()
             try:
                 proc.wait(30)

@@ -29,12 +29,13 @@ Loader = Callable[[Path, Callable[[int, int], None]], tuple[ModelConfig, dict[st
 BackendFactory = Callable[[str, EngineConfig], Backend]
 
 
-def load_artifact(path: Path, progress: Callable[[int, int], None], *, as_stored: bool | Collection[str] = False
-                  ) -> tuple[ModelConfig, dict[str, np.ndarray]]:  # fmt: skip
-    """The default loader: engine.loaders.load_artifact (imported when first needed)."""
+def load_artifact(path: Path, progress: Callable[[int, int], None], *, as_stored: bool | Collection[str] = False,
+                  **options) -> tuple[ModelConfig, dict[str, np.ndarray]]:  # fmt: skip
+    """The default loader: engine.loaders.load_artifact (imported when first needed); ``options``:
+    ``loader_options``' (fp8 and bf16 tensors as stored, model.weight_format)."""
     from engine.loaders import load_artifact as load
 
-    return load(path, progress, as_stored=as_stored)
+    return load(path, progress, as_stored=as_stored, **options)
 
 
 def create_backend(name: str, cfg: EngineConfig) -> Backend:

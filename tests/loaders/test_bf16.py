@@ -115,3 +115,18 @@ def test_the_vision_towers_padding_widens_kept_bf16_first():
     w = np.arange(6, dtype=np.float32).reshape(2, 3)
     kept = bf16.from_bits((w.view(np.uint32) >> 16).astype(np.uint16))  # exact: small integers
     np.testing.assert_array_equal(_pad(kept, 4, 5), np.pad(w, ((0, 2), (0, 2))))
+
+
+def test_the_engines_default_loader_hands_the_backends_options_through(checkpoint):
+    """engine.loading's default loader with what loader_options gives the CUDA backend (fp8 and bf16 as
+    stored): the bf16 tensors arrive kept (a loader that dropped or refused the options would make
+    every CUDA load of a Hugging Face checkpoint fail, as it once did: TypeError at load)."""
+    from engine.backends.cuda import CudaBackend
+    from engine.config import EngineConfig
+    from engine.loading import load_artifact as default_loader
+    from engine.loading import loader_options
+
+    kw = loader_options(EngineConfig(backend="cuda"), CudaBackend())
+    assert kw.get("bf16_as_stored") and kw.get("fp8_as_stored")
+    _, weights = default_loader(checkpoint["qwen2"], lambda done, total: None, **kw)
+    assert weights and all(bf16.is_bf16(w) for w in weights.values())
