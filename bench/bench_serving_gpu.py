@@ -105,7 +105,10 @@ def main() -> None:
         save_tokenizer(SAVED_TOKENIZER)
         return
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-    flags = ["--model-id", MODEL, "--model-path", MODEL, "--model-backend", "cuda", "--spec-enabled", "false"]
+    # 16 decode lanes: 12 streams at once fit one round (8, the default, answers the 9th 503 "busy";
+    # seen on the GPU machine), and a bf16 round takes 16 rows in one graph.
+    flags = ["--model-id", MODEL, "--model-path", MODEL, "--model-backend", "cuda", "--spec-enabled", "false",
+             "--spec-decode-lanes", "16"]  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="ignis-bench-serving-gpu-") as tmp:
         models_dir = Path(tmp) / "models"
         t = time.perf_counter()

@@ -34,8 +34,8 @@ def test_a_burst_prefills_in_one_step_as_far_as_the_chunk_goes():
 
 
 def test_a_backend_that_prefills_span_by_span_gets_no_groups():
-    """A backend whose prefill_group is the default loop (Backend.prefills_together False: the CUDA
-    backend for now) gains nothing from a group: its first prompts would only wait for the last."""
+    """A backend whose prefill_group is the default loop (Backend.prefills_together False, the
+    default) gains nothing from a group: its first prompts would only wait for the last."""
     sched, backend, clock = create_scheduler(prefill_chunk=64, num_blocks=128, decode_lanes=8)
     sched.groups_prefill = False  # as engine.loading sets it from such a backend
     for r in create_requests(3, prompt_len=10, max_tokens=4):
