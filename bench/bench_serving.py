@@ -88,9 +88,13 @@ def start_server(
         if proc.poll() is not None:
             raise RuntimeError(f"server exited ({proc.returncode}):\n{log_path.read_text()[-3000:]}")
         try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200:
+            r = httpx.get(f"http://127.0.0.1:{port}/health", timeout=5)
+            if r.status_code == 200:
                 return proc, log_path
-        except httpx.HTTPError:
+            if r.json().get("status") == "failed":  # the load failed: say why now, not after the deadline
+                proc.terminate()
+                raise RuntimeError(f"the model failed to load:\n{log_path.read_text()[-3000:]}")
+        except (httpx.HTTPError, ValueError):
             pass
         time.sleep(0.5)
     proc.terminate()
