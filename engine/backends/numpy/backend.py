@@ -26,7 +26,7 @@ from engine.backends import host_tier
 from engine.memory import MemoryPlan, kv_block_bytes, workspace_bytes
 
 from .forward import KVViews, NumpyModel
-from .linear import plain_gemm
+from .linear import gemm_rows_independent, plain_gemm
 from .vision import VisionTower
 
 # Without a KV budget the pool holds this many max-context sequences.
@@ -67,6 +67,10 @@ class NumpyBackend(Backend):
         cfg = self.config = config
         limit_blas_threads(self.blas_threads)
         self.model = NumpyModel(cfg, weights)
+        # A group shares one forward only where the BLAS keeps a row's bits whatever its row count.
+        self.prefills_together = gemm_rows_independent(
+            cfg.hidden_size, (cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size)
+        )
         self.vision = VisionTower(cfg.vision, weights) if cfg.vision is not None else None
         self.block_size = block_size
         block_bytes = kv_block_bytes(cfg, block_size)
@@ -133,6 +137,7 @@ class NumpyBackend(Backend):
         row's bits do not depend on the rows beside it) join that forward; the others, and spans with
         images or rope positions of their own, run one by one."""
         together = [(s, o) for s, o in zip(spans, outs, strict=True) if plain_gemm(len(s.token_ids))]
+        together = together if self.prefills_together else []  # (load's probe: gemm_rows_independent)
         together = [] if len(together) < 2 else together
         together = [] if any(s.images or s.rope_positions is not None for s, _ in together) else together
         for span, out in zip(spans, outs):

@@ -40,6 +40,28 @@ def plain_gemm(rows: int) -> bool:
     return rows > 1 and _SMALL_MN // rows < _MIN_BLOCK
 
 
+def gemm_rows_independent(k_in: int, n_outs: tuple[int, ...]) -> bool:
+    """Whether this process's BLAS gives a row of a plain GEMM the same bits whatever the rows beside
+    it, for [rows, k_in] @ [k_in, n] at each of ``n_outs``: probed once per shape on fixed random
+    operands at prefill-like row counts. OpenBLAS's SkylakeX kernels do; its Haswell kernels (seen on
+    an AMD EPYC) round a row differently as the row count changes, so there a prefill group cannot
+    share one forward and keep each span's bits (NumpyBackend.prefill_group)."""
+    key = (k_in, n_outs)
+    if key not in _PROBED:
+        rng = np.random.default_rng(0)
+        x = rng.standard_normal((160, k_in), dtype=np.float32)
+        same = True
+        for n in n_outs:
+            w = rng.standard_normal((n, k_in), dtype=np.float32)
+            full = x @ w.T
+            same = same and all(np.array_equal(x[:m] @ w.T, full[:m]) for m in (40, 41, 63, 100, 127))
+        _PROBED[key] = same
+    return _PROBED[key]
+
+
+_PROBED: dict[tuple, bool] = {}
+
+
 class Linear:
     """``y = x @ w.T`` for ``w`` [out, in] (the checkpoint's layout, C-contiguous).
 
