@@ -309,6 +309,8 @@ class Kernels:
             return
         if isinstance(w, Matrix):
             w = w.ptr
+        if self.pdl and self.scratch and w == self.scratch:  # PDL: gemv_tc loads weights before its wait
+            raise ValueError("gemv_tc with pdl reads its weights before the kernel before it ends: not scratch")
         if rows > GEMV_MAX_ROWS:
             raise ValueError(f"gemv_tc takes 1..{GEMV_MAX_ROWS} rows, got {rows}")
         if rows <= 8:
