@@ -13,8 +13,12 @@ cold and after a retained prefix of half the prompt; the prefill attention kerne
 beside attention_prefill.cu; the four GEMMs of a chunk; and the chunk-size sweep that sets the
 CUDA default (``--chunks``).
 
+``--pdl`` only times the decode graphs (widths 1 and 8) with ``cuda.pdl`` off and on, twice in
+turn on the same loaded model, and prints the rows (docs/CUDA.md, "Programmatic dependent launch").
+
     python3 bench/bench_cuda.py --write
     python3 bench/bench_cuda.py --prefill --write
+    python3 bench/bench_cuda.py --pdl
 """
 
 from __future__ import annotations
@@ -219,6 +223,8 @@ def sweep(be, settings) -> list[str]:
     for label, tuning in settings:
         try:
             be.retune(tuning)
+            if be.kern.pdl != tuning.pdl:
+                raise RuntimeError("CudaBackend._kernels() does not pass CudaTuning.pdl to Kernels")
             g1, g8 = graph_time(be, 1, 40), graph_time(be, 8, 40)
         except Exception as e:  # one setting failing must not lose the run's other figures
             lines.append(f"| {label} | failed: {type(e).__name__}: {e} | | | |")
@@ -496,6 +502,7 @@ def main() -> None:
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--write", action="store_true", help="update docs/PERFORMANCE.md")
     ap.add_argument("--sweep", action="store_true", help="also time the graphs under other GEMV settings")
+    ap.add_argument("--pdl", action="store_true", help="only the decode graphs, cuda.pdl off and on")
     ap.add_argument("--kernel-cache-dir", default="", help="compiled kernels (default: models/.cache/pycuda)")
     ap.add_argument("--attention", action="store_true", help="the 16K prefill attention kernels alone")
     ap.add_argument("--prefill", action="store_true", help="the prefill figures alone (their own section)")
@@ -548,12 +555,19 @@ def main() -> None:
     be.load(cfg, {n: p for n, p in model.state_dict().items()}, block_size=16, kv_budget_bytes=24 << 30,
             host_kv_budget_bytes=0, max_context=max_ctx)  # fmt: skip
     load_s = time.perf_counter() - t0
+    if args.pdl:  # cuda.pdl off / on / off / on on the same loaded model, each recaptured (docs/CUDA.md)
+        print(f"cuda.pdl: {cfg.num_layers} layers, load {load_s:.1f} s, bound {bound * 1e3:.2f} ms", flush=True)
+        rows = sweep(be, [(f"cuda.pdl {'on' if on else 'off'}", replace(tuning, pdl=on)) for on in (False, True) * 2])
+        print("\n".join(rows), flush=True)
+        be.unload()
+        return
     ig = bench_ignis(be, cfg, rng, args.prompts, args.rounds)
     breakdown = kernel_breakdown(be, bw)
     swept = []
     if args.sweep:
         settings = [("default (5 kernels a layer)", tuning),
-                    ("4-step gemv_tc for every matrix (run 6's default)", replace(tuning, gemv_u2_below=0))]  # fmt: skip
+                    ("4-step gemv_tc for every matrix (run 6's default)", replace(tuning, gemv_u2_below=0)),
+                    ("programmatic dependent launch (cuda.pdl)", replace(tuning, pdl=True))]  # fmt: skip
         swept = ["", "Decode graph alone under other settings (re-captured):", "", *sweep(be, settings)]
     be.unload()
     hf = {} if args.skip_hf else bench_hf(torch, model, cfg, rng, args.prompts, args.rounds)

@@ -24,6 +24,9 @@ class CudaTuning:
     # cuda.round_rows: rows a decode round may hold (lanes and their verify rows; the kernels and
     # graphs take 64). Past 16 a round costs more than 1.3x the plain one on the H200 (docs/SPECULATION.md).
     round_rows: int = 16
+    # cuda.pdl: launch a decode round's kernels with programmatic dependent launch (each may start
+    # while the one before ends; gemv.cu issues its first weight loads before it waits). docs/CUDA.md.
+    pdl: bool = False
 
 
 @dataclass

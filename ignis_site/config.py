@@ -308,6 +308,12 @@ FIELDS: dict[str, Field] = {
             64,
         ),
         Field(
+            "cuda.pdl",
+            bool,
+            False,
+            "CUDA backend: launch a decode round's kernels with programmatic dependent launch (each starts as the one before ends)",
+        ),
+        Field(
             "cuda.expert_budget",
             int,
             0,
@@ -549,4 +555,5 @@ def cuda_tuning_dict(values: dict[str, Any]) -> dict[str, Any]:
         "expert_budget": values["cuda.expert_budget"],
         "gpu_budget": values["model.gpu_budget"],
         "round_rows": values["cuda.round_rows"],
+        "pdl": values["cuda.pdl"],
     }

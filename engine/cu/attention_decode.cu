@@ -72,6 +72,8 @@ extern "C" __global__ void __launch_bounds__(DECODE_THREADS)
                 int bt_stride, const bf16* __restrict__ cache, long long block_stride, int block_size, int KVH,
                 float scale_log2, float* __restrict__ o_part, float* __restrict__ ml, int* __restrict__ counters,
                 bf16* __restrict__ out, int window, float cap_log2, const float* __restrict__ sinks) {
+    pdl_wait();  // PDL: the kernel before has written what this one reads (common.cuh)
+    pdl_launch_dependents();
     const int kh = blockIdx.x, m = blockIdx.y, sp = blockIdx.z;
     const int ctx = positions[m] + 1;
     const int lo = window > 0 ? max(0, ctx - window) : 0;

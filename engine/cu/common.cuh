@@ -72,6 +72,25 @@ __device__ __forceinline__ void prefetch_l2(const void* p, long long bytes, int 
     }
 }
 
+// Programmatic dependent launch (PDL=1: engine/cu/launch.py compiles a source so for Kernels built
+// with pdl, and launches it with cuLaunchKernelEx's programmatic stream serialization). The kernel
+// may start while the one before it on the stream still runs: pdl_wait() blocks until that one
+// has completed and its writes are visible, so nothing the kernels before wrote may be read
+// before it (weights may: gemv.cu issues its first weight loads first). pdl_launch_dependents()
+// lets the kernel after this one start (its blocks take SMs as this one's leave, and wait in
+// their own pdl_wait). Every block that reads inputs calls pdl_wait, so a kernel completes only
+// after the one before it did, and the chain stays ordered. Without PDL both are nothing.
+__device__ __forceinline__ void pdl_wait() {
+#if defined(PDL) && PDL
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_launch_dependents() {
+#if defined(PDL) && PDL
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 // Predicated 16-byte loads (zero when !pred) without a branch, so a batch of them stays in flight.
 __device__ __forceinline__ uint4 ld_stream_if(const void* p, bool pred) {
     uint4 r;

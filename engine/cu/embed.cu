@@ -14,6 +14,8 @@ extern "C" __global__ void embed(const int* __restrict__ tokens, const bf16* __r
                                  float* __restrict__ x, int H, const bf16* __restrict__ nw, bf16* __restrict__ xw,
                                  float* __restrict__ ss_out, float scale, const int* __restrict__ src_rows,
                                  const int* __restrict__ prev) {
+    pdl_wait();  // PDL: the kernel before has written what this one reads (common.cuh)
+    pdl_launch_dependents();
     __shared__ float scratch[32];
     const int row = blockIdx.x;
     int token = tokens[row];

@@ -8,7 +8,9 @@
 // do not depend on the width of its round.
 // Preconditions (wrapper): K % 8 == 0, pointers 16-byte aligned, 1 <= M <= 8 G (the variant's groups).
 // Compile-time: TC_THREADS (256: 8 warps, the layout below assumes it); R16_U, R16_MINB, R32_U,
-// R32_MINB, R64_U, R64_MINB (the wide variants' steps in flight and blocks per SM).
+// R32_MINB, R64_U, R64_MINB (the wide variants' steps in flight and blocks per SM); PDL (1:
+// programmatic dependent launch, common.cuh: each warp issues its first batch of weight loads,
+// then waits for the kernel before, then loads x; without it the loads interleave as they always did).
 
 #ifndef TC_THREADS
 #error "TC_THREADS is defined by engine/cu/kernels.py"
@@ -113,11 +115,33 @@ __device__ __forceinline__ void gemv_tc_main(const bf16* __restrict__ x, const b
                 const bool ok = s < steps && ch < K8;
                 wa[u][h] = ld_stream_if(wa_p + ch, ok && ra);
                 wb[u][h] = ld_stream_if(wb_p + ch, ok && rb);
+#if !(defined(PDL) && PDL)
+#pragma unroll
+                for (int j = 0; j < G; j++)
+                    xv[u][h][j] = ldg_if(x_p + (size_t)8 * j * K8 + ch, ok && 8 * j + g < M);
+#endif
+            }
+        }
+#if defined(PDL) && PDL
+        // The first batch's weights are in flight (they do not depend on the kernel before): now
+        // wait for that kernel's x, then let the next kernel start.
+        if (s0 == warp) {
+            pdl_wait();
+            pdl_launch_dependents();
+        }
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            const int s = s0 + u * 8;
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                const int ch = s * 8 + t + 4 * h;
+                const bool ok = s < steps && ch < K8;
 #pragma unroll
                 for (int j = 0; j < G; j++)
                     xv[u][h][j] = ldg_if(x_p + (size_t)8 * j * K8 + ch, ok && 8 * j + g < M);
             }
         }
+#endif
 #pragma unroll
         for (int u = 0; u < U; u++)
 #pragma unroll
@@ -125,6 +149,10 @@ __device__ __forceinline__ void gemv_tc_main(const bf16* __restrict__ x, const b
 #pragma unroll
                 for (int j = 0; j < G; j++)
                     if (j == 0 || 8 * j < M) tc_step(c[j], wa[u][h], wb[u][h], xv[u][h][j]);
+    }
+    if (warp >= steps) {  // no step for this warp (K < 512): the epilogue still reads the kernel before's writes
+        pdl_wait();
+        pdl_launch_dependents();
     }
 }
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from engine.cu.hopper import route_attention, route_gemm
-from engine.cu.launch import Kernel, module
+from engine.cu.launch import Kernel, module, pdl_module
 from engine.cu.quant import BF16, Matrix, QuantKernels
 from engine.sampling import MIN_TEMPERATURE
 
@@ -37,6 +37,9 @@ MAX_COUNTERS = 8192  # decode attention (lane, KV head) pairs
 PF_BLOCKS = 16  # rmsnorm's L2-prefetch blocks
 
 TC_THREADS, GEMM_THREADS, DECODE_THREADS, PREFILL_THREADS, SAMPLE_THREADS = 256, 256, 128, 128, 1024
+# Sources whose kernels wait for the kernel before them (common.cuh pdl_wait): with pdl, a decode
+# round's every launch but a quantized GEMV's (gemv_q.cu, launched as without pdl).
+PDL_SOURCES = frozenset({"embed", "norm", "rope", "gemv", "attention_decode", "sample"})
 
 # gemv_tc's epilogues, one compiled entry point each (and a 2-step "_u2" variant of each).
 STORE, ACC, SWIGLU, GEGLU, ROPE_KV = "store", "acc", "swiglu", "geglu", "rope"
@@ -90,17 +93,19 @@ class Kernels:
     ``formats``: the GGUF block formats of the model's matrices (gemv_q.cu compiled for each now;
     ``quant(fmt)`` compiles any other when first asked). ``scratch`` (set by the backend): a bf16
     buffer as large as the largest quantized matrix, where prefill dequantizes it for the GEMM.
+    ``pdl`` (``cuda.pdl``): the kernels of ``PDL_SOURCES`` compiled with ``PDL=1`` and launched with
+    programmatic dependent launch (engine/cu/launch.py, docs/CUDA.md); the others as without it.
     """
 
     def __init__(self, head_dim: int, group: int, *, u2_below: int = 40 << 20, cache_dir: str = "",
-                 formats=()) -> None:  # fmt: skip
+                 formats=(), pdl: bool = False) -> None:  # fmt: skip
         if head_dim not in (64, 128, 256):
             raise ValueError(f"head_dim {head_dim} not supported (64, 128 or 256)")
         if not 1 <= group <= 8:
             raise ValueError(f"query heads per KV head {group} not supported (1..8)")
         import pycuda.driver as cuda
 
-        self.head_dim, self.group, self.u2_below = head_dim, group, u2_below
+        self.head_dim, self.group, self.u2_below, self.pdl = head_dim, group, u2_below, pdl
         # Rows up to which linear / gate_up_act take the GEMV (beyond: the GEMM). The backend lowers it
         # to its widest decode round (cuda.round_rows): a prefill chunk of more rows than a round
         # holds runs the GEMM, which a wide GEMV variant is slower than (docs/SPECULATION.md).
@@ -111,6 +116,8 @@ class Kernels:
                 self.quant(fmt)
 
         def mod(name: str, *defines: tuple[str, int]):
+            if pdl and name in PDL_SOURCES:
+                return pdl_module(name, tuple(defines), cache_dir)
             return module(name, tuple(defines), cache_dir)
 
         attn = (("HEAD_DIM", head_dim), ("GROUP", group))
@@ -302,6 +309,8 @@ class Kernels:
             return
         if isinstance(w, Matrix):
             w = w.ptr
+        if self.pdl and self.scratch and w == self.scratch:  # PDL: gemv_tc loads weights before its wait
+            raise ValueError("gemv_tc with pdl reads its weights before the kernel before it ends: not scratch")
         if rows > GEMV_MAX_ROWS:
             raise ValueError(f"gemv_tc takes 1..{GEMV_MAX_ROWS} rows, got {rows}")
         if rows <= 8:

@@ -27,8 +27,10 @@ extern "C" __global__ void rmsnorm(const float* __restrict__ x, const bf16* __re
     const int row = blockIdx.x;
     if (row >= rows) {
         prefetch_l2(pf, pf_bytes, (row - rows) * blockDim.x + threadIdx.x, (gridDim.x - rows) * blockDim.x);
-        return;
+        return;  // weights only: no pdl_wait (the row blocks wait)
     }
+    pdl_wait();  // PDL: the kernel before has written what this one reads (common.cuh)
+    pdl_launch_dependents();
     const float* xr = x + (size_t)row * x_stride;
     float ss = 0.f;
     for (int i = threadIdx.x; i < H; i += blockDim.x) ss += xr[i] * xr[i];
@@ -40,6 +42,8 @@ extern "C" __global__ void rmsnorm(const float* __restrict__ x, const bf16* __re
 
 extern "C" __global__ void swiglu(const float* __restrict__ gu, bf16* __restrict__ out, int I, int rows,
                                   int interleaved, int act) {
+    pdl_wait();  // PDL: the kernel before has written what this one reads (common.cuh)
+    pdl_launch_dependents();
     const size_t n = (size_t)rows * I;
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
         const size_t r = i / I, j = i % I;
@@ -54,6 +58,8 @@ extern "C" __global__ void swiglu(const float* __restrict__ gu, bf16* __restrict
 extern "C" __global__ void add_rmsnorm(const float* __restrict__ y, const bf16* __restrict__ w, float* __restrict__ x,
                                        int H, float eps, const bf16* __restrict__ nw, bf16* __restrict__ xw,
                                        float* __restrict__ ss_out) {
+    pdl_wait();  // PDL: the kernel before has written what this one reads (common.cuh)
+    pdl_launch_dependents();
     __shared__ float scratch[32];
     const int row = blockIdx.x;
     const float* yr = y + (size_t)row * H;
@@ -77,6 +83,8 @@ extern "C" __global__ void add_rmsnorm(const float* __restrict__ y, const bf16* 
 }
 
 extern "C" __global__ void softcap(float* __restrict__ x, long long n, float cap) {
+    pdl_wait();  // PDL: the kernel before has written what this one reads (common.cuh)
+    pdl_launch_dependents();
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
         x[i] = cap * tanhf(x[i] / cap);
 }

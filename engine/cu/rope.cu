@@ -40,8 +40,10 @@ extern "C" __global__ void rope_kv_write(const float* __restrict__ qkv, const in
     const int row = blockIdx.x, head = blockIdx.y, i = threadIdx.x, R = rotary_dim, hr = R >> 1;
     if (row >= rows) {
         prefetch_l2(pf, pf_bytes, head * blockDim.x + i, gridDim.y * blockDim.x);
-        return;
+        return;  // weights only: no pdl_wait (the row blocks wait)
     }
+    pdl_wait();  // PDL: the kernel before has written what this one reads (common.cuh)
+    pdl_launch_dependents();
     const bool rot = i < hr;
     const int pass = (D - R) >> 1;  // pass-through dims per half
     const int da = rot ? i : R + (i - hr), db = rot ? i + hr : R + pass + (i - hr);

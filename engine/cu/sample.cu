@@ -53,6 +53,8 @@ __device__ uint64_t philox_first(uint64_t k0, uint64_t k1) {
 extern "C" __global__ void apply_penalties(float* __restrict__ logits, int V, const float* __restrict__ params,
                                            const int* __restrict__ pen_tokens, const int* __restrict__ pen_counts,
                                            const int* __restrict__ pen_num, int pen_stride) {
+    pdl_wait();  // PDL: the kernel before has written what this one reads (common.cuh)
+    pdl_launch_dependents();
     const int m = blockIdx.x;
     const float* p = params + m * 8;
     const float presence = p[4], frequency = p[5], rep = p[6];
@@ -79,6 +81,8 @@ __device__ float kept_mass(const float* l, int V, float invT, float mx, float cu
 extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
     sample(const float* __restrict__ logits, int V, const float* __restrict__ params,
            const uint64_t* __restrict__ seeds, const int* __restrict__ positions, int* __restrict__ out_tokens) {
+    pdl_wait();  // PDL: the kernel before has written what this one reads (common.cuh)
+    pdl_launch_dependents();
     __shared__ float scratch[32];
     __shared__ float sval[32];
     __shared__ int sidx[32];
