@@ -78,6 +78,19 @@ def test_pinned_staging_puts_the_direct_paths_bytes(checkpoints, arch, small_buf
         monkeypatch.setattr(pinned, "CHUNK_BYTES", 1024)
     cfg, weights = load_artifact(checkpoints[arch], bf16_as_stored=True, fp8_as_stored=True)
     assert all(bf16.is_bf16(w) for w in weights.values())
+    assert_same_upload(cfg, weights)
+
+
+def test_a_bf16_gguf_goes_up_the_same(tmp_path):
+    from tests.loaders.tiny_gguf import write_quantized
+
+    cfg, weights = load_artifact(write_quantized(tmp_path / "tiny-BF16.gguf", "BF16"), bf16_as_stored=True)
+    assert any(bf16.is_bf16(w) for w in weights.values())
+    assert_same_upload(cfg, weights)
+
+
+def assert_same_upload(cfg, weights) -> None:
+    """The pinned path's DeviceWeights and device bytes are the direct path's."""
     direct, dev_direct = _upload(cfg, weights, pinned=False)
     staged, dev_staged = _upload(cfg, weights, pinned=True)
     assert staged == direct and staged.nbytes == direct.nbytes
@@ -95,12 +108,14 @@ def test_the_loader_maps_bf16_tensors_read_only(checkpoints):
     assert bf16.is_bf16(w) and not w.flags.writeable  # a view of the mapped file, not a copy
 
 
+@pytest.mark.parametrize("strided", [False, True], ids=["contiguous", "strided"])
 @pytest.mark.parametrize("rotary", [64, 48, 16])
-def test_rope_runs_match_interleave_rope(rotary):
+def test_rope_runs_match_interleave_rope(rotary, strided):
     from engine.backends.cuda.pinned import runs
     from engine.backends.cuda.weights import interleave_rope, to_bf16
 
-    bits = np.random.default_rng(rotary).integers(0, 1 << 16, (3 * 64, 40), dtype=np.uint16)
+    bits = np.random.default_rng(rotary).integers(0, 1 << 16, (3 * 64, 56), dtype=np.uint16)
+    bits = bits[:, 8:48] if strided else bits[:, :40].copy()  # strided: columns of a wider tensor
     w = bf16.from_bits(bits)
     (run,) = runs([w], rope_dim=64, rotary_dim=rotary)
     out = np.zeros(run.units * run.unit_bytes // 2, np.uint16)

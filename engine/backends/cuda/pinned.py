@@ -52,8 +52,8 @@ def runs(parts: list, interleave: bool = False, rope_dim: int = 0, rotary_dim: i
 
 
 def _view(a: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
-    """``a`` reshaped without a copy (AttributeError where that takes one: a write into a copy
-    would be lost)."""
+    """A destination ``a`` reshaped without a copy (AttributeError where that takes one: a write
+    into a copy would be lost)."""
     v = a.view()
     v.shape = shape
     return v
@@ -75,8 +75,8 @@ def _rope(b: np.ndarray, head_dim: int, rotary_dim: int | None) -> Run:
     rd = head_dim if rotary_dim is None else rotary_dim
     if head_dim % 16 or n % head_dim or rd % 16 or not 0 <= rd <= head_dim:
         raise ValueError(f"{n} rows are not whole heads of {head_dim} rotating {rd} (multiples of 16)")
-    heads = _view(b, (n // head_dim, head_dim, k))
-    rot = _view(heads[:, :rd], (n // head_dim, 2, rd // 16, 8, k)).swapaxes(1, 2)
+    heads = b.reshape(n // head_dim, head_dim, k)  # sources may be copies (a strided view's reshape)
+    rot = heads[:, :rd].reshape(n // head_dim, 2, rd // 16, 8, k).swapaxes(1, 2)
 
     def write(u0: int, u1: int, out: np.ndarray) -> None:
         o = _view(out, (u1 - u0, head_dim, k))
@@ -90,7 +90,7 @@ def _rope(b: np.ndarray, head_dim: int, rotary_dim: int | None) -> Run:
 def _gate_up(gate: np.ndarray, up: np.ndarray) -> Run:
     """``interleave_gate_up`` as a copy: unit = gate rows 8j..8j+7 then up rows 8j..8j+7."""
     i, k = gate.shape
-    g, u = _view(gate, (i // 8, 8, k)), _view(up, (i // 8, 8, k))
+    g, u = gate.reshape(i // 8, 8, k), up.reshape(i // 8, 8, k)
 
     def write(u0: int, u1: int, out: np.ndarray) -> None:
         o = _view(out, (u1 - u0, 2, 8, k))
@@ -173,3 +173,8 @@ class PinnedCopier:
         finally:
             self.stream.synchronize()
             self.pool.shutdown()
+            for b in self.buffers:  # now, in the load's context, not whenever they are collected
+                free = getattr(b.base, "free", None)
+                if free is not None:
+                    free()
+            self.buffers = []
