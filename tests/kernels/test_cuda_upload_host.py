@@ -68,17 +68,21 @@ def _upload(cfg, weights, pinned: bool):
     return w, device
 
 
-@pytest.mark.parametrize("small_buffers", [False, True], ids=["256MB", "4KB"])
+@pytest.mark.parametrize("small_buffers", [False, True], ids=["256MB", "96KB"])
 @pytest.mark.parametrize("arch", ARCHS)
 def test_pinned_staging_puts_the_direct_paths_bytes(checkpoints, arch, small_buffers, monkeypatch):
     from engine.backends.cuda import pinned
 
-    if small_buffers:  # many buffers' worth, tensors split across them, chunks of a few rows
-        monkeypatch.setattr(pinned, "BUFFER_BYTES", 4096)
-        monkeypatch.setattr(pinned, "CHUNK_BYTES", 1024)
+    if small_buffers:  # many buffer turns, tensors split across them, chunks of one head (32 KB) or a few rows
+        monkeypatch.setattr(pinned, "BUFFER_BYTES", 96 << 10)
+        monkeypatch.setattr(pinned, "CHUNK_BYTES", 16 << 10)
+    fits = pinned.PinnedCopier.fits
+    taken = []
+    monkeypatch.setattr(pinned.PinnedCopier, "fits", lambda self, runs: taken.append(fits(self, runs)) or taken[-1])
     cfg, weights = load_artifact(checkpoints[arch], bf16_as_stored=True, fp8_as_stored=True)
     assert all(bf16.is_bf16(w) for w in weights.values())
     assert_same_upload(cfg, weights)
+    assert taken and all(taken)  # no bf16 tensor fell back to the direct path
 
 
 def test_a_bf16_gguf_goes_up_the_same(tmp_path):
