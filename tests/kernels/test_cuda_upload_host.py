@@ -20,7 +20,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 DIMS = dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
-            max_position_embeddings=512, num_hidden_layers=2, pad_token_id=0, bos_token_id=1,
+            max_position_embeddings=2048, num_hidden_layers=2, pad_token_id=0, bos_token_id=1,
             eos_token_id=2)  # fmt: skip
 ARCHS = ("llama", "llama_odd", "qwen2", "gemma2", "phi3")
 

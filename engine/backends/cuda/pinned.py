@@ -23,6 +23,7 @@ from engine.loaders.bf16 import is_bf16
 
 BUFFER_BYTES = 256 << 20  # each of the two pinned buffers
 CHUNK_BYTES = 8 << 20  # one fill task (a buffer is 32 of them, spread over the pool)
+ALIGN = 256  # where a tensor starts in a buffer (device allocations are 256-byte aligned too)
 
 
 @dataclass(frozen=True)
@@ -127,6 +128,7 @@ class PinnedCopier:
     def put(self, dst: int, runs: list[Run]) -> None:
         """Plan ``runs`` to ``dst`` onwards, one after another."""
         size, off = len(self.buffers[0]), 0
+        self.used = -(-self.used // ALIGN) * ALIGN  # each tensor's copy from an aligned host address
         for run in runs:
             step = max(1, CHUNK_BYTES // run.unit_bytes)
             for u0 in range(0, run.units, step):
