@@ -3,11 +3,13 @@ checkpoint with fewer layers (bench/bench_load.py's ``write_checkpoint``), read 
 cache by the loader (``load_artifact(..., bf16_as_stored=True, fp8_as_stored=True)``), then the
 uploader (engine/backends/cuda/weights.py ``upload``) over a stand-in for ``pycuda.driver``
 (tests/kernels/fake_pycuda.py: device memory is host buffers, so every copy still reads its source
-bytes). Seconds and seconds per GB for each phase, for the uploader's direct path (``pinned=False``:
-permute, then one synchronous copy per tensor) and its pinned staging path; ``--profile`` adds the
-top of a cProfile of each phase.
+bytes). Seconds (the fastest of ``--repeat`` runs) and seconds per GB for each phase, for the
+uploader's direct path (``pinned=False``: permute, then one synchronous copy per tensor) and its
+pinned staging path; ``--profile`` adds the top of a cProfile of each phase. On a card the
+stand-in's copies are the DMA on the pinned path, and the driver's pageable copy (host work,
+synchronous) on the direct one.
 
-    python3 bench/bench_load_host.py [--layers 4] [--dir /tmp/ignis-load-host] [--profile]
+    python3 bench/bench_load_host.py [--layers 4] [--dir /tmp/ignis-load-host] [--repeat 3] [--profile]
 """
 
 from __future__ import annotations
@@ -72,6 +74,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--dir", default="/tmp/ignis-load-host")
     ap.add_argument("--profile", action="store_true", help="print the top of each phase's cProfile")
+    ap.add_argument("--repeat", type=int, default=3, help="runs of each phase; the fastest is reported")
     args = ap.parse_args()
     root = Path(args.dir)
     if not (root / "config.json").exists():
@@ -95,18 +98,25 @@ def main() -> None:
     from engine.loaders import load_artifact
 
     rows, profiles = [], []
-    (cfg, weights), t_load, p = timed(lambda: load_artifact(root, bf16_as_stored=True, fp8_as_stored=True),
-                                      args.profile)  # fmt: skip
-    rows.append(("loader (load_artifact)", t_load, 0.0, 0))
-    profiles.append(("loader", p))
+    best = None
+    for _ in range(args.repeat):  # the fastest of the repeats: the machine is shared
+        (cfg, weights), t_load, p = timed(lambda: load_artifact(root, bf16_as_stored=True, fp8_as_stored=True),
+                                          args.profile)  # fmt: skip
+        best = min(best or (t_load, p), (t_load, p), key=lambda x: x[0])
+    rows.append(("loader (load_artifact)", best[0], 0.0, 0))
+    profiles.append(("loader", best[1]))
     for pinned in (False, True):
-        (w, device), t_up, p = timed(lambda pinned=pinned: upload_once(cfg, weights, pinned, arena), args.profile)
-        assert w.nbytes == nbytes, (w.nbytes, nbytes)
+        best = None
+        for _ in range(args.repeat):
+            (w, device), t_up, p = timed(lambda pinned=pinned: upload_once(cfg, weights, pinned, arena), args.profile)
+            assert w.nbytes == nbytes, (w.nbytes, nbytes)
+            if best is None or t_up < best[0]:
+                best = (t_up, device.copy_seconds, device.copies, p)
+            del w, device
+            gc.collect()
         label = "upload, pinned staging" if pinned else "upload, direct (permute, then memcpy_htod)"
-        rows.append((label, t_up, device.copy_seconds, device.copies))
-        profiles.append((label, p))
-        del w, device
-        gc.collect()
+        rows.append((label, *best[:3]))
+        profiles.append((label, best[3]))
     from bench.perfdoc import command_line, report
 
     cpu = subprocess.run(["sh", "-c", "grep -m1 'model name' /proc/cpuinfo | cut -d: -f2"], capture_output=True,
