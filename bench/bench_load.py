@@ -95,7 +95,7 @@ def write_checkpoint(root: Path, layers: int, *, vocab: int = SHAPE["vocab"], bo
 
 VARIANTS = {  # name: (bf16 kept as stored, the uploader's pinned staging), label
     "pinned": ((True, True), "bf16 as stored, pinned staging (now)"),
-    "direct": ((True, False), "bf16 as stored, direct upload (before)"),
+    "direct": ((True, False), "bf16 as stored, direct upload (pinned=False: the uploader before)"),
     "float32": ((False, False), "widened to float32, direct upload"),
 }
 
