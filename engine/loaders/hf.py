@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import mmap
 import struct
 from collections.abc import Callable
 from pathlib import Path
@@ -72,7 +73,8 @@ def read_config(root: Path) -> ModelConfig:
 
 def read_safetensors(path: Path, *, keep_bf16: bool = False) -> dict[str, np.ndarray]:
     """Every tensor of one .safetensors file as a float32 numpy array (uint8 and F8_E4M3 ones raw, uint8);
-    with ``keep_bf16`` the BF16 ones as stored (``engine.loaders.bf16``: no float32 copy)."""
+    with ``keep_bf16`` the BF16 ones as stored (``engine.loaders.bf16``: no float32 copy). BF16 and
+    F8_E4M3 tensors as stored are read-only views of the mapped file."""
     from safetensors import safe_open
 
     with open(path, "rb") as f:
@@ -91,16 +93,20 @@ def read_safetensors(path: Path, *, keep_bf16: bool = False) -> dict[str, np.nda
                     t = st.get_tensor(name)
                     out[name] = t if t.dtype == np.uint8 else np.asarray(t, dtype=np.float32)
     if raw_names:
-        mm = np.memmap(path, dtype=np.uint8, mode="r")
+        # Views of the mapped file, read-only: no copy of the bytes (the page cache holds them; a
+        # tensor kept as stored is first read where it goes, by the uploader).
+        with open(path, "rb") as f:
+            mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         for name in raw_names:
             start, end = header[name]["data_offsets"]
-            raw = mm[base + start : base + end].tobytes()
+            dtype = "<u2" if header[name]["dtype"] == "BF16" else np.uint8  # F8_E4M3: bit patterns
+            count = (end - start) // np.dtype(dtype).itemsize
+            raw = np.frombuffer(mm, dtype, count, base + start) if count else np.empty(0, dtype)
             if header[name]["dtype"] == "BF16":
-                t = bf16.from_bits(np.frombuffer(raw, dtype="<u2")).reshape(header[name]["shape"])
+                t = bf16.from_bits(raw).reshape(header[name]["shape"])
                 out[name] = t if keep_bf16 else bf16.to_float32(t)
-            else:  # F8_E4M3: the bit patterns, one byte each
-                out[name] = np.frombuffer(raw, dtype=np.uint8).reshape(header[name]["shape"])
-        del mm
+            else:
+                out[name] = raw.reshape(header[name]["shape"])
     return out
 
 

@@ -83,11 +83,30 @@ class DeviceWeights:
 
 
 def upload(cfg: ModelConfig, blocks: list[Block], head: Head, weights, mem, embed_scale: float = 1.0,
-           kern=None) -> DeviceWeights:  # fmt: skip
+           kern=None, pinned: bool = True) -> DeviceWeights:  # fmt: skip
     """Copy ``weights`` to the device through ``mem`` (``runtime.Allocations``); every layer's tensor
     names and options come from the definition's ``blocks`` (one per layer) and ``head``. ``kern``
-    (``Kernels``): a quantized embedding table is dequantized on the device (else on the host)."""
-    up = _Uploader(weights, mem)
+    (``Kernels``): a quantized embedding table is dequantized on the device (else on the host).
+    ``pinned``: bf16 tensors kept as stored go up through pinned staging buffers
+    (engine/backends/cuda/pinned.py), the same bytes at the same addresses as the direct path."""
+    copier = None
+    if pinned and any(is_bf16(w) for w in weights.values()):
+        from engine.backends.cuda.pinned import PinnedCopier
+
+        copier = PinnedCopier()
+    up = _Uploader(weights, mem, copier)
+    ok = False
+    try:
+        out = _upload(cfg, blocks, head, weights, up, mem, embed_scale, kern)
+        ok = True
+    finally:
+        if copier is not None:
+            copier.close(send=ok)
+    return out
+
+
+def _upload(cfg: ModelConfig, blocks: list[Block], head: Head, weights, up, mem, embed_scale: float,
+            kern) -> DeviceWeights:  # fmt: skip
     interleaved = cfg.intermediate_size % 8 == 0
     table = weights["model.embed_tokens.weight"]
     quant_table = isinstance(table, QuantizedTensor) and table.type_name in QUANT_FORMATS
@@ -178,8 +197,9 @@ def _layer(cfg: ModelConfig, i: int, block: Block, up, ropes: dict, interleaved:
 
 
 class _Uploader:
-    def __init__(self, weights, mem) -> None:
+    def __init__(self, weights, mem, copier=None) -> None:
         self.weights, self.mem, self.nbytes = weights, mem, 0
+        self.copier = copier  # pinned.PinnedCopier, for bf16 kept as stored (None: every tensor direct)
 
     def norm(self, op: RMSNorm, prefix: str = "") -> int:
         """An RMSNorm's weight (bf16), ``1 + w`` for ``plus_one``."""
@@ -195,6 +215,16 @@ class _Uploader:
 
         # bf16 kept as stored goes up as its bits (to_bf16) unless it is computed on first.
         parts = [self.weights[n] for n in names]
+        if self.copier is not None and not (fp32 or plus_one):
+            from engine.backends.cuda.pinned import runs
+
+            staged = runs(parts, interleave, rope_dim, rotary_dim)
+            if staged is not None and self.copier.fits(staged):
+                nbytes = sum(r.units * r.unit_bytes for r in staged)
+                dst = self.mem.alloc(nbytes)
+                self.nbytes += nbytes
+                self.copier.put(dst, staged)
+                return dst
         parts = [p if is_bf16(p) and not (fp32 or plus_one) else dequantized(p) for p in parts]
         if plus_one:
             parts = [(p.float() if _is_torch(p) else np.asarray(p, np.float32)) + 1.0 for p in parts]
