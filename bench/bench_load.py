@@ -1,9 +1,9 @@
 """Cold load of a Llama-3.1-8B-shaped bf16 Hugging Face checkpoint on the CUDA backend:
 the loader's read (and widening, on the float32 path) then the upload, and the peak host RSS,
 with bf16 tensors kept as stored (engine/loaders/bf16.py, what the server does for the card) and
-uploaded through pinned staging buffers (engine/backends/cuda/pinned.py, the server's path), kept
-as stored but uploaded directly (permute, then ``memcpy_htod`` from pageable memory: the uploader
-with ``pinned=False``, the path before), and widened to float32 first (before that: the float32
+uploaded through pinned staging buffers (engine/backends/cuda/pinned.py, ``cuda.pinned_upload``
+on), kept as stored but uploaded directly (permute, then ``memcpy_htod`` from pageable memory: the
+default until a GPU session has checked the pinned path), and widened to float32 first (before that: the float32
 tensors always go the direct path). Each variant runs in its own process
 (peak RSS is per process); the checkpoint is written once with random weights (a shared random
 pool, so 16 GB take seconds) and read from the page cache by both, so the figures are the
@@ -94,8 +94,8 @@ def write_checkpoint(root: Path, layers: int, *, vocab: int = SHAPE["vocab"], bo
 
 
 VARIANTS = {  # name: (bf16 kept as stored, the uploader's pinned staging), label
-    "pinned": ((True, True), "bf16 as stored, pinned staging (now)"),
-    "direct": ((True, False), "bf16 as stored, direct upload (pinned=False: the uploader before)"),
+    "pinned": ((True, True), "bf16 as stored, pinned staging (cuda.pinned_upload on)"),
+    "direct": ((True, False), "bf16 as stored, direct upload (cuda.pinned_upload off, the default)"),
     "float32": ((False, False), "widened to float32, direct upload"),
 }
 
@@ -103,19 +103,14 @@ VARIANTS = {  # name: (bf16 kept as stored, the uploader's pinned staging), labe
 def run_variant(root: Path, keep: bool, pinned: bool) -> dict:
     """In this process: the loader, then the CUDA upload (``pinned``: through the staging buffers,
     else the direct path); seconds and peak RSS."""
-    import functools
-
     from engine.backends import create_backend
-    from engine.backends.cuda import weights as uploader
+    from engine.config import CudaTuning, EngineConfig
     from engine.loaders import load_artifact
-
-    if not pinned:  # backend.py calls weights.upload with its defaults
-        uploader.upload = functools.partial(uploader.upload, pinned=False)
 
     t0 = time.perf_counter()
     cfg, weights = load_artifact(root, bf16_as_stored=keep)
     t1 = time.perf_counter()
-    be = create_backend("cuda")
+    be = create_backend("cuda", EngineConfig(backend="cuda", cuda=CudaTuning(pinned_upload=pinned)))
     be.load(cfg, weights, block_size=16, kv_budget_bytes=1 << 30, host_kv_budget_bytes=0, max_context=4096)
     t2 = time.perf_counter()
     del weights

@@ -27,6 +27,10 @@ class CudaTuning:
     # cuda.pdl: launch a decode round's kernels with programmatic dependent launch (each may start
     # while the one before ends; gemv.cu issues its first weight loads before it waits). docs/CUDA.md.
     pdl: bool = False
+    # cuda.pinned_upload: bf16 weights go up at load through pinned, double-buffered staging written in
+    # their device layout by a thread pool (engine/backends/cuda/pinned.py); False: a synchronous copy a
+    # tensor. Off until a GPU session has run tests/kernels/test_cuda_upload_host.py's card tests.
+    pinned_upload: bool = False
 
 
 @dataclass

@@ -314,6 +314,12 @@ FIELDS: dict[str, Field] = {
             "CUDA backend: launch a decode round's kernels with programmatic dependent launch (each starts as the one before ends)",
         ),
         Field(
+            "cuda.pinned_upload",
+            bool,
+            False,
+            "CUDA backend: upload bf16 weights at load through pinned, double-buffered staging (not yet run on a card)",
+        ),
+        Field(
             "cuda.expert_budget",
             int,
             0,
@@ -556,4 +562,5 @@ def cuda_tuning_dict(values: dict[str, Any]) -> dict[str, Any]:
         "gpu_budget": values["model.gpu_budget"],
         "round_rows": values["cuda.round_rows"],
         "pdl": values["cuda.pdl"],
+        "pinned_upload": values["cuda.pinned_upload"],
     }

@@ -128,12 +128,19 @@ def test_rope_runs_match_interleave_rope(rotary, strided):
     np.testing.assert_array_equal(out.reshape(bits.shape), to_bf16(interleave_rope(w, 64, rotary)))
 
 
-def test_the_backend_loads_through_the_pinned_path():
+def test_cuda_pinned_upload_key_reaches_the_uploader(monkeypatch):
+    """``cuda.pinned_upload`` (off by default until a card has run the tests below) reaches CudaTuning,
+    and the backend's load hands it to ``upload``."""
     import inspect
 
-    from engine.backends.cuda.weights import upload
+    from engine.backends.cuda import backend
+    from engine.config import CudaTuning
+    from ignis_site import config
 
-    assert inspect.signature(upload).parameters["pinned"].default is True  # backend.py passes none
+    assert config.FIELDS["cuda.pinned_upload"].default is False and CudaTuning().pinned_upload is False
+    values, _ = config.resolve(environ={"IGNIS_CUDA_PINNED_UPLOAD": "on"})
+    assert CudaTuning(**config.cuda_tuning_dict(values)).pinned_upload is True
+    assert "pinned=self.tuning.pinned_upload" in inspect.getsource(backend.CudaBackend._load)
 
 
 def test_a_failed_upload_raises(checkpoints):

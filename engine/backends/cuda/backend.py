@@ -109,7 +109,8 @@ class CudaBackend(Backend):
         self.formats = quant_formats(weights)
         self.kern = self._kernels()  # compiles everything now
         self.stream = cuda.Stream()
-        self.weights = upload(cfg, blocks, head, weights, self.mem, embed_scale=embedding.scale, kern=self.kern)
+        self.weights = upload(cfg, blocks, head, weights, self.mem, embed_scale=embedding.scale, kern=self.kern,
+                              pinned=self.tuning.pinned_upload)  # fmt: skip
         self.moe, moe_bytes = self._upload_moe(cfg, blocks, weights)
         post_norms = any(b.attn_post_norm is not None or b.mlp_post_norm is not None for b in blocks)
         self.ws = Workspace.allocate(cfg, self.mem, post_norms=post_norms)

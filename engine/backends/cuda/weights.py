@@ -83,7 +83,7 @@ class DeviceWeights:
 
 
 def upload(cfg: ModelConfig, blocks: list[Block], head: Head, weights, mem, embed_scale: float = 1.0,
-           kern=None, pinned: bool = True) -> DeviceWeights:  # fmt: skip
+           kern=None, pinned: bool = False) -> DeviceWeights:  # fmt: skip
     """Copy ``weights`` to the device through ``mem`` (``runtime.Allocations``); every layer's tensor
     names and options come from the definition's ``blocks`` (one per layer) and ``head``. ``kern``
     (``Kernels``): a quantized embedding table is dequantized on the device (else on the host).
