@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import gc
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -80,3 +81,30 @@ def test_the_loop_ticks_while_the_default_gguf_loads_on_numpy():
     assert host.error is None and host.state == EngineState.UNLOADED
     # Loads here take 3-10 s; measured gaps 0.1-0.3 s, up to ~0.8 s on a loaded 2-core machine.
     assert gap < 1.5 * BEAT
+
+
+def test_a_load_runs_with_the_heap_it_started_with_frozen_and_hands_it_back(tmp_path):
+    """engine.loading.frozen_heap: full collections during a load skip the objects alive before it."""
+    from engine.config import EngineConfig
+    from engine.loading import load_model
+    from tests.engine.fake_backend import FakeModels
+
+    models, seen = FakeModels(tmp_path), []
+
+    def loader(path, progress):
+        seen.append(gc.get_freeze_count())
+        return models.load(path, progress)
+
+    object_count = len(gc.get_objects())
+    assert gc.get_freeze_count() == 0
+    load_model(EngineConfig(backend="numpy"), models.model("m"), served_id="m", max_context=64, ram_budget=1 << 30,
+               progress=lambda d, t: None, on_context=lambda n: None, loader=loader,
+               backend_factory=models.create_backend)  # fmt: skip
+    assert seen and seen[0] >= object_count * 0.9 and gc.get_freeze_count() == 0
+    # A failing load hands the heap back too.
+    models.failing.add(models.model("bad"))
+    with pytest.raises(RuntimeError):
+        load_model(EngineConfig(backend="numpy"), models.model("bad"), served_id="bad", max_context=64,
+                   ram_budget=1 << 30, progress=lambda d, t: None, on_context=lambda n: None, loader=loader,
+                   backend_factory=models.create_backend)  # fmt: skip
+    assert gc.get_freeze_count() == 0
