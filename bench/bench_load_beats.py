@@ -68,9 +68,10 @@ async def _ticker(gaps: Gaps, stop: asyncio.Event, stall: float, trace) -> None:
         faulthandler.cancel_dump_traceback_later()
 
 
-async def loop_gaps(work, *, stall: float = 0.5, trace=None) -> Gaps:
-    """Run ``work()`` on a step thread while the loop ticks; the loop's longest gap (what a
-    heartbeat sees), with stack dumps to ``trace`` (a file) of every stall over ``stall`` s."""
+async def loop_gaps(work, *, stall: float = 0.5, trace=None) -> tuple[Gaps, object]:
+    """Run ``work()`` on a step thread while the loop ticks; its gaps (the longest is what a
+    heartbeat sees) and what ``work`` returned, with stack dumps to ``trace`` (a file) of every
+    stall over ``stall`` s."""
     gaps, stop = Gaps(), asyncio.Event()
     ticker = asyncio.create_task(_ticker(gaps, stop, stall, trace))
     await asyncio.sleep(TICK * 2)  # the ticker has started
