@@ -45,19 +45,17 @@ def gemm_rows_independent(k_in: int, n_outs: tuple[int, ...]) -> bool:
     it, for [rows, k_in] @ [k_in, n] at each of ``n_outs``: probed once per shape on fixed random
     operands at prefill-like row counts. OpenBLAS's SkylakeX kernels do; its Haswell kernels (seen on
     an AMD EPYC) round a row differently as the row count changes, so there a prefill group cannot
-    share one forward and keep each span's bits (NumpyBackend.prefill_group)."""
-    key = (k_in, n_outs)
+    share one forward and keep each span's bits (NumpyBackend.prefill_group). The probe keeps the
+    reduction length ``k_in`` (what a row's rounding runs along) and each width's remainder by 16
+    (the kernels' column tail), with at most _PROBE_COLS columns: the products at the model's full
+    widths cost an 8B-shaped load seconds (x 160 rows of its 49k-token head alone: 64 GFLOP)."""
+    key = (k_in, tuple(n % 16 + min(n - n % 16, _PROBE_COLS) for n in n_outs))
     if key not in _PROBED:
         rng = np.random.default_rng(0)
         x = rng.standard_normal((160, k_in), dtype=np.float32)
-        # The weights repeat one random block of rows: drawing a vocabulary-sized matrix of normals
-        # took 5 s of an 8B-shaped load here (49k x 4096; 2.6x that at 128k); copying the block, under 0.5 s.
-        block = rng.standard_normal((_PROBE_ROWS, k_in), dtype=np.float32)
         same = True
-        for n in n_outs:
-            w = np.empty((n, k_in), np.float32)
-            for start in range(0, n, _PROBE_ROWS):
-                w[start : start + _PROBE_ROWS] = block[: n - start]
+        for n in key[1]:
+            w = rng.standard_normal((n, k_in), dtype=np.float32)
             full = x @ w.T
             same = same and all(np.array_equal(x[:m] @ w.T, full[:m]) for m in (40, 41, 63, 100, 127))
         _PROBED[key] = same
@@ -65,7 +63,7 @@ def gemm_rows_independent(k_in: int, n_outs: tuple[int, ...]) -> bool:
 
 
 _PROBED: dict[tuple, bool] = {}
-_PROBE_ROWS = 1024  # rows of the probe's random weight block
+_PROBE_COLS = 256  # most columns of a probe product (plus the width's remainder by 16)
 
 
 class Linear:
