@@ -1,6 +1,10 @@
 #!/bin/bash
 # One device call: build check, GPU tests, benchmark; logs under $OUT.
-# Usage (from the repo root on the GPU machine): bash bench/gpu_run.sh [tests|bench|all]
+# Usage (from the repo root on the GPU machine): bash bench/gpu_run.sh [tests|bench|all|suite|pdl|load]
+#   suite: every GPU test under tests/kernels (~4 min on a warm kernel cache)
+#   pdl:   cuda.pdl's card tests, then bench_cuda.py --pdl (the graph with it off / on)
+#   load:  the pinned uploader's card tests, bench_load.py --write, and the loop's gaps during an
+#          8B bf16 load on the card (bench_load_beats.py, on bench_load.py's 16 GB checkpoint)
 set -o pipefail
 what=${1:-all}
 # Kernels compile into models/.cache/pycuda (the default; tests and bench alike).
@@ -12,6 +16,23 @@ cat "$OUT/machine.txt"
 if [ "$what" = tests ] || [ "$what" = all ]; then
   timeout 200 python3 -m pytest -p no:cacheprovider -q -o addopts="" tests/kernels/test_cuda_kernels.py 2>&1 | tee "$OUT/test_kernels.log" | tail -40
   timeout 240 python3 -m pytest -p no:cacheprovider -q -o addopts="" tests/kernels/test_cuda_model.py 2>&1 | tee "$OUT/test_model.log" | tail -40
+fi
+if [ "$what" = suite ]; then
+  timeout 540 python3 -m pytest -p no:cacheprovider -q -o addopts="" tests/kernels 2>&1 | tee "$OUT/suite.log" \
+    | grep -E "passed|failed|FAILED|ERROR" | tail -40
+fi
+if [ "$what" = pdl ]; then
+  timeout 200 python3 -m pytest -p no:cacheprovider -q -o addopts="" tests/kernels/test_cuda_pdl.py 2>&1 \
+    | tee "$OUT/test_pdl.log" | tail -20
+  timeout 300 python3 bench/bench_cuda.py --pdl --skip-hf 2>&1 | tee "$OUT/bench_pdl.log" | tail -20
+fi
+if [ "$what" = load ]; then
+  timeout 150 python3 -m pytest -p no:cacheprovider -q -o addopts="" tests/kernels/test_cuda_upload_host.py \
+    tests/kernels/test_cuda_bf16_load.py 2>&1 | tee "$OUT/test_upload.log" | tail -20
+  timeout 250 python3 bench/bench_load.py --write 2>&1 | tee "$OUT/bench_load.log" | tail -20
+  timeout 150 python3 bench/bench_load_beats.py --case bf16 --layers 32 --backend cuda --cold --dir /tmp/ignis-load-8b \
+    --trace "$OUT/beats_trace.txt" 2>&1 | tee "$OUT/beats.log" | tail -5
+  cp docs/PERFORMANCE.md "$OUT/" 2>/dev/null
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   timeout ${BENCH_TIMEOUT:-300} python3 bench/bench_cuda.py --write ${BENCH_ARGS} 2>&1 | tee "$OUT/bench.log" | tail -30
