@@ -386,7 +386,10 @@ class CudaBackend(Backend):
         # The device tokens a round planned ahead feeds, forgotten at once (as Backend.step forgets
         # last_tokens): should this step raise, the one queued behind raises before it replays.
         self._rows_before, self._feed_from = {}, self._rows_before
-        return super().step(plan)
+        try:
+            return super().step(plan)
+        finally:
+            self._defer = False  # a decode_round called on its own (benchmarks, tests) completes in the call
 
     def fill_pending(self, lanes: Sequence[DecodeLane], last: dict[int, int]) -> None:
         """PENDING rows: from ``last`` where the round before ended on the host, else from its row's
