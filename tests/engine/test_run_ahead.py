@@ -216,13 +216,23 @@ def test_a_lane_whose_round_commits_its_last_token_gets_no_row_ahead():
 # -- the worker --------------------------------------------------------------------------
 
 
-def pending_steps(models) -> list[bool]:
-    """Per decode step the fake backends ``models`` makes from now on run: whether a row fed PENDING."""
-    seen: list[bool] = []
+def on_new_backends(models, change) -> None:
+    """``change(backend)`` on every fake backend ``models`` makes from now on."""
     make = models.create_backend
 
     def create_backend(name, config=None):
         backend = make(name, config)
+        change(backend)
+        return backend
+
+    models.create_backend = create_backend
+
+
+def pending_steps(models) -> list[bool]:
+    """Per decode step the fake backends ``models`` makes from now on run: whether a row fed PENDING."""
+    seen: list[bool] = []
+
+    def record_pending(backend):
         before = backend.before_step
 
         def record(plan):
@@ -231,10 +241,19 @@ def pending_steps(models) -> list[bool]:
             before(plan)
 
         backend.before_step = record
-        return backend
 
-    models.create_backend = create_backend
+    on_new_backends(models, record_pending)
     return seen
+
+
+async def three_streams_end_by_length(eng) -> None:
+    """Three requests of 12 tokens each come back whole: the fake's tokens, finish_reason length."""
+    from tests.engine.test_worker import expected
+
+    adds = [await eng.submit(max_tokens=12) for _ in range(3)]
+    for add in adds:
+        tokens, last = await eng.outcome(add)
+        assert tokens == expected(add, 12) and last["finish_reason"] == "length"
 
 
 def test_the_worker_runs_rounds_ahead_and_the_key_turns_them_off_live(models):
@@ -244,10 +263,7 @@ def test_the_worker_runs_rounds_ahead_and_the_key_turns_them_off_live(models):
 
     async def scenario():
         async with Engine(models, models.model("m1")) as eng:
-            adds = [await eng.submit(max_tokens=12) for _ in range(3)]
-            for add in adds:
-                tokens, last = await eng.outcome(add)
-                assert tokens == expected(add, 12) and last["finish_reason"] == "length"
+            await three_streams_end_by_length(eng)
             assert any(seen)
             reply = await eng.layer.new_channel()
             off = ConfigureEngine({"async_rounds": False}, reply_channel=reply)
@@ -267,23 +283,13 @@ def test_the_worker_reads_a_deferred_round_back_after_queueing_the_next(models):
     """A backend that defers rounds (a GPU's: Backend.defers_rounds) hands round N back queued; the
     worker queues N+1 on the step thread before it asks for N's tokens (``finish``), and every
     token is the synchronous run's."""
-    from tests.engine.test_worker import Engine, expected, run
+    from tests.engine.test_worker import Engine, run
 
-    make = models.create_backend
-
-    def create_backend(name, config=None):
-        backend = make(name, config)
-        backend.defers_rounds = True
-        return backend
-
-    models.create_backend = create_backend
+    on_new_backends(models, lambda backend: setattr(backend, "defers_rounds", True))
 
     async def scenario():
         async with Engine(models, models.model("m1")) as eng:
-            adds = [await eng.submit(max_tokens=12) for _ in range(3)]
-            for add in adds:
-                tokens, last = await eng.outcome(add)
-                assert tokens == expected(add, 12) and last["finish_reason"] == "length"
+            await three_streams_end_by_length(eng)
 
     run(scenario)
     calls = models.backends[-1].calls

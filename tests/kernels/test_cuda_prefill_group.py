@@ -403,32 +403,14 @@ def test_a_group_is_close_to_its_spans_alone(loaded):
 @pytest.mark.slow
 @pytest.mark.parametrize("sampling_args", [{"temperature": 0}, {"temperature": 0.9, "seed": 7}])
 def test_a_burst_through_the_scheduler_gives_the_tokens_of_one_prompt_a_step(loaded, sampling_args):
-    import random
-
-    from engine.config import EngineConfig
-    from engine.kv_manager import KVManager
-    from engine.messages import AddRequest, TokenEvent
-    from engine.scheduler import Scheduler
+    from tests.engine.test_prefill_group import _generate
 
     be = loaded
     rng = np.random.default_rng()
     prompts = [rng.integers(3, be.config.vocab_size, n).tolist() for n in (17, 60, 30, 45)]
 
     def generate(group: bool):
-        cfg = EngineConfig(decode_lanes=8, prefill_chunk=256, max_context=512, block_size=BLOCK, prefill_group=group)
-        sched = Scheduler(cfg, KVManager(be.plan.num_blocks, BLOCK, 0), seed_rng=random.Random(0),
-                          max_round_rows=be.max_round_rows)  # fmt: skip
-        for i, ids in enumerate(prompts):
-            req = AddRequest(f"p{i}", "c", ids, 8, sampling={**sampling_args, "ignore_eos": True})
-            assert sched.add_request(req) is None
-        out, steps = {f"p{i}": [] for i in range(len(prompts))}, 0
-        while sched.has_work:
-            plan = sched.schedule()
-            steps += plan.prefill is not None
-            for o in sched.update_from_output(plan, be.step(plan)):
-                if isinstance(o, TokenEvent):
-                    out[o.request_id] += o.token_ids
-        return out, steps
+        return _generate(be, prompts, group, sampling_args)
 
     together, steps_together = generate(True)
     alone, steps_alone = generate(False)

@@ -136,9 +136,9 @@ class NumpyBackend(Backend):
         alone takes them. Only spans whose products run as plain GEMMs alone (``plain_gemm``: then a
         row's bits do not depend on the rows beside it) join that forward; the others, and spans with
         images or rope positions of their own, run one by one."""
+        # (prefills_together: load's probe, gemm_rows_independent)
         together = [(s, o) for s, o in zip(spans, outs, strict=True) if plain_gemm(len(s.token_ids))]
-        together = together if self.prefills_together else []  # (load's probe: gemm_rows_independent)
-        together = [] if len(together) < 2 else together
+        together = together if self.prefills_together and len(together) >= 2 else []
         together = [] if any(s.images or s.rope_positions is not None for s, _ in together) else together
         for span, out in zip(spans, outs):
             if all(span is not s for s, _ in together):
