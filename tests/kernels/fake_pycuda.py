@@ -18,20 +18,26 @@ import numpy as np
 class Device:
     """Device memory: every allocation a zeroed uint8 buffer, found by any address inside it."""
 
-    def __init__(self, arena: np.ndarray | None = None) -> None:
+    def __init__(self, arena: np.ndarray | None = None, packed: bool = False) -> None:
         """``arena`` (uint8, reusable): allocations are slices of it, not zeroed (a benchmark's
-        copies then land in memory already in place instead of fresh pages)."""
+        copies then land in memory already in place instead of fresh pages). ``packed``: each
+        allocation starts at the next 256-byte boundary after the one before, as the driver may
+        place small allocations (a copy spanning two of them is refused there, and here); by
+        default a gap follows each one (a copy past the end is caught)."""
         self.buffers: dict[int, np.ndarray] = {}
         self._starts: list[int] = []
         self._next = 1 << 32
-        self.arena = arena
+        self.arena, self.packed = arena, packed
         self.copies = 0  # host-to-device copies made
         self.async_copies = 0  # of them through memcpy_htod_async
         self.copy_seconds = 0.0  # spent in them (on a card the DMA engine's time, not the host's)
 
     def alloc(self, nbytes: int) -> int:
         ptr = self._next
-        self._next += -(-max(nbytes, 1) // 4096) * 4096 + 4096  # a gap: a copy past the end is caught
+        if self.packed:
+            self._next += -(-max(nbytes, 1) // 256) * 256
+        else:
+            self._next += -(-max(nbytes, 1) // 4096) * 4096 + 4096
         if self.arena is None:
             self.buffers[ptr] = np.zeros(nbytes, np.uint8)
         else:

@@ -56,21 +56,24 @@ def checkpoints(tmp_path_factory):
     return out
 
 
-def _upload(cfg, weights, pinned: bool):
-    """DeviceWeights and the fake device's allocations, by address."""
+def _upload(cfg, weights, pinned: bool, packed: bool = False):
+    """DeviceWeights and the fake device's allocations, by address (``packed``: back to back)."""
     from engine.backends.cuda.weights import upload
     from engine.cu.runtime import Allocations
     from engine.models import definition
 
     defn = definition(cfg.arch)
-    with fake_pycuda.installed() as device:
+    with fake_pycuda.installed(fake_pycuda.Device(packed=packed)) as device:
         w = upload(cfg, defn.blocks(cfg), defn.head(cfg), weights, Allocations(), pinned=pinned)
     return w, device
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["apart", "packed"])
 @pytest.mark.parametrize("small_buffers", [False, True], ids=["256MB", "96KB"])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_pinned_staging_puts_the_direct_paths_bytes(checkpoints, arch, small_buffers, monkeypatch):
+def test_pinned_staging_puts_the_direct_paths_bytes(checkpoints, arch, small_buffers, packed, monkeypatch):
+    """``packed``: allocations back to back, as the card placed them (its copies spanning two
+    tensors were refused, invalid argument, until the copier stopped merging across tensors)."""
     from engine.backends.cuda import pinned
 
     if small_buffers:  # many buffer turns, tensors split across them, chunks of one head (32 KB) or a few rows
@@ -81,7 +84,7 @@ def test_pinned_staging_puts_the_direct_paths_bytes(checkpoints, arch, small_buf
     monkeypatch.setattr(pinned.PinnedCopier, "fits", lambda self, runs: taken.append(fits(self, runs)) or taken[-1])
     cfg, weights = load_artifact(checkpoints[arch], bf16_as_stored=True, fp8_as_stored=True)
     assert all(bf16.is_bf16(w) for w in weights.values())
-    assert_same_upload(cfg, weights)
+    assert_same_upload(cfg, weights, packed)
     assert taken and all(taken)  # no bf16 tensor fell back to the direct path
 
 
@@ -93,10 +96,10 @@ def test_a_bf16_gguf_goes_up_the_same(tmp_path):
     assert_same_upload(cfg, weights)
 
 
-def assert_same_upload(cfg, weights) -> None:
+def assert_same_upload(cfg, weights, packed: bool = False) -> None:
     """The pinned path's DeviceWeights and device bytes are the direct path's."""
-    direct, dev_direct = _upload(cfg, weights, pinned=False)
-    staged, dev_staged = _upload(cfg, weights, pinned=True)
+    direct, dev_direct = _upload(cfg, weights, pinned=False, packed=packed)
+    staged, dev_staged = _upload(cfg, weights, pinned=True, packed=packed)
     assert staged == direct and staged.nbytes == direct.nbytes
     assert dev_direct.async_copies == 0 and dev_staged.async_copies > 0
     a, b = dev_direct.contents(), dev_staged.contents()

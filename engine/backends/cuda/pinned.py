@@ -129,6 +129,7 @@ class PinnedCopier:
         """Plan ``runs`` to ``dst`` onwards, one after another."""
         size, off = len(self.buffers[0]), 0
         self.used = -(-self.used // ALIGN) * ALIGN  # each tensor's copy from an aligned host address
+        first = len(self.copies)  # this tensor's copies start here (0 again after a send)
         for run in runs:
             step = max(1, CHUNK_BYTES // run.unit_bytes)
             for u0 in range(0, run.units, step):
@@ -136,10 +137,13 @@ class PinnedCopier:
                 n = (u1 - u0) * run.unit_bytes
                 if self.used + n > size:
                     self._send()
+                    first = 0
                 self.tasks.append((run.write, u0, u1, self.used, n))
-                last = self.copies[-1] if self.copies else None
+                # One copy for a tensor's chunks, never across tensors: the driver may place two
+                # allocations back to back, and a copy spanning both is refused (invalid argument).
+                last = self.copies[-1] if len(self.copies) > first else None
                 if last and last[0] + last[2] == dst + off and last[1] + last[2] == self.used:
-                    last[2] += n  # one copy for a tensor's chunks
+                    last[2] += n
                 else:
                     self.copies.append([dst + off, self.used, n])
                 self.used += n
