@@ -100,11 +100,23 @@ __device__ __forceinline__ uint4 ld_stream_if(const void* p, bool pred) {
         : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p), "r"((int)pred));
     return r;
 }
+// PDL builds read what the kernel before writes with coherent loads (ld.global): a non-coherent one
+// (.nc) promises the data stays unwritten for the kernel's whole life, which with PDL includes the
+// kernel before's last writes, and ptxas may schedule it above griddepcontrol.wait (on the card
+// gemv_tc's x loads read the previous kernel's stale output that way). PDL_IN qualifies such a
+// pointer: __restrict__ (the compiler may pick .nc) without PDL, nothing with it.
+#if defined(PDL) && PDL
+#define LDX_NC ""
+#define PDL_IN
+#else
+#define LDX_NC ".nc"
+#define PDL_IN __restrict__
+#endif
 __device__ __forceinline__ uint4 ldg_if(const void* p, bool pred) {
     uint4 r;
     asm volatile(
         "{\n .reg .pred q;\n setp.ne.b32 q, %5, 0;\n mov.b32 %0, 0;\n mov.b32 %1, 0;\n mov.b32 %2, 0;\n"
-        " mov.b32 %3, 0;\n @q ld.global.nc.v4.u32 {%0,%1,%2,%3}, [%4];\n}"
+        " mov.b32 %3, 0;\n @q ld.global" LDX_NC ".v4.u32 {%0,%1,%2,%3}, [%4];\n}"
         : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p), "r"((int)pred));
     return r;
 }

@@ -164,7 +164,7 @@ template <int EPI>
 __device__ __forceinline__ void gemv_tc_epilogue(const float* c, const float* __restrict__ bias,
                                                  void* __restrict__ out, int M, int N, int K, int ldo,
                                                  const TcNorm& nm, const TcRope& rp, int n_base) {
-    const float* __restrict__ ss_in = nm.ss_in;
+    const float* PDL_IN ss_in = nm.ss_in;
     const int ss_nparts = nm.ss_nparts;
     const float eps = nm.eps;
     const bf16* __restrict__ nw = nm.nw;
