@@ -14,8 +14,7 @@ beside attention_prefill.cu; the four GEMMs of a chunk; and the chunk-size sweep
 CUDA default (``--chunks``).
 
 ``--pdl`` only times the decode graphs (widths 1 and 8) with ``cuda.pdl`` off and on, twice in
-turn on the same loaded model, and prints the rows (docs/CUDA.md, "Programmatic dependent launch");
-``--gemv-prefetch`` the same for gemv_tc's L2 prefetch ahead (CudaTuning.gemv_prefetch 0 / 1 / 2).
+turn on the same loaded model, and prints the rows (docs/CUDA.md, "Programmatic dependent launch").
 
     python3 bench/bench_cuda.py --write
     python3 bench/bench_cuda.py --prefill --write
@@ -504,11 +503,6 @@ def main() -> None:
     ap.add_argument("--write", action="store_true", help="update docs/PERFORMANCE.md")
     ap.add_argument("--sweep", action="store_true", help="also time the graphs under other GEMV settings")
     ap.add_argument("--pdl", action="store_true", help="only the decode graphs, cuda.pdl off and on")
-    ap.add_argument(
-        "--gemv-prefetch",
-        action="store_true",
-        help="only the decode graphs, gemv_tc's L2 prefetch ahead off / at start / after the loop",
-    )
     ap.add_argument("--kernel-cache-dir", default="", help="compiled kernels (default: models/.cache/pycuda)")
     ap.add_argument("--attention", action="store_true", help="the 16K prefill attention kernels alone")
     ap.add_argument("--prefill", action="store_true", help="the prefill figures alone (their own section)")
@@ -565,12 +559,6 @@ def main() -> None:
         print(f"cuda.pdl: {cfg.num_layers} layers, load {load_s:.1f} s, bound {bound * 1e3:.2f} ms", flush=True)
         rows = sweep(be, [(f"cuda.pdl {'on' if on else 'off'}", replace(tuning, pdl=on)) for on in (False, True) * 2])
         print("\n".join(rows), flush=True)
-        be.unload()
-        return
-    if args.gemv_prefetch:  # CudaTuning.gemv_prefetch 0 / 1 / 2, twice, each recaptured (gemv.cu GEMV_PF)
-        print(f"gemv prefetch: {cfg.num_layers} layers, load {load_s:.1f} s, bound {bound * 1e3:.2f} ms", flush=True)
-        modes = [(f"gemv_prefetch {m}", replace(tuning, gemv_prefetch=m)) for m in (0, 1, 2) * 2]
-        print("\n".join(sweep(be, modes)), flush=True)
         be.unload()
         return
     ig = bench_ignis(be, cfg, rng, args.prompts, args.rounds)

@@ -31,9 +31,6 @@ class CudaTuning:
     # their device layout by a thread pool (engine/backends/cuda/pinned.py); False: a synchronous copy a
     # tensor. Off until a GPU session has run tests/kernels/test_cuda_upload_host.py's card tests.
     pinned_upload: bool = False
-    # gemv_tc's L2 prefetch of the block that takes a block's place (gemv.cu GEMV_PF): 0 off, 1 as the
-    # block starts, 2 after its main loop. A bench knob (bench/bench_cuda.py --gemv-prefetch), no key.
-    gemv_prefetch: int = 0
 
 
 @dataclass

@@ -288,33 +288,16 @@ __device__ __forceinline__ void gemv_tc_epilogue(const float* c, const float* __
     }
 }
 
-#ifndef GEMV_PF
-#define GEMV_PF 0
-#endif
-// GEMV_PF (CudaTuning.gemv_prefetch): a block asks L2 for the 16 rows of the block that will take
-// its place, blockIdx.x + (SMs x MINB) (the blocks resident at once), as its own loads start
-// (1) or once its main loop is done (2); 0: nothing. A cache hint only: no value changes.
-template <int MINB>
-__device__ __forceinline__ void gemv_prefetch_ahead(const bf16* W, int N, int K) {
-    unsigned sms;
-    asm("mov.u32 %0, %%nsmid;" : "=r"(sms));
-    const long long tile = blockIdx.x + (long long)sms * MINB, n0 = tile * TC_ROWS;
-    if (tile < gridDim.x && n0 < N)
-        prefetch_l2(W + n0 * K, (min((long long)N, n0 + TC_ROWS) - n0) * K * 2, threadIdx.x, blockDim.x);
-}
-
 // The main loop, then the epilogue once per group of 8 activation rows, on that group's rows of
 // every per-row array (the epilogue itself sees at most 8 rows, as gemv_q.cu's callers give it).
-template <int U, int G, int EPI, int MINB = 2>
+template <int U, int G, int EPI>
 __device__ __forceinline__ void gemv_tc_body(const bf16* __restrict__ x, const bf16* __restrict__ W,
                                              const float* __restrict__ bias, void* __restrict__ out, int M,
                                              int N, int K, int ldo, const TcNorm& nm, const TcRope& rp) {
     float c[G][4];
 #pragma unroll
     for (int j = 0; j < G; j++) c[j][0] = c[j][1] = c[j][2] = c[j][3] = 0.f;
-    if constexpr (GEMV_PF == 1) gemv_prefetch_ahead<MINB>(W, N, K);
     gemv_tc_main<U, G>(x, W, M, N, K, c);
-    if constexpr (GEMV_PF == 2) gemv_prefetch_ahead<MINB>(W, N, K);
 #pragma unroll
     for (int j = 0; j < G; j++) {
         const int m0 = 8 * j;
@@ -349,7 +332,7 @@ __device__ __forceinline__ void gemv_tc_body(const bf16* __restrict__ x, const b
              const float* ss_in, int ss_nparts, float eps, const bf16* nw, bf16* xw, float* ss_out) {         \
         const TcNorm nm{ss_in, ss_nparts, eps, nw, xw, ss_out};                                              \
         const TcRope rp{};                                                                                   \
-        gemv_tc_body<U, G, EPI, MINB>(x, W, bias, out, M, N, K, ldo, nm, rp);                                          \
+        gemv_tc_body<U, G, EPI>(x, W, bias, out, M, N, K, ldo, nm, rp);                                          \
     }
 // swiglu / geglu: out bf16 act [M, ldo]; no bias, no next norm.
 #define GEMV_TC_SWIGLU(NAME, U, G, MINB, EPI)                                                                       \
@@ -358,7 +341,7 @@ __device__ __forceinline__ void gemv_tc_body(const bf16* __restrict__ x, const b
              int ss_nparts, float eps) {                                                                     \
         const TcNorm nm{ss_in, ss_nparts, eps, nullptr, nullptr, nullptr};                                   \
         const TcRope rp{};                                                                                   \
-        gemv_tc_body<U, G, EPI, MINB>(x, W, nullptr, out, M, N, K, ldo, nm, rp);                                      \
+        gemv_tc_body<U, G, EPI>(x, W, nullptr, out, M, N, K, ldo, nm, rp);                                      \
     }
 // rope: out bf16 q [M, H, D]; K and V into the cache.
 #define GEMV_TC_ROPE(NAME, U, G, MINB)                                                                           \
@@ -370,7 +353,7 @@ __device__ __forceinline__ void gemv_tc_body(const bf16* __restrict__ x, const b
         const TcNorm nm{ss_in, ss_nparts, eps, nullptr, nullptr, nullptr};                                   \
         const TcRope rp{positions, slots, inv_freq, cache, H, KVH, D, block_size, block_stride, rotary_dim,  \
                         rope_factor};                                                                        \
-        gemv_tc_body<U, G, EPI_ROPE_KV, MINB>(x, W, bias, out, M, N, K, ldo, nm, rp);                                  \
+        gemv_tc_body<U, G, EPI_ROPE_KV>(x, W, bias, out, M, N, K, ldo, nm, rp);                                  \
     }
 // Variants by rows: "" and "_u2" 1..8 rows (4 / 2 steps in flight, u2 for small matrices); "_r16",
 // "_r32", "_r64": up to 16 / 32 / 64 rows (2 / 4 / 8 groups; fewer steps in flight, as the

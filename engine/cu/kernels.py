@@ -95,12 +95,10 @@ class Kernels:
     buffer as large as the largest quantized matrix, where prefill dequantizes it for the GEMM.
     ``pdl`` (``cuda.pdl``): the kernels of ``PDL_SOURCES`` compiled with ``PDL=1`` and launched with
     programmatic dependent launch (engine/cu/launch.py, docs/CUDA.md); the others as without it.
-    ``gemv_prefetch``: gemv.cu's GEMV_PF (an L2 prefetch of the weights of the block that follows each
-    block; 0 off).
     """
 
     def __init__(self, head_dim: int, group: int, *, u2_below: int = 40 << 20, cache_dir: str = "",
-                 formats=(), pdl: bool = False, gemv_prefetch: int = 0) -> None:  # fmt: skip
+                 formats=(), pdl: bool = False) -> None:  # fmt: skip
         if head_dim not in (64, 128, 256):
             raise ValueError(f"head_dim {head_dim} not supported (64, 128 or 256)")
         if not 1 <= group <= 8:
@@ -136,8 +134,7 @@ class Kernels:
                             "pf_bytes:i64 interleaved:i32 rotary_dim:i32 factor:f32 q_norm:ptr k_norm:ptr eps:f32 "
                             "mrope1:i32 mrope2:i32",
                             head_dim // 2)  # fmt: skip
-        pf = (("GEMV_PF", gemv_prefetch),) if gemv_prefetch else ()  # 0: the define left out (the same cubin)
-        gemv = mod("gemv", ("TC_THREADS", TC_THREADS), *GEMV_ROW_TUNING, *pf)
+        gemv = mod("gemv", ("TC_THREADS", TC_THREADS), *GEMV_ROW_TUNING)
         self._tc = {  # 1..8 rows, keyed (epilogue, u2)
             (epi, u2): Kernel(gemv, f"gemv_tc_{epi}" + ("_u2" if u2 else ""), params, TC_THREADS)
             for epi, params in TC_PARAMS.items()

@@ -205,8 +205,7 @@ class CudaBackend(Backend):
 
         c, t = self.config, self.tuning
         return Kernels(c.head_dim, c.num_heads // c.num_kv_heads, u2_below=t.gemv_u2_below,
-                       cache_dir=t.kernel_cache_dir, formats=self.formats, pdl=t.pdl,
-                       gemv_prefetch=t.gemv_prefetch)  # fmt: skip
+                       cache_dir=t.kernel_cache_dir, formats=self.formats, pdl=t.pdl)  # fmt: skip
 
     def retune(self, tuning: CudaTuning) -> None:
         """Switch kernel settings on a loaded model and recapture the decode graphs (benchmarks)."""
