@@ -36,7 +36,7 @@ SHARD = 4 << 30  # bytes of a safetensors shard
 
 
 def _ratio(other: float, this: float, better: str, worse: str) -> str:
-    """"2.00x faster" when ``this`` is half ``other`` (a time or a size), "3.50x slower" when it is 3.5 times."""
+    """``this`` against ``other`` (times or sizes) in words: 2.00x faster at half, 3.50x slower at 3.5 times."""
     return f"{other / this:.2f}x {better}" if this <= other else f"{this / other:.2f}x {worse}"
 
 
