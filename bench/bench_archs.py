@@ -53,7 +53,7 @@ SHAPES = {  # name -> (model_type, config.json fields): the public checkpoints' 
 }  # fmt: skip
 
 
-def llama_8b_on_cuda(torch, *, kv_budget_bytes: int, max_context: int):
+def llama_8b_on_cuda(torch, *, kv_budget_bytes: int, max_context: int, tuning=None):
     """The Llama-3.1-8B shape with random bf16 weights loaded on a CudaBackend: (backend, cfg, plan)."""
     from engine.backends.cuda import CudaBackend
     from engine.models import for_hf
@@ -61,7 +61,7 @@ def llama_8b_on_cuda(torch, *, kv_budget_bytes: int, max_context: int):
     d = for_hf("llama")
     cfg = d.config_from_hf({"model_type": "llama", **LLAMA_8B})
     weights = make_weights(d, cfg, torch)
-    be = CudaBackend()
+    be = CudaBackend(tuning) if tuning is not None else CudaBackend()
     plan = be.load(cfg, weights, block_size=16, kv_budget_bytes=kv_budget_bytes, host_kv_budget_bytes=0,
                    max_context=max_context)  # fmt: skip
     del weights

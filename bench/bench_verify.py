@@ -9,6 +9,7 @@ with 4 drafts each at most 1.30x the plain 8-lane round. With ``--write`` the ta
 the "Verify rounds (H200)" section of docs/PERFORMANCE.md.
 
     python3 bench/bench_verify.py --write
+    python3 bench/bench_verify.py --wide   # gemv_wide.cu against gemv_tc's wide variants (printed)
 """
 
 from __future__ import annotations
@@ -41,11 +42,64 @@ TARGETS = {(1, 4): 1.10, (1, 8): 1.10, (8, 4): 1.30}  # the issue's, vs the plai
 CONTEXT = 512
 
 
+WIDE_CASES = [(1, 8), (1, 15), (2, 8), (4, 4), (4, 8), (8, 1), (8, 3), (8, 4), (8, 7)]
+
+
+def wide_compare(be, measure) -> None:
+    """The GEMVs alone (16 / 40 / 64 rows, every 8B matrix, each repetition another layer's) on gemv_tc's
+    wide variants and on gemv_wide.cu, then the verify rounds with gemv_wide off, on the large
+    matrices only (gate|up, the LM head) and on every matrix."""
+    from dataclasses import replace
+
+    import pycuda.driver as cuda
+
+    from engine.cu import runtime
+    from engine.cu.kernels import Kernels
+
+    c, s, w, ws = be.config, be.stream, be.weights, be.ws
+    hid, inter = c.hidden_size, c.intermediate_size
+    n_qkv = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
+    shapes = [("q,k,v", "qkv", n_qkv, hid), ("o", "o", hid, c.num_heads * c.head_dim),
+              ("gate,up", "gate_up", 2 * inter, hid), ("down", "down", hid, inter), ("lm_head", None, c.vocab_size, hid)]  # fmt: skip
+    with runtime.current():
+        group = c.num_heads // c.num_kv_heads
+        plain, wide = (Kernels(c.head_dim, group, cache_dir=be.tuning.kernel_cache_dir, wide_min_n=m) for m in (0, 1))
+        x = cuda.mem_alloc(64 * max(hid, inter) * 2)
+        cuda.memset_d16(x, 0x3C00, 64 * max(hid, inter))  # bf16 1.0
+        print("| GEMV | N x K | rows | gemv_tc | gemv_wide | wide / tc |\n|---|---|---|---|---|---|", flush=True)
+        for label, attr, n, kk in shapes:
+            for m in (16, 40, 64):
+                cells = []
+                for k in (plain, wide):
+                    reps = 16
+                    a, b = cuda.Event(), cuda.Event()
+                    a.record(s)
+                    for r in range(reps):
+                        mat = w.lm_head if attr is None else getattr(w.layers[r % len(w.layers)], attr)
+                        k.linear(s, int(x), mat, 0, ws.gu, m, n, kk)
+                    b.record(s)
+                    b.synchronize()
+                    cells.append(b.time_since(a) / 1e3 / reps)
+                print(f"| {label} | {n} x {kk} | {m} | {cells[0] * 1e6:.1f} us | {cells[1] * 1e6:.1f} us "
+                      f"| {cells[1] / cells[0]:.2f}x |", flush=True)  # fmt: skip
+        x.free()
+    cases = sorted({(lanes, 0) for lanes, _ in WIDE_CASES} | set(WIDE_CASES))
+    runs = {}
+    for label, min_n in (("gemv_tc", 0), ("gemv_wide from 16,384 rows", 16384), ("gemv_wide everywhere", 1)):
+        be.retune(replace(be.tuning, gemv_wide_min_n=min_n))
+        runs[label] = measure(cases)
+    print("| lanes x rows a lane | " + " | ".join(runs) + " |\n|---|" + "---|" * len(runs), flush=True)
+    for lanes, k in WIDE_CASES:
+        cells = [f"{t[(lanes, k)] * 1e3:.2f} ms ({t[(lanes, k)] / t[(lanes, 0)]:.2f}x)" for t in runs.values()]
+        print(f"| {lanes} x {k + 1} | " + " | ".join(cells) + " |", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=30)
     ap.add_argument("--write", action="store_true")
     ap.add_argument("--sweep", action="store_true", help="also time SWEEP's tunings of the wide GEMVs (printed only)")
+    ap.add_argument("--wide", action="store_true", help="gemv_wide.cu against gemv_tc's wide variants (printed only)")
     args = ap.parse_args()
 
     import torch
@@ -53,9 +107,11 @@ def main() -> None:
     from bench.bench_archs import llama_8b_on_cuda
     from bench.perfdoc import command_line, report
     from engine.backend import DecodeLane, PrefillSpan, SampleRequest, StepOutput
+    from engine.config import CudaTuning
     from engine.sampling import SamplingParams
 
-    be, cfg, _ = llama_8b_on_cuda(torch, kv_budget_bytes=4 << 30, max_context=2048)
+    tuning = CudaTuning(round_rows=64)  # every case's rows in one decode graph
+    be, cfg, _ = llama_8b_on_cuda(torch, kv_budget_bytes=4 << 30, max_context=2048, tuning=tuning)
     greedy = SampleRequest(params=SamplingParams(temperature=0.0), seed=1)
     rng = np.random.default_rng(0)
     tables = [list(range(i * 40, (i + 1) * 40)) for i in range(8)]
@@ -76,6 +132,10 @@ def main() -> None:
             times[(lanes, k)] = statistics.median(t[3:])
         return times
 
+    if args.wide:
+        wide_compare(be, measure)
+        be.unload()
+        return
     times = measure(CASES)
     if args.sweep:
         from engine.cu import kernels

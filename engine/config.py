@@ -31,6 +31,9 @@ class CudaTuning:
     # their device layout by a thread pool (engine/backends/cuda/pinned.py); False: a synchronous copy a
     # tensor. Off until a GPU session has run tests/kernels/test_cuda_upload_host.py's card tests.
     pinned_upload: bool = False
+    # A bf16 GEMV of 9..64 rows (wide rounds) on a matrix of at least this many rows runs gemv_wide.cu
+    # (gemv_tc's bits, x read from L2 once a block of 128 weight rows); 0: gemv_tc's own wide variants.
+    gemv_wide_min_n: int = 0
 
 
 @dataclass

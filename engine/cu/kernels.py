@@ -31,6 +31,18 @@ GEMV_ROW_VARIANTS = ((16, "_r16"), (32, "_r32"), (64, "_r64"))
 # Steps in flight per warp and blocks per SM of the wider variants (their activation fragments
 # take the registers: 102 / 128 / 124 a thread, no spills, ptxas on sm_90a).
 GEMV_ROW_TUNING = (("R16_U", 2), ("R16_MINB", 2), ("R32_U", 2), ("R32_MINB", 2), ("R64_U", 1), ("R64_MINB", 2))
+# gemv_wide.cu (x read once a block of 128 weight rows, gemv_tc's bits): rounds of 9..64 rows on a
+# matrix of at least ``wide_min_n`` rows; its variants by groups of 8 x rows, and their stages.
+WIDE_GROUPS = (2, 4, 8)
+WIDE_STAGES = 4
+WIDE_ROWS = 128  # weight rows a block
+
+
+def wide_smem(groups: int) -> int:
+    """gemv_wide.cu's dynamic shared memory: WIDE_STAGES x (128 W rows + 8 ``groups`` x rows) x 128 bytes."""
+    return WIDE_STAGES * (WIDE_ROWS + 8 * groups) * 128
+
+
 GEMM_SMEM = 3 * (128 + 128) * 40 * 2  # STAGES * (BM + BN) * LDS * sizeof(bf16)
 DECODE_SPLITS = 32
 MAX_COUNTERS = 8192  # decode attention (lane, KV head) pairs
@@ -95,10 +107,13 @@ class Kernels:
     buffer as large as the largest quantized matrix, where prefill dequantizes it for the GEMM.
     ``pdl`` (``cuda.pdl``): the kernels of ``PDL_SOURCES`` compiled with ``PDL=1`` and launched with
     programmatic dependent launch (engine/cu/launch.py, docs/CUDA.md); the others as without it.
+    ``wide_min_n`` (``CudaTuning.gemv_wide_min_n``): a bf16 GEMV of 9..64 rows on a matrix of at least
+    this many rows runs gemv_wide.cu (the same bits as gemv_tc, x read once a 128-row block); 0: never
+    (the module is not compiled).
     """
 
     def __init__(self, head_dim: int, group: int, *, u2_below: int = 40 << 20, cache_dir: str = "",
-                 formats=(), pdl: bool = False) -> None:  # fmt: skip
+                 formats=(), pdl: bool = False, wide_min_n: int = 0) -> None:  # fmt: skip
         if head_dim not in (64, 128, 256):
             raise ValueError(f"head_dim {head_dim} not supported (64, 128 or 256)")
         if not 1 <= group <= 8:
@@ -106,6 +121,7 @@ class Kernels:
         import pycuda.driver as cuda
 
         self.head_dim, self.group, self.u2_below, self.pdl = head_dim, group, u2_below, pdl
+        self.wide_min_n = wide_min_n
         # Rows up to which linear / gate_up_act take the GEMV (beyond: the GEMM). The backend lowers it
         # to its widest decode round (cuda.round_rows): a prefill chunk of more rows than a round
         # holds runs the GEMM, which a wide GEMV variant is slower than (docs/SPECULATION.md).
@@ -145,6 +161,15 @@ class Kernels:
             for epi, params in TC_PARAMS.items()
             for most, sfx in GEMV_ROW_VARIANTS
         }
+        self._tcw = {}  # 9..64 rows on large matrices, keyed (epilogue, groups of 8 rows)
+        if wide_min_n > 0:
+            wide = module("gemv_wide", (("TC_THREADS", TC_THREADS), ("GEMV_EPILOGUES_ONLY", 1),
+                                        ("TCW_NS", WIDE_STAGES)), cache_dir, ("gemv",))  # fmt: skip
+            for epi, params in TC_PARAMS.items():
+                for groups in WIDE_GROUPS:
+                    kw = Kernel(wide, f"gemv_tcw_{epi}_g{groups}", params, TC_THREADS, shared=wide_smem(groups))
+                    kw.fn.set_attribute(cuda.function_attribute.MAX_DYNAMIC_SHARED_SIZE_BYTES, wide_smem(groups))
+                    self._tcw[(epi, groups)] = kw
         self._gemm = Kernel(mod("gemm", ("GEMM_THREADS", GEMM_THREADS)), "gemm_bf16", "A:ptr W:ptr bias:ptr C:ptr "
                             "M:i32 N:i32 K:i32 ldc:i32 accumulate:i32", GEMM_THREADS, shared=GEMM_SMEM)  # fmt: skip
         self._gemm.fn.set_attribute(cuda.function_attribute.MAX_DYNAMIC_SHARED_SIZE_BYTES, GEMM_SMEM)
@@ -315,6 +340,11 @@ class Kernels:
             raise ValueError(f"gemv_tc takes 1..{GEMV_MAX_ROWS} rows, got {rows}")
         if rows <= 8:
             kern = self._tc[(epi, n * k < self.u2_below)]
+        elif self._tcw and n >= self.wide_min_n:
+            kern = self._tcw[(epi, next(g for g in WIDE_GROUPS if rows <= 8 * g))]
+            kern(s, ((n + WIDE_ROWS - 1) // WIDE_ROWS,), x=x, W=w, out=out, M=rows, N=n, K=k, ldo=ldo, ss_in=ss_in[0],
+                 ss_nparts=ss_in[1], eps=eps, **extra)  # fmt: skip
+            return
         else:
             kern = self._tc_wide[(epi, next(most for most, _ in GEMV_ROW_VARIANTS if rows <= most))]
         kern(s, ((n + 15) // 16,), x=x, W=w, out=out, M=rows, N=n, K=k, ldo=ldo, ss_in=ss_in[0], ss_nparts=ss_in[1],
