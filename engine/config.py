@@ -31,6 +31,10 @@ class CudaTuning:
     # their device layout by a thread pool (engine/backends/cuda/pinned.py); False: a synchronous copy a
     # tensor. Off until a GPU session has run tests/kernels/test_cuda_upload_host.py's card tests.
     pinned_upload: bool = False
+    # cuda.quant_activations: a decode GEMV over GGUF blocks quantizes x to int8 (a scale per 32 values,
+    # quant_act.cu) and multiplies with integer mma (gemv_q.cu's QACT8). Off until the card says it is
+    # right and faster (docs/QUANT.md, "Int8 activations").
+    quant_activations: bool = False
 
 
 @dataclass
