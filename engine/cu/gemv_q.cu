@@ -53,9 +53,10 @@
 // decode (a0 / a2: the thread's first / second 4 values of row g, a1 / a3 row g + 8; the same k slots
 // of B take the same values' qx: XC formats one 8-byte load at 8t, the others two 4-byte loads at 4t
 // and 16 + 4t), and the int32 dot gives sum w x = dx (s dot) + mn (dx xsum). Q6_K (a scale per 16
-// values): two mma.m16n8k16.s8, one a half, dx (s0 dot0 + s1 dot1). So a group costs a thread one
-// or two mma, 4 I2F and 8 to 12 FP32 ops for its 16 weights, against the bf16 path's 4 mma (two of
-// them all-ones), 4 PRMT and 8 to 16 FP32 ops. The stage pipeline, the thread mapping and the
+// values): two mma.m16n8k16.s8, one a half, dx (s0 dot0 + s1 dot1). The dots leave the mma as fp32
+// bits by a biased accumulator (DOT0, one FADD each, no I2F). So a group costs a thread one or two
+// mma and 12 to 20 FP32 ops for its 16 weights, against the bf16 path's 4 mma (two of them
+// all-ones), 8 PRMT and 14 to 26 FP32 ops. The stage pipeline, the thread mapping and the
 // epilogues are the same; a row's arithmetic still does not depend on M. QACT8 0: the code is the
 // bf16 path's, unchanged.
 
@@ -431,27 +432,33 @@ __device__ __forceinline__ uint32_t q_s8(uint32_t v) {
     }
 }
 
+// The int32 accumulators start at the bits of 1.5 2^23 (DOT0): a dot |v| < 2^22 (a group's is below
+// 32 127 127 = 516,129) then leaves the bits of 1.5 2^23 + v, so one FADD gives v exactly as fp32
+// (no I2F: the conversion pipe runs at a fraction of the FP32 rate).
+constexpr int DOT0 = 0x4b400000;
+__device__ __forceinline__ float dot_f32(int d) { return __int_as_float(d) - 12582912.f; }
+
 // One group of rows g (qa) and g + 8 (qb) against the group's qx (b0: the k slots of the thread's
 // first 4 values, b1: its second 4) and xd = (dx, dx xsum) of activation rows 2t, 2t + 1 (the columns
 // of c[0], c[1] / c[2], c[3]).
 __device__ __forceinline__ void q_group8(float* c, const QVals& qa, const QVals& qb, uint32_t b0, uint32_t b1,
                                          const float4& xd) {
-    int d[4] = {0, 0, 0, 0};
+    int d[4] = {DOT0, DOT0, DOT0, DOT0};
     if constexpr (Fmt::SPLIT) {  // Q6_K: s0 for the first 16 values, s1 for the second
-        int d2[4] = {0, 0, 0, 0};
+        int d2[4] = {DOT0, DOT0, DOT0, DOT0};
         mma_s8_k16(d, q_s8(qa.v0), q_s8(qb.v0), b0);
         mma_s8_k16(d2, q_s8(qa.v1), q_s8(qb.v1), b1);
-        c[0] += xd.x * (qa.s0 * (float)d[0] + qa.s1 * (float)d2[0]);
-        c[1] += xd.z * (qa.s0 * (float)d[1] + qa.s1 * (float)d2[1]);
-        c[2] += xd.x * (qb.s0 * (float)d[2] + qb.s1 * (float)d2[2]);
-        c[3] += xd.z * (qb.s0 * (float)d[3] + qb.s1 * (float)d2[3]);
+        c[0] += xd.x * (qa.s0 * dot_f32(d[0]) + qa.s1 * dot_f32(d2[0]));
+        c[1] += xd.z * (qa.s0 * dot_f32(d[1]) + qa.s1 * dot_f32(d2[1]));
+        c[2] += xd.x * (qb.s0 * dot_f32(d[2]) + qb.s1 * dot_f32(d2[2]));
+        c[3] += xd.z * (qb.s0 * dot_f32(d[3]) + qb.s1 * dot_f32(d2[3]));
     } else {
         const uint32_t a[4] = {q_s8(qa.v0), q_s8(qb.v0), q_s8(qa.v1), q_s8(qb.v1)};
         mma_s8_k32(d, a, b0, b1);
-        c[0] += (qa.s0 * xd.x) * (float)d[0];
-        c[1] += (qa.s0 * xd.z) * (float)d[1];
-        c[2] += (qb.s0 * xd.x) * (float)d[2];
-        c[3] += (qb.s0 * xd.z) * (float)d[3];
+        c[0] += (qa.s0 * xd.x) * dot_f32(d[0]);
+        c[1] += (qa.s0 * xd.z) * dot_f32(d[1]);
+        c[2] += (qb.s0 * xd.x) * dot_f32(d[2]);
+        c[3] += (qb.s0 * xd.z) * dot_f32(d[3]);
         if constexpr (Fmt::MIN) {
             c[0] += qa.mn * xd.y;
             c[1] += qa.mn * xd.w;
