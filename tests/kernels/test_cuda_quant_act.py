@@ -295,7 +295,7 @@ def test_quantizer_bit_exact(kern, stream, k):
     x32[3, 64:96] = 0
     x32[5, :32] *= 1e30
     xb = bf(x32)
-    x = (xb.astype(np.uint32) << 16).view(np.float32)
+    x = np.asarray(xb, np.float32)  # bf() gives the bf16 values as float32
     g_x = put(xb, True)
     for rows in range(1, 9):
         g_q = put(np.full(quant_act_bytes(k), 0xAB, np.uint8))
@@ -325,7 +325,7 @@ def test_int8_gemv_epilogues(kern, stream, fmt, epi):
         blocks = interleave_gate_up(blocks[: n // 2], blocks[n // 2 :])
 
     def product(xb, blocks=blocks):
-        return int8_product(fmt, blocks, k, (xb.astype(np.uint32) << 16).view(np.float32))
+        return int8_product(fmt, blocks, k, np.asarray(xb, np.float32))
 
     check_epilogue(kern, stream, epi, _matrix(fmt, blocks, k), reference(fmt, blocks), rng, fmt, product=product,
                    tol=2e-5, widths=tuple(range(1, 9)))  # fmt: skip
@@ -343,7 +343,7 @@ def test_int8_gemv_large_k(kern, stream, fmt, k):
     blocks = random_blocks(fmt, n, k, scale=0.2 / np.sqrt(k))
 
     def product(xb):
-        return int8_product(fmt, blocks, k, (xb.astype(np.uint32) << 16).view(np.float32))
+        return int8_product(fmt, blocks, k, np.asarray(xb, np.float32))
 
     for epi in ("store", "acc"):
         check_epilogue(kern, stream, epi, _matrix(fmt, blocks, k), reference(fmt, blocks), rng, fmt, product=product,
@@ -372,7 +372,7 @@ def test_int8_qkv_rope_two_formats(kern, stream, fmt, vfmt):
     hres = (rng.standard_normal((8, k)) * 2).astype(np.float32)
     nw = bf((1 + 0.3 * rng.standard_normal(k)).astype(np.float32))
     xb = bf(hres * nw)
-    x = (xb.astype(np.uint32) << 16).view(np.float32)
+    x = np.asarray(xb, np.float32)  # bf() gives the bf16 values as float32
     bias = rng.standard_normal(qk_rows + v_rows).astype(np.float32)
     pos = rng.integers(0, 3000, 8).astype(np.int32)
     slots = rng.choice(nb * bs, 8, replace=False).astype(np.int32)
