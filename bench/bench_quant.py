@@ -10,9 +10,13 @@ head and for attn_v / ffn_down of the "more bits" layers; Q8_0: every matrix). `
 each GGUF file loaded with its blocks as stored; the decode round (one
 graph replay) at widths 1 and 8 after 512-token prompts, its bytes-streamed bound (the stored bytes
 of every layer matrix and the LM head over the read bandwidth), and 2,048-token prefill. ``--bf16``
-adds the bf16 path on random weights of the same shape (what an F16 file becomes).
+adds the bf16 path on random weights of the same shape (what an F16 file becomes). ``--act8``: every
+GEMV and decode round also with ``cuda.quant_activations`` on (x quantized to int8 by quant_act.cu,
+gemv_q.cu's QACT8 integer main loop; the kernel table's int8 columns include the quantizer's launch,
+and a line gives the quantizer alone), the model's rounds after ``retune`` on the same load.
 
     python3 bench/bench_quant.py --kernels
+    python3 bench/bench_quant.py --kernels --synthetic Q4_K_M Q8_0 --act8
     python3 bench/bench_quant.py --synthetic Q4_K_M Q8_0 --bf16
     python3 bench/bench_quant.py --gguf Q4_K_M=/tmp/peers/l8b-Q4_K_M.gguf Q8_0=/tmp/peers/l8b-Q8_0.gguf --bf16
 """
@@ -66,14 +70,21 @@ def timed(cuda, stream, fn, reps: int = 5, calls: int = 10) -> float:
     return statistics.median(times[1:])
 
 
-def bench_kernels(cuda, stream, bw: float) -> list[str]:
+def bench_kernels(cuda, stream, bw: float, act8: bool = False) -> list[str]:
     from engine.cu.kernels import Kernels
-    from engine.cu.quant import QUANT_FORMATS, Matrix, Part, row_bytes
+    from engine.cu.quant import QUANT_FORMATS, Matrix, Part, quant_act_bytes, row_bytes
 
     rng = np.random.default_rng(0)
     lines = ["| format | matrix | N x K | MB | width 1 µs (GB/s) | width 8 µs (GB/s) |", "|---|---|---|---|---|---|"]
+    if act8:
+        lines = ["| format | matrix | N x K | MB | width 1 µs (GB/s) | width 8 µs (GB/s) | int8 x width 1 µs (GB/s) "
+                 "| int8 x width 8 µs (GB/s) |", "|---|---|---|---|---|---|---|---|"]  # fmt: skip
     print("\n".join(lines), flush=True)
-    kern = Kernels(128, 4, formats=list(QUANT_FORMATS))
+    kern = Kernels(128, 4, formats=list(QUANT_FORMATS), quant_act=act8)
+    qbuf = None
+    if act8:  # the int8 columns: x quantized each call (quant_act.cu) into this buffer, then the QACT8 GEMV
+        qbuf = cuda.mem_alloc(quant_act_bytes(14336))
+        kern.qact, kern.qact_bytes = int(qbuf), quant_act_bytes(14336)
     xb = cuda.to_device(np.full((8, 14336), 0x3F80, np.uint16))  # bf16 ones: any values time the same
     out = cuda.mem_alloc(8 * 28672 * 4)
     pool = np.frombuffer(rng.bytes(64 << 20), np.uint8)
@@ -88,10 +99,12 @@ def bench_kernels(cuda, stream, bw: float) -> list[str]:
             ws = copies(nbytes)
             mats = [Matrix((Part(int(w), fmt, n),), k) for w in ws]
             row = [f"| {fmt} | {name} | {n} x {k} | {nbytes / 1e6:.0f} |"]
-            for m in (1, 8):
+            for q8, m in [(False, 1), (False, 8)] + ([(True, 1), (True, 8)] if act8 else []):
+                kern.quant_act = q8
                 t = timed(cuda, stream, lambda i, m=m, n=n, k=k, mats=mats: kern.linear(
                     stream, int(xb), mats[i % len(mats)], 0, int(out), m, n, k))  # fmt: skip
                 row.append(f" {t * 1e6:.1f} ({nbytes / t / 1e9:,.0f}) |")
+            kern.quant_act = act8
             lines.append("".join(row))
             print(lines[-1], flush=True)
             for w in ws:
@@ -135,6 +148,11 @@ def bench_kernels(cuda, stream, bw: float) -> list[str]:
                      f"GEMM of {rows} rows {tg * 1e6:.0f} µs (dequant = {tq / tg:.0%} of the GEMM)")  # fmt: skip
         for buf in (w, scratch, a, c):
             buf.free()
+    if act8:
+        for m, k in ((1, 4096), (8, 4096), (8, 14336)):
+            tq = timed(cuda, stream, lambda i, m=m, k=k: kern.quantize_act(stream, int(xb), m, k))
+            lines.append(f"quant_act.cu alone, {m} x {k}: {tq * 1e6:.1f} µs")
+        qbuf.free()
     lines.append(f"\nread bandwidth {bw / 1e12:.2f} TB/s")
     return lines
 
@@ -231,6 +249,7 @@ def main() -> None:
     ap.add_argument("--gguf", nargs="*", default=[], help="NAME=PATH")
     ap.add_argument("--synthetic", nargs="*", default=[], choices=["Q4_K_M", "Q8_0"])
     ap.add_argument("--bf16", action="store_true")
+    ap.add_argument("--act8", action="store_true", help="also time cuda.quant_activations on (int8 x)")
     args = ap.parse_args()
     from bench.bench_cuda import read_bandwidth
     from engine.cu import runtime
@@ -243,7 +262,7 @@ def main() -> None:
         print(f"{device_name()}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {platform.node()}; "
               f"python3 bench/bench_quant.py {' '.join(sys.argv[1:])}; read bandwidth {bw / 1e12:.2f} TB/s", flush=True)  # fmt: skip
         if args.kernels:
-            print("\n".join(bench_kernels(cuda, stream, bw)), flush=True)
+            print("\n".join(bench_kernels(cuda, stream, bw, args.act8)), flush=True)
         rows = []
         header = ("| file | streamed | bound | width 1 round | width 8 round | prefill 2,048 |\n"
                   "|---|---|---|---|---|---|")  # fmt: skip
@@ -265,6 +284,13 @@ def main() -> None:
             r = bench_model(cuda, be, cfg, bw)
             rows.append(row(f"{name} (load {load_s:.0f} s)", r))
             print(header + "\n" + rows[-1], flush=True)
+            if args.act8:  # the same load, cuda.quant_activations on (graphs recaptured)
+                from dataclasses import replace
+
+                be.retune(replace(be.tuning, quant_activations=True))
+                r = bench_model(cuda, be, cfg, bw)
+                rows.append(row(f"{name}, int8 x (cuda.quant_activations)", r))
+                print(header + "\n" + rows[-1], flush=True)
             be.unload()
         if args.bf16:
             from bench.bench_cuda import build_model

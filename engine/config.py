@@ -34,6 +34,10 @@ class CudaTuning:
     # A bf16 GEMV of 9..64 rows (wide rounds) on a matrix of at least this many rows runs gemv_wide.cu
     # (gemv_tc's bits, x read from L2 once a block of 128 weight rows); 0: gemv_tc's own wide variants.
     gemv_wide_min_n: int = 0
+    # cuda.quant_activations: a decode GEMV over GGUF blocks quantizes x to int8 (a scale per 32 values,
+    # quant_act.cu) and multiplies with integer mma (gemv_q.cu's QACT8). Off until the card says it is
+    # right and faster (docs/QUANT.md, "Int8 activations").
+    quant_activations: bool = False
 
 
 @dataclass

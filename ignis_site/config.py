@@ -320,6 +320,12 @@ FIELDS: dict[str, Field] = {
             "CUDA backend: upload bf16 weights at load through pinned, double-buffered staging (not yet run on a card)",
         ),
         Field(
+            "cuda.quant_activations",
+            bool,
+            False,
+            "CUDA backend: decode GEMVs over GGUF blocks quantize x to int8 (per 32) for integer mma (not yet run on a card)",
+        ),
+        Field(
             "cuda.expert_budget",
             int,
             0,
@@ -563,4 +569,5 @@ def cuda_tuning_dict(values: dict[str, Any]) -> dict[str, Any]:
         "round_rows": values["cuda.round_rows"],
         "pdl": values["cuda.pdl"],
         "pinned_upload": values["cuda.pinned_upload"],
+        "quant_activations": values["cuda.quant_activations"],
     }

@@ -43,7 +43,22 @@
 // the launch's dynamic shared memory is QSMEM (engine/cu/quant.py's stage_smem). A stage's copy
 // of the last row may read up to 15 bytes past the matrix's end (inside its allocation's
 // granule; never written, never decoded). Compile-time: QTYPE (the GGML type id), TC_THREADS,
-// QU, QMINB, QNST, QSMEM, QKH, QUF. Compiled after common.cuh and gemv.cu (GEMV_EPILOGUES_ONLY).
+// QU, QMINB, QNST, QSMEM, QKH, QUF, QACT8. Compiled after common.cuh and gemv.cu (GEMV_EPILOGUES_ONLY).
+//
+// QACT8 = 1 (cuda.quant_activations; the block formats, not FP8): int8 activations. x is then not
+// bf16 but quant_act.cu's buffer (int8 qx [M, K], then float2 sc[K / 32][8] = (dx, dx * xsum) per
+// group of 32 and row), and a group's product is an integer mma: the group's quants, made signed
+// (q - OFF, one IADD + LOP3 a word: (v + (0x80 - OFF) 0x01010101) ^ 0x80808080 puts q - OFF in
+// -128..127 as a byte; Q8_0 as stored), are the A fragment of mma.m16n8k32.s8 as they come from the
+// decode (a0 / a2: the thread's first / second 4 values of row g, a1 / a3 row g + 8; the same k slots
+// of B take the same values' qx: XC formats one 8-byte load at 8t, the others two 4-byte loads at 4t
+// and 16 + 4t), and the int32 dot gives sum w x = dx (s dot) + mn (dx xsum). Q6_K (a scale per 16
+// values): two mma.m16n8k16.s8, one a half, dx (s0 dot0 + s1 dot1). The dots leave the mma as fp32
+// bits by a biased accumulator (DOT0, one FADD each, no I2F). So a group costs a thread one or two
+// mma and 12 to 20 FP32 ops for its 16 weights, against the bf16 path's 4 mma (two of them
+// all-ones), 8 PRMT and 14 to 26 FP32 ops. The stage pipeline, the thread mapping and the
+// epilogues are the same; a row's arithmetic still does not depend on M. QACT8 0: the code is the
+// bf16 path's, unchanged.
 
 #ifndef QTYPE
 #error "QTYPE is defined by engine/cu/quant.py"
@@ -66,6 +81,9 @@
 #ifndef QUF
 #define QUF 2
 #endif
+#ifndef QACT8
+#define QACT8 0
+#endif
 
 // FP8 (QTYPE 200, not a GGML id): rows of K float8_e4m3fn bytes (the torch [out, in] layout,
 // engine/loaders/fp8.py's Fp8Tensor with per-output-channel scales), all N rows back to back, then
@@ -76,6 +94,9 @@
 // multiplies the accumulators once, before gemv.cu's epilogues. Dequant: one thread 16 values,
 // bf16(__fmul_rn(decode, scale)) (numpy's float32 product, then rounded). K % 16 == 0.
 #define QFP8 200
+#if QACT8 && QTYPE == QFP8
+#error "QACT8: the GGUF block formats only"
+#endif
 
 #if QTYPE != QFP8
 enum { GGML_Q4_0 = 2, GGML_Q4_1 = 3, GGML_Q5_0 = 6, GGML_Q5_1 = 7, GGML_Q8_0 = 8, GGML_Q4_K = 12,
@@ -387,6 +408,67 @@ __device__ __forceinline__ void q_group(float* c, const QVals& qa, const QVals& 
     }
 }
 
+#if QACT8
+// D += A (16 x 32 int8, rows g / g + 8 as a0..a3) B (32 x 8 int8), int32: the group's dot products.
+__device__ __forceinline__ void mma_s8_k32(int* d, const uint32_t* a, uint32_t b0, uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+        : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+// The same over 16 k (a0: row g k 4t..4t+3, a1: row g + 8; b: k 4t..4t+3 of column g).
+__device__ __forceinline__ void mma_s8_k16(int* d, uint32_t a0, uint32_t a1, uint32_t b) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%0,%1,%2,%3};"
+                 : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3])
+                 : "r"(a0), "r"(a1), "r"(b));
+}
+
+// Four quant bytes (unsigned, below 128 + OFF) as the signed bytes q - OFF (Q8_0: as stored).
+__device__ __forceinline__ uint32_t q_s8(uint32_t v) {
+    if constexpr (Fmt::INT8 || Fmt::OFF == 0) {
+        return v;
+    } else {
+        return (v + (0x80u - Fmt::OFF) * 0x01010101u) ^ 0x80808080u;
+    }
+}
+
+// The int32 accumulators start at the bits of 1.5 2^23 (DOT0): a dot |v| < 2^22 (a group's is below
+// 32 127 127 = 516,129) then leaves the bits of 1.5 2^23 + v, so one FADD gives v exactly as fp32
+// (no I2F: the conversion pipe runs at a fraction of the FP32 rate).
+constexpr int DOT0 = 0x4b400000;
+__device__ __forceinline__ float dot_f32(int d) { return __int_as_float(d) - 12582912.f; }
+
+// One group of rows g (qa) and g + 8 (qb) against the group's qx (b0: the k slots of the thread's
+// first 4 values, b1: its second 4) and xd = (dx, dx xsum) of activation rows 2t, 2t + 1 (the columns
+// of c[0], c[1] / c[2], c[3]).
+__device__ __forceinline__ void q_group8(float* c, const QVals& qa, const QVals& qb, uint32_t b0, uint32_t b1,
+                                         const float4& xd) {
+    int d[4] = {DOT0, DOT0, DOT0, DOT0};
+    if constexpr (Fmt::SPLIT) {  // Q6_K: s0 for the first 16 values, s1 for the second
+        int d2[4] = {DOT0, DOT0, DOT0, DOT0};
+        mma_s8_k16(d, q_s8(qa.v0), q_s8(qb.v0), b0);
+        mma_s8_k16(d2, q_s8(qa.v1), q_s8(qb.v1), b1);
+        c[0] += xd.x * (qa.s0 * dot_f32(d[0]) + qa.s1 * dot_f32(d2[0]));
+        c[1] += xd.z * (qa.s0 * dot_f32(d[1]) + qa.s1 * dot_f32(d2[1]));
+        c[2] += xd.x * (qb.s0 * dot_f32(d[2]) + qb.s1 * dot_f32(d2[2]));
+        c[3] += xd.z * (qb.s0 * dot_f32(d[3]) + qb.s1 * dot_f32(d2[3]));
+    } else {
+        const uint32_t a[4] = {q_s8(qa.v0), q_s8(qb.v0), q_s8(qa.v1), q_s8(qb.v1)};
+        mma_s8_k32(d, a, b0, b1);
+        c[0] += (qa.s0 * xd.x) * dot_f32(d[0]);
+        c[1] += (qa.s0 * xd.z) * dot_f32(d[1]);
+        c[2] += (qb.s0 * xd.x) * dot_f32(d[2]);
+        c[3] += (qb.s0 * xd.z) * dot_f32(d[3]);
+        if constexpr (Fmt::MIN) {
+            c[0] += qa.mn * xd.y;
+            c[1] += qa.mn * xd.w;
+            c[2] += qb.mn * xd.y;
+            c[3] += qb.mn * xd.w;
+        }
+    }
+}
+#endif  // QACT8
+
 // --- the stage pipeline ---------------------------------------------------------------------
 // A stage is KC values of each of the block's 16 rows: STAGE_BLOCKS blocks a row, copied from
 // global memory by the bulk copy engine (cp.async.bulk, completing on the stage's mbarrier) into
@@ -481,7 +563,13 @@ __device__ __forceinline__ void gemv_q_main(const bf16* __restrict__ x, const ui
     const size_t row_bytes = (size_t)NB * Fmt::BB;
     const bool ra = g < rows, rb = g + 8 < rows, rx = g < M;
     const uint8_t* tile = W + (size_t)n0 * row_bytes;
+#if QACT8
+    // x is quant_act.cu's buffer: int8 rows, then the groups' (dx, dx xsum) of 8 rows each.
+    const uint8_t* xr = reinterpret_cast<const uint8_t*>(x) + (size_t)(rx ? g : 0) * K;
+    const float* xsc = reinterpret_cast<const float*>(reinterpret_cast<const uint8_t*>(x) + (size_t)M * K) + 4 * t;
+#else
     const bf16* xr = x + (size_t)(rx ? g : 0) * K;
+#endif
     if (threadIdx.x == 0) {
 #pragma unroll
         for (int s = 0; s < QNST; s++) mbar_init(q_bars + s);
@@ -516,11 +604,20 @@ __device__ __forceinline__ void gemv_q_main(const bf16* __restrict__ x, const ui
         // activation loads are guarded by unit (warp-uniform branches); rows g >= M read row 0 (xr),
         // whose products land in the columns >= M the epilogue does not read. QUF units at a time:
         // their loads first, then their decode (fewer live registers than all QU at once).
+#if QACT8
+        const uint8_t* xs = xr + (size_t)j * KC + (Fmt::XC ? 8 * t : 4 * t);
+#else
         const bf16* xs = xr + (size_t)j * KC + (Fmt::XC ? 8 * t : 4 * t);
+#endif
 #pragma unroll
         for (int u0 = 0; u0 < U; u0 += QUF) {
             typename Fmt::Raw A[QUF], B[QUF];
+#if QACT8
+            uint2 xv[QUF][2];   // per group: the qx words of the thread's two k slot quads
+            float4 xd[QUF][2];  // per group: (dx, dx xsum) of activation rows 2t, 2t + 1
+#else
             uint2 xv[QUF][4];
+#endif
 #pragma unroll
             for (int du = 0; du < QUF; du++) {
                 const int u = u0 + du, PL = U * warp + u, P = j * (KC / 64) + PL, cu = u & 3;
@@ -535,6 +632,17 @@ __device__ __forceinline__ void gemv_q_main(const bf16* __restrict__ x, const ui
 #pragma unroll
                 for (int h = 0; h < 2; h++) {
                     if (h ? ok1 : ok0) {  // warp-uniform
+#if QACT8
+                        const uint8_t* xp = xs + Fmt::base(PL, cu, h);
+                        if constexpr (Fmt::XC) {
+                            xv[du][h] = __ldg(reinterpret_cast<const uint2*>(xp));
+                        } else {
+                            xv[du][h] = make_uint2(__ldg(reinterpret_cast<const unsigned int*>(xp)),
+                                                   __ldg(reinterpret_cast<const unsigned int*>(xp + 16)));
+                        }
+                        xd[du][h] = __ldg(reinterpret_cast<const float4*>(
+                            xsc + (size_t)((j * KC + Fmt::base(PL, cu, h)) >> 5) * 16));
+#else
                         const bf16* xp = xs + Fmt::base(PL, cu, h);
                         if constexpr (Fmt::XC) {
                             const uint4 v = __ldg(reinterpret_cast<const uint4*>(xp));
@@ -544,6 +652,7 @@ __device__ __forceinline__ void gemv_q_main(const bf16* __restrict__ x, const ui
                             xv[du][2 * h] = __ldg(reinterpret_cast<const uint2*>(xp));
                             xv[du][2 * h + 1] = __ldg(reinterpret_cast<const uint2*>(xp + 16));
                         }
+#endif
                     }
                 }
             }
@@ -563,10 +672,19 @@ __device__ __forceinline__ void gemv_q_main(const bf16* __restrict__ x, const ui
                             const uint2 va = kvalues<Fmt>(A[du], cu, h), vb = kvalues<Fmt>(B[du], cu, h);
                             const QVals qa{va.x, va.y, h ? ka.z : ka.x, h ? ka.z : ka.x, h ? ka.w : ka.y};
                             const QVals qb{vb.x, vb.y, h ? kb.z : kb.x, h ? kb.z : kb.x, h ? kb.w : kb.y};
+#if QACT8
+                            q_group8(c, qa, qb, xv[du][h].x, xv[du][h].y, xd[du][h]);
+#else
                             q_group(c, qa, qb, xv[du][2 * h], xv[du][2 * h + 1]);
+#endif
                         } else {
+#if QACT8
+                            q_group8(c, Fmt::decode(A[du], cu, h), Fmt::decode(B[du], cu, h), xv[du][h].x,
+                                     xv[du][h].y, xd[du][h]);
+#else
                             q_group(c, Fmt::decode(A[du], cu, h), Fmt::decode(B[du], cu, h), xv[du][2 * h],
                                     xv[du][2 * h + 1]);
+#endif
                         }
                     }
                 }

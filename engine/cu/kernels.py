@@ -21,7 +21,7 @@ import numpy as np
 
 from engine.cu.hopper import route_attention, route_gemm
 from engine.cu.launch import Kernel, module, pdl_module
-from engine.cu.quant import BF16, Matrix, QuantKernels
+from engine.cu.quant import BF16, QACT8_FORMATS, QACT_THREADS, Matrix, QuantKernels, quant_act_bytes
 from engine.sampling import MIN_TEMPERATURE
 
 GEMV_MAX_ROWS = 64  # gemv.cu's bf16 GEMV (its epilogues and fused norms included)
@@ -110,10 +110,14 @@ class Kernels:
     ``wide_min_n`` (``CudaTuning.gemv_wide_min_n``): a bf16 GEMV of 9..64 rows on a matrix of at least
     this many rows runs gemv_wide.cu (the same bits as gemv_tc, x read once a 128-row block); 0: never
     (the module is not compiled).
+    ``quant_act`` (``cuda.quant_activations``): a decode GEMV over a matrix with a part in a GGUF block
+    format quantizes x to int8 (quant_act.cu) into ``qact`` (set by the backend: ``qact_bytes`` =
+    ``quant.quant_act_bytes`` of the largest K, allocated before any graph capture) once a call, and
+    those parts run gemv_q.cu's int8 main loop (QACT8); FP8 and bf16 parts keep bf16 x.
     """
 
     def __init__(self, head_dim: int, group: int, *, u2_below: int = 40 << 20, cache_dir: str = "",
-                 formats=(), pdl: bool = False, wide_min_n: int = 0) -> None:  # fmt: skip
+                 formats=(), pdl: bool = False, wide_min_n: int = 0, quant_act: bool = False) -> None:  # fmt: skip
         if head_dim not in (64, 128, 256):
             raise ValueError(f"head_dim {head_dim} not supported (64, 128 or 256)")
         if not 1 <= group <= 8:
@@ -127,9 +131,15 @@ class Kernels:
         # holds runs the GEMM, which a wide GEMV variant is slower than (docs/SPECULATION.md).
         self.gemv_cap = GEMV_MAX_ROWS
         self.cache_dir, self._quant, self.scratch, self.scratch_bytes = cache_dir, {}, 0, 0
+        self.quant_act, self._quant8, self.qact, self.qact_bytes = quant_act, {}, 0, 0
         for fmt in formats:
             if fmt != BF16:
                 self.quant(fmt)
+                if quant_act and fmt in QACT8_FORMATS:
+                    self.quant8(fmt)
+        if quant_act:
+            self._quant_act = Kernel(module("quant_act", (), cache_dir), "quant_act_q8", "x:ptr q:ptr M:i32 K:i32",
+                                     QACT_THREADS)  # fmt: skip
 
         def mod(name: str, *defines: tuple[str, int]):
             if pdl and name in PDL_SOURCES:
@@ -284,6 +294,23 @@ class Kernels:
             self._quant[fmt] = QuantKernels(fmt, TC_PARAMS, self.cache_dir)
         return self._quant[fmt]
 
+    def quant8(self, fmt: str) -> QuantKernels:
+        """gemv_q.cu's int8-activation kernels (QACT8) for ``fmt`` (compiled on first use)."""
+        if fmt not in self._quant8:
+            self._quant8[fmt] = QuantKernels(fmt, TC_PARAMS, self.cache_dir, act8=True)
+        return self._quant8[fmt]
+
+    def quantize_act(self, s, x: int, rows: int, k: int, out: int | None = None) -> int:
+        """quant_act.cu: bf16 x [rows, k] -> int8 + per-32 scales in ``out`` (default ``qact``); returns it."""
+        out = self.qact if out is None else out
+        if not 1 <= rows <= QUANT_GEMV_MAX_ROWS or k % 32:
+            raise ValueError(f"the activation quantizer takes 1..{QUANT_GEMV_MAX_ROWS} rows, K % 32 == 0: {rows}, {k}")
+        if out == self.qact and quant_act_bytes(k) > self.qact_bytes:
+            raise ValueError(f"K={k} needs {quant_act_bytes(k)} bytes of the activation buffer, {self.qact_bytes} B")
+        groups = rows * (k // 32)
+        self._quant_act(s, (-(-groups // QACT_THREADS),), x=x, q=out, M=rows, K=k)
+        return out
+
     def as_bf16(self, s, w, n: int, k: int) -> int:
         """A bf16 pointer to weight ``w``: itself when it is bf16, else its parts dequantized (or copied)
         into ``scratch``, row after row (valid until the next call)."""
@@ -315,6 +342,9 @@ class Kernels:
                 raise ValueError(f"a {w.rows} x {w.k} matrix as {n} x {k}")
             if len(w.parts) > 1 and (extra.get("nw") or epi in (SWIGLU, GEGLU)):
                 raise ValueError(f"the {epi} epilogue{' with norm_out' if extra.get('nw') else ''} needs one part")
+            # cuda.quant_activations: x quantized once for every int8 part (a q|k|v of two formats shares it)
+            act8 = self.quant_act and any(p.fmt in QACT8_FORMATS for p in w.parts)
+            xq = self.quantize_act(s, x, rows, k) if act8 else 0
             r0 = 0
             for p in w.parts:
                 part = dict(extra)
@@ -328,8 +358,10 @@ class Kernels:
                 else:
                     if epi == ROPE_KV:
                         part["n_base"] = r0
-                    self.quant(p.fmt).gemv[epi](s, ((p.rows + 15) // 16,), x=x, W=p.ptr, out=o, M=rows, N=p.rows,
-                                                K=k, ldo=ldo, ss_in=ss_in[0], ss_nparts=ss_in[1], eps=eps, **part)  # fmt: skip
+                    q8 = act8 and p.fmt in QACT8_FORMATS
+                    qk = self.quant8(p.fmt) if q8 else self.quant(p.fmt)
+                    qk.gemv[epi](s, ((p.rows + 15) // 16,), x=xq if q8 else x, W=p.ptr, out=o, M=rows, N=p.rows, K=k,
+                                 ldo=ldo, ss_in=ss_in[0], ss_nparts=ss_in[1], eps=eps, **part)  # fmt: skip
                 r0 += p.rows
             return
         if isinstance(w, Matrix):

@@ -34,6 +34,17 @@ DEFAULT_TUNING = (4, 3, 2)
 TC_THREADS = 256
 DEQUANT_THREADS = 256
 TC_ROWS = 16
+# cuda.quant_activations: the formats whose GEMV has gemv_q.cu's int8-activation main loop (QACT8);
+# the others (FP8) keep bf16 activations.
+QACT8_FORMATS = frozenset(QUANT_FORMATS)
+QACT_THREADS = 128  # quant_act.cu: a thread a (row, group of 32)
+QACT_MAX_ROWS = 8
+
+
+def quant_act_bytes(k: int, rows: int = QACT_MAX_ROWS) -> int:
+    """Bytes of quant_act.cu's buffer for ``rows`` activation rows of ``k`` values: int8 [rows, k],
+    then a float2 (dx, dx xsum) per group of 32 and row of 8."""
+    return rows * k + (k // 32) * QACT_MAX_ROWS * 8
 
 
 def stage_smem(fmt: str, units: int, stages: int) -> int:
@@ -105,10 +116,11 @@ def _gemv_params(tc_params: dict[str, str], epi: str) -> str:
 
 
 class QuantKernels:
-    """gemv_q.cu compiled for one format: the GEMV per epilogue and the dequant to bf16 / fp32."""
+    """gemv_q.cu compiled for one format: the GEMV per epilogue and the dequant to bf16 / fp32.
+    ``act8``: the GEMV's int8-activation main loop (QACT8; its x is quant_act.cu's buffer, not bf16)."""
 
     def __init__(self, fmt: str, tc_params: dict[str, str], cache_dir: str = "",
-                 tuning: tuple[int, ...] | None = None) -> None:  # fmt: skip
+                 tuning: tuple[int, ...] | None = None, act8: bool = False) -> None:  # fmt: skip
         import pycuda.driver as cuda
 
         tid = FP8_QTYPE if fmt == FP8 else QUANT_FORMATS[fmt][0]
@@ -116,6 +128,11 @@ class QuantKernels:
         self.fmt, self.smem = fmt, stage_smem(fmt, u, nst)
         defines = (("TC_THREADS", TC_THREADS), ("GEMV_EPILOGUES_ONLY", 1), ("QTYPE", tid), ("QU", u), ("QMINB", minb),
                    ("QNST", nst), ("QSMEM", self.smem), ("QKH", kh))  # fmt: skip
+        if act8:
+            if fmt not in QACT8_FORMATS:
+                raise ValueError(f"{fmt}: no int8-activation GEMV")
+            defines += (("QACT8", 1),)
+        self.act8 = act8
         mod = module("gemv_q", defines, cache_dir, ("gemv",))
         self.gemv = {}
         for epi in tc_params:

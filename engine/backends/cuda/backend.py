@@ -27,7 +27,7 @@ from engine.backend import PENDING, Backend, DecodeLane, PrefillSpan, StepOutput
 from engine.backends.cuda import sampling
 from engine.backends.cuda.forward import MAX_LANES, PREFILL_CHUNK, QUANT_LANES, Forward, Workspace, check_model
 from engine.config import CudaTuning
-from engine.cu.quant import QUANT_FORMATS
+from engine.cu.quant import QUANT_FORMATS, quant_act_bytes
 from engine.memory import MemoryPlan, dequant_scratch_bytes, workspace_bytes
 from engine.model_config import ModelConfig
 from engine.models.ops import MRope
@@ -120,6 +120,14 @@ class CudaBackend(Backend):
         scratch = dequant_scratch_bytes(cfg) if self.weights.quantized else 0
         self.scratch = (self.mem.alloc(scratch), scratch) if scratch else (0, 0)
         self.kern.scratch, self.kern.scratch_bytes = self.scratch
+        # cuda.quant_activations' int8 x (quant_act.cu), 8 rows of the largest K: allocated whenever a
+        # matrix keeps blocks (a few hundred KB), so retune can switch the key on before recapturing.
+        qk = self.weights.quant_k
+        qact = quant_act_bytes(qk) if qk else 0
+        self.qact = (self.mem.alloc(qact), qact) if qact else (0, 0)
+        if qact:
+            cuda.memset_d8(self.qact[0], 0, qact)  # rows past a call's M of the scales: finite
+        self.kern.qact, self.kern.qact_bytes = self.qact
         self.logits_host = cuda.pagelocked_empty((MAX_LANES, cfg.vocab_size), np.float32)
         self.bt_stride = -(-max_context // block_size)
         self.pen_stride = pen = min(cfg.vocab_size, max_context)
@@ -206,7 +214,7 @@ class CudaBackend(Backend):
         c, t = self.config, self.tuning
         return Kernels(c.head_dim, c.num_heads // c.num_kv_heads, u2_below=t.gemv_u2_below,
                        cache_dir=t.kernel_cache_dir, formats=self.formats, pdl=t.pdl,
-                       wide_min_n=t.gemv_wide_min_n)  # fmt: skip
+                       wide_min_n=t.gemv_wide_min_n, quant_act=t.quant_activations)  # fmt: skip
 
     def retune(self, tuning: CudaTuning) -> None:
         """Switch kernel settings on a loaded model and recapture the decode graphs (benchmarks)."""
@@ -216,6 +224,7 @@ class CudaBackend(Backend):
             self.tuning = tuning
             self.kern = self.forward.kern = self._kernels()
             self.kern.scratch, self.kern.scratch_bytes = self.scratch
+            self.kern.qact, self.kern.qact_bytes = self.qact
             self.graphs.recapture()
 
     def _decode_body(self, rows: int) -> None:

@@ -81,6 +81,13 @@ class DeviceWeights:
         mats = [m for L in self.layers for m in (L.qkv, L.o, L.gate_up, L.down) if isinstance(m, Matrix)]
         return any(f != "bf16" for m in mats for f in m.formats)
 
+    @property
+    def quant_k(self) -> int:
+        """The largest K of a matrix with a part in a block format (lm_head too; 0: none)."""
+        mats = [m for L in self.layers for m in (L.qkv, L.o, L.gate_up, L.down) if isinstance(m, Matrix)]
+        mats.append(self.lm_head)
+        return max((m.k for m in mats if isinstance(m, Matrix) and m.formats != ("bf16",)), default=0)
+
 
 def upload(cfg: ModelConfig, blocks: list[Block], head: Head, weights, mem, embed_scale: float = 1.0,
            kern=None, pinned: bool = False) -> DeviceWeights:  # fmt: skip

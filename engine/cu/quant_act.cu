@@ -1,0 +1,55 @@
+// quant_act.cu: the activation quantizer of gemv_q.cu's int8 path (QACT8, cuda.quant_activations).
+//
+// x bf16 [M, K] (M 1..8, K % 32 == 0, rows contiguous) -> one buffer q:
+//   q[0 .. M K): int8 qx [M, K], in x's own order (row m at q + m K);
+//   then, at q + M K (16-byte aligned: M K is a multiple of 32), float2 sc[K / 32][8]: for row m and
+//   group G of 32 values (elements 32G .. 32G + 31), sc[G][m] = (dx, dx * xsum), dx = absmax / 127,
+//   xsum = the int sum of the group's qx. Rows M..7 of sc are not written (the GEMV reads them only
+//   for the columns past M, which no epilogue stores).
+// Per value: qx = rint(x * (1 / dx)) (round to nearest even, __float2int_rn), clamped to +-127; dx = 0
+// (an all-zero group) gives qx = 0. Every step is one correctly rounded fp32 operation (__fdiv_rn,
+// __fmul_rn), so numpy's float32 model (tests/kernels/test_cuda_quant_act.py) is bit-exact. Each row
+// is quantized from its own values only: a row's result does not depend on M (width invariance).
+// One thread a (row, group): 64 bytes in, 32 bytes and one float2 out.
+
+extern "C" __global__ void quant_act_q8(const bf16* __restrict__ x, int8_t* __restrict__ q, int M, int K) {
+    const int NG = K >> 5;
+    const int idx = blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= M * NG) return;
+    const int m = idx / NG, grp = idx - m * NG;
+    const uint4* src = reinterpret_cast<const uint4*>(x + (size_t)m * K + 32 * grp);
+    float v[32];
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        const uint4 w = src[i];
+        const uint32_t w4[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            v[8 * i + 2 * j] = __uint_as_float(w4[j] << 16);
+            v[8 * i + 2 * j + 1] = __uint_as_float(w4[j] & 0xffff0000u);
+        }
+    }
+    float amax = 0.f;
+#pragma unroll
+    for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(v[i]));
+    const float d = __fdiv_rn(amax, 127.f);
+    const float id = d != 0.f ? __fdiv_rn(1.f, d) : 0.f;
+    uint32_t o[8];
+    int sum = 0;
+#pragma unroll
+    for (int i = 0; i < 8; i++) {
+        uint32_t word = 0;
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            const int qi = max(-127, min(127, __float2int_rn(__fmul_rn(v[4 * i + j], id))));
+            sum += qi;
+            word |= (uint32_t)(qi & 0xff) << (8 * j);
+        }
+        o[i] = word;
+    }
+    uint4* dst = reinterpret_cast<uint4*>(q + (size_t)m * K + 32 * grp);
+    dst[0] = make_uint4(o[0], o[1], o[2], o[3]);
+    dst[1] = make_uint4(o[4], o[5], o[6], o[7]);
+    float2* sc = reinterpret_cast<float2*>(q + (size_t)M * K);
+    sc[(size_t)grp * 8 + m] = make_float2(d, __fmul_rn(d, (float)sum));
+}
