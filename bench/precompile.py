@@ -29,11 +29,15 @@ def _job(job: tuple) -> str:
             from engine.cu.kernels import Kernels
 
             Kernels(job[1], job[2])
+        elif job[0] == "wide":
+            from engine.cu.kernels import Kernels
+
+            Kernels(job[1], job[2], wide_min_n=1)  # gemv_wide.cu besides (the rest is cached by then or twice)
         else:
             from engine.cu.kernels import TC_PARAMS
             from engine.cu.quant import QuantKernels
 
-            QuantKernels(job[1], TC_PARAMS, tuning=job[2])
+            QuantKernels(job[1], TC_PARAMS, tuning=job[2], act8=job[0] == "quant8")
     return f"{job} {time.perf_counter() - t0:.1f} s"
 
 
@@ -45,6 +49,8 @@ def main() -> None:
 
     jobs: list[tuple] = [("kernels", d, g) for d, g in KERNEL_SHAPES]
     jobs += [("quant", f, None) for f in [*QUANT_FORMATS, FP8]]
+    jobs += [("quant8", f, None) for f in QUANT_FORMATS]  # cuda.quant_activations' int8-x GEMVs
+    jobs.append(("wide", 128, 4))
     for spec in args.quant_tunings:
         f, t = spec.split("=")
         jobs.append(("quant", f, tuple(int(v) for v in t.split(","))))
