@@ -17,6 +17,7 @@ and a line gives the quantizer alone), the model's rounds after ``retune`` on th
 
     python3 bench/bench_quant.py --kernels
     python3 bench/bench_quant.py --kernels --synthetic Q4_K_M Q8_0 --act8
+    python3 bench/bench_quant.py --kernels --synthetic Q4_K_M Q8_0 --persist
     python3 bench/bench_quant.py --synthetic Q4_K_M Q8_0 --bf16
     python3 bench/bench_quant.py --gguf Q4_K_M=/tmp/peers/l8b-Q4_K_M.gguf Q8_0=/tmp/peers/l8b-Q8_0.gguf --bf16
 """
@@ -70,7 +71,7 @@ def timed(cuda, stream, fn, reps: int = 5, calls: int = 10) -> float:
     return statistics.median(times[1:])
 
 
-def bench_kernels(cuda, stream, bw: float, act8: bool = False) -> list[str]:
+def bench_kernels(cuda, stream, bw: float, act8: bool = False, persist: bool = False) -> list[str]:
     from engine.cu.kernels import Kernels
     from engine.cu.quant import QUANT_FORMATS, Matrix, Part, quant_act_bytes, row_bytes
 
@@ -79,6 +80,9 @@ def bench_kernels(cuda, stream, bw: float, act8: bool = False) -> list[str]:
     if act8:
         lines = ["| format | matrix | N x K | MB | width 1 µs (GB/s) | width 8 µs (GB/s) | int8 x width 1 µs (GB/s) "
                  "| int8 x width 8 µs (GB/s) |", "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    if persist:
+        lines[0] += " persistent width 1 µs (GB/s) | persistent width 8 µs (GB/s) |"
+        lines[1] += "---|---|"
     print("\n".join(lines), flush=True)
     kern = Kernels(128, 4, formats=list(QUANT_FORMATS), quant_act=act8)
     qbuf = None
@@ -99,12 +103,14 @@ def bench_kernels(cuda, stream, bw: float, act8: bool = False) -> list[str]:
             ws = copies(nbytes)
             mats = [Matrix((Part(int(w), fmt, n),), k) for w in ws]
             row = [f"| {fmt} | {name} | {n} x {k} | {nbytes / 1e6:.0f} |"]
-            for q8, m in [(False, 1), (False, 8)] + ([(True, 1), (True, 8)] if act8 else []):
-                kern.quant_act = q8
+            cases = [(False, 1, False), (False, 8, False)] + ([(True, 1, False), (True, 8, False)] if act8 else [])
+            cases += [(False, 1, True), (False, 8, True)] if persist else []
+            for q8, m, pers in cases:
+                kern.quant_act, kern.quant_persist = q8, pers
                 t = timed(cuda, stream, lambda i, m=m, n=n, k=k, mats=mats: kern.linear(
                     stream, int(xb), mats[i % len(mats)], 0, int(out), m, n, k))  # fmt: skip
                 row.append(f" {t * 1e6:.1f} ({nbytes / t / 1e9:,.0f}) |")
-            kern.quant_act = act8
+            kern.quant_act, kern.quant_persist = act8, False
             lines.append("".join(row))
             print(lines[-1], flush=True)
             for w in ws:
@@ -250,6 +256,7 @@ def main() -> None:
     ap.add_argument("--synthetic", nargs="*", default=[], choices=["Q4_K_M", "Q8_0"])
     ap.add_argument("--bf16", action="store_true")
     ap.add_argument("--act8", action="store_true", help="also time cuda.quant_activations on (int8 x)")
+    ap.add_argument("--persist", action="store_true", help="also time persistent quantized GEMVs (quant_persist)")
     args = ap.parse_args()
     from bench.bench_cuda import read_bandwidth
     from engine.cu import runtime
@@ -262,7 +269,7 @@ def main() -> None:
         print(f"{device_name()}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {platform.node()}; "
               f"python3 bench/bench_quant.py {' '.join(sys.argv[1:])}; read bandwidth {bw / 1e12:.2f} TB/s", flush=True)  # fmt: skip
         if args.kernels:
-            print("\n".join(bench_kernels(cuda, stream, bw, args.act8)), flush=True)
+            print("\n".join(bench_kernels(cuda, stream, bw, args.act8, args.persist)), flush=True)
         rows = []
         header = ("| file | streamed | bound | width 1 round | width 8 round | prefill 2,048 |\n"
                   "|---|---|---|---|---|---|")  # fmt: skip
@@ -290,6 +297,13 @@ def main() -> None:
                 be.retune(replace(be.tuning, quant_activations=True))
                 r = bench_model(cuda, be, cfg, bw)
                 rows.append(row(f"{name}, int8 x (cuda.quant_activations)", r))
+                print(header + "\n" + rows[-1], flush=True)
+            if args.persist:  # the same load, persistent quantized GEMVs (graphs recaptured)
+                from dataclasses import replace
+
+                be.retune(replace(be.tuning, quant_activations=False, quant_persist=True))
+                r = bench_model(cuda, be, cfg, bw)
+                rows.append(row(f"{name}, persistent GEMVs (quant_persist)", r))
                 print(header + "\n" + rows[-1], flush=True)
             be.unload()
         if args.bf16:

@@ -38,6 +38,9 @@ class CudaTuning:
     # quant_act.cu) and multiplies with integer mma (gemv_q.cu's QACT8). Off until the card says it is
     # right and faster (docs/QUANT.md, "Int8 activations").
     quant_activations: bool = False
+    # The quantized GEMVs launch the blocks resident at once, each walking 16-row tiles (gemv_q.cu):
+    # the stage pipeline runs on from one tile into the next instead of starting over a block a tile.
+    quant_persist: bool = False
 
 
 @dataclass

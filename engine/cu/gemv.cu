@@ -159,11 +159,14 @@ __device__ __forceinline__ void gemv_tc_main(const bf16* __restrict__ x, const b
 // Every epilogue, after a main loop (bf16 here, the quantized ones in gemv_q.cu) left this warp's
 // accumulators in c (rows n0 + g, n0 + g + 8; columns = lanes 2t, 2t + 1). n_base: the row of
 // the whole fused matrix this block's row 0 is (a q|k|v matrix launched in parts of one format
-// each, gemv_q.cu); the rope epilogue's head arithmetic uses it.
+// each, gemv_q.cu); the rope epilogue's head arithmetic uses it. tile / ntiles: the 16-row tile
+// these are and how many the matrix has (gemv_q.cu's blocks walk several); -1: this block's own.
 template <int EPI>
 __device__ __forceinline__ void gemv_tc_epilogue(const float* c, const float* __restrict__ bias,
                                                  void* __restrict__ out, int M, int N, int K, int ldo,
-                                                 const TcNorm& nm, const TcRope& rp, int n_base) {
+                                                 const TcNorm& nm, const TcRope& rp, int n_base, int tile = -1,
+                                                 int ntiles = 0) {
+    const int tl = tile < 0 ? (int)blockIdx.x : tile, ntl = tile < 0 ? (int)gridDim.x : ntiles;
     const float* PDL_IN ss_in = nm.ss_in;
     const int ss_nparts = nm.ss_nparts;
     const float eps = nm.eps;
@@ -171,7 +174,7 @@ __device__ __forceinline__ void gemv_tc_epilogue(const float* c, const float* __
     bf16* __restrict__ xw = nm.xw;
     float* __restrict__ ss_out = nm.ss_out;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const int n0 = blockIdx.x * TC_ROWS;
+    const int n0 = tl * TC_ROWS;
     __shared__ float red[8][TC_ROWS][8];
     __shared__ float rs[8];
     red[warp][g][2 * t] = c[0];
@@ -283,7 +286,7 @@ __device__ __forceinline__ void gemv_tc_epilogue(const float* c, const float* __
         __syncthreads();
         if (threadIdx.x < M) {
             const int m = threadIdx.x;
-            ss_out[(size_t)m * gridDim.x + blockIdx.x] = ((sp[0][m] + sp[1][m]) + sp[2][m]) + sp[3][m];
+            ss_out[(size_t)m * ntl + tl] = ((sp[0][m] + sp[1][m]) + sp[2][m]) + sp[3][m];
         }
     }
 }

@@ -509,12 +509,13 @@ __device__ __forceinline__ void bulk_copy(void* dst, const void* src, uint32_t b
                  ::"r"(smem_addr(dst)), "l"(src), "r"(bytes), "r"(smem_addr(bar)) : "memory");
 }
 
-// Thread 0: stage j's pieces of rows 0..rows-1 into slot j % QNST.
+// Thread 0: stage j of a tile (its pieces of rows 0..rows-1) into slot J % QNST (J: the block's
+// stage count, over every tile it walks).
 __device__ __forceinline__ void issue_stage(uint8_t* slots, uint64_t* bars, const uint8_t* tile, size_t row_bytes,
-                                            int rows, int NB, int j) {
+                                            int rows, int NB, int j, int J) {
     const int blk0 = j * STAGE_BLOCKS, nb = min(STAGE_BLOCKS, NB - blk0);
-    uint8_t* dst = slots + (j % QNST) * STAGE_BYTES;
-    uint64_t* bar = bars + j % QNST;
+    uint8_t* dst = slots + (J % QNST) * STAGE_BYTES;
+    uint64_t* bar = bars + J % QNST;
     uint32_t total = 0;
     for (int r = 0; r < rows; r++) {
         const uintptr_t a = reinterpret_cast<uintptr_t>(tile + r * row_bytes + (size_t)blk0 * Fmt::BB);
@@ -551,18 +552,22 @@ __device__ __forceinline__ uint2 kvalues(const typename F::Raw& r, int c, int h)
     return F::values(r, c, h);
 }
 
-template <int U>
+// A block walks tiles blockIdx.x, + gridDim.x, .. (one when the grid is a block a tile; fewer
+// blocks than tiles keep the stage pipeline going from one tile into the next: Kernels'
+// quant_persist) and hands each tile's accumulators to done(c, tile, tiles), its epilogue.
+template <int U, class Done>
 __device__ __forceinline__ void gemv_q_main(const bf16* __restrict__ x, const uint8_t* __restrict__ W, int M, int N,
-                                            int K, float* c) {
+                                            int K, Done done) {
     extern __shared__ __align__(16) uint8_t q_slots[];
     __shared__ __align__(8) uint64_t q_bars[QNST];
     __shared__ __align__(16) float4 q_ks[KH ? 8 * (U / 4) * TC_ROWS * 5 : 1];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const int n0 = blockIdx.x * TC_ROWS, rows = min(TC_ROWS, N - n0);
     const int NP = Fmt::units(K), NG = K >> 5, NB = K / Fmt::QK, nst = (NB + STAGE_BLOCKS - 1) / STAGE_BLOCKS;
     const size_t row_bytes = (size_t)NB * Fmt::BB;
-    const bool ra = g < rows, rb = g + 8 < rows, rx = g < M;
-    const uint8_t* tile = W + (size_t)n0 * row_bytes;
+    const int ntiles = (N + TC_ROWS - 1) / TC_ROWS;
+    const int mine = (int)blockIdx.x < ntiles ? (ntiles - 1 - (int)blockIdx.x) / (int)gridDim.x + 1 : 0;
+    const int total = mine * nst;  // stages this block copies, tile after tile
+    const bool rx = g < M;
 #if QACT8
     // x is quant_act.cu's buffer: int8 rows, then the groups' (dx, dx xsum) of 8 rows each.
     const uint8_t* xr = reinterpret_cast<const uint8_t*>(x) + (size_t)(rx ? g : 0) * K;
@@ -577,121 +582,133 @@ __device__ __forceinline__ void gemv_q_main(const bf16* __restrict__ x, const ui
         asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
     }
     __syncthreads();
+    auto issue = [&](int J) {  // the block's stage J: stage J % nst of its tile J / nst
+        const int n0 = ((int)blockIdx.x + J / nst * (int)gridDim.x) * TC_ROWS;
+        issue_stage(q_slots, q_bars, W + (size_t)n0 * row_bytes, row_bytes, min(TC_ROWS, N - n0), NB, J % nst, J);
+    };
     if (threadIdx.x == 0)
-        for (int j = 0; j < min(QNST, nst); j++) issue_stage(q_slots, q_bars, tile, row_bytes, rows, NB, j);
-    for (int j = 0; j < nst; j++) {
-        mbar_wait(q_bars + j % QNST, (j / QNST) & 1);
-        const uint8_t* slot = q_slots + (j % QNST) * STAGE_BYTES;
-        const size_t off = (size_t)j * STAGE_BLOCKS * Fmt::BB;
-        const int la = (int)(reinterpret_cast<uintptr_t>(tile + g * row_bytes + off) & 15);
-        const int lb = (int)(reinterpret_cast<uintptr_t>(tile + (g + 8) * row_bytes + off) & 15);
-        const uint8_t* pa = slot + g * RS + la;
-        const uint8_t* pb = slot + (g + 8) * RS + lb;
-        if constexpr (KH) {
+        for (int J = 0; J < min(QNST, total); J++) issue(J);
+    for (int ti = 0; ti < mine; ti++) {
+        const int tl = (int)blockIdx.x + ti * (int)gridDim.x, n0 = tl * TC_ROWS, rows = min(TC_ROWS, N - n0);
+        const bool ra = g < rows, rb = g + 8 < rows;
+        const uint8_t* tile = W + (size_t)n0 * row_bytes;
+        float c[4] = {0.f, 0.f, 0.f, 0.f};
+        for (int j = 0; j < nst; j++) {
+            const int J = ti * nst + j;
+            mbar_wait(q_bars + J % QNST, (J / QNST) & 1);
+            const uint8_t* slot = q_slots + (J % QNST) * STAGE_BYTES;
+            const size_t off = (size_t)j * STAGE_BLOCKS * Fmt::BB;
+            const int la = (int)(reinterpret_cast<uintptr_t>(tile + g * row_bytes + off) & 15);
+            const int lb = (int)(reinterpret_cast<uintptr_t>(tile + (g + 8) * row_bytes + off) & 15);
+            const uint8_t* pa = slot + g * RS + la;
+            const uint8_t* pb = slot + (g + 8) * RS + lb;
+            if constexpr (KH) {
 #pragma unroll
-            for (int sb = 0; sb < U / 4; sb++) {
-                const int PL = U * warp + 4 * sb;
-                if (j * (KC / 64) + PL < Fmt::units(K)) {  // warp-uniform
-                    float4* ks = q_ks + (warp * (U / 4) + sb) * TC_ROWS * 5;
-                    ks[g * 5 + t] = k_hoist(pa + (PL >> 2) * Fmt::BB, t, ra);
-                    ks[(g + 8) * 5 + t] = k_hoist(pb + (PL >> 2) * Fmt::BB, t, rb);
-                }
-            }
-            __syncwarp();
-        }
-        // Shared-memory loads need no guard: a slot's rows past N and units past K hold stale bytes,
-        // which reach only accumulators of rows past N (never stored) or are not decoded at all. The
-        // activation loads are guarded by unit (warp-uniform branches); rows g >= M read row 0 (xr),
-        // whose products land in the columns >= M the epilogue does not read. QUF units at a time:
-        // their loads first, then their decode (fewer live registers than all QU at once).
-#if QACT8
-        const uint8_t* xs = xr + (size_t)j * KC + (Fmt::XC ? 8 * t : 4 * t);
-#else
-        const bf16* xs = xr + (size_t)j * KC + (Fmt::XC ? 8 * t : 4 * t);
-#endif
-#pragma unroll
-        for (int u0 = 0; u0 < U; u0 += QUF) {
-            typename Fmt::Raw A[QUF], B[QUF];
-#if QACT8
-            uint2 xv[QUF][2];   // per group: the qx words of the thread's two k slot quads
-            float4 xd[QUF][2];  // per group: (dx, dx xsum) of activation rows 2t, 2t + 1
-#else
-            uint2 xv[QUF][4];
-#endif
-#pragma unroll
-            for (int du = 0; du < QUF; du++) {
-                const int u = u0 + du, PL = U * warp + u, P = j * (KC / 64) + PL, cu = u & 3;
-                const bool ok0 = P < NP, ok1 = ok0 && (Fmt::QK != 32 || 2 * P + 1 < NG);
-                if constexpr (KH) {
-                    A[du] = kfetch_q<Fmt>(pa, PL, cu, t, true);
-                    B[du] = kfetch_q<Fmt>(pb, PL, cu, t, true);
-                } else {
-                    A[du] = Fmt::fetch(pa, PL, cu, t, true, true);
-                    B[du] = Fmt::fetch(pb, PL, cu, t, true, true);
-                }
-#pragma unroll
-                for (int h = 0; h < 2; h++) {
-                    if (h ? ok1 : ok0) {  // warp-uniform
-#if QACT8
-                        const uint8_t* xp = xs + Fmt::base(PL, cu, h);
-                        if constexpr (Fmt::XC) {
-                            xv[du][h] = __ldg(reinterpret_cast<const uint2*>(xp));
-                        } else {
-                            xv[du][h] = make_uint2(__ldg(reinterpret_cast<const unsigned int*>(xp)),
-                                                   __ldg(reinterpret_cast<const unsigned int*>(xp + 16)));
-                        }
-                        xd[du][h] = __ldg(reinterpret_cast<const float4*>(
-                            xsc + (size_t)((j * KC + Fmt::base(PL, cu, h)) >> 5) * 16));
-#else
-                        const bf16* xp = xs + Fmt::base(PL, cu, h);
-                        if constexpr (Fmt::XC) {
-                            const uint4 v = __ldg(reinterpret_cast<const uint4*>(xp));
-                            xv[du][2 * h] = make_uint2(v.x, v.y);
-                            xv[du][2 * h + 1] = make_uint2(v.z, v.w);
-                        } else {
-                            xv[du][2 * h] = __ldg(reinterpret_cast<const uint2*>(xp));
-                            xv[du][2 * h + 1] = __ldg(reinterpret_cast<const uint2*>(xp + 16));
-                        }
-#endif
+                for (int sb = 0; sb < U / 4; sb++) {
+                    const int PL = U * warp + 4 * sb;
+                    if (j * (KC / 64) + PL < Fmt::units(K)) {  // warp-uniform
+                        float4* ks = q_ks + (warp * (U / 4) + sb) * TC_ROWS * 5;
+                        ks[g * 5 + t] = k_hoist(pa + (PL >> 2) * Fmt::BB, t, ra);
+                        ks[(g + 8) * 5 + t] = k_hoist(pb + (PL >> 2) * Fmt::BB, t, rb);
                     }
                 }
+                __syncwarp();
             }
-#pragma unroll
-            for (int du = 0; du < QUF; du++) {
-                const int u = u0 + du, P = j * (KC / 64) + U * warp + u, cu = u & 3;
-                const bool ok0 = P < NP, ok1 = ok0 && (Fmt::QK != 32 || 2 * P + 1 < NG);
-                float4 ka, kb;  // KH: rows g, g + 8: (s, mn) of sub-blocks 2 cu, 2 cu + 1
-                if constexpr (KH) {
-                    const float4* ks = q_ks + (warp * (U / 4) + u / 4) * TC_ROWS * 5;
-                    ka = ks[g * 5 + cu], kb = ks[(g + 8) * 5 + cu];
-                }
-#pragma unroll
-                for (int h = 0; h < 2; h++) {
-                    if (h ? ok1 : ok0) {  // warp-uniform
-                        if constexpr (KH) {
-                            const uint2 va = kvalues<Fmt>(A[du], cu, h), vb = kvalues<Fmt>(B[du], cu, h);
-                            const QVals qa{va.x, va.y, h ? ka.z : ka.x, h ? ka.z : ka.x, h ? ka.w : ka.y};
-                            const QVals qb{vb.x, vb.y, h ? kb.z : kb.x, h ? kb.z : kb.x, h ? kb.w : kb.y};
+            // Shared-memory loads need no guard: a slot's rows past N and units past K hold stale bytes,
+            // which reach only accumulators of rows past N (never stored) or are not decoded at all. The
+            // activation loads are guarded by unit (warp-uniform branches); rows g >= M read row 0 (xr),
+            // whose products land in the columns >= M the epilogue does not read. QUF units at a time:
+            // their loads first, then their decode (fewer live registers than all QU at once).
 #if QACT8
-                            q_group8(c, qa, qb, xv[du][h].x, xv[du][h].y, xd[du][h]);
+            const uint8_t* xs = xr + (size_t)j * KC + (Fmt::XC ? 8 * t : 4 * t);
 #else
-                            q_group(c, qa, qb, xv[du][2 * h], xv[du][2 * h + 1]);
+            const bf16* xs = xr + (size_t)j * KC + (Fmt::XC ? 8 * t : 4 * t);
 #endif
-                        } else {
+#pragma unroll
+            for (int u0 = 0; u0 < U; u0 += QUF) {
+                typename Fmt::Raw A[QUF], B[QUF];
 #if QACT8
-                            q_group8(c, Fmt::decode(A[du], cu, h), Fmt::decode(B[du], cu, h), xv[du][h].x,
-                                     xv[du][h].y, xd[du][h]);
+                uint2 xv[QUF][2];   // per group: the qx words of the thread's two k slot quads
+                float4 xd[QUF][2];  // per group: (dx, dx xsum) of activation rows 2t, 2t + 1
 #else
-                            q_group(c, Fmt::decode(A[du], cu, h), Fmt::decode(B[du], cu, h), xv[du][2 * h],
-                                    xv[du][2 * h + 1]);
+                uint2 xv[QUF][4];
+#endif
+#pragma unroll
+                for (int du = 0; du < QUF; du++) {
+                    const int u = u0 + du, PL = U * warp + u, P = j * (KC / 64) + PL, cu = u & 3;
+                    const bool ok0 = P < NP, ok1 = ok0 && (Fmt::QK != 32 || 2 * P + 1 < NG);
+                    if constexpr (KH) {
+                        A[du] = kfetch_q<Fmt>(pa, PL, cu, t, true);
+                        B[du] = kfetch_q<Fmt>(pb, PL, cu, t, true);
+                    } else {
+                        A[du] = Fmt::fetch(pa, PL, cu, t, true, true);
+                        B[du] = Fmt::fetch(pb, PL, cu, t, true, true);
+                    }
+#pragma unroll
+                    for (int h = 0; h < 2; h++) {
+                        if (h ? ok1 : ok0) {  // warp-uniform
+#if QACT8
+                            const uint8_t* xp = xs + Fmt::base(PL, cu, h);
+                            if constexpr (Fmt::XC) {
+                                xv[du][h] = __ldg(reinterpret_cast<const uint2*>(xp));
+                            } else {
+                                xv[du][h] = make_uint2(__ldg(reinterpret_cast<const unsigned int*>(xp)),
+                                                       __ldg(reinterpret_cast<const unsigned int*>(xp + 16)));
+                            }
+                            xd[du][h] = __ldg(reinterpret_cast<const float4*>(
+                                xsc + (size_t)((j * KC + Fmt::base(PL, cu, h)) >> 5) * 16));
+#else
+                            const bf16* xp = xs + Fmt::base(PL, cu, h);
+                            if constexpr (Fmt::XC) {
+                                const uint4 v = __ldg(reinterpret_cast<const uint4*>(xp));
+                                xv[du][2 * h] = make_uint2(v.x, v.y);
+                                xv[du][2 * h + 1] = make_uint2(v.z, v.w);
+                            } else {
+                                xv[du][2 * h] = __ldg(reinterpret_cast<const uint2*>(xp));
+                                xv[du][2 * h + 1] = __ldg(reinterpret_cast<const uint2*>(xp + 16));
+                            }
 #endif
                         }
                     }
                 }
+#pragma unroll
+                for (int du = 0; du < QUF; du++) {
+                    const int u = u0 + du, P = j * (KC / 64) + U * warp + u, cu = u & 3;
+                    const bool ok0 = P < NP, ok1 = ok0 && (Fmt::QK != 32 || 2 * P + 1 < NG);
+                    float4 ka, kb;  // KH: rows g, g + 8: (s, mn) of sub-blocks 2 cu, 2 cu + 1
+                    if constexpr (KH) {
+                        const float4* ks = q_ks + (warp * (U / 4) + u / 4) * TC_ROWS * 5;
+                        ka = ks[g * 5 + cu], kb = ks[(g + 8) * 5 + cu];
+                    }
+#pragma unroll
+                    for (int h = 0; h < 2; h++) {
+                        if (h ? ok1 : ok0) {  // warp-uniform
+                            if constexpr (KH) {
+                                const uint2 va = kvalues<Fmt>(A[du], cu, h), vb = kvalues<Fmt>(B[du], cu, h);
+                                const QVals qa{va.x, va.y, h ? ka.z : ka.x, h ? ka.z : ka.x, h ? ka.w : ka.y};
+                                const QVals qb{vb.x, vb.y, h ? kb.z : kb.x, h ? kb.z : kb.x, h ? kb.w : kb.y};
+#if QACT8
+                                q_group8(c, qa, qb, xv[du][h].x, xv[du][h].y, xd[du][h]);
+#else
+                                q_group(c, qa, qb, xv[du][2 * h], xv[du][2 * h + 1]);
+#endif
+                            } else {
+#if QACT8
+                                q_group8(c, Fmt::decode(A[du], cu, h), Fmt::decode(B[du], cu, h), xv[du][h].x,
+                                         xv[du][h].y, xd[du][h]);
+#else
+                                q_group(c, Fmt::decode(A[du], cu, h), Fmt::decode(B[du], cu, h), xv[du][2 * h],
+                                        xv[du][2 * h + 1]);
+#endif
+                            }
+                        }
+                    }
+                }
             }
+            __syncthreads();  // every warp is done with this slot
+            if (threadIdx.x == 0 && J + QNST < total) issue(J + QNST);
         }
-        __syncthreads();  // every warp is done with this slot
-        if (threadIdx.x == 0 && j + QNST < nst) issue_stage(q_slots, q_bars, tile, row_bytes, rows, NB, j + QNST);
+        done(c, tl, ntiles);
     }
 }
 #else  // QTYPE == QFP8
@@ -708,47 +725,52 @@ __device__ __forceinline__ const float* fp8_scales(const uint8_t* W, int N, int 
     return reinterpret_cast<const float*>(W + (size_t)N * K);
 }
 
-template <int U>
+template <int U, class Done>
 __device__ __forceinline__ void gemv_q_main(const bf16* __restrict__ x, const uint8_t* __restrict__ W, int M, int N,
-                                            int K, float* c) {
+                                            int K, Done done) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const int n0 = blockIdx.x * TC_ROWS;
-    const bool ra = n0 + g < N, rb = n0 + g + 8 < N, rx = g < M;
-    const uint8_t* wa_p = W + (size_t)(ra ? n0 + g : 0) * K + 16 * t;
-    const uint8_t* wb_p = W + (size_t)(rb ? n0 + g + 8 : 0) * K + 16 * t;
-    const bf16* x_p = x + (size_t)(rx ? g : 0) * K + 16 * t;
-    float acc[4] = {0.f, 0.f, 0.f, 0.f};
-    for (int s0 = warp; s0 * 64 < K; s0 += 8 * U) {
-        uint4 wa[U], wb[U], xa[U], xb[U];
+    const int ntiles = (N + TC_ROWS - 1) / TC_ROWS;
+    for (int tl = blockIdx.x; tl < ntiles; tl += gridDim.x) {
+        const int n0 = tl * TC_ROWS;
+        const bool ra = n0 + g < N, rb = n0 + g + 8 < N, rx = g < M;
+        const uint8_t* wa_p = W + (size_t)(ra ? n0 + g : 0) * K + 16 * t;
+        const uint8_t* wb_p = W + (size_t)(rb ? n0 + g + 8 : 0) * K + 16 * t;
+        const bf16* x_p = x + (size_t)(rx ? g : 0) * K + 16 * t;
+        float acc[4] = {0.f, 0.f, 0.f, 0.f};
+        for (int s0 = warp; s0 * 64 < K; s0 += 8 * U) {
+            uint4 wa[U], wb[U], xa[U], xb[U];
 #pragma unroll
-        for (int l = 0; l < U; ++l) {
-            const int k = (s0 + 8 * l) * 64;
-            const bool in = k + 16 * t < K;
-            wa[l] = ld_stream_if(wa_p + k, in && ra);
-            wb[l] = ld_stream_if(wb_p + k, in && rb);
-            xa[l] = ldg_if(x_p + k, in && rx);
-            xb[l] = ldg_if(x_p + k + 8, in && rx);
-        }
+            for (int l = 0; l < U; ++l) {
+                const int k = (s0 + 8 * l) * 64;
+                const bool in = k + 16 * t < K;
+                wa[l] = ld_stream_if(wa_p + k, in && ra);
+                wb[l] = ld_stream_if(wb_p + k, in && rb);
+                xa[l] = ldg_if(x_p + k, in && rx);
+                xb[l] = ldg_if(x_p + k + 8, in && rx);
+            }
 #pragma unroll
-        for (int l = 0; l < U; ++l) {
-            const uint32_t wa4[4] = {wa[l].x, wa[l].y, wa[l].z, wa[l].w};
-            const uint32_t wb4[4] = {wb[l].x, wb[l].y, wb[l].z, wb[l].w};
-            const uint32_t xs[8] = {xa[l].x, xa[l].y, xa[l].z, xa[l].w, xb[l].x, xb[l].y, xb[l].z, xb[l].w};
+            for (int l = 0; l < U; ++l) {
+                const uint32_t wa4[4] = {wa[l].x, wa[l].y, wa[l].z, wa[l].w};
+                const uint32_t wb4[4] = {wb[l].x, wb[l].y, wb[l].z, wb[l].w};
+                const uint32_t xs[8] = {xa[l].x, xa[l].y, xa[l].z, xa[l].w, xb[l].x, xb[l].y, xb[l].z, xb[l].w};
 #pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                // mma j: k-slots 2t, 2t+1 <- bytes 4j, 4j+1; slots 2t+8, 2t+9 <- bytes 4j+2, 4j+3.
-                const uint32_t a[4] = {fp8x2_to_bf162(wa4[j]), fp8x2_to_bf162(wb4[j]), fp8x2_to_bf162(wa4[j] >> 16),
-                                       fp8x2_to_bf162(wb4[j] >> 16)};
-                mma_bf16(acc, a, xs[2 * j], xs[2 * j + 1]);
+                for (int j = 0; j < 4; ++j) {
+                    // mma j: k-slots 2t, 2t+1 <- bytes 4j, 4j+1; slots 2t+8, 2t+9 <- bytes 4j+2, 4j+3.
+                    const uint32_t a[4] = {fp8x2_to_bf162(wa4[j]), fp8x2_to_bf162(wb4[j]), fp8x2_to_bf162(wa4[j] >> 16),
+                                           fp8x2_to_bf162(wb4[j] >> 16)};
+                    mma_bf16(acc, a, xs[2 * j], xs[2 * j + 1]);
+                }
             }
         }
+        const float* sc = fp8_scales(W, N, K);
+        const float sa = ra ? __ldg(sc + n0 + g) : 0.f, sb = rb ? __ldg(sc + n0 + g + 8) : 0.f;
+        float c[4] = {0.f, 0.f, 0.f, 0.f};
+        c[0] += acc[0] * sa;
+        c[1] += acc[1] * sa;
+        c[2] += acc[2] * sb;
+        c[3] += acc[3] * sb;
+        done(c, tl, ntiles);
     }
-    const float* sc = fp8_scales(W, N, K);
-    const float sa = ra ? __ldg(sc + n0 + g) : 0.f, sb = rb ? __ldg(sc + n0 + g + 8) : 0.f;
-    c[0] += acc[0] * sa;
-    c[1] += acc[1] * sa;
-    c[2] += acc[2] * sb;
-    c[3] += acc[3] * sb;
 }
 
 #endif  // QTYPE
@@ -760,9 +782,9 @@ __device__ __forceinline__ void gemv_q_main(const bf16* __restrict__ x, const ui
              const float* ss_in, int ss_nparts, float eps, const bf16* nw, bf16* xw, float* ss_out) {         \
         const TcNorm nm{ss_in, ss_nparts, eps, nw, xw, ss_out};                                              \
         const TcRope rp{};                                                                                   \
-        float c[4] = {0.f, 0.f, 0.f, 0.f};                                                                   \
-        gemv_q_main<QU>(x, W, M, N, K, c);                                                                   \
-        gemv_tc_epilogue<EPI>(c, bias, out, M, N, K, ldo, nm, rp, 0);                                        \
+        gemv_q_main<QU>(x, W, M, N, K, [&](const float* c, int tile, int tiles) {                            \
+            gemv_tc_epilogue<EPI>(c, bias, out, M, N, K, ldo, nm, rp, 0, tile, tiles);                       \
+        });                                                                                                  \
     }
 // swiglu / geglu: out bf16 act [M, ldo]; W the gate|up matrix interleaved in 8-row groups.
 #define GEMV_Q_SWIGLU(NAME, EPI)                                                                             \
@@ -771,9 +793,9 @@ __device__ __forceinline__ void gemv_q_main(const bf16* __restrict__ x, const ui
              int ss_nparts, float eps) {                                                                     \
         const TcNorm nm{ss_in, ss_nparts, eps, nullptr, nullptr, nullptr};                                   \
         const TcRope rp{};                                                                                   \
-        float c[4] = {0.f, 0.f, 0.f, 0.f};                                                                   \
-        gemv_q_main<QU>(x, W, M, N, K, c);                                                                   \
-        gemv_tc_epilogue<EPI>(c, nullptr, out, M, N, K, ldo, nm, rp, 0);                                     \
+        gemv_q_main<QU>(x, W, M, N, K, [&](const float* c, int tile, int tiles) {                            \
+            gemv_tc_epilogue<EPI>(c, nullptr, out, M, N, K, ldo, nm, rp, 0, tile, tiles);                    \
+        });                                                                                                  \
     }
 GEMV_Q_LINEAR(gemv_q_store, EPI_STORE)
 GEMV_Q_LINEAR(gemv_q_acc, EPI_ACC)
@@ -789,9 +811,9 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS, QMINB)
                 int rotary_dim, float rope_factor, int n_base) {
     const TcNorm nm{ss_in, ss_nparts, eps, nullptr, nullptr, nullptr};
     const TcRope rp{positions, slots, inv_freq, cache, H, KVH, D, block_size, block_stride, rotary_dim, rope_factor};
-    float c[4] = {0.f, 0.f, 0.f, 0.f};
-    gemv_q_main<QU>(x, W, M, N, K, c);
-    gemv_tc_epilogue<EPI_ROPE_KV>(c, bias, out, M, N, K, ldo, nm, rp, n_base);
+    gemv_q_main<QU>(x, W, M, N, K, [&](const float* c, int tile, int tiles) {
+        gemv_tc_epilogue<EPI_ROPE_KV>(c, bias, out, M, N, K, ldo, nm, rp, n_base, tile, tiles);
+    });
 }
 
 // --- dequant -------------------------------------------------------------------------------

@@ -114,10 +114,14 @@ class Kernels:
     format quantizes x to int8 (quant_act.cu) into ``qact`` (set by the backend: ``qact_bytes`` =
     ``quant.quant_act_bytes`` of the largest K, allocated before any graph capture) once a call, and
     those parts run gemv_q.cu's int8 main loop (QACT8); FP8 and bf16 parts keep bf16 x.
+    ``quant_persist`` (``CudaTuning.quant_persist``): the quantized GEMVs launch at most the blocks that
+    are resident at once, each walking 16-row tiles with its stage pipeline running on between them
+    (``QuantKernels.grid``; the same bits).
     """
 
     def __init__(self, head_dim: int, group: int, *, u2_below: int = 40 << 20, cache_dir: str = "",
-                 formats=(), pdl: bool = False, wide_min_n: int = 0, quant_act: bool = False) -> None:  # fmt: skip
+                 formats=(), pdl: bool = False, wide_min_n: int = 0, quant_act: bool = False,
+                 quant_persist: bool = False) -> None:  # fmt: skip
         if head_dim not in (64, 128, 256):
             raise ValueError(f"head_dim {head_dim} not supported (64, 128 or 256)")
         if not 1 <= group <= 8:
@@ -125,7 +129,7 @@ class Kernels:
         import pycuda.driver as cuda
 
         self.head_dim, self.group, self.u2_below, self.pdl = head_dim, group, u2_below, pdl
-        self.wide_min_n = wide_min_n
+        self.wide_min_n, self.quant_persist = wide_min_n, quant_persist
         # Rows up to which linear / gate_up_act take the GEMV (beyond: the GEMM). The backend lowers it
         # to its widest decode round (cuda.round_rows): a prefill chunk of more rows than a round
         # holds runs the GEMM, which a wide GEMV variant is slower than (docs/SPECULATION.md).
@@ -360,7 +364,7 @@ class Kernels:
                         part["n_base"] = r0
                     q8 = act8 and p.fmt in QACT8_FORMATS
                     qk = self.quant8(p.fmt) if q8 else self.quant(p.fmt)
-                    qk.gemv[epi](s, ((p.rows + 15) // 16,), x=xq if q8 else x, W=p.ptr, out=o, M=rows, N=p.rows, K=k,
+                    qk.gemv[epi](s, qk.grid(p.rows, self.quant_persist), x=xq if q8 else x, W=p.ptr, out=o, M=rows, N=p.rows, K=k,
                                  ldo=ldo, ss_in=ss_in[0], ss_nparts=ss_in[1], eps=eps, **part)  # fmt: skip
                 r0 += p.rows
             return

@@ -133,6 +133,8 @@ class QuantKernels:
                 raise ValueError(f"{fmt}: no int8-activation GEMV")
             defines += (("QACT8", 1),)
         self.act8 = act8
+        # Blocks resident at once (QMINB an SM): the grid of a persistent launch (``grid``).
+        self.resident = minb * cuda.Context.get_device().get_attribute(cuda.device_attribute.MULTIPROCESSOR_COUNT)
         mod = module("gemv_q", defines, cache_dir, ("gemv",))
         self.gemv = {}
         for epi in tc_params:
@@ -147,6 +149,12 @@ class QuantKernels:
         self._dequant = {
             dt: Kernel(mod, f"dequant_q_{dt}", "W:ptr out:ptr N:i32 K:i32", DEQUANT_THREADS) for dt in ("bf16", "f32")
         }
+
+    def grid(self, rows: int, persist: bool) -> tuple[int]:
+        """The GEMV's grid for a part of ``rows`` rows: a block a 16-row tile, or with ``persist`` at most
+        the resident blocks, each walking tiles (its stage pipeline runs on from one into the next)."""
+        tiles = -(-rows // TC_ROWS)
+        return (min(tiles, self.resident) if persist else tiles,)
 
     def dequantize(self, s, w: int, out: int, n: int, k: int, dtype: str = "bf16") -> None:
         """out[n, k] (bf16 or fp32) = the ``n`` rows of blocks at ``w``, as gguf's dequantize computes them."""

@@ -214,8 +214,11 @@ def test_gemv_quantizes_x_once_per_call():
         def __init__(self, name):
             self.gemv = {STORE: Rec(name)}
 
+        def grid(self, rows, persist):
+            return (-(-rows // 16),)
+
     k = object.__new__(Kernels)
-    k.quant_act, k.qact, k.qact_bytes = True, 0x9000, quant_act_bytes(4096)
+    k.quant_act, k.qact, k.qact_bytes, k.quant_persist = True, 0x9000, quant_act_bytes(4096), False
     k._quant_act = Rec("quantize")
     k.quant = lambda fmt: QK("bf16x:" + fmt)
     k.quant8 = lambda fmt: QK("int8x:" + fmt)
