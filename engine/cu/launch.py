@@ -267,10 +267,8 @@ class Compiling:
             mod.load()
 
     def __enter__(self) -> Compiling:
-        if self.workers > 0:
-            if _current() is not None:
-                raise RuntimeError("compiling() blocks do not nest")
-            _local.compiling = self
+        self._outer = _current()  # a block inside another (a load inside a load) has its own pool
+        _local.compiling = self if self.workers > 0 else None  # 0: compiles where asked, in this block too
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
@@ -278,13 +276,13 @@ class Compiling:
             if exc_type is None:
                 self.bind()
         finally:
-            if _local.__dict__.get("compiling") is self:
-                _local.compiling = None
+            _local.compiling = self._outer
             if self.pool is not None:
                 self.pool.shutdown(wait=True, cancel_futures=True)
-            for key in [k for k, m in _MODULES.items() if not m.loaded]:
+            mine = {id(m) for m in self.modules if not m.loaded}
+            for key in [k for k, m in _MODULES.items() if id(m) in mine]:
                 del _MODULES[key]  # cancelled or failed, or never bound: compiled again when next asked
-            self.pending = []
+            self.pending, self.modules = [], []
 
 
 def compiling(workers: int | None = None) -> Compiling:

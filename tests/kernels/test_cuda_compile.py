@@ -189,3 +189,17 @@ def test_a_compile_error_fails_the_backend_load(tmp_path, monkeypatch):
             load()
         assert captured == [] and not be.mem  # unloaded: what the load took is freed
     assert not _nvcc_threads()
+
+
+def test_a_block_inside_a_block_binds_its_own_and_leaves_the_outer_ones(tmp_path):
+    nvcc = fake_nvcc.Nvcc()
+    with fake_nvcc.installed(nvcc) as calls, launch.compiling(WORKERS) as outer:
+        k = Kernels(128, 4, cache_dir=str(tmp_path), formats=())
+        with launch.compiling(0):  # the serial order: compiled and loaded where asked
+            launch.module("embed", (("X", 1),), str(tmp_path))
+            assert len(calls.loads) == 1
+        with launch.compiling(WORKERS):
+            launch.module("embed", (("X", 2),), str(tmp_path)).get_function("embed")
+        assert len(calls.loads) == 2 and launch._current() is outer
+        assert isinstance(k._rmsnorm._fn, launch.LazyFunction) and k._rmsnorm._fn.target is None
+    assert k._rmsnorm._fn.target is not None and launch._current() is None
