@@ -26,7 +26,7 @@ import struct
 
 import numpy as np
 
-from engine.cu.launch import CU_DIR, DEFAULT_CACHE_DIR
+from engine.cu.launch import CU_DIR, DEFAULT_CACHE_DIR, compiled, when_bound
 
 ARCH = "sm_90a"  # wgmma and setmaxnreg exist only on the "a" target
 BK = 64
@@ -153,19 +153,31 @@ def pack_format(layout: list[tuple[int, int]], codes: list[str]) -> str:
     return out
 
 
-@functools.cache
-def _module(nc: int, bn: int, cache_dir: str):
-    """(module, its gemm_hopper parameter format) of one variant."""
-    import pycuda.driver as cuda
-    from pycuda.compiler import compile as nvcc
-
+def _build(source: str, defines: dict[str, int], cache_dir: str) -> tuple[str, list[str], str]:
+    """(source, nvcc options, cache dir) of a Hopper module: common.cuh, hopper.cuh, ``source``."""
     cache = cache_dir or DEFAULT_CACHE_DIR
     os.makedirs(cache, exist_ok=True)
-    src = "\n".join((CU_DIR / f).read_text() for f in ("common.cuh", "hopper.cuh", "gemm_hopper.cu"))
+    src = "\n".join((CU_DIR / f).read_text() for f in ("common.cuh", "hopper.cuh", source))
+    return src, ["-O3", "-std=c++17"] + [f"-D{k}={v}" for k, v in defines.items()], cache
+
+
+def _module(nc: int, bn: int, cache_dir: str):
+    """One variant's module (``launch.compiled``: loaded now, or when a ``compiling()`` block binds it)."""
     defines = {"HG_NC": nc, "HG_BN": bn, "HG_STAGES": stages(nc, bn)}
-    options = ["-O3", "-std=c++17"] + [f"-D{k}={v}" for k, v in defines.items()]
-    cubin = nvcc(src, options=options, no_extern_c=True, arch=ARCH, cache_dir=cache)
-    return cuda.module_from_buffer(cubin), pack_format(param_layout(cubin, "gemm_hopper"), PARAMS)
+    return compiled(("gemm_hopper", nc, bn, cache_dir), lambda: _build("gemm_hopper.cu", defines, cache_dir),
+                    arch=ARCH)  # fmt: skip
+
+
+def _prepare(mod, fn, name: str, codes: list[str], smem: int) -> None:
+    """Once ``fn`` (kernel ``name`` of ``mod``) is bound: its dynamic shared memory and its prepare()
+    format, the parameters at the offsets the cubin gives (``param_layout``)."""
+    import pycuda.driver as cuda
+
+    def prepare(f) -> None:
+        f.set_attribute(cuda.function_attribute.MAX_DYNAMIC_SHARED_SIZE_BYTES, smem)
+        f.prepare(pack_format(param_layout(mod.cubin(), name), codes))
+
+    when_bound(fn, prepare)
 
 
 def supported() -> bool:
@@ -185,10 +197,9 @@ class HopperGemm:
         self.sms = dev.get_attribute(cuda.device_attribute.MULTIPROCESSOR_COUNT)
         self._fns = {}
         for nc, bn in VARIANTS:
-            mod, fmt = _module(nc, bn, cache_dir)
-            fn = mod.get_function("gemm_hopper")
-            fn.set_attribute(cuda.function_attribute.MAX_DYNAMIC_SHARED_SIZE_BYTES, smem_bytes(nc, bn))
-            fn.prepare(fmt)
+            mod = _module(nc, bn, cache_dir)
+            fn = mod.get_function("gemm_hopper")  # a LazyFunction inside launch.compiling()
+            _prepare(mod, fn, "gemm_hopper", PARAMS, smem_bytes(nc, bn))
             self._fns[(nc, bn)] = fn
         self._maps: dict[tuple[int, int, int, int], bytes] = {}
 
@@ -237,7 +248,10 @@ class GemmRoute:
 
     def __init__(self, fallback, hopper: HopperGemm) -> None:
         self.fallback, self.hopper = fallback, hopper
-        self.fn = fallback.fn
+
+    @property
+    def fn(self):
+        return self.fallback.fn
 
     def __call__(self, s, grid, *, A, W, bias, C, M, N, K, ldc, accumulate) -> None:
         if K % 8 == 0 and ldc % 2 == 0 and ldc >= N and int(A) % 16 == 0 and int(W) % 16 == 0 and int(C) % 8 == 0:
@@ -277,19 +291,11 @@ def attention_covers(head_dim: int, group: int, block_size: int) -> bool:
     return head_dim == FA_D and group in (1, 2, 4, 8) and pages_fit
 
 
-@functools.cache
 def _attention_module(group: int, variant: tuple[int, int, int], cache_dir: str):
-    import pycuda.driver as cuda
-    from pycuda.compiler import compile as nvcc
-
-    cache = cache_dir or DEFAULT_CACHE_DIR
-    os.makedirs(cache, exist_ok=True)
-    src = "\n".join((CU_DIR / f).read_text() for f in ("common.cuh", "hopper.cuh", "attention_prefill_hopper.cu"))
     pvn, stages, pingpong = variant
     defines = {"GROUP": group, "FA_PVN": pvn, "FA_STAGES": stages, "FA_PINGPONG": pingpong}
-    options = ["-O3", "-std=c++17"] + [f"-D{k}={v}" for k, v in defines.items()]
-    cubin = nvcc(src, options=options, no_extern_c=True, arch=ARCH, cache_dir=cache)
-    return cuda.module_from_buffer(cubin), pack_format(param_layout(cubin, "prefill_attn_hopper"), FA_PARAMS)
+    build = lambda: _build("attention_prefill_hopper.cu", defines, cache_dir)  # noqa: E731
+    return compiled(("attention_hopper", group, variant, cache_dir), build, arch=ARCH)
 
 
 def attention_smem(stages: int) -> int:
@@ -301,13 +307,10 @@ class HopperAttention:
     (P V as one n128 wgmma a k16 step (128) or two n64 (64), K/V stages, ping-pong 1 / 0)."""
 
     def __init__(self, group: int, cache_dir: str = "", variant: tuple[int, int, int] = FA_VARIANT) -> None:
-        import pycuda.driver as cuda
-
         self.group, self.smem = group, attention_smem(variant[1])
-        mod, fmt = _attention_module(group, variant, cache_dir)
-        self.fn = mod.get_function("prefill_attn_hopper")
-        self.fn.set_attribute(cuda.function_attribute.MAX_DYNAMIC_SHARED_SIZE_BYTES, self.smem)
-        self.fn.prepare(fmt)
+        mod = _attention_module(group, variant, cache_dir)
+        self.fn = mod.get_function("prefill_attn_hopper")  # a LazyFunction inside launch.compiling()
+        _prepare(mod, self.fn, "prefill_attn_hopper", FA_PARAMS, self.smem)
         self._maps: dict[tuple, bytes] = {}
 
     def covers(self, block_size: int, q: int, cache: int) -> bool:

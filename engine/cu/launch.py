@@ -1,8 +1,11 @@
 """Compiling engine/cu/*.cu and launching its kernels through declared parameter lists.
 
 ``module(name, defines, cache_dir)`` compiles ``common.cuh`` + ``<name>.cu`` once per
-process and set of compile-time constants (``functools.cache`` around
-``SourceModule(..., no_extern_c=True)``; PyCUDA's on-disk cache under ``cache_dir``).
+process and set of compile-time constants (``compiled``: PyCUDA's ``compile`` with its on-disk
+cache under ``cache_dir``, then ``module_from_buffer``). Inside a ``compiling()`` block the compiles
+run on a pool of threads (nvcc is a subprocess; no context needed) while the caller goes on (the
+backend uploads the weights), and the modules are loaded and their functions bound on the
+caller's thread when the block binds them (``Compiling``, ``LazyFunction``).
 ``Kernel`` wraps one ``__global__`` function: its parameters are declared once, as
 ``"name:type"`` pairs in the order of the C signature, and every launch passes them by
 name; the declaration gives PyCUDA's ``prepare()`` string and checks each launch's
@@ -20,9 +23,10 @@ it may start while the kernel before it on the stream finishes (a captured graph
 from __future__ import annotations
 
 import ctypes
-import functools
 import operator
 import os
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -54,14 +58,11 @@ def _f32(v) -> np.float32:
 TYPES = {"ptr": ("P", _ptr), "i32": ("i", _i32), "i64": ("q", _i64), "f32": ("f", _f32)}
 
 
-@functools.cache
 def module(name: str, defines: tuple[tuple[str, int], ...] = (), cache_dir: str = "", after: tuple[str, ...] = ()):
-    """Compile ``engine/cu/<name>.cu`` (once per process, set of ``defines`` and cache dir), after
-    ``common.cuh`` and the sources named in ``after`` (``gemv_q`` reuses ``gemv``'s epilogues)."""
-    from pycuda.compiler import SourceModule
-
-    src, options, cache = _build(name, defines, cache_dir, after)
-    return SourceModule(src, options=options, no_extern_c=True, arch=ARCH, cache_dir=cache)
+    """``engine/cu/<name>.cu`` compiled (once per process, set of ``defines`` and cache dir), after
+    ``common.cuh`` and the sources named in ``after`` (``gemv_q`` reuses ``gemv``'s epilogues): a
+    ``Module``, loaded now, or inside ``compiling()`` once its cubin is there."""
+    return compiled(("module", name, defines, cache_dir, after), lambda: _build(name, defines, cache_dir, after))
 
 
 def _build(name: str, defines, cache_dir: str, after=()) -> tuple[str, list[str], str]:
@@ -72,28 +73,221 @@ def _build(name: str, defines, cache_dir: str, after=()) -> tuple[str, list[str]
     return src, ["-O3", "-std=c++17"] + [f"-D{k}={v}" for k, v in defines], cache
 
 
-class PdlModule:
+class Module:
+    """One compiled source: its cubin (``cubin()``; a pool's future inside ``compiling()``), loaded into
+    the current context by the first ``get_function`` outside ``compiling()`` or by its ``bind``."""
+
+    def __init__(self, cubin) -> None:
+        self._cubin, self._mod = cubin, None  # a Future of the cubin's bytes; the loaded module
+
+    def cubin(self) -> bytes:
+        return self._cubin.result()
+
+    @property
+    def loaded(self) -> bool:
+        return self._mod is not None
+
+    def failed(self) -> bool:
+        """Whether its compile ended in an error or was cancelled (then it is compiled again when asked)."""
+        f = self._cubin
+        return f.done() and (f.cancelled() or f.exception() is not None)
+
+    def load(self):
+        if self._mod is None:
+            self._mod = self._load(self.cubin())
+        return self._mod
+
+    def _load(self, cubin: bytes):
+        import pycuda.driver as cuda
+
+        return cuda.module_from_buffer(cubin)
+
+    def function(self, name: str):
+        """The loaded module's function ``name`` (loads it first)."""
+        return self.load().get_function(name)
+
+    def get_function(self, name: str):
+        """``function(name)``; inside ``compiling()`` with the module not loaded yet, a ``LazyFunction``
+        that records ``prepare`` / ``set_attribute`` until the block binds it."""
+        c = _current()
+        if c is not None and self._mod is None:
+            return c.lazy(self, name)
+        return self.function(name)
+
+
+class PdlModule(Module):
     """A module compiled with ``PDL=1`` and loaded by the driver API (``cuda.bindings``), whose
     kernels launch with programmatic stream serialization (``Kernel`` sees the type)."""
 
-    def __init__(self, cubin: bytes) -> None:
+    def _load(self, cubin: bytes):
         from cuda.bindings import driver as drv
 
-        self._drv = drv
-        self.handle = _check(drv.cuModuleLoadData(cubin))  # into the current (primary) context
+        return _check(drv.cuModuleLoadData(cubin))  # into the current (primary) context
 
-    def get_function(self, name: str):
-        return _check(self._drv.cuModuleGetFunction(self.handle, name.encode()))
+    @property
+    def handle(self):
+        return self.load()
+
+    def function(self, name: str):
+        from cuda.bindings import driver as drv
+
+        return _check(drv.cuModuleGetFunction(self.load(), name.encode()))
 
 
-@functools.cache
 def pdl_module(name: str, defines: tuple[tuple[str, int], ...] = (), cache_dir: str = "") -> PdlModule:
     """``module(name, defines, cache_dir)`` compiled with ``PDL=1`` (PyCUDA's compiler and on-disk
     cache; the cubin loaded by ``cuda.bindings``, so its functions have driver handles)."""
+    build = lambda: _build(name, (*defines, ("PDL", 1)), cache_dir)  # noqa: E731
+    return compiled(("pdl", name, defines, cache_dir), build, kind=PdlModule)
+
+
+# --- compiling: nvcc runs on a pool while the load goes on ----------------------------------------
+
+_MODULES: dict[tuple, Module] = {}  # key -> its Module, for the process (the context is the primary one)
+_local = threading.local()  # .compiling: the Compiling block this thread is in
+
+
+def _current() -> Compiling | None:
+    return getattr(_local, "compiling", None)
+
+
+def _nvcc(src: str, options: list[str], arch: str, cache: str) -> bytes:
     from pycuda.compiler import compile as nvcc
 
-    src, options, cache = _build(name, (*defines, ("PDL", 1)), cache_dir)
-    return PdlModule(nvcc(src, options=options, no_extern_c=True, arch=ARCH, cache_dir=cache))
+    return nvcc(src, options=options, no_extern_c=True, arch=arch, cache_dir=cache)
+
+
+def compiled(key: tuple, build, *, arch: str = ARCH, kind=Module) -> Module:
+    """The ``kind`` module ``build()`` = (source, options, cache dir) gives, compiled for ``arch`` (PyCUDA's
+    compiler and on-disk cache), once per process and ``key``. Outside ``compiling()``: compiled and
+    loaded now (a compile error raises here). Inside: the compile is submitted to the block's pool
+    and the module is loaded when the block binds it (or a function of it is first called)."""
+    mod = _MODULES.get(key)
+    if mod is not None and not mod.failed():
+        return mod
+    src, options, cache = build()
+    c = _current()
+    if c is None:
+        done: Future = Future()
+        done.set_result(_nvcc(src, options, arch, cache))
+        mod = kind(done)
+        mod.load()
+    else:
+        mod = kind(c.submit(_nvcc, src, options, arch, cache))
+        c.modules.append(mod)
+    _MODULES[key] = mod
+    return mod
+
+
+def compile_workers() -> int:
+    """The pool's size: the machine's CPUs, at most 16 (one nvcc process each)."""
+    return max(1, min(16, os.cpu_count() or 1))
+
+
+class LazyFunction:
+    """A function of a module still compiling (``Module.get_function`` inside ``compiling()``): ``prepare``
+    and ``set_attribute`` are recorded, as are ``when_bound`` callbacks; ``bind`` (on the thread that
+    holds the context) loads the module, fetches the function and replays them. Anything else asked
+    of it binds it first, then goes to the function."""
+
+    def __init__(self, mod: Module, name: str) -> None:
+        self.module, self.name, self.target, self._calls = mod, name, None, []
+
+    def prepare(self, *args, **kw) -> None:
+        self._record(lambda f: f.prepare(*args, **kw))
+
+    def set_attribute(self, *args) -> None:
+        self._record(lambda f: f.set_attribute(*args))
+
+    def _record(self, call) -> None:
+        if self.target is None:
+            self._calls.append(call)
+        else:
+            call(self.target)
+
+    def bind(self):
+        if self.target is None:
+            fn = self.module.function(self.name)
+            for call in self._calls:
+                call(fn)
+            self.target, self._calls = fn, []
+        return self.target
+
+    def __getattr__(self, attr: str):
+        if attr.startswith("_") or attr in ("module", "name", "target"):
+            raise AttributeError(attr)  # not set yet (a copy being made): never bind for these
+        return getattr(self.bind(), attr)
+
+
+def when_bound(fn, call) -> None:
+    """``call(function)`` once ``fn`` (a function or a ``LazyFunction``) is bound: now, or at its bind."""
+    if isinstance(fn, LazyFunction):
+        fn._record(call)
+    else:
+        call(fn)
+
+
+def bound(fn):
+    """The function behind ``fn`` (a ``LazyFunction`` is bound now)."""
+    return fn.bind() if isinstance(fn, LazyFunction) else fn
+
+
+class Compiling:
+    """A block (``compiling()``) whose compiles run on a pool of ``workers`` threads: ``module`` /
+    ``pdl_module`` / ``compiled`` return at once, nvcc runs meanwhile, and ``bind`` (on this thread,
+    which holds the context) loads each module as its cubin arrives and binds every ``LazyFunction``
+    the block handed out. ``bind`` runs again at the block's end; an exception from the block (a
+    compile error from ``bind`` among them) cancels the compiles not started and waits for the
+    running ones before it propagates. ``workers`` 0: no pool, every compile runs where it is asked
+    (the order of loads before this existed)."""
+
+    def __init__(self, workers: int | None = None) -> None:
+        self.workers = compile_workers() if workers is None else workers
+        self.pool: ThreadPoolExecutor | None = None
+        self.pending: list[LazyFunction] = []
+        self.modules: list[Module] = []  # those it compiles
+        self.submitted = 0  # compiles sent to the pool
+
+    def submit(self, fn, *args) -> Future:
+        if self.pool is None:
+            self.pool = ThreadPoolExecutor(self.workers, thread_name_prefix="nvcc")
+        self.submitted += 1
+        return self.pool.submit(fn, *args)
+
+    def lazy(self, mod: Module, name: str) -> LazyFunction:
+        f = LazyFunction(mod, name)
+        self.pending.append(f)
+        return f
+
+    def bind(self) -> None:
+        """Load every module the block asked for and bind its functions, in the order they were asked."""
+        while self.pending:
+            self.pending.pop(0).bind()
+        for mod in self.modules:
+            mod.load()
+
+    def __enter__(self) -> Compiling:
+        self._outer = _current()  # a block inside another (a load inside a load) has its own pool
+        _local.compiling = self if self.workers > 0 else None  # 0: compiles where asked, in this block too
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        try:
+            if exc_type is None:
+                self.bind()
+        finally:
+            _local.compiling = self._outer
+            if self.pool is not None:
+                self.pool.shutdown(wait=True, cancel_futures=True)
+            mine = {id(m) for m in self.modules if not m.loaded}
+            for key in [k for k, m in _MODULES.items() if id(m) in mine]:
+                del _MODULES[key]  # cancelled or failed, or never bound: compiled again when next asked
+            self.pending, self.modules = [], []
+
+
+def compiling(workers: int | None = None) -> Compiling:
+    """``Compiling(workers)``: ``with compiling() as c: ...; c.bind()``."""
+    return Compiling(workers)
 
 
 def _check(res):
@@ -172,13 +366,21 @@ class Kernel:
         if bad:
             raise ValueError(f"{name}: unknown parameter types {bad}")
         self._convert = [(n, TYPES[t][1]) for n, t in self.params]
-        self.fn = mod.get_function(name)
+        self._fn = mod.get_function(name)  # a LazyFunction inside compiling(), until the block binds it
         self.pdl = isinstance(mod, PdlModule)
         if self.pdl:
             self._slots = ParamSlots(tuple(t for _, t in self.params))
             self._configs: dict = {}  # (grid, stream handle) -> CUlaunchConfig
         else:
             self.fn.prepare("".join(TYPES[t][0] for _, t in self.params))
+
+    @property
+    def fn(self):
+        """The function (a ``LazyFunction`` until bound: ``set_attribute`` on it is recorded)."""
+        f = self._fn
+        if isinstance(f, LazyFunction) and f.target is not None:
+            self._fn = f = f.target
+        return f
 
     def __call__(self, stream, grid: tuple[int, ...], **values) -> None:
         args = []
@@ -195,7 +397,7 @@ class Kernel:
         if self.pdl:
             self._launch_pdl(stream, grid3, args)
         else:
-            self.fn.prepared_async_call(grid3, (self.threads, 1, 1), stream, *args, shared_size=self.shared)
+            bound(self.fn).prepared_async_call(grid3, (self.threads, 1, 1), stream, *args, shared_size=self.shared)
 
     def _launch_pdl(self, stream, grid3: tuple[int, ...], args: list) -> None:
         from cuda.bindings import driver as drv
@@ -206,4 +408,4 @@ class Kernel:
             if len(self._configs) >= MAX_CONFIGS:  # prefill grids vary with the chunk: keep a bounded few
                 self._configs.clear()
             cfg = self._configs[key] = launch_config(drv, grid3, (self.threads, 1, 1), self.shared, stream.handle)
-        _check(drv.cuLaunchKernelEx(cfg, self.fn, self._slots.fill(args), 0))
+        _check(drv.cuLaunchKernelEx(cfg, bound(self.fn), self._slots.fill(args), 0))

@@ -59,6 +59,10 @@ class CudaBackend(Backend):
     # prefill_group: a group's spans of more rows than the GEMV takes run as one pass of the forward
     # (prefill_rows.py), each with the bits it gets alone.
     prefills_together = True
+    # nvcc runs a load keeps going at once while the weights upload (engine.cu.launch.compiling): None,
+    # the machine's CPUs up to 16; 0, none: each module compiles when Kernels asks for it, before the
+    # upload starts (the order before; bench/bench_load.py's serial column).
+    compile_workers: int | None = None
 
     def __init__(self, tuning: CudaTuning | None = None) -> None:
         super().__init__()
@@ -78,15 +82,22 @@ class CudaBackend(Backend):
     def load(self, config: ModelConfig, weights, *, block_size: int, kv_budget_bytes: int | None,
              host_kv_budget_bytes: int, max_context: int) -> MemoryPlan:  # fmt: skip
         from engine.cu import runtime
+        from engine.cu.launch import compiling
 
         with runtime.current():
             try:
-                return self._load(config, weights, block_size, kv_budget_bytes, host_kv_budget_bytes, max_context)
+                # The kernels compile on a pool of nvcc runs while the weights go up; _load binds them
+                # (each cubin loaded into this thread's context, its functions prepared) before it
+                # captures the graphs. A compile error raises from the bind; the block ends the pool.
+                with compiling(self.compile_workers) as compiles:
+                    return self._load(config, weights, block_size, kv_budget_bytes, host_kv_budget_bytes,
+                                      max_context, compiles)  # fmt: skip
             except BaseException:
                 self.unload()  # free what the failed load took
                 raise
 
-    def _load(self, cfg, weights, block_size, kv_budget_bytes, host_kv_budget_bytes, max_context) -> MemoryPlan:
+    def _load(self, cfg, weights, block_size, kv_budget_bytes, host_kv_budget_bytes, max_context,
+              compiles) -> MemoryPlan:  # fmt: skip
         import pycuda.driver as cuda
 
         from engine.backends.cuda.graphs import GraphRunner, decode_fields
@@ -107,14 +118,15 @@ class CudaBackend(Backend):
         free_at_load = cuda.mem_get_info()[0]  # model.gpu_budget's fraction is of this
         self.mem = Allocations()
         self.formats = quant_formats(weights)
-        self.kern = self._kernels()  # compiles everything now
+        self.kern = self._kernels()  # every compile starts on the pool (in the serial order: done now)
+        moe_kern, vision_kern = self._model_kernels(cfg, blocks)  # theirs too, before the upload
         self.stream = cuda.Stream()
         self.weights = upload(cfg, blocks, head, weights, self.mem, embed_scale=embedding.scale, kern=self.kern,
                               pinned=self.tuning.pinned_upload)  # fmt: skip
-        self.moe, moe_bytes = self._upload_moe(cfg, blocks, weights)
+        self.moe, moe_bytes = self._upload_moe(cfg, blocks, weights, moe_kern)
         post_norms = any(b.attn_post_norm is not None or b.mlp_post_norm is not None for b in blocks)
         self.ws = Workspace.allocate(cfg, self.mem, post_norms=post_norms)
-        self.vision = self._upload_vision(cfg, weights)
+        self.vision = self._upload_vision(cfg, weights, vision_kern)
         self.mrope = any(isinstance(b.attention.rope, MRope) for b in blocks)
         # Prefill dequantizes a quantized matrix here for the GEMM (decode rounds read the blocks).
         scratch = dequant_scratch_bytes(cfg) if self.weights.quantized else 0
@@ -141,6 +153,7 @@ class CudaBackend(Backend):
         narrow = self.weights.quantized or gemv_rows(self.weights.lm_head) < MAX_LANES or self.moe is not None
         self.max_round_rows = QUANT_LANES if narrow else max(QUANT_LANES, min(self.tuning.round_rows, MAX_LANES))
         self.kern.gemv_cap = self.max_round_rows  # wider prefill chunks run the GEMM
+        compiles.bind()  # waits for the cubins still compiling; the graphs launch every kernel
         self.graphs = GraphRunner(self.stream, self.dstage, self._decode_body, self.max_round_rows, eager=eager)
         self.graphs.capture()
         # The workspace figure is engine.memory's formula (the same one the switch precheck uses):
@@ -175,16 +188,32 @@ class CudaBackend(Backend):
         return {"experts": {"resident": cache.slots, "total": total, "hits": cache.hits, "misses": cache.misses,
                             "bytes_moved": cache.bytes_moved}}  # fmt: skip
 
-    def _upload_moe(self, cfg, blocks, weights):
+    def _model_kernels(self, cfg, blocks):
+        """(``MoEKernels`` of a sparse model or None, ``VisionKernels`` of a vision-language one or None)."""
+        from engine.models.ops import MoE
+
+        moe = vision = None
+        if blocks and isinstance(blocks[0].mlp, MoE):
+            from engine.backends.cuda.moe import MoEKernels
+
+            moe = MoEKernels(self.tuning.kernel_cache_dir)
+        if cfg.vision is not None:
+            from engine.cu.vision import VisionKernels
+
+            vision = VisionKernels(cfg.vision.head_dim, self.tuning.kernel_cache_dir)
+        return moe, vision
+
+    def _upload_moe(self, cfg, blocks, weights, kern):
         """A sparse model's experts (every layer's, engine/backends/cuda/moe.py): resident, or behind
-        the expert cache when ``cuda.expert_budget`` is smaller than all of them. Returns the
+        the expert cache when ``cuda.expert_budget`` is smaller than all of them, run by ``kern``
+        (``MoEKernels``). Returns the
         ``DeviceMoE`` (None for a dense model) and the device bytes its experts and routers take."""
         from engine.models.ops import MoE
 
         if not blocks or not isinstance(blocks[0].mlp, MoE):
             return None, 0
         from engine.backends.cuda.expert_cache import expert_nbytes, upload_moe
-        from engine.backends.cuda.moe import DeviceMoE, MoEKernels, MoEWorkspace
+        from engine.backends.cuda.moe import DeviceMoE, MoEWorkspace
         from engine.backends.cuda.weights import Dequantized
 
         op, budget = blocks[0].mlp, self.tuning.expert_budget or None
@@ -196,17 +225,16 @@ class CudaBackend(Backend):
         logging.getLogger("ignis.engine").info(
             "ignis.runtime.experts", extra={"resident": resident, "total": cfg.num_layers * op.num_experts}
         )
-        return DeviceMoE(
-            cfg, op, MoEKernels(self.tuning.kernel_cache_dir), layers, ws, cache
-        ), resident * expert_nbytes(cfg)
+        return DeviceMoE(cfg, op, kern, layers, ws, cache), resident * expert_nbytes(cfg)
 
-    def _upload_vision(self, cfg, weights):
-        """The vision tower (engine/backends/cuda/vision.py) of a vision-language model, else None."""
+    def _upload_vision(self, cfg, weights, vk):
+        """The vision tower (engine/backends/cuda/vision.py, its kernels ``vk``) of a vision-language
+        model, else None."""
         if cfg.vision is None:
             return None
         from engine.backends.cuda.vision import VisionTower
 
-        return VisionTower(cfg.vision, weights, self.mem, self.kern, self.tuning.kernel_cache_dir)
+        return VisionTower(cfg.vision, weights, self.mem, self.kern, self.tuning.kernel_cache_dir, vk=vk)
 
     def _kernels(self):
         from engine.cu.kernels import Kernels
@@ -220,10 +248,12 @@ class CudaBackend(Backend):
     def retune(self, tuning: CudaTuning) -> None:
         """Switch kernel settings on a loaded model and recapture the decode graphs (benchmarks)."""
         from engine.cu import runtime
+        from engine.cu.launch import compiling
 
         with runtime.current():
             self.tuning = tuning
-            self.kern = self.forward.kern = self._kernels()
+            with compiling(self.compile_workers):  # in parallel; bound as the block ends
+                self.kern = self.forward.kern = self._kernels()
             self.kern.scratch, self.kern.scratch_bytes = self.scratch
             self.kern.qact, self.kern.qact_bytes = self.qact
             self.graphs.recapture()

@@ -73,7 +73,7 @@ class VisionTower:
     """The tower's weights and workspace on the device, and ``encode``."""
 
     def __init__(self, cfg: VisionConfig, weights, mem, kern, cache_dir: str = "",
-                 max_patches: int = MAX_PATCHES) -> None:  # fmt: skip
+                 max_patches: int = MAX_PATCHES, vk=None) -> None:  # fmt: skip
         import pycuda.driver as cuda
 
         from engine.backends.cuda.weights import _Uploader
@@ -84,7 +84,7 @@ class VisionTower:
         if cfg.hidden_act != "silu":
             raise ValueError(f"vision hidden_act {cfg.hidden_act!r}: the CUDA tower runs silu only")
         self.cfg, self.kern, self.mem = cfg, kern, mem
-        self.vk = VisionKernels(cfg.head_dim, cache_dir)
+        self.vk = vk or VisionKernels(cfg.head_dim, cache_dir)  # vk: built by the caller (compiling meanwhile)
         self.max_patches = max_patches = max_patches // cfg.spatial_merge_size**2 * cfg.spatial_merge_size**2
         hid, inter = cfg.hidden_size, cfg.intermediate_size
         self.ip = ip = -(-inter // 8) * 8
