@@ -108,8 +108,8 @@ def write_checkpoint(root: Path, layers: int, *, vocab: int = SHAPE["vocab"], bo
 
 
 VARIANTS = {  # name: (bf16 kept as stored, the uploader's pinned staging), label
-    "pinned": ((True, True), "bf16 as stored, pinned staging (cuda.pinned_upload on)"),
-    "direct": ((True, False), "bf16 as stored, direct upload (cuda.pinned_upload off, the default)"),
+    "pinned": ((True, True), "bf16 as stored, pinned staging (cuda.pinned_upload on, the default)"),
+    "direct": ((True, False), "bf16 as stored, direct upload (cuda.pinned_upload off)"),
     "float32": ((False, False), "widened to float32, direct upload"),
 }
 

@@ -29,8 +29,8 @@ class CudaTuning:
     pdl: bool = False
     # cuda.pinned_upload: bf16 weights go up at load through pinned, double-buffered staging written in
     # their device layout by a thread pool (engine/backends/cuda/pinned.py); False: a synchronous copy a
-    # tensor. Off until a GPU session has run tests/kernels/test_cuda_upload_host.py's card tests.
-    pinned_upload: bool = False
+    # tensor. On the H200 2.8x faster than off for the 8B checkpoint (docs/PERFORMANCE.md, "Cold load").
+    pinned_upload: bool = True
     # A bf16 GEMV of 9..64 rows (wide rounds) on a matrix of at least this many rows runs gemv_wide.cu
     # (gemv_tc's bits, x read from L2 once a block of 128 weight rows); 0: gemv_tc's own wide variants.
     gemv_wide_min_n: int = 0

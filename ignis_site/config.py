@@ -316,8 +316,8 @@ FIELDS: dict[str, Field] = {
         Field(
             "cuda.pinned_upload",
             bool,
-            False,
-            "CUDA backend: upload bf16 weights at load through pinned, double-buffered staging (not yet run on a card)",
+            True,
+            "CUDA backend: upload bf16 weights at load through pinned, double-buffered staging (off: a copy a tensor)",
         ),
         Field(
             "cuda.quant_activations",

@@ -132,7 +132,7 @@ def test_rope_runs_match_interleave_rope(rotary, strided):
 
 
 def test_cuda_pinned_upload_key_reaches_the_uploader(monkeypatch):
-    """``cuda.pinned_upload`` (off by default until a card has run the tests below) reaches CudaTuning,
+    """``cuda.pinned_upload`` (on by default since the card ran the tests below) reaches CudaTuning,
     and the backend's load hands it to ``upload``."""
     import inspect
 
@@ -140,9 +140,9 @@ def test_cuda_pinned_upload_key_reaches_the_uploader(monkeypatch):
     from engine.config import CudaTuning
     from ignis_site import config
 
-    assert config.FIELDS["cuda.pinned_upload"].default is False and CudaTuning().pinned_upload is False
-    values, _ = config.resolve(environ={"IGNIS_CUDA_PINNED_UPLOAD": "on"})
-    assert CudaTuning(**config.cuda_tuning_dict(values)).pinned_upload is True
+    assert config.FIELDS["cuda.pinned_upload"].default is True and CudaTuning().pinned_upload is True
+    values, _ = config.resolve(environ={"IGNIS_CUDA_PINNED_UPLOAD": "off"})
+    assert CudaTuning(**config.cuda_tuning_dict(values)).pinned_upload is False
     assert "pinned=self.tuning.pinned_upload" in inspect.getsource(backend.CudaBackend._load)
 
 
