@@ -86,6 +86,41 @@ struct TcRope {  // EPI_ROPE_KV only
     float factor;
 };
 
+// Rope + KV write of one rotation pair: rows r, r + 8 of the 16-row tile at row0 of the fused q|k|v
+// matrix (head dims ia, ib: a pair inside the first rotary_dim dims, or two pass-through dims after
+// them), values a, b of x row m; q into out [M, H, D], k rotated and v copied into their cache slots.
+__device__ __forceinline__ void rope_kv_store(float a, float b, int m, int r, int row0, const TcRope& rp, void* out) {
+    const int D = rp.D, hh = row0 / D, o = row0 % D, hr = rp.rotary_dim >> 1;
+    const bool rot = o < rp.rotary_dim;
+    const int ia = rot ? (o >> 1) + r : o + r, ib = rot ? ia + hr : ia + 8;
+    float sn = 0.f, cs = 1.f;
+    if (rot) {
+        sincosf((float)rp.positions[m] * rp.inv_freq[ia], &sn, &cs);
+        cs *= rp.factor;
+        sn *= rp.factor;
+    }
+    const float ra = rot ? a * cs - b * sn : a, rb = rot ? b * cs + a * sn : b;
+    if (hh < rp.H) {
+        bf16* q = static_cast<bf16*>(out) + ((size_t)m * rp.H + hh) * D;
+        q[ia] = __float2bfloat16(ra);
+        q[ib] = __float2bfloat16(rb);
+    } else {
+        const bool is_v = hh >= rp.H + rp.KVH;
+        const int kh = hh - rp.H - (is_v ? rp.KVH : 0);
+        const int slot = rp.slots[m];
+        const int blk = slot / rp.block_size, off = slot % rp.block_size;
+        bf16* d = rp.cache + (size_t)blk * rp.block_stride + ((size_t)off * rp.KVH + kh) * D;
+        if (is_v) {
+            d += (size_t)rp.block_size * rp.KVH * D;
+            d[ia] = __float2bfloat16(a);
+            d[ib] = __float2bfloat16(b);
+        } else {
+            d[ia] = __float2bfloat16(ra);
+            d[ib] = __float2bfloat16(rb);
+        }
+    }
+}
+
 // The bf16 main loop: this warp's share of the 16 x 8G tile, c[j] as mma_bf16's accumulator for
 // activation rows 8j..8j+7 (G groups of 8 rows; a group at or past M is neither loaded nor multiplied).
 // Every group meets the same W fragments in the same step order, so a row's sum does not depend
@@ -224,37 +259,7 @@ __device__ __forceinline__ void gemv_tc_epilogue(const float* c, const float* __
                     a += bias[n0 + r];
                     b += bias[n0 + r + 8];
                 }
-                // Rows r, r + 8 of this block are head dims ia, ib: a rotation pair inside the
-                // first rotary_dim dims, or two pass-through dims after them.
-                const int D = rp.D, hh = (n_base + n0) / D, o = (n_base + n0) % D, hr = rp.rotary_dim >> 1;
-                const bool rot = o < rp.rotary_dim;
-                const int ia = rot ? (o >> 1) + r : o + r, ib = rot ? ia + hr : ia + 8;
-                float sn = 0.f, cs = 1.f;
-                if (rot) {
-                    sincosf((float)rp.positions[m] * rp.inv_freq[ia], &sn, &cs);
-                    cs *= rp.factor;
-                    sn *= rp.factor;
-                }
-                const float ra = rot ? a * cs - b * sn : a, rb = rot ? b * cs + a * sn : b;
-                if (hh < rp.H) {
-                    bf16* q = static_cast<bf16*>(out) + ((size_t)m * rp.H + hh) * D;
-                    q[ia] = __float2bfloat16(ra);
-                    q[ib] = __float2bfloat16(rb);
-                } else {
-                    const bool is_v = hh >= rp.H + rp.KVH;
-                    const int kh = hh - rp.H - (is_v ? rp.KVH : 0);
-                    const int slot = rp.slots[m];
-                    const int blk = slot / rp.block_size, off = slot % rp.block_size;
-                    bf16* d = rp.cache + (size_t)blk * rp.block_stride + ((size_t)off * rp.KVH + kh) * D;
-                    if (is_v) {
-                        d += (size_t)rp.block_size * rp.KVH * D;
-                        d[ia] = __float2bfloat16(a);
-                        d[ib] = __float2bfloat16(b);
-                    } else {
-                        d[ia] = __float2bfloat16(ra);
-                        d[ib] = __float2bfloat16(rb);
-                    }
-                }
+                rope_kv_store(a, b, m, r, n_base + n0, rp, out);
             }
         }
         return;

@@ -165,35 +165,7 @@ __device__ __forceinline__ void gemv_tcw_epilogue(float (*tot)[4], const float* 
                         a += bias[n0 + g];
                         b += bias[n0 + g + 8];
                     }
-                    const int D = rp.D, hh = n0 / D, o = n0 % D, hr = rp.rotary_dim >> 1;
-                    const bool rot = o < rp.rotary_dim;
-                    const int ia = rot ? (o >> 1) + g : o + g, ib = rot ? ia + hr : ia + 8;
-                    float sn = 0.f, cs = 1.f;
-                    if (rot) {
-                        sincosf((float)rp.positions[m] * rp.inv_freq[ia], &sn, &cs);
-                        cs *= rp.factor;
-                        sn *= rp.factor;
-                    }
-                    const float ra = rot ? a * cs - b * sn : a, rb = rot ? b * cs + a * sn : b;
-                    if (hh < rp.H) {
-                        bf16* q = static_cast<bf16*>(out) + ((size_t)m * rp.H + hh) * D;
-                        q[ia] = __float2bfloat16(ra);
-                        q[ib] = __float2bfloat16(rb);
-                    } else {
-                        const bool is_v = hh >= rp.H + rp.KVH;
-                        const int kh = hh - rp.H - (is_v ? rp.KVH : 0);
-                        const int slot = rp.slots[m];
-                        const int blk = slot / rp.block_size, off = slot % rp.block_size;
-                        bf16* d = rp.cache + (size_t)blk * rp.block_stride + ((size_t)off * rp.KVH + kh) * D;
-                        if (is_v) {
-                            d += (size_t)rp.block_size * rp.KVH * D;
-                            d[ia] = __float2bfloat16(a);
-                            d[ib] = __float2bfloat16(b);
-                        } else {
-                            d[ia] = __float2bfloat16(ra);
-                            d[ib] = __float2bfloat16(rb);
-                        }
-                    }
+                    rope_kv_store(a, b, m, g, n0, rp, out);
                 }
             } else {  // store / acc, with nw the next norm's xw and ss partial
                 float q[2] = {0.f, 0.f};
