@@ -70,8 +70,15 @@ PROMPTS = [
 
 
 def start_server(
-    root: Path, port: int, data_dir: Path, flags: list[str], models_dir: Path | None = None
+    root: Path,
+    port: int,
+    data_dir: Path,
+    flags: list[str],
+    models_dir: Path | None = None,
+    started: list[float] | None = None,
 ) -> tuple[subprocess.Popen, Path]:
+    """``manage.py migrate``, then ``manage.py serve`` until /health says 200: the process and its log.
+    ``started`` gets the wall-clock time (``time.time()``) at which the serve process was spawned."""
     env = dict(os.environ, IGNIS_SERVER_DATA_DIR=str(data_dir), PYTHONUNBUFFERED="1")
     if models_dir is not None:
         env["IGNIS_SERVER_MODELS_DIR"] = str(models_dir)
@@ -82,6 +89,8 @@ def start_server(
     log = open(log_path, "wb")
     cmd = [python, "manage.py", "serve", "--port", str(port), "--no-download", "--model-idle-unload", "0"]
     cmd += ["--server-log-level", "debug", *flags]  # debug: the engine's ignis.engine.round lines
+    if started is not None:
+        started.append(time.time())
     proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:

@@ -84,6 +84,74 @@ def set_config(base: str, values: dict) -> None:
         r.read()
 
 
+def log_times(log_path: Path) -> dict[str, float]:
+    """The wall-clock ``ts`` of the server log's first line and of its ``ignis.model.loaded`` and
+    ``ignis.server.serving`` lines (JSON lines), and the loaded line's ``seconds``."""
+    found: dict[str, float] = {}
+    for line in log_path.read_text(errors="replace").splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        found.setdefault("first", rec["ts"])
+        if rec.get("event") in ("ignis.model.loaded", "ignis.server.serving"):
+            found.setdefault(rec["event"], rec["ts"])
+            if "seconds" in rec:
+                found["seconds"] = rec["seconds"]
+    return found
+
+
+def evict(models_dir: Path) -> None:
+    """Drop the checkpoint's pages from the page cache (posix_fadvise DONTNEED): the next load reads the disk."""
+    import os
+
+    for f in models_dir.rglob("*.safetensors"):
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def start_only(tmp: Path, models_dir: Path, port: int, flags: list[str], server_log: str | None) -> None:
+    """Start the server on the checkpoint three times: its pages evicted from the page cache and an
+    empty kernel cache of its own (``cuda.kernel_cache_dir``), evicted again with that cache warm, and
+    both warm. Each: spawn to the first log line (Python, Django, imports), to ``ignis.model.loaded``,
+    to ``ignis.server.serving``, to a 200 from /health; and the engine's own load seconds."""
+    import os
+
+    cache = tmp / "kernel-cache"
+    os.environ["IGNIS_CUDA_KERNEL_CACHE_DIR"] = str(cache)
+    head = ("| checkpoint pages, kernel cache | spawn to first log line | to loaded | to serving | to healthy "
+            "| ignis.model.loaded seconds |\n|---|---|---|---|---|---|")  # fmt: skip
+    rows = []
+    for label, cold in (("evicted, empty", True), ("evicted, warm", True), ("cached, warm", False)):
+        if cold:
+            evict(models_dir)
+        data = tmp / label.replace(", ", "-")
+        data.mkdir()
+        started: list[float] = []
+        proc, log_path = start_server(ROOT, port, data, flags, models_dir, started=started)
+        healthy = time.time()
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        if server_log:
+            shutil.copy2(log_path, f"{server_log}.{label.replace(', ', '-')}")
+        t0, ts = started[0], log_times(log_path)
+
+        def at(key: str, ts=ts, t0=t0) -> str:
+            return f"{ts[key] - t0:.1f} s" if key in ts else "-"
+
+        rows.append(f"| {label} | {at('first')} | {at('ignis.model.loaded')} | {at('ignis.server.serving')} "
+                    f"| {healthy - t0:.1f} s | {ts.get('seconds', '-')} s |")  # fmt: skip
+        print(rows[-1], flush=True)
+    print("\n" + head + "\n" + "\n".join(rows))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--layers", type=int, default=32)
@@ -99,6 +167,8 @@ def main() -> None:
     )
     ap.add_argument("--server-log", help="copy the server's log here at the end")
     ap.add_argument("--save-tokenizer", action="store_true", help=f"only save the tokenizer to {SAVED_TOKENIZER}")
+    ap.add_argument("--start-only", action="store_true",
+                    help="only time the server's start to healthy, with an empty and then a warm kernel cache")  # fmt: skip
     ap.add_argument("flags", nargs="*", help="extra flags for manage.py serve (after --)")
     args = ap.parse_args()
     if args.save_tokenizer:
@@ -114,6 +184,9 @@ def main() -> None:
         t = time.perf_counter()
         nbytes = write_model(models_dir, args.layers)
         print(f"wrote {nbytes / 1e9:.2f} GB in {time.perf_counter() - t:.1f} s", flush=True)
+        if args.start_only:
+            start_only(Path(tmp), models_dir, args.port, flags + args.flags, args.server_log)
+            return
         t = time.perf_counter()
         proc, log_path = start_server(ROOT, args.port, Path(tmp), flags + args.flags, models_dir)
         ready = time.perf_counter() - t

@@ -84,6 +84,12 @@
 #ifndef QACT8
 #define QACT8 0
 #endif
+// QPROBE (bench/quant_probe.py only; 0 in every build the backend makes): 1 = the stage pipeline
+// alone (copies and barriers, no decode: the accumulators stay 0), 2 = the decode alone (no copies:
+// it reads whatever the slots hold). They time the two halves of the main loop apart.
+#ifndef QPROBE
+#define QPROBE 0
+#endif
 
 // FP8 (QTYPE 200, not a GGML id): rows of K float8_e4m3fn bytes (the torch [out, in] layout,
 // engine/loaders/fp8.py's Fp8Tensor with per-output-channel scales), all N rows back to back, then
@@ -587,7 +593,8 @@ __device__ __forceinline__ void gemv_q_main(const bf16* __restrict__ x, const ui
         issue_stage(q_slots, q_bars, W + (size_t)n0 * row_bytes, row_bytes, min(TC_ROWS, N - n0), NB, J % nst, J);
     };
     if (threadIdx.x == 0)
-        for (int J = 0; J < min(QNST, total); J++) issue(J);
+        for (int J = 0; J < min(QNST, total); J++)
+            if (QPROBE != 2) issue(J);
     for (int ti = 0; ti < mine; ti++) {
         const int tl = (int)blockIdx.x + ti * (int)gridDim.x, n0 = tl * TC_ROWS, rows = min(TC_ROWS, N - n0);
         const bool ra = g < rows, rb = g + 8 < rows;
@@ -595,13 +602,14 @@ __device__ __forceinline__ void gemv_q_main(const bf16* __restrict__ x, const ui
         float c[4] = {0.f, 0.f, 0.f, 0.f};
         for (int j = 0; j < nst; j++) {
             const int J = ti * nst + j;
-            mbar_wait(q_bars + J % QNST, (J / QNST) & 1);
+            if (QPROBE != 2) mbar_wait(q_bars + J % QNST, (J / QNST) & 1);
             const uint8_t* slot = q_slots + (J % QNST) * STAGE_BYTES;
             const size_t off = (size_t)j * STAGE_BLOCKS * Fmt::BB;
             const int la = (int)(reinterpret_cast<uintptr_t>(tile + g * row_bytes + off) & 15);
             const int lb = (int)(reinterpret_cast<uintptr_t>(tile + (g + 8) * row_bytes + off) & 15);
             const uint8_t* pa = slot + g * RS + la;
             const uint8_t* pb = slot + (g + 8) * RS + lb;
+            if constexpr (QPROBE != 1) {
             if constexpr (KH) {
 #pragma unroll
                 for (int sb = 0; sb < U / 4; sb++) {
@@ -705,8 +713,9 @@ __device__ __forceinline__ void gemv_q_main(const bf16* __restrict__ x, const ui
                     }
                 }
             }
+            }  // QPROBE != 1
             __syncthreads();  // every warp is done with this slot
-            if (threadIdx.x == 0 && J + QNST < total) issue(J + QNST);
+            if (QPROBE != 2 && threadIdx.x == 0 && J + QNST < total) issue(J + QNST);
         }
         done(c, tl, ntiles);
     }

@@ -120,7 +120,7 @@ class QuantKernels:
     ``act8``: the GEMV's int8-activation main loop (QACT8; its x is quant_act.cu's buffer, not bf16)."""
 
     def __init__(self, fmt: str, tc_params: dict[str, str], cache_dir: str = "",
-                 tuning: tuple[int, ...] | None = None, act8: bool = False) -> None:  # fmt: skip
+                 tuning: tuple[int, ...] | None = None, act8: bool = False, probe: int = 0) -> None:  # fmt: skip
         import pycuda.driver as cuda
 
         tid = FP8_QTYPE if fmt == FP8 else QUANT_FORMATS[fmt][0]
@@ -132,6 +132,8 @@ class QuantKernels:
             if fmt not in QACT8_FORMATS:
                 raise ValueError(f"{fmt}: no int8-activation GEMV")
             defines += (("QACT8", 1),)
+        if probe:  # bench/quant_probe.py: gemv_q.cu's QPROBE, half of the main loop timed alone
+            defines += (("QPROBE", probe),)
         self.act8 = act8
         # Blocks resident at once (QMINB an SM): the grid of a persistent launch (``grid``).
         self.resident = minb * cuda.Context.get_device().get_attribute(cuda.device_attribute.MULTIPROCESSOR_COUNT)
