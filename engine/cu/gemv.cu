@@ -16,6 +16,9 @@
 #error "TC_THREADS is defined by engine/cu/kernels.py"
 #endif
 static_assert(TC_THREADS == 256, "gemv_tc: 8 warps split K and reduce in shared memory");
+#ifndef GEMV_KS
+#define GEMV_KS 0
+#endif
 
 // gemv_tc_<epilogue>[_u2, _r16, _r32, _r64]:
 // A block of 256 threads owns 16 output rows; its 8 warps split K in steps of 64.
@@ -137,17 +140,22 @@ __device__ __forceinline__ void gemv_tc_main(const bf16* __restrict__ x, const b
     const uint4* wa_p = W4 + (size_t)(ra ? n0 + g : 0) * K8;
     const uint4* wb_p = W4 + (size_t)(rb ? n0 + g + 8 : 0) * K8;
     const uint4* x_p = x4 + (size_t)g * K8;  // row 8j + g at x_p + 8j K8 (loaded only below M)
-    // Step s covers chunks [8s, 8s + 8); this thread takes chunks 8s + t and 8s + t + 4.
+    // Step s covers chunks [8s, 8s + 8); this thread takes chunks 8s + t and 8s + t + 4. Warp w takes
+    // steps w, w + 8, w + 16, ..; GEMV_KS 1 (an experiment, bench/gemv_probe.py): the contiguous steps
+    // [w S8, (w + 1) S8) instead, S8 = ceil(steps / 8) (other bits, as width-invariant).
     const int steps = (K8 + 7) / 8;
-    for (int s0 = warp; s0 < steps; s0 += 8 * U) {
+    const int spw = (steps + 7) / 8;
+    const int s_first = GEMV_KS ? warp * spw : warp, s_end = GEMV_KS ? min(steps, s_first + spw) : steps;
+    constexpr int s_unit = GEMV_KS ? 1 : 8;
+    for (int s0 = s_first; s0 < s_end; s0 += s_unit * U) {
         uint4 wa[U][2], wb[U][2], xv[U][2][G];
 #pragma unroll
         for (int u = 0; u < U; u++) {
-            const int s = s0 + u * 8;
+            const int s = s0 + u * s_unit;
 #pragma unroll
             for (int h = 0; h < 2; h++) {
                 const int ch = s * 8 + t + 4 * h;
-                const bool ok = s < steps && ch < K8;
+                const bool ok = s < s_end && ch < K8;
                 wa[u][h] = ld_stream_if(wa_p + ch, ok && ra);
                 wb[u][h] = ld_stream_if(wb_p + ch, ok && rb);
 #if !(defined(PDL) && PDL)
@@ -160,17 +168,17 @@ __device__ __forceinline__ void gemv_tc_main(const bf16* __restrict__ x, const b
 #if defined(PDL) && PDL
         // The first batch's weights are in flight (they do not depend on the kernel before): now
         // wait for that kernel's x, then let the next kernel start.
-        if (s0 == warp) {
+        if (s0 == s_first) {
             pdl_wait();
             pdl_launch_dependents();
         }
 #pragma unroll
         for (int u = 0; u < U; u++) {
-            const int s = s0 + u * 8;
+            const int s = s0 + u * s_unit;
 #pragma unroll
             for (int h = 0; h < 2; h++) {
                 const int ch = s * 8 + t + 4 * h;
-                const bool ok = s < steps && ch < K8;
+                const bool ok = s < s_end && ch < K8;
 #pragma unroll
                 for (int j = 0; j < G; j++)
                     xv[u][h][j] = ldg_if(x_p + (size_t)8 * j * K8 + ch, ok && 8 * j + g < M);
@@ -185,7 +193,7 @@ __device__ __forceinline__ void gemv_tc_main(const bf16* __restrict__ x, const b
                 for (int j = 0; j < G; j++)
                     if (j == 0 || 8 * j < M) tc_step(c[j], wa[u][h], wb[u][h], xv[u][h][j]);
     }
-    if (warp >= steps) {  // no step for this warp (K < 512): the epilogue still reads the kernel before's writes
+    if (s_first >= s_end) {  // no step for this warp (K < 512): the epilogue still reads the kernel before's writes
         pdl_wait();
         pdl_launch_dependents();
     }

@@ -1,0 +1,83 @@
+"""gemv_tc's K order timed both ways (issues 12, 15): warp w taking the strided steps w, w + 8, ..
+(GEMV_KS 0, the backend's) or the contiguous run [w S8, (w + 1) S8) (GEMV_KS 1), on the Llama-3.1-8B
+decode shapes, at the widths the round variants serve (1 and 8 on the 4-step and 2-step kernels; 16,
+32 and 64 on _r16 / _r32 / _r64). A contiguous order would let a wide kernel that reads x once per
+many weight rows walk K in address order and still give gemv_tc's bits.
+
+On the GPU machine, from the repo root:
+
+    python3 bench/gemv_probe.py
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.bench_quant import device_name, timed  # noqa: E402
+
+SHAPES = [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336),
+          ("lm_head", 128256, 4096)]  # fmt: skip
+WIDTHS = [(1, ""), (1, "_u2"), (8, ""), (8, "_u2"), (16, "_r16"), (32, "_r32"), (64, "_r64")]
+
+
+def main() -> None:
+    from bench.bench_cuda import read_bandwidth
+    from engine.cu import runtime
+    from engine.cu.kernels import GEMV_ROW_TUNING, TC_PARAMS, TC_THREADS
+    from engine.cu.launch import Kernel, compiling, module
+
+    with runtime.current():
+        import pycuda.driver as cuda
+
+        stream = cuda.Stream()
+        bw = read_bandwidth(cuda, stream)
+        print(f"{device_name()}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; python3 bench/gemv_probe.py; "
+              f"read bandwidth {bw / 1e12:.2f} TB/s\n")  # fmt: skip
+        kern = {}
+        with compiling():
+            for ks in (0, 1):
+                mod = module("gemv", (("TC_THREADS", TC_THREADS), *GEMV_ROW_TUNING, ("GEMV_KS", ks)))
+                for _m, sfx in WIDTHS:
+                    kern[(ks, sfx)] = Kernel(mod, f"gemv_tc_store{sfx}", TC_PARAMS["store"], TC_THREADS)
+        print("| matrix | N x K | width | kernel | strided µs (TB/s) | contiguous µs (TB/s) | contiguous / strided |")
+        print("|---|---|---|---|---|---|---|", flush=True)
+        rng = np.random.default_rng(0)
+        xb = cuda.mem_alloc(64 * 14336 * 2)
+        cuda.memcpy_htod(xb, ((rng.standard_normal((64, 14336)) * 0.1).astype(np.float32).view(np.uint32) >> 16)
+                         .astype(np.uint16))  # fmt: skip
+        out = cuda.mem_alloc(64 * 128256 * 4)
+        pool = cuda.mem_alloc(64 << 20)
+        cuda.memcpy_htod(pool, ((rng.standard_normal(32 << 20) * 0.02).astype(np.float32).view(np.uint32) >> 16)
+                         .astype(np.uint16))  # fmt: skip
+        for name, n, k in SHAPES:
+            nbytes = 2 * n * k
+            ws = []
+            for _ in range(max(2, -(-160_000_000 // nbytes))):
+                w = cuda.mem_alloc(nbytes)
+                for off in range(0, nbytes, 64 << 20):  # random bf16 (their values do not change the time)
+                    cuda.memcpy_dtod(int(w) + off, pool, min(64 << 20, nbytes - off))
+                ws.append(w)
+            for m, sfx in WIDTHS:
+                cells = []
+                for ks in (0, 1):
+                    kk = kern[(ks, sfx)]
+                    t = timed(cuda, stream, lambda i, kk=kk, n=n, k=k, m=m, ws=ws: kk(
+                        stream, ((n + 15) // 16,), x=int(xb), W=int(ws[i % len(ws)]), bias=0, out=int(out), M=m, N=n,
+                        K=k, ldo=n, ss_in=0, ss_nparts=0, eps=0.0, nw=0, xw=0, ss_out=0))  # fmt: skip
+                    cells.append(t)
+                print(f"| {name} | {n} x {k} | {m} | gemv_tc_store{sfx} | "
+                      + " | ".join(f"{t * 1e6:.1f} ({nbytes / t / 1e12:.2f})" for t in cells)
+                      + f" | {cells[1] / cells[0]:.3f} |", flush=True)  # fmt: skip
+            for w in ws:
+                w.free()
+
+
+if __name__ == "__main__":
+    main()
