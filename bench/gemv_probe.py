@@ -30,8 +30,8 @@ WIDTHS = [(1, ""), (1, "_u2"), (8, ""), (8, "_u2"), (16, "_r16"), (32, "_r32"), 
 def main() -> None:
     from bench.bench_cuda import read_bandwidth
     from engine.cu import runtime
-    from engine.cu.kernels import GEMV_ROW_TUNING, TC_PARAMS, TC_THREADS
-    from engine.cu.launch import Kernel, compiling, module
+    from engine.cu.kernels import GEMV_ROW_TUNING, TC_PARAMS, TC_THREADS, WIDE_GROUPS, WIDE_STAGES, wide_smem
+    from engine.cu.launch import Kernel, bound, compiling, module
 
     with runtime.current():
         import pycuda.driver as cuda
@@ -40,14 +40,24 @@ def main() -> None:
         bw = read_bandwidth(cuda, stream)
         print(f"{device_name()}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; python3 bench/gemv_probe.py; "
               f"read bandwidth {bw / 1e12:.2f} TB/s\n")  # fmt: skip
-        kern = {}
+        kern, wide = {}, {}
         with compiling():
             for ks in (0, 1):
                 mod = module("gemv", (("TC_THREADS", TC_THREADS), *GEMV_ROW_TUNING, ("GEMV_KS", ks)))
                 for _m, sfx in WIDTHS:
                     kern[(ks, sfx)] = Kernel(mod, f"gemv_tc_store{sfx}", TC_PARAMS["store"], TC_THREADS)
-        print("| matrix | N x K | width | kernel | strided µs (TB/s) | contiguous µs (TB/s) | contiguous / strided |")
-        print("|---|---|---|---|---|---|---|", flush=True)
+                wmod = module("gemv_wide", (("TC_THREADS", TC_THREADS), ("GEMV_EPILOGUES_ONLY", 1),
+                                            ("TCW_NS", WIDE_STAGES), ("GEMV_KS", ks)), "", ("gemv",))  # fmt: skip
+                for groups in WIDE_GROUPS:
+                    wide[(ks, groups)] = Kernel(wmod, f"gemv_tcw_store_g{groups}", TC_PARAMS["store"], TC_THREADS,
+                                                shared=wide_smem(groups))  # fmt: skip
+        for kw in wide.values():
+            bound(kw.fn).set_attribute(cuda.function_attribute.MAX_DYNAMIC_SHARED_SIZE_BYTES, kw.shared)
+        print(
+            "| matrix | N x K | width | kernel | strided µs (TB/s) | contiguous µs (TB/s) | contiguous / strided "
+            "| gemv_wide strided µs | gemv_wide contiguous µs | wide = tc bits (strided, contiguous) |"
+        )
+        print("|---|---|---|---|---|---|---|---|---|---|", flush=True)
         rng = np.random.default_rng(0)
         xb = cuda.mem_alloc(64 * 14336 * 2)
         cuda.memcpy_htod(xb, ((rng.standard_normal((64, 14336)) * 0.1).astype(np.float32).view(np.uint32) >> 16)
@@ -72,9 +82,27 @@ def main() -> None:
                         stream, ((n + 15) // 16,), x=int(xb), W=int(ws[i % len(ws)]), bias=0, out=int(out), M=m, N=n,
                         K=k, ldo=n, ss_in=0, ss_nparts=0, eps=0.0, nw=0, xw=0, ss_out=0))  # fmt: skip
                     cells.append(t)
+                extra = ""
+                if m >= 16:  # gemv_wide at the same width, timed and compared bitwise with gemv_tc
+                    groups = next(gr for gr in WIDE_GROUPS if m <= 8 * gr)
+                    tw, same = [], []
+                    for ks in (0, 1):
+                        kw = wide[(ks, groups)]
+                        tw.append(timed(cuda, stream, lambda i, kw=kw, n=n, k=k, m=m, ws=ws: kw(
+                            stream, ((n + 127) // 128,), x=int(xb), W=int(ws[i % len(ws)]), bias=0, out=int(out), M=m,
+                            N=n, K=k, ldo=n, ss_in=0, ss_nparts=0, eps=0.0, nw=0, xw=0, ss_out=0)))  # fmt: skip
+                        res = []
+                        for kk, grid in ((kern[(ks, sfx)], (n + 15) // 16), (kw, (n + 127) // 128)):
+                            kk(stream, (grid,), x=int(xb), W=int(ws[0]), bias=0, out=int(out), M=m, N=n, K=k, ldo=n,
+                               ss_in=0, ss_nparts=0, eps=0.0, nw=0, xw=0, ss_out=0)  # fmt: skip
+                            host = np.empty((m, n), np.uint32)
+                            cuda.memcpy_dtoh(host, out)
+                            res.append(host)
+                        same.append(bool(np.array_equal(res[0], res[1])))
+                    extra = f" {tw[0] * 1e6:.1f} | {tw[1] * 1e6:.1f} | {same[0]}, {same[1]} |"
                 print(f"| {name} | {n} x {k} | {m} | gemv_tc_store{sfx} | "
                       + " | ".join(f"{t * 1e6:.1f} ({nbytes / t / 1e12:.2f})" for t in cells)
-                      + f" | {cells[1] / cells[0]:.3f} |", flush=True)  # fmt: skip
+                      + f" | {cells[1] / cells[0]:.3f} |" + (extra or " | | |"), flush=True)  # fmt: skip
             for w in ws:
                 w.free()
 

@@ -77,10 +77,13 @@ __device__ __forceinline__ void gemv_tcw_main(const bf16* __restrict__ x, const 
 #pragma unroll
     for (int j = 0; j < G; j++) c[j][0] = c[j][1] = c[j][2] = c[j][3] = 0.f;
     // Steps slice-major: slice sl's steps sl, sl + 8, ..; then slice sl + 1 (an empty slice only at the end).
+    // GEMV_KS 1 (gemv_tc's contiguous order): slice sl is steps [sl S8, (sl + 1) S8), so the stages walk
+    // K in address order and a slice ends every S8 steps.
+    const int spw = (steps + 7) / 8;
     int isl = 0, is = 0, csl = 0, cs = 0;
     for (int p = 0; p < TCW_NS - 1; p++) {
         if (p < steps) {
-            tcw_issue(tcw_smem + p * STAGE, W4, x4, n_start, M, gm, N, K8, is);
+            tcw_issue(tcw_smem + p * STAGE, W4, x4, n_start, M, gm, N, K8, GEMV_KS ? p : is);
             is += 8;
             if (is >= steps) is = ++isl;
         }
@@ -90,14 +93,15 @@ __device__ __forceinline__ void gemv_tcw_main(const bf16* __restrict__ x, const 
         cp_async_wait<TCW_NS - 2>();
         __syncthreads();  // stage q landed for every thread; stage q - 1 is free to refill
         if (q + TCW_NS - 1 < steps) {
-            tcw_issue(tcw_smem + ((q + TCW_NS - 1) % TCW_NS) * STAGE, W4, x4, n_start, M, gm, N, K8, is);
+            tcw_issue(tcw_smem + ((q + TCW_NS - 1) % TCW_NS) * STAGE, W4, x4, n_start, M, gm, N, K8,
+                      GEMV_KS ? q + TCW_NS - 1 : is);
             is += 8;
             if (is >= steps) is = ++isl;
         }
         cp_async_commit();
         tcw_compute<G>(tcw_smem + (q % TCW_NS) * STAGE, c, M);
         cs += 8;
-        if (cs >= steps) {  // slice csl done: its sums join the total in slice order
+        if (GEMV_KS ? (q + 1) % spw == 0 || q + 1 == steps : cs >= steps) {  // slice csl done: its sums join the total in slice order
 #pragma unroll
             for (int j = 0; j < G; j++)
 #pragma unroll
