@@ -73,8 +73,8 @@ def stream(dev):
     return dev.Stream()
 
 
-from tests.kernels.gemv_checks import check_epilogue, rms_norm, ss_parts  # noqa: E402
-from tests.kernels.test_cuda_kernels import _inv_freq, _live, bf, get, put, rel_err  # noqa: E402
+from tests.kernels.gemv_checks import check_epilogue, check_qkv_rope, rms_norm  # noqa: E402
+from tests.kernels.test_cuda_kernels import _live, bf, get, put, rel_err  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -160,59 +160,16 @@ def test_gemv_many_stages(kern, stream, fmt, tuning):
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_qkv_rope_two_formats(kern, stream, fmt):
     """The rope + KV-write epilogue over a q|k|v matrix of two parts (q|k in ``fmt``, v in Q6_K or Q8_0, as a
-    Q4_K_M file stores it) against numpy at widths 1, 2, 8; row 0 bitwise the same at every width."""
-    from engine.backends.cuda.weights import interleave_rope
-    from engine.cu.quant import Matrix, Part
-    from tests.kernels.test_cuda_kernels import _cache_setup
-
-    d, kvh, g = 64, 2, 2
-    h, bs, L, nb, eps = kvh * g, 16, 2, 12, 1e-6
+    Q4_K_M file stores it) against numpy at widths 1, 2, 8 (float64 over gguf's dequantized weights); row 0
+    bitwise the same at every width (gemv_checks.check_qkv_rope)."""
     k = k_for(fmt)
     vfmt = "Q6_K" if k % 256 == 0 else "Q8_0"
-    qk_rows, v_rows = (h + kvh) * d, kvh * d
-    b_qk = interleave_rope(random_blocks(fmt, qk_rows, k, 0.2 / np.sqrt(k)), d)
-    b_v = interleave_rope(random_blocks(vfmt, v_rows, k, 0.2 / np.sqrt(k)), d)  # every head, as the uploader
-    w = np.concatenate([reference(fmt, b_qk), reference(vfmt, b_v)])  # rope-interleaved rows, like the blocks
-    g_qk, g_v = put(b_qk), put(b_v)
-    mat = Matrix((Part(int(g_qk.ptr), fmt, qk_rows), Part(int(g_v.ptr), vfmt, v_rows)), k)
-    hres = (rng.standard_normal((8, k)) * 2).astype(np.float32)
-    nw = bf((1 + 0.3 * rng.standard_normal(k)).astype(np.float32))
-    bias = rng.standard_normal(qk_rows + v_rows).astype(np.float32)
-    pos = rng.integers(0, 3000, 8).astype(np.int32)
-    slots = rng.choice(nb * bs, 8, replace=False).astype(np.int32)
-    inv = _inv_freq(d)
-    g_x, g_parts, g_b = put(bf(hres * nw), True), put(ss_parts(hres)), put(bias)
-    g_pos, g_slots, g_inv = put(pos), put(slots), put(inv)
-    stride = L * 2 * bs * kvh * d
-    q0 = {}
-    for rows in (1, 2, 8):
-        cache = _cache_setup(nb, L, bs, kvh, d)
-        g_cache, g_q = put(cache, True), put(np.full((rows, h, d), 0x7FC0, np.uint16))
-        kern.qkv_rope(stream, g_x.ptr, mat, g_b.ptr, g_q.ptr, rows, h, kvh, k, g_pos.ptr, g_slots.ptr, g_inv.ptr,
-                      g_cache.ptr, bs, stride, ss_in=(g_parts.ptr, 2), eps=eps)  # fmt: skip
-        stream.synchronize()
-        # Undo the interleave to get natural head order, then rotate as rope_kv_write does.
-        y = rms_norm(hres[:rows], nw, eps) @ w.T + bias
-        y = _uninterleave(y, d, h + 2 * kvh)
-        ang = pos[:rows, None].astype(np.float64) * inv[None, :]
-        cos, sin = np.cos(ang)[:, None, :], np.sin(ang)[:, None, :]
-        x3 = y.reshape(rows, h + 2 * kvh, d)
 
-        def rot(z, cos=cos, sin=sin):
-            a, b2 = z[..., : d // 2], z[..., d // 2 :]
-            return np.concatenate([a * cos - b2 * sin, b2 * cos + a * sin], -1)
+    def product(b_qk, b_v, hres, nw, eps, rows):
+        w = np.concatenate([reference(fmt, b_qk), reference(vfmt, b_v)])  # rope-interleaved rows, like the blocks
+        return rms_norm(hres[:rows], nw, eps) @ w.T
 
-        q = get(g_q, True, (rows, h, d))
-        assert rel_err(q, rot(x3[:, :h])) < 8e-3
-        got = get(g_cache, True, cache.shape)
-        blk, off = slots[:rows] // bs, slots[:rows] % bs
-        assert rel_err(got[blk, 0, 0, off], rot(x3[:, h : h + kvh])) < 8e-3
-        assert rel_err(got[blk, 0, 1, off], x3[:, h + kvh :]) < 8e-3
-        q0[rows] = (q[0], got[blk[0], 0, :, off[0]])
-    for a, b in zip(q0[1], q0[8]):
-        np.testing.assert_array_equal(a, b)
-    for a, b in zip(q0[2], q0[8]):
-        np.testing.assert_array_equal(a, b)
+    check_qkv_rope(kern, stream, fmt, vfmt, k, product, 8e-3, rng)
 
 
 def _uninterleave(y: np.ndarray, d: int, heads: int) -> np.ndarray:

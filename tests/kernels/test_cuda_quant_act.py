@@ -357,61 +357,19 @@ def test_int8_gemv_large_k(kern, stream, fmt, k):
 @pytest.mark.parametrize("fmt,vfmt", [("Q4_K", "Q6_K"), ("Q4_0", "Q8_0"), ("Q5_K", "Q8_0")])
 def test_int8_qkv_rope_two_formats(kern, stream, fmt, vfmt):
     """The rope + KV-write epilogue over a q|k|v of two formats (one quantized x for both parts) against
-    the int8 model at widths 1, 2, 8; row 0 bitwise the same at every width."""
-    from engine.backends.cuda.weights import interleave_rope
-    from engine.cu.quant import Matrix, Part
-    from tests.kernels.gemv_checks import ss_parts
-    from tests.kernels.test_cuda_kernels import _cache_setup, _inv_freq, bf, get, put, rel_err
-    from tests.kernels.test_cuda_quant import _uninterleave
+    the int8 model at widths 1, 2, 8; row 0 bitwise the same at every width (gemv_checks.check_qkv_rope)."""
+    from tests.kernels.gemv_checks import check_qkv_rope
+    from tests.kernels.test_cuda_kernels import bf
 
-    d, kvh, g = 64, 2, 2
-    h, bs, L, nb, eps = kvh * g, 16, 2, 12, 1e-6
     k = 512
-    qk_rows, v_rows = (h + kvh) * d, kvh * d
-    b_qk = interleave_rope(random_blocks(fmt, qk_rows, k, 0.2 / np.sqrt(k)), d)
-    b_v = interleave_rope(random_blocks(vfmt, v_rows, k, 0.2 / np.sqrt(k)), d)
-    g_qk, g_v = put(b_qk), put(b_v)
-    mat = Matrix((Part(int(g_qk.ptr), fmt, qk_rows), Part(int(g_v.ptr), vfmt, v_rows)), k)
-    hres = (rng.standard_normal((8, k)) * 2).astype(np.float32)
-    nw = bf((1 + 0.3 * rng.standard_normal(k)).astype(np.float32))
-    xb = bf(hres * nw)
-    x = np.asarray(xb, np.float32)  # bf() gives the bf16 values as float32
-    bias = rng.standard_normal(qk_rows + v_rows).astype(np.float32)
-    pos = rng.integers(0, 3000, 8).astype(np.int32)
-    slots = rng.choice(nb * bs, 8, replace=False).astype(np.int32)
-    inv = _inv_freq(d)
-    g_x, g_parts, g_b = put(xb, True), put(ss_parts(hres)), put(bias)
-    g_pos, g_slots, g_inv = put(pos), put(slots), put(inv)
-    stride = L * 2 * bs * kvh * d
-    q0 = {}
-    for rows in (1, 2, 8):
-        cache = _cache_setup(nb, L, bs, kvh, d)
-        g_cache, g_q = put(cache, True), put(np.full((rows, h, d), 0x7FC0, np.uint16))
-        kern.qkv_rope(stream, g_x.ptr, mat, g_b.ptr, g_q.ptr, rows, h, kvh, k, g_pos.ptr, g_slots.ptr, g_inv.ptr,
-                      g_cache.ptr, bs, stride, ss_in=(g_parts.ptr, 2), eps=eps)  # fmt: skip
-        stream.synchronize()
+
+    def product(b_qk, b_v, hres, nw, eps, rows):
+        x = np.asarray(bf(hres * nw), np.float32)  # bf() gives the bf16 values as float32
         rs = 1 / np.sqrt((hres[:rows].astype(np.float64) ** 2).mean(-1, keepdims=True) + eps)
         p = np.concatenate([int8_product(fmt, b_qk, k, x[:rows]), int8_product(vfmt, b_v, k, x[:rows])], -1)
-        y = _uninterleave(rs * p + bias, d, h + 2 * kvh)
-        ang = pos[:rows, None].astype(np.float64) * inv[None, :]
-        cos, sin = np.cos(ang)[:, None, :], np.sin(ang)[:, None, :]
-        x3 = y.reshape(rows, h + 2 * kvh, d)
+        return rs * p
 
-        def rot(z, cos=cos, sin=sin):
-            a, b2 = z[..., : d // 2], z[..., d // 2 :]
-            return np.concatenate([a * cos - b2 * sin, b2 * cos + a * sin], -1)
-
-        q = get(g_q, True, (rows, h, d))
-        assert rel_err(q, rot(x3[:, :h])) < 5e-3
-        got = get(g_cache, True, cache.shape)
-        blk, off = slots[:rows] // bs, slots[:rows] % bs
-        assert rel_err(got[blk, 0, 0, off], rot(x3[:, h : h + kvh])) < 5e-3
-        assert rel_err(got[blk, 0, 1, off], x3[:, h + kvh :]) < 5e-3
-        q0[rows] = (q[0], got[blk[0], 0, :, off[0]])
-    for a, b in zip(q0[1], q0[8]):
-        np.testing.assert_array_equal(a, b)
-    for a, b in zip(q0[2], q0[8]):
-        np.testing.assert_array_equal(a, b)
+    check_qkv_rope(kern, stream, fmt, vfmt, k, product, 5e-3, rng)
 
 
 @gpu
