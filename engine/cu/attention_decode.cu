@@ -41,6 +41,16 @@
 #endif
 static_assert(DECODE_THREADS == 128, "decode_attn: 4 warps walk the keys and reduce in shared memory");
 #define SUB 64
+// DECODE_MMA 1 (the default): the scores on the tensor cores. Q is the A operand of mma.m16n8k16 (row r =
+// the KV head's query head r, rows >= GROUP zero) and 8 keys at a time the B operand, the head
+// dimension walked in steps of 64 with gemv.cu's permuted k order (a thread loads 16-byte chunks t and
+// t + 4 of its row g of Q and of key g; the same permutation on both sides, so no shuffles), fp32
+// accumulation, times scale_log2 after the sum. A warp takes 16 keys of a sub-chunk (4 warps: SUB).
+// 0: the FMA scores of before (lanes hold D / 32 dims, a warp sum per key and head).
+#ifndef DECODE_MMA
+#define DECODE_MMA 1
+#endif
+#define DSTEPS (HEAD_DIM / 64)
 #if HEAD_DIM == 256
 #define UNROLL 8  // 8 values a lane per key: 8 keys in flight per warp (16 would spill registers)
 #else
@@ -87,6 +97,17 @@ extern "C" __global__ void __launch_bounds__(DECODE_THREADS)
     __shared__ float sacc[4][GROUP][HEAD_DIM];
     __shared__ float smax[GROUP], ssum[GROUP], scorr[GROUP];
 
+#if DECODE_MMA
+    const int g8 = lane >> 2, t4 = lane & 3;
+    uint4 qa[DSTEPS][2];  // row g8 of the A operand: chunks t4 and t4 + 4 of each 64-dim step
+#pragma unroll
+    for (int st = 0; st < DSTEPS; st++)
+#pragma unroll
+        for (int c = 0; c < 2; c++)
+            qa[st][c] = g8 < GROUP ? *reinterpret_cast<const uint4*>(q + ((size_t)m * H + kh * GROUP + g8) * HEAD_DIM +
+                                                                   st * 64 + (t4 + 4 * c) * 8)
+                                   : make_uint4(0u, 0u, 0u, 0u);
+#else
     float qr[GROUP][E];
 #pragma unroll
     for (int g = 0; g < GROUP; g++) {
@@ -95,6 +116,7 @@ extern "C" __global__ void __launch_bounds__(DECODE_THREADS)
 #pragma unroll
         for (int e = 0; e < E; e++) qr[g][e] = f[e] * scale_log2;
     }
+#endif
     if (threadIdx.x < GROUP) { smax[threadIdx.x] = -INFINITY; ssum[threadIdx.x] = 0.f; }
     const int* bt = block_tables + (size_t)m * bt_stride;
     const size_t kv_half = (size_t)block_size * KVH * HEAD_DIM;
@@ -106,6 +128,42 @@ extern "C" __global__ void __launch_bounds__(DECODE_THREADS)
 
     for (int t0 = tb; t0 < te; t0 += SUB) {
         const int t1 = min(te, t0 + SUB), len = t1 - t0;
+#if DECODE_MMA
+        const int kb = t0 + 16 * warp;  // this warp's keys: n-tile h holds keys kb + 8h .. kb + 8h + 7
+        if (kb < t1) {
+            uint4 kv[2][DSTEPS][2];
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                const int t = min(kb + 8 * h + g8, t1 - 1);  // past the sub-chunk: a real key, its score unused
+                const bf16* kp = cache + (size_t)bt[t / block_size] * block_stride +
+                                 ((size_t)(t % block_size) * KVH + kh) * HEAD_DIM;
+#pragma unroll
+                for (int st = 0; st < DSTEPS; st++)
+#pragma unroll
+                    for (int c = 0; c < 2; c++)
+                        kv[h][st][c] = *reinterpret_cast<const uint4*>(kp + st * 64 + (t4 + 4 * c) * 8);
+            }
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                float sc[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+                for (int st = 0; st < DSTEPS; st++)
+#pragma unroll
+                    for (int c = 0; c < 2; c++) {
+                        const uint4 a = qa[st][c], b = kv[h][st][c];
+                        const uint32_t a0[4] = {a.x, 0u, a.y, 0u}, a1[4] = {a.z, 0u, a.w, 0u};
+                        mma_bf16(sc, a0, b.x, b.y);
+                        mma_bf16(sc, a1, b.z, b.w);
+                    }
+                // sc[0], sc[1]: head g8's scores of keys kb + 8h + 2 t4 and the next (sc[2], sc[3]: zero rows)
+                const int t = kb + 8 * h + 2 * t4;
+                if (g8 < GROUP) {
+                    if (t < t1) sp_[g8][t - t0] = sc[0] * scale_log2;
+                    if (t + 1 < t1) sp_[g8][t + 1 - t0] = sc[1] * scale_log2;
+                }
+            }
+        }
+#else
         // Each warp keeps UNROLL keys' loads in flight before reducing any of them.
         for (int tw = t0 + warp; tw < t1; tw += 4 * UNROLL) {
             float kf[UNROLL][E];
@@ -126,6 +184,7 @@ extern "C" __global__ void __launch_bounds__(DECODE_THREADS)
                     if (lane == 0 && tw + 4 * j < t1) sp_[g][tw + 4 * j - t0] = s;
                 }
         }
+#endif
         __syncthreads();
         for (int g = warp; g < GROUP; g += 4) {
             // The soft-cap here, outside the unrolled score loop (inside, ptxas keeps fewer loads in flight).
