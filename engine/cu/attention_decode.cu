@@ -149,12 +149,7 @@ extern "C" __global__ void __launch_bounds__(DECODE_THREADS)
 #pragma unroll
                 for (int st = 0; st < DSTEPS; st++)
 #pragma unroll
-                    for (int c = 0; c < 2; c++) {
-                        const uint4 a = qa[st][c], b = kv[h][st][c];
-                        const uint32_t a0[4] = {a.x, 0u, a.y, 0u}, a1[4] = {a.z, 0u, a.w, 0u};
-                        mma_bf16(sc, a0, b.x, b.y);
-                        mma_bf16(sc, a1, b.z, b.w);
-                    }
+                    for (int c = 0; c < 2; c++) tc_step(sc, qa[st][c], make_uint4(0u, 0u, 0u, 0u), kv[h][st][c]);
                 // sc[0], sc[1]: head g8's scores of keys kb + 8h + 2 t4 and the next (sc[2], sc[3]: zero rows)
                 const int t = kb + 8 * h + 2 * t4;
                 if (g8 < GROUP) {

@@ -148,3 +148,14 @@ __device__ __forceinline__ void mma_bf16(float* d, const uint32_t* a, uint32_t b
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
+
+// One 16-wide k slice of gemv.cu's permuted order, twice: A rows g / g + 8 are wa / wb (a thread's
+// 16-byte chunk of each, 8 k), B column g is xv (the same 8 k); values 0-3 of a chunk take k slots
+// 2t, 2t + 1, 2t + 8, 2t + 9 of the first mma, values 4-7 those of the second. The same permutation
+// on A and B, so 16 contiguous bytes a row feed the mma without shuffles (gemv.cu, attention_decode.cu).
+__device__ __forceinline__ void tc_step(float* c, const uint4& wa, const uint4& wb, const uint4& xv) {
+    const uint32_t a0[4] = {wa.x, wb.x, wa.y, wb.y};
+    const uint32_t a1[4] = {wa.z, wb.z, wa.w, wb.w};
+    mma_bf16(c, a0, xv.x, xv.y);
+    mma_bf16(c, a1, xv.z, xv.w);
+}

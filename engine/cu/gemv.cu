@@ -56,13 +56,6 @@ static_assert(TC_THREADS == 256, "gemv_tc: 8 warps split K and reduce in shared 
 //   from that row's values only, in a fixed order: lanes stay width-invariant.
 #define TC_ROWS 16
 
-__device__ __forceinline__ void tc_step(float* c, const uint4& wa, const uint4& wb, const uint4& xv) {
-    const uint32_t a0[4] = {wa.x, wb.x, wa.y, wb.y};
-    const uint32_t a1[4] = {wa.z, wb.z, wa.w, wb.w};
-    mma_bf16(c, a0, xv.x, xv.y);
-    mma_bf16(c, a1, xv.z, xv.w);
-}
-
 enum { EPI_STORE = 0, EPI_ACC = 1, EPI_SWIGLU = 2, EPI_ROPE_KV = 3, EPI_GEGLU = 4 };
 
 __device__ __forceinline__ float gelu_tanh(float g) {  // HF's gelu_pytorch_tanh
