@@ -377,6 +377,8 @@ __device__ __forceinline__ uint32_t q_pair(uint32_t v, int h) {
 // One group of rows g (qa) and g + 8 (qb) against activation elements x0, x1 (the thread's first and
 // second four values of the group). The mma sums (128 + q) x exactly-ish in fp32; w = s (q - OFF) + mn,
 // so sum w x = s * sum (128 + q) x + (mn - s (128 + OFF)) * sum x, sum x from the all-ones mma.
+// PRE: qa.mn / qb.mn already hold mn - s (128 + OFF) (k_hoist's, the same fp32 value).
+template <bool PRE = false>
 __device__ __forceinline__ void q_group(float* c, const QVals& qa, const QVals& qb, uint2 x0, uint2 x1) {
     float s[4] = {0.f, 0.f, 0.f, 0.f}, s2[4] = {0.f, 0.f, 0.f, 0.f};
     const uint32_t a0[4] = {q_pair(qa.v0, 0), q_pair(qb.v0, 0), q_pair(qa.v0, 2), q_pair(qb.v0, 2)};
@@ -399,7 +401,7 @@ __device__ __forceinline__ void q_group(float* c, const QVals& qa, const QVals& 
         float sx[4] = {0.f, 0.f, 0.f, 0.f}, sx2[4] = {0.f, 0.f, 0.f, 0.f};
         mma_bf16(sx, ones, x0.x, x0.y);
         mma_bf16(Fmt::SPLIT ? sx2 : sx, ones, x1.x, x1.y);
-        const float ma = qa.mn - qa.s0 * off, mb = qb.mn - qb.s0 * off;
+        const float ma = PRE ? qa.mn : qa.mn - qa.s0 * off, mb = PRE ? qb.mn : qb.mn - qb.s0 * off;
         c[0] += ma * sx[0];
         c[1] += ma * sx[1];
         c[2] += mb * sx[2];
@@ -494,6 +496,7 @@ static_assert(KC % Fmt::QK == 0, "a stage holds whole blocks");
 static_assert(Fmt::QK == 32 || QU % 4 == 0, "K-quants: a warp's units of a stage are whole super-blocks");
 static_assert(QNST * STAGE_BYTES <= QSMEM, "engine/cu/quant.py's QSMEM must hold QNST stages");
 static_assert(QU % QUF == 0, "QUF units at a time");
+static_assert(PIECE % 16 == 0, "a row's lead in its slot is the same in every stage of a tile");
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
 __device__ __forceinline__ void mbar_init(uint64_t* bar) {
@@ -537,9 +540,10 @@ __device__ __forceinline__ void issue_stage(uint8_t* slots, uint64_t* bars, cons
 
 // KH (QKH, Q4_K and Q5_K): a super-block's 8 scales and mins of a row are computed once by the
 // warp, not once a unit by all four threads of the row: thread t does sub-blocks 2t, 2t + 1 of its
-// rows g and g + 8 from the 16-byte header and writes them to the warp's q_ks (rows 80 bytes
-// apart: the 8 rows a load instruction reads fall on different banks); every thread then reads its
-// rows' 8 pairs. The per-unit fetch then loads only the quants.
+// rows g and g + 8 from the 16-byte header (the bf16 path's min term less 128 s, as q_group<true>
+// takes it) and writes them to the warp's q_ks (rows 80 bytes apart: the 8 rows a load
+// instruction reads fall on different banks); every thread then reads its rows' 8 pairs. The
+// per-unit fetch then loads only the quants.
 constexpr bool KH = QKH && Fmt::QK == 256 && Fmt::MIN;
 
 __device__ __forceinline__ float4 k_hoist(const uint8_t* sb, int t, bool ok) {
@@ -547,6 +551,10 @@ __device__ __forceinline__ float4 k_hoist(const uint8_t* sb, int t, bool ok) {
     float s0, m0, s1, m1;
     k_scale_min(hd, 2 * t, s0, m0);
     k_scale_min(hd, 2 * t + 1, s1, m1);
+#if !QACT8  // q_group's min term, mn - 128 s (the bf16 path's offset), once here instead of once a group
+    m0 = m0 - s0 * 128.f;
+    m1 = m1 - s1 * 128.f;
+#endif
     return make_float4(s0, m0, s1, m1);
 }
 template <class F>
@@ -556,6 +564,118 @@ __device__ __forceinline__ typename F::Raw kfetch_q(const uint8_t* row, int P, i
 template <class F>
 __device__ __forceinline__ uint2 kvalues(const typename F::Raw& r, int c, int h) {
     return F::values(r, c, h);
+}
+
+// Unit P's first byte in a row (P a multiple of 4 for the K-quants: whole super-blocks).
+__device__ __forceinline__ int unit_bytes(int P) { return Fmt::QK == 32 ? 2 * Fmt::BB * P : (P >> 2) * Fmt::BB; }
+
+// One stage of a tile for one warp: its U units of rows g (pa: the row's bytes in the slot from the
+// warp's first unit on) and g + 8 (pb) against activation row g (xs: from the warp's first value in
+// the stage, at the thread's first value of a group; QACT8: xss, the warp's (dx, dx xsum) at column
+// pair t), ks its hoisted K-quant scales. P0: the warp's first unit in the row. FULL: every unit of
+// the stage is inside K (no guards). Every offset inside is a compile-time constant.
+#if QACT8
+using XT = uint8_t;
+#else
+using XT = bf16;
+#endif
+template <int U, bool FULL>
+__device__ __forceinline__ void q_stage(float* c, const uint8_t* pa, const uint8_t* pb, const XT* __restrict__ xs,
+                                        const float* __restrict__ xss, float4* ks, int t, int g, int P0, int NP,
+                                        int NG, bool ra, bool rb) {
+    if constexpr (KH) {
+#pragma unroll
+        for (int sb = 0; sb < U / 4; sb++) {
+            if (FULL || P0 + 4 * sb < NP) {  // warp-uniform
+                ks[sb * TC_ROWS * 5 + g * 5 + t] = k_hoist(pa + sb * Fmt::BB, t, ra);
+                ks[sb * TC_ROWS * 5 + (g + 8) * 5 + t] = k_hoist(pb + sb * Fmt::BB, t, rb);
+            }
+        }
+        __syncwarp();
+    }
+    // Shared-memory loads need no guard: a slot's rows past N and units past K hold stale bytes,
+    // which reach only accumulators of rows past N (never stored) or are not decoded at all. The
+    // activation loads are guarded by unit (warp-uniform branches); rows g >= M read row 0 (xr),
+    // whose products land in the columns >= M the epilogue does not read. QUF units at a time:
+    // their loads first, then their decode (fewer live registers than all QU at once).
+#pragma unroll
+    for (int u0 = 0; u0 < U; u0 += QUF) {
+        typename Fmt::Raw A[QUF], B[QUF];
+#if QACT8
+        uint2 xv[QUF][2];   // per group: the qx words of the thread's two k slot quads
+        float4 xd[QUF][2];  // per group: (dx, dx xsum) of activation rows 2t, 2t + 1
+#else
+        uint2 xv[QUF][4];
+#endif
+#pragma unroll
+        for (int du = 0; du < QUF; du++) {
+            const int u = u0 + du, P = P0 + u, cu = u & 3;
+            const bool ok0 = FULL || P < NP, ok1 = FULL || (ok0 && (Fmt::QK != 32 || 2 * P + 1 < NG));
+            if constexpr (KH) {
+                A[du] = kfetch_q<Fmt>(pa, u, cu, t, true);
+                B[du] = kfetch_q<Fmt>(pb, u, cu, t, true);
+            } else {
+                A[du] = Fmt::fetch(pa, u, cu, t, true, true);
+                B[du] = Fmt::fetch(pb, u, cu, t, true, true);
+            }
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                if (h ? ok1 : ok0) {  // warp-uniform
+                    const XT* xp = xs + Fmt::base(u, cu, h);
+#if QACT8
+                    if constexpr (Fmt::XC) {
+                        xv[du][h] = __ldg(reinterpret_cast<const uint2*>(xp));
+                    } else {
+                        xv[du][h] = make_uint2(__ldg(reinterpret_cast<const unsigned int*>(xp)),
+                                               __ldg(reinterpret_cast<const unsigned int*>(xp + 16)));
+                    }
+                    xd[du][h] = __ldg(reinterpret_cast<const float4*>(xss + (Fmt::base(u, cu, h) >> 5) * 16));
+#else
+                    if constexpr (Fmt::XC) {
+                        const uint4 v = __ldg(reinterpret_cast<const uint4*>(xp));
+                        xv[du][2 * h] = make_uint2(v.x, v.y);
+                        xv[du][2 * h + 1] = make_uint2(v.z, v.w);
+                    } else {
+                        xv[du][2 * h] = __ldg(reinterpret_cast<const uint2*>(xp));
+                        xv[du][2 * h + 1] = __ldg(reinterpret_cast<const uint2*>(xp + 16));
+                    }
+#endif
+                }
+            }
+        }
+#pragma unroll
+        for (int du = 0; du < QUF; du++) {
+            const int u = u0 + du, P = P0 + u, cu = u & 3;
+            const bool ok0 = FULL || P < NP, ok1 = FULL || (ok0 && (Fmt::QK != 32 || 2 * P + 1 < NG));
+            float4 ka, kb;  // KH: rows g, g + 8: (s, mn) of sub-blocks 2 cu, 2 cu + 1
+            if constexpr (KH) {
+                ka = ks[(u / 4) * TC_ROWS * 5 + g * 5 + cu], kb = ks[(u / 4) * TC_ROWS * 5 + (g + 8) * 5 + cu];
+            }
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                if (h ? ok1 : ok0) {  // warp-uniform
+                    if constexpr (KH) {
+                        const uint2 va = kvalues<Fmt>(A[du], cu, h), vb = kvalues<Fmt>(B[du], cu, h);
+                        const QVals qa{va.x, va.y, h ? ka.z : ka.x, h ? ka.z : ka.x, h ? ka.w : ka.y};
+                        const QVals qb{vb.x, vb.y, h ? kb.z : kb.x, h ? kb.z : kb.x, h ? kb.w : kb.y};
+#if QACT8
+                        q_group8(c, qa, qb, xv[du][h].x, xv[du][h].y, xd[du][h]);
+#else
+                        q_group<true>(c, qa, qb, xv[du][2 * h], xv[du][2 * h + 1]);
+#endif
+                    } else {
+#if QACT8
+                        q_group8(c, Fmt::decode(A[du], cu, h), Fmt::decode(B[du], cu, h), xv[du][h].x, xv[du][h].y,
+                                 xd[du][h]);
+#else
+                        q_group(c, Fmt::decode(A[du], cu, h), Fmt::decode(B[du], cu, h), xv[du][2 * h],
+                                xv[du][2 * h + 1]);
+#endif
+                    }
+                }
+            }
+        }
+    }
 }
 
 // A block walks tiles blockIdx.x, + gridDim.x, .. (one when the grid is a block a tile; fewer
@@ -599,121 +719,31 @@ __device__ __forceinline__ void gemv_q_main(const bf16* __restrict__ x, const ui
         const int tl = (int)blockIdx.x + ti * (int)gridDim.x, n0 = tl * TC_ROWS, rows = min(TC_ROWS, N - n0);
         const bool ra = g < rows, rb = g + 8 < rows;
         const uint8_t* tile = W + (size_t)n0 * row_bytes;
+        // Rows g and g + 8 in a slot: at lead = their address % 16, the same in every stage of the tile
+        // (a stage's bytes of a row are a multiple of 16), so once a tile.
+        const uint8_t* pa0 = q_slots + g * RS + (int)(reinterpret_cast<uintptr_t>(tile + g * row_bytes) & 15);
+        const uint8_t* pb0 = q_slots + (g + 8) * RS + (int)(reinterpret_cast<uintptr_t>(tile + (g + 8) * row_bytes) & 15);
         float c[4] = {0.f, 0.f, 0.f, 0.f};
         for (int j = 0; j < nst; j++) {
             const int J = ti * nst + j;
             if (QPROBE != 2) mbar_wait(q_bars + J % QNST, (J / QNST) & 1);
-            const uint8_t* slot = q_slots + (J % QNST) * STAGE_BYTES;
-            const size_t off = (size_t)j * STAGE_BLOCKS * Fmt::BB;
-            const int la = (int)(reinterpret_cast<uintptr_t>(tile + g * row_bytes + off) & 15);
-            const int lb = (int)(reinterpret_cast<uintptr_t>(tile + (g + 8) * row_bytes + off) & 15);
-            const uint8_t* pa = slot + g * RS + la;
-            const uint8_t* pb = slot + (g + 8) * RS + lb;
             if constexpr (QPROBE != 1) {
-            if constexpr (KH) {
-#pragma unroll
-                for (int sb = 0; sb < U / 4; sb++) {
-                    const int PL = U * warp + 4 * sb;
-                    if (j * (KC / 64) + PL < Fmt::units(K)) {  // warp-uniform
-                        float4* ks = q_ks + (warp * (U / 4) + sb) * TC_ROWS * 5;
-                        ks[g * 5 + t] = k_hoist(pa + (PL >> 2) * Fmt::BB, t, ra);
-                        ks[(g + 8) * 5 + t] = k_hoist(pb + (PL >> 2) * Fmt::BB, t, rb);
-                    }
-                }
-                __syncwarp();
+                const int so = (J % QNST) * STAGE_BYTES + unit_bytes(U * warp), P0 = j * (KC / 64) + U * warp;
+#if QACT8
+                const uint8_t* xs = xr + (size_t)j * KC + 64 * U * warp + (Fmt::XC ? 8 * t : 4 * t);
+                const float* xss = xsc + (size_t)(j * KC + 64 * U * warp) / 32 * 16;
+#else
+                const bf16* xs = xr + (size_t)j * KC + 64 * U * warp + (Fmt::XC ? 8 * t : 4 * t);
+                const float* xss = nullptr;
+#endif
+                float4* ks = q_ks + warp * (U / 4) * TC_ROWS * 5;
+                // A stage of whole blocks (every stage but a partial last one) has no unit past K: its
+                // body has no guards (the same arithmetic, so the same bits).
+                if ((j + 1) * STAGE_BLOCKS <= NB)
+                    q_stage<U, true>(c, pa0 + so, pb0 + so, xs, xss, ks, t, g, P0, NP, NG, ra, rb);
+                else
+                    q_stage<U, false>(c, pa0 + so, pb0 + so, xs, xss, ks, t, g, P0, NP, NG, ra, rb);
             }
-            // Shared-memory loads need no guard: a slot's rows past N and units past K hold stale bytes,
-            // which reach only accumulators of rows past N (never stored) or are not decoded at all. The
-            // activation loads are guarded by unit (warp-uniform branches); rows g >= M read row 0 (xr),
-            // whose products land in the columns >= M the epilogue does not read. QUF units at a time:
-            // their loads first, then their decode (fewer live registers than all QU at once).
-#if QACT8
-            const uint8_t* xs = xr + (size_t)j * KC + (Fmt::XC ? 8 * t : 4 * t);
-#else
-            const bf16* xs = xr + (size_t)j * KC + (Fmt::XC ? 8 * t : 4 * t);
-#endif
-#pragma unroll
-            for (int u0 = 0; u0 < U; u0 += QUF) {
-                typename Fmt::Raw A[QUF], B[QUF];
-#if QACT8
-                uint2 xv[QUF][2];   // per group: the qx words of the thread's two k slot quads
-                float4 xd[QUF][2];  // per group: (dx, dx xsum) of activation rows 2t, 2t + 1
-#else
-                uint2 xv[QUF][4];
-#endif
-#pragma unroll
-                for (int du = 0; du < QUF; du++) {
-                    const int u = u0 + du, PL = U * warp + u, P = j * (KC / 64) + PL, cu = u & 3;
-                    const bool ok0 = P < NP, ok1 = ok0 && (Fmt::QK != 32 || 2 * P + 1 < NG);
-                    if constexpr (KH) {
-                        A[du] = kfetch_q<Fmt>(pa, PL, cu, t, true);
-                        B[du] = kfetch_q<Fmt>(pb, PL, cu, t, true);
-                    } else {
-                        A[du] = Fmt::fetch(pa, PL, cu, t, true, true);
-                        B[du] = Fmt::fetch(pb, PL, cu, t, true, true);
-                    }
-#pragma unroll
-                    for (int h = 0; h < 2; h++) {
-                        if (h ? ok1 : ok0) {  // warp-uniform
-#if QACT8
-                            const uint8_t* xp = xs + Fmt::base(PL, cu, h);
-                            if constexpr (Fmt::XC) {
-                                xv[du][h] = __ldg(reinterpret_cast<const uint2*>(xp));
-                            } else {
-                                xv[du][h] = make_uint2(__ldg(reinterpret_cast<const unsigned int*>(xp)),
-                                                       __ldg(reinterpret_cast<const unsigned int*>(xp + 16)));
-                            }
-                            xd[du][h] = __ldg(reinterpret_cast<const float4*>(
-                                xsc + (size_t)((j * KC + Fmt::base(PL, cu, h)) >> 5) * 16));
-#else
-                            const bf16* xp = xs + Fmt::base(PL, cu, h);
-                            if constexpr (Fmt::XC) {
-                                const uint4 v = __ldg(reinterpret_cast<const uint4*>(xp));
-                                xv[du][2 * h] = make_uint2(v.x, v.y);
-                                xv[du][2 * h + 1] = make_uint2(v.z, v.w);
-                            } else {
-                                xv[du][2 * h] = __ldg(reinterpret_cast<const uint2*>(xp));
-                                xv[du][2 * h + 1] = __ldg(reinterpret_cast<const uint2*>(xp + 16));
-                            }
-#endif
-                        }
-                    }
-                }
-#pragma unroll
-                for (int du = 0; du < QUF; du++) {
-                    const int u = u0 + du, P = j * (KC / 64) + U * warp + u, cu = u & 3;
-                    const bool ok0 = P < NP, ok1 = ok0 && (Fmt::QK != 32 || 2 * P + 1 < NG);
-                    float4 ka, kb;  // KH: rows g, g + 8: (s, mn) of sub-blocks 2 cu, 2 cu + 1
-                    if constexpr (KH) {
-                        const float4* ks = q_ks + (warp * (U / 4) + u / 4) * TC_ROWS * 5;
-                        ka = ks[g * 5 + cu], kb = ks[(g + 8) * 5 + cu];
-                    }
-#pragma unroll
-                    for (int h = 0; h < 2; h++) {
-                        if (h ? ok1 : ok0) {  // warp-uniform
-                            if constexpr (KH) {
-                                const uint2 va = kvalues<Fmt>(A[du], cu, h), vb = kvalues<Fmt>(B[du], cu, h);
-                                const QVals qa{va.x, va.y, h ? ka.z : ka.x, h ? ka.z : ka.x, h ? ka.w : ka.y};
-                                const QVals qb{vb.x, vb.y, h ? kb.z : kb.x, h ? kb.z : kb.x, h ? kb.w : kb.y};
-#if QACT8
-                                q_group8(c, qa, qb, xv[du][h].x, xv[du][h].y, xd[du][h]);
-#else
-                                q_group(c, qa, qb, xv[du][2 * h], xv[du][2 * h + 1]);
-#endif
-                            } else {
-#if QACT8
-                                q_group8(c, Fmt::decode(A[du], cu, h), Fmt::decode(B[du], cu, h), xv[du][h].x,
-                                         xv[du][h].y, xd[du][h]);
-#else
-                                q_group(c, Fmt::decode(A[du], cu, h), Fmt::decode(B[du], cu, h), xv[du][2 * h],
-                                        xv[du][2 * h + 1]);
-#endif
-                            }
-                        }
-                    }
-                }
-            }
-            }  // QPROBE != 1
             __syncthreads();  // every warp is done with this slot
             if (QPROBE != 2 && threadIdx.x == 0 && J + QNST < total) issue(J + QNST);
         }
