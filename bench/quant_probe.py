@@ -5,7 +5,8 @@ and the barriers, no decode), with ``QPROBE`` 2 the decode alone (no copies: it 
 slots hold); 0 is the kernel as the backend builds it. If the copies alone already take most of the
 full kernel's time, the pipeline is the limit; if the decode alone does, the instructions and their
 latencies are; if both are well under it, the two halves fail to overlap. Each case on the
-Llama-3.1-8B shapes, width 1 and 8, at the committed tuning and at others (QU, QMINB, QNST).
+Llama-3.1-8B shapes, width 1 and 8, at the committed tuning and at others (QU, QMINB, QNST[, QKH[,
+QUF]]); ``--persist``: the grid of ``cuda.quant_persist`` (the blocks resident at once walk the tiles).
 
 On the GPU machine, from the repo root:
 
@@ -62,6 +63,8 @@ def main() -> None:
     ap.add_argument("--ncu", action="store_true",
                     help="launch each format's full kernel twice on gate_up and down, width 1, no graphs (to run "
                          "under ncu), and gemv_tc's bf16 kernel on the same shapes")  # fmt: skip
+    ap.add_argument("--persist", action="store_true",
+                    help="launch only the blocks resident at once, each walking tiles (Kernels' quant_persist)")
     args = ap.parse_args()
     from bench.bench_cuda import read_bandwidth
     from engine.cu import runtime
@@ -109,7 +112,7 @@ def main() -> None:
                     cells = []
                     for p, q in ks.items():
                         t = timed(cuda, stream, lambda i, q=q, ws=ws, n=n, k=k, m=m: q.gemv["store"](
-                            stream, ((n + 15) // 16,), x=int(xb), W=int(ws[i % len(ws)]), bias=0, out=int(out),
+                            stream, q.grid(n, args.persist), x=int(xb), W=int(ws[i % len(ws)]), bias=0, out=int(out),
                             M=m, N=n, K=k, ldo=n, ss_in=0, ss_nparts=0, eps=0.0, nw=0, xw=0, ss_out=0))  # fmt: skip
                         cells.append(f"{t * 1e6:.1f}" + (f" ({nbytes / t / 1e9:,.0f})" if p == 0 else ""))
                     print(f"| {fmt} | {tune_s or 'default'} | {name} {n} x {k} | {m} | " + " | ".join(cells) + " |",

@@ -483,14 +483,18 @@ __device__ __forceinline__ void q_group8(float* c, const QVals& qa, const QVals&
 // RS bytes of shared memory per row. A row's piece goes as the 16-byte aligned range around it
 // (the source's address mod 16 kept: data at byte lead = address % 16 of its RS), so any block
 // size and row length works and every load the decode makes is as aligned as in global memory.
-// RS: the piece plus the two partial 16-byte ends, rounded to an odd number of 16-byte units so
-// that rows g = 0..7 fall on different banks. QNST stages are in flight; thread 0 refills a stage
-// once every warp has passed the barrier after reading it.
+// RS: the piece plus the two partial 16-byte ends, rounded so that a load instruction's rows fall
+// on different banks: the 4-byte reads (4 threads a row, 8 rows) want an odd number of 16-byte
+// units; the K-quants' 8-byte reads (XC: a half-warp, 4 rows of 32 bytes each, per shared-memory
+// wavefront) want RS = 32 mod 128 (rows 8 banks apart; an odd count of units put rows 0 and 1 of
+// a half-warp 12 banks apart, on 4 common banks: a third of the wavefronts in excess, ncu).
+// QNST stages are in flight; warp 0 refills a stage once every warp has passed the barrier
+// after reading it.
 constexpr int KC = 8 * QU * 64;
 constexpr int STAGE_BLOCKS = KC / Fmt::QK;
 constexpr int PIECE = STAGE_BLOCKS * Fmt::BB;
 constexpr int RS0 = (PIECE + 15) / 16 * 16 + 32;
-constexpr int RS = (RS0 / 16) % 2 ? RS0 : RS0 + 16;
+constexpr int RS = Fmt::XC ? (RS0 + 95) / 128 * 128 + 32 : (RS0 / 16) % 2 ? RS0 : RS0 + 16;
 constexpr int STAGE_BYTES = TC_ROWS * RS;
 static_assert(KC % Fmt::QK == 0, "a stage holds whole blocks");
 static_assert(Fmt::QK == 32 || QU % 4 == 0, "K-quants: a warp's units of a stage are whole super-blocks");
@@ -518,24 +522,21 @@ __device__ __forceinline__ void bulk_copy(void* dst, const void* src, uint32_t b
                  ::"r"(smem_addr(dst)), "l"(src), "r"(bytes), "r"(smem_addr(bar)) : "memory");
 }
 
-// Thread 0: stage j of a tile (its pieces of rows 0..rows-1) into slot J % QNST (J: the block's
-// stage count, over every tile it walks).
+// Warp 0, every lane: stage j of a tile (its pieces of rows 0..rows-1) into slot J % QNST (J: the
+// block's stage count, over every tile it walks). Lane r < rows copies row r; lane 0 arms the barrier
+// with the stage's bytes (one warp-wide sum), so the warp spends a few instructions a stage, not a
+// loop over the rows in one thread that the block's next barrier waits for.
 __device__ __forceinline__ void issue_stage(uint8_t* slots, uint64_t* bars, const uint8_t* tile, size_t row_bytes,
-                                            int rows, int NB, int j, int J) {
+                                            int rows, int NB, int j, int J, int lane) {
     const int blk0 = j * STAGE_BLOCKS, nb = min(STAGE_BLOCKS, NB - blk0);
-    uint8_t* dst = slots + (J % QNST) * STAGE_BYTES;
     uint64_t* bar = bars + J % QNST;
-    uint32_t total = 0;
-    for (int r = 0; r < rows; r++) {
-        const uintptr_t a = reinterpret_cast<uintptr_t>(tile + r * row_bytes + (size_t)blk0 * Fmt::BB);
-        total += (uint32_t)(((a + (size_t)nb * Fmt::BB + 15) & ~(uintptr_t)15) - (a & ~(uintptr_t)15));
-    }
-    mbar_expect(bar, total);
-    for (int r = 0; r < rows; r++) {
-        const uintptr_t a = reinterpret_cast<uintptr_t>(tile + r * row_bytes + (size_t)blk0 * Fmt::BB);
-        const uintptr_t a0 = a & ~(uintptr_t)15, a1 = (a + (size_t)nb * Fmt::BB + 15) & ~(uintptr_t)15;
-        bulk_copy(dst + r * RS, reinterpret_cast<const void*>(a0), (uint32_t)(a1 - a0), bar);
-    }
+    const bool mine = lane < rows;
+    const uintptr_t a = reinterpret_cast<uintptr_t>(tile + (size_t)(mine ? lane : 0) * row_bytes + (size_t)blk0 * Fmt::BB);
+    const uintptr_t a0 = a & ~(uintptr_t)15, a1 = (a + (size_t)nb * Fmt::BB + 15) & ~(uintptr_t)15;
+    const uint32_t bytes = mine ? (uint32_t)(a1 - a0) : 0u;
+    const uint32_t total = __reduce_add_sync(FULL_MASK, bytes);
+    if (lane == 0) mbar_expect(bar, total);
+    if (mine) bulk_copy(slots + (J % QNST) * STAGE_BYTES + lane * RS, reinterpret_cast<const void*>(a0), bytes, bar);
 }
 
 // KH (QKH, Q4_K and Q5_K): a super-block's 8 scales and mins of a row are computed once by the
@@ -710,9 +711,10 @@ __device__ __forceinline__ void gemv_q_main(const bf16* __restrict__ x, const ui
     __syncthreads();
     auto issue = [&](int J) {  // the block's stage J: stage J % nst of its tile J / nst
         const int n0 = ((int)blockIdx.x + J / nst * (int)gridDim.x) * TC_ROWS;
-        issue_stage(q_slots, q_bars, W + (size_t)n0 * row_bytes, row_bytes, min(TC_ROWS, N - n0), NB, J % nst, J);
+        issue_stage(q_slots, q_bars, W + (size_t)n0 * row_bytes, row_bytes, min(TC_ROWS, N - n0), NB, J % nst, J,
+                    lane);
     };
-    if (threadIdx.x == 0)
+    if (warp == 0)
         for (int J = 0; J < min(QNST, total); J++)
             if (QPROBE != 2) issue(J);
     for (int ti = 0; ti < mine; ti++) {
@@ -745,7 +747,7 @@ __device__ __forceinline__ void gemv_q_main(const bf16* __restrict__ x, const ui
                     q_stage<U, false>(c, pa0 + so, pb0 + so, xs, xss, ks, t, g, P0, NP, NG, ra, rb);
             }
             __syncthreads();  // every warp is done with this slot
-            if (QPROBE != 2 && threadIdx.x == 0 && J + QNST < total) issue(J + QNST);
+            if (QPROBE != 2 && warp == 0 && J + QNST < total) issue(J + QNST);
         }
         done(c, tl, ntiles);
     }

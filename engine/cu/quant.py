@@ -49,14 +49,17 @@ def quant_act_bytes(k: int, rows: int = QACT_MAX_ROWS) -> int:
 
 def stage_smem(fmt: str, units: int, stages: int) -> int:
     """Dynamic shared memory of gemv_q.cu's block formats: ``stages`` slots of 16 rows, each row's
-    piece (8 warps x ``units`` x 64 values) with its two partial 16-byte ends, padded to an odd
-    number of 16-byte units (gemv_q.cu's RS)."""
+    piece (8 warps x ``units`` x 64 values) with its two partial 16-byte ends, padded as gemv_q.cu's
+    RS: Q4_K / Q5_K (8-byte reads) to 32 mod 128 bytes, the others to an odd number of 16-byte units."""
     if fmt == FP8:
         return 0
     _, qk, bb = QUANT_FORMATS[fmt]
     piece = 8 * units * 64 // qk * bb
     rs = -(-piece // 16) * 16 + 32
-    rs += 0 if (rs // 16) % 2 else 16
+    if fmt in ("Q4_K", "Q5_K"):
+        rs = (rs + 95) // 128 * 128 + 32
+    else:
+        rs += 0 if (rs // 16) % 2 else 16
     return stages * TC_ROWS * rs
 
 
@@ -124,10 +127,16 @@ class QuantKernels:
         import pycuda.driver as cuda
 
         tid = FP8_QTYPE if fmt == FP8 else QUANT_FORMATS[fmt][0]
-        u, minb, nst, kh = (*(tuning or QUANT_TUNING.get(fmt, DEFAULT_TUNING)), 1)[:4]
+        # (QU, QMINB, QNST[, QKH[, QUF]]): QKH 1 and QUF 2 unless given (gemv_q.cu's defaults)
+        tune = tuple(tuning or QUANT_TUNING.get(fmt, DEFAULT_TUNING))
+        u, minb, nst = tune[:3]
+        kh = tune[3] if len(tune) > 3 else 1
+        uf = tune[4] if len(tune) > 4 else 2
         self.fmt, self.smem = fmt, stage_smem(fmt, u, nst)
         defines = (("TC_THREADS", TC_THREADS), ("GEMV_EPILOGUES_ONLY", 1), ("QTYPE", tid), ("QU", u), ("QMINB", minb),
                    ("QNST", nst), ("QSMEM", self.smem), ("QKH", kh))  # fmt: skip
+        if uf != 2:  # units loaded before their decode (bench/quant_probe.py's sweeps)
+            defines += (("QUF", uf),)
         if act8:
             if fmt not in QACT8_FORMATS:
                 raise ValueError(f"{fmt}: no int8-activation GEMV")
