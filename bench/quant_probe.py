@@ -63,8 +63,11 @@ def main() -> None:
     ap.add_argument("--ncu", action="store_true",
                     help="launch each format's full kernel twice on gate_up and down, width 1, no graphs (to run "
                          "under ncu), and gemv_tc's bf16 kernel on the same shapes")  # fmt: skip
-    ap.add_argument("--persist", action="store_true",
-                    help="launch only the blocks resident at once, each walking tiles (Kernels' quant_persist)")
+    ap.add_argument(
+        "--persist",
+        action="store_true",
+        help="launch only the blocks resident at once, each walking tiles (Kernels' quant_persist)",
+    )
     args = ap.parse_args()
     from bench.bench_cuda import read_bandwidth
     from engine.cu import runtime
