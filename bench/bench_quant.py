@@ -40,7 +40,7 @@ sys.path.insert(0, str(ROOT))
 SHAPES = [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336)]
 # gemv_q.cu tunings timed beside the defaults (engine.cu.quant.QUANT_TUNING / DEFAULT_TUNING).
 SWEEP = [("Q4_K", (4, 2, 3)), ("Q4_K", (4, 3, 2, 0)), ("Q4_K", (4, 4, 2)), ("Q6_K", (4, 2, 3)), ("Q8_0", (4, 2, 3)),
-         ("Q8_0", (2, 4, 2))]  # fmt: skip
+         ("Q8_0", (2, 3, 3))]  # fmt: skip
 CONTEXT = 512
 
 

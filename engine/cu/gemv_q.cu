@@ -585,6 +585,7 @@ __device__ __forceinline__ void q_stage(float* c, const uint8_t* pa, const uint8
                                         const float* __restrict__ xss, float4* ks, int t, int g, int P0, int NP,
                                         int NG, bool ra, bool rb) {
     if constexpr (KH) {
+        __syncwarp();  // every lane has read the previous stage's scales (no block barrier between stages)
 #pragma unroll
         for (int sb = 0; sb < U / 4; sb++) {
             if (FULL || P0 + 4 * sb < NP) {  // warp-uniform
@@ -746,9 +747,12 @@ __device__ __forceinline__ void gemv_q_main(const bf16* __restrict__ x, const ui
                 else
                     q_stage<U, false>(c, pa0 + so, pb0 + so, xs, xss, ks, t, g, P0, NP, NG, ra, rb);
             }
-            __syncthreads();  // every warp is done with this slot
-            if (QPROBE != 2 && warp == 0 && J + QNST < total) issue(J + QNST);
+            if (J + QNST < total) {  // block-uniform: a refill of this slot follows
+                __syncthreads();     // every warp is done with the slot
+                if (QPROBE != 2 && warp == 0) issue(J + QNST);
+            }  // else nothing reads or writes the slot again: no barrier (the epilogue has its own)
         }
+        if (ti) __syncthreads();  // the previous tile's epilogue has read its shared sums
         done(c, tl, ntiles);
     }
 }
