@@ -50,6 +50,16 @@ static_assert(DECODE_THREADS == 128, "decode_attn: 4 warps walk the keys and red
 #ifndef DECODE_MMA
 #define DECODE_MMA 1
 #endif
+// DECODE_VPRE 1 (the default at HEAD_DIM 64 / 128, where a sub-chunk is one pass of UNROLL keys a
+// warp): a warp's V rows of a sub-chunk are loaded together with its K rows, before the scores and the
+// softmax they do not depend on, so a sub-chunk costs one memory round trip instead of two (the same
+// arithmetic; 0: the V loads after the softmax, as before; bench/attn_probe.py times both).
+#ifndef DECODE_VPRE
+#define DECODE_VPRE (HEAD_DIM <= 128)
+#endif
+#if DECODE_VPRE && HEAD_DIM > 128
+#error "DECODE_VPRE: HEAD_DIM 64 or 128"
+#endif
 #define DSTEPS (HEAD_DIM / 64)
 #if HEAD_DIM == 256
 #define UNROLL 8  // 8 values a lane per key: 8 keys in flight per warp (16 would spill registers)
@@ -128,6 +138,15 @@ extern "C" __global__ void __launch_bounds__(DECODE_THREADS)
 
     for (int t0 = tb; t0 < te; t0 += SUB) {
         const int t1 = min(te, t0 + SUB), len = t1 - t0;
+#if DECODE_VPRE
+        float vpre[UNROLL][E];  // keys t0 + warp + 4 j: the P.V loop's, issued now
+#pragma unroll
+        for (int j = 0; j < UNROLL; j++) {
+            const int t = min(t0 + warp + 4 * j, t1 - 1);
+            load_row(cache + (size_t)bt[t / block_size] * block_stride + kv_half +
+                         ((size_t)(t % block_size) * KVH + kh) * HEAD_DIM + lane * E, vpre[j]);
+        }
+#endif
 #if DECODE_MMA
         const int kb = t0 + 16 * warp;  // this warp's keys: n-tile h holds keys kb + 8h .. kb + 8h + 7
         if (kb < t1) {
@@ -210,6 +229,9 @@ extern "C" __global__ void __launch_bounds__(DECODE_THREADS)
             for (int e = 0; e < E; e++) acc[g][e] *= c;
         }
         for (int tw = t0 + warp; tw < t1; tw += 4 * UNROLL) {
+#if DECODE_VPRE
+            float (&vf)[UNROLL][E] = vpre;  // one pass: tw == t0 + warp
+#else
             float vf[UNROLL][E];
 #pragma unroll
             for (int j = 0; j < UNROLL; j++) {
@@ -217,6 +239,7 @@ extern "C" __global__ void __launch_bounds__(DECODE_THREADS)
                 load_row(cache + (size_t)bt[t / block_size] * block_stride + kv_half +
                              ((size_t)(t % block_size) * KVH + kh) * HEAD_DIM + lane * E, vf[j]);
             }
+#endif
 #pragma unroll
             for (int j = 0; j < UNROLL; j++) {
                 if (tw + 4 * j >= t1) break;
