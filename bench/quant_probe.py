@@ -6,7 +6,8 @@ slots hold); 0 is the kernel as the backend builds it. If the copies alone alrea
 full kernel's time, the pipeline is the limit; if the decode alone does, the instructions and their
 latencies are; if both are well under it, the two halves fail to overlap. Each case on the
 Llama-3.1-8B shapes, width 1 and 8, at the committed tuning and at others (QU, QMINB, QNST[, QKH[,
-QUF]]); ``--persist``: the grid of ``cuda.quant_persist`` (the blocks resident at once walk the tiles).
+QUF[, QXS]]]); ``--persist``: the grid of ``cuda.quant_persist`` (the blocks resident at once walk the
+tiles); ``--carveout``: less shared memory preferred, more L1 (the activations' cache).
 
 On the GPU machine, from the repo root:
 
@@ -68,6 +69,12 @@ def main() -> None:
         action="store_true",
         help="launch only the blocks resident at once, each walking tiles (Kernels' quant_persist)",
     )
+    ap.add_argument(
+        "--carveout",
+        type=int,
+        default=100,
+        help="the GEMV's preferred shared-memory carveout, percent (the rest of the SM's 256 KB is L1)",
+    )
     args = ap.parse_args()
     from bench.bench_cuda import read_bandwidth
     from engine.cu import runtime
@@ -100,7 +107,14 @@ def main() -> None:
                         continue
                     try:
                         sets.append(
-                            (fmt, tune_s, {p: QuantKernels(fmt, TC_PARAMS, tuning=tune, probe=p) for p in PROBES})
+                            (
+                                fmt,
+                                tune_s,
+                                {
+                                    p: QuantKernels(fmt, TC_PARAMS, tuning=tune, probe=p, carveout=args.carveout)
+                                    for p in PROBES
+                                },
+                            )
                         )
                     except Exception as e:  # a tuning past the shared memory: say so, go on
                         print(f"| {fmt} | {tune_s} | - | - | {type(e).__name__}: {str(e)[:80]} | | |", flush=True)

@@ -31,18 +31,10 @@ def defines_for(args) -> tuple[tuple[tuple[str, int], ...], tuple[str, ...]]:
     """(defines, sources compiled before) of the module as the backend builds it."""
     extra = tuple((k, int(v)) for k, v in (d.split("=") for d in args.define))
     if args.module == "gemv_q":
-        from engine.cu.quant import DEFAULT_TUNING, FP8, FP8_QTYPE, QUANT_FORMATS, QUANT_TUNING, TC_THREADS, stage_smem
+        from engine.cu.quant import gemv_q_defines
 
         tune = tuple(int(v) for v in args.tuning.split(",")) if args.tuning else None
-        tune = tune or QUANT_TUNING.get(args.format, DEFAULT_TUNING)
-        u, minb, nst = tune[:3]
-        kh = tune[3] if len(tune) > 3 else 1
-        tid = FP8_QTYPE if args.format == FP8 else QUANT_FORMATS[args.format][0]
-        base = (("TC_THREADS", TC_THREADS), ("GEMV_EPILOGUES_ONLY", 1), ("QTYPE", tid), ("QU", u), ("QMINB", minb),
-                ("QNST", nst), ("QSMEM", stage_smem(args.format, u, nst)), ("QKH", kh))  # fmt: skip
-        if len(tune) > 4 and tune[4] != 2:
-            base += (("QUF", tune[4]),)
-        return base + extra, ("gemv",)
+        return gemv_q_defines(args.format, tune)[0] + extra, ("gemv",)
     if args.module == "attention_decode":
         from engine.cu.kernels import DECODE_SPLITS, DECODE_THREADS
 
@@ -55,7 +47,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("module", help="engine/cu/<module>.cu")
     ap.add_argument("--format", default="Q4_K", help="gemv_q: the GGUF type (or FP8)")
-    ap.add_argument("--tuning", default="", help="gemv_q: QU,QMINB,QNST[,QKH[,QUF]] (default: the committed one)")
+    ap.add_argument("--tuning", default="", help="gemv_q: QU,QMINB,QNST[,QKH[,QUF[,QXS]]] (default: committed)")
     ap.add_argument("--define", nargs="*", default=[], help="more NAME=VALUE defines")
     ap.add_argument("--function", default="", help="the kernel to disassemble")
     ap.add_argument("--cuobjdump", default=shutil.which("cuobjdump") or "cuobjdump")

@@ -26,10 +26,11 @@ QUANT_FORMATS = {
 }  # fmt: skip
 FP8 = "FP8"  # e4m3 rows then fp32 scales (not a GGUF type: the loader never keeps it as stored)
 FP8_QTYPE = 200  # gemv_q.cu's QFP8
-# gemv_q.cu's (QU, QMINB, QNST[, QKH[, QUF]]): units of 64 values a warp takes from each stage (a multiple of
-# 4 for the K-quants: whole super-blocks), blocks per SM the registers must allow, stages in flight,
-# for Q4_K / Q5_K whether a super-block's scales are computed once a warp (1, the default), and units
-# loaded before their decode (2). Q8_0 (2, 4, 2): 10% faster than (2, 3, 3) on gate,up (docs/QUANT.md).
+# gemv_q.cu's (QU, QMINB, QNST[, QKH[, QUF[, QXS]]]): units of 64 values a warp takes from each stage (a
+# multiple of 4 for the K-quants: whole super-blocks), blocks per SM the registers must allow, stages in
+# flight, for Q4_K / Q5_K whether a super-block's scales are computed once a warp (1, the default), units
+# loaded before their decode (2), and whether a width-1 stage carries its x row (0; an experiment).
+# Q8_0 (2, 4, 2): 10% faster than (2, 3, 3) on gate,up (docs/QUANT.md).
 QUANT_TUNING: dict[str, tuple[int, ...]] = {"Q8_0": (2, 4, 2), "FP8": (4, 2, 1)}  # FP8: QU steps in flight, no stages
 DEFAULT_TUNING = (4, 3, 2)
 TC_THREADS = 256
@@ -48,10 +49,11 @@ def quant_act_bytes(k: int, rows: int = QACT_MAX_ROWS) -> int:
     return rows * k + (k // 32) * QACT_MAX_ROWS * 8
 
 
-def stage_smem(fmt: str, units: int, stages: int) -> int:
+def stage_smem(fmt: str, units: int, stages: int, xs: bool = False) -> int:
     """Dynamic shared memory of gemv_q.cu's block formats: ``stages`` slots of 16 rows, each row's
     piece (8 warps x ``units`` x 64 values) with its two partial 16-byte ends, padded as gemv_q.cu's
-    RS: Q4_K / Q5_K (8-byte reads) to 32 mod 128 bytes, the others to an odd number of 16-byte units."""
+    RS: Q4_K / Q5_K (8-byte reads) to 32 mod 128 bytes, the others to an odd number of 16-byte units.
+    ``xs`` (gemv_q.cu's QXS): each slot also holds the stage's bf16 x row."""
     if fmt == FP8:
         return 0
     _, qk, bb = QUANT_FORMATS[fmt]
@@ -61,7 +63,7 @@ def stage_smem(fmt: str, units: int, stages: int) -> int:
         rs = (rs + 95) // 128 * 128 + 32
     else:
         rs += 0 if (rs // 16) % 2 else 16
-    return stages * TC_ROWS * rs
+    return stages * (TC_ROWS * rs + (8 * units * 64 * 2 if xs else 0))
 
 
 def row_bytes(fmt: str, k: int) -> int:
@@ -119,31 +121,44 @@ def _gemv_params(tc_params: dict[str, str], epi: str) -> str:
     return tc_params[epi] + (" n_base:i32" if epi == "rope" else "")
 
 
+def gemv_q_defines(fmt: str, tuning: tuple[int, ...] | None = None, act8: bool = False,
+                   probe: int = 0) -> tuple[tuple[tuple[str, int], ...], int]:  # fmt: skip
+    """gemv_q.cu's defines for ``fmt`` at ``tuning`` (QU, QMINB, QNST[, QKH[, QUF[, QXS]]]; QKH 1, QUF 2,
+    QXS 0 unless given; None: the committed one), and its dynamic shared memory (QSMEM)."""
+    tid = FP8_QTYPE if fmt == FP8 else QUANT_FORMATS[fmt][0]
+    tune = tuple(tuning or QUANT_TUNING.get(fmt, DEFAULT_TUNING))
+    u, minb, nst = tune[:3]
+    kh = tune[3] if len(tune) > 3 else 1
+    uf = tune[4] if len(tune) > 4 else 2
+    xs = bool(tune[5]) if len(tune) > 5 else False
+    smem = stage_smem(fmt, u, nst, xs)
+    defines = (("TC_THREADS", TC_THREADS), ("GEMV_EPILOGUES_ONLY", 1), ("QTYPE", tid), ("QU", u), ("QMINB", minb),
+               ("QNST", nst), ("QSMEM", smem), ("QKH", kh))  # fmt: skip
+    if uf != 2:  # units loaded before their decode (bench/quant_probe.py's sweeps)
+        defines += (("QUF", uf),)
+    if xs:  # the stage's x row in its slot at width 1 (an experiment, bench/quant_probe.py)
+        defines += (("QXS", 1),)
+    if act8:
+        if fmt not in QACT8_FORMATS:
+            raise ValueError(f"{fmt}: no int8-activation GEMV")
+        defines += (("QACT8", 1),)
+    if probe:  # bench/quant_probe.py: gemv_q.cu's QPROBE, half of the main loop timed alone
+        defines += (("QPROBE", probe),)
+    return defines, smem
+
+
 class QuantKernels:
     """gemv_q.cu compiled for one format: the GEMV per epilogue and the dequant to bf16 / fp32.
-    ``act8``: the GEMV's int8-activation main loop (QACT8; its x is quant_act.cu's buffer, not bf16)."""
+    ``act8``: the GEMV's int8-activation main loop (QACT8; its x is quant_act.cu's buffer, not bf16).
+    ``carveout``: the shared-memory share of the SM's L1 the GEMV prefers, in percent (the rest is L1)."""
 
     def __init__(self, fmt: str, tc_params: dict[str, str], cache_dir: str = "",
-                 tuning: tuple[int, ...] | None = None, act8: bool = False, probe: int = 0) -> None:  # fmt: skip
+                 tuning: tuple[int, ...] | None = None, act8: bool = False, probe: int = 0,
+                 carveout: int = 100) -> None:  # fmt: skip
         import pycuda.driver as cuda
 
-        tid = FP8_QTYPE if fmt == FP8 else QUANT_FORMATS[fmt][0]
-        # (QU, QMINB, QNST[, QKH[, QUF]]): QKH 1 and QUF 2 unless given (gemv_q.cu's defaults)
-        tune = tuple(tuning or QUANT_TUNING.get(fmt, DEFAULT_TUNING))
-        u, minb, nst = tune[:3]
-        kh = tune[3] if len(tune) > 3 else 1
-        uf = tune[4] if len(tune) > 4 else 2
-        self.fmt, self.smem = fmt, stage_smem(fmt, u, nst)
-        defines = (("TC_THREADS", TC_THREADS), ("GEMV_EPILOGUES_ONLY", 1), ("QTYPE", tid), ("QU", u), ("QMINB", minb),
-                   ("QNST", nst), ("QSMEM", self.smem), ("QKH", kh))  # fmt: skip
-        if uf != 2:  # units loaded before their decode (bench/quant_probe.py's sweeps)
-            defines += (("QUF", uf),)
-        if act8:
-            if fmt not in QACT8_FORMATS:
-                raise ValueError(f"{fmt}: no int8-activation GEMV")
-            defines += (("QACT8", 1),)
-        if probe:  # bench/quant_probe.py: gemv_q.cu's QPROBE, half of the main loop timed alone
-            defines += (("QPROBE", probe),)
+        defines, self.smem = gemv_q_defines(fmt, tuning, act8, probe)
+        self.fmt, minb = fmt, dict(defines)["QMINB"]
         self.act8 = act8
         # Blocks resident at once (QMINB an SM): the grid of a persistent launch (``grid``).
         self.resident = minb * cuda.Context.get_device().get_attribute(cuda.device_attribute.MULTIPROCESSOR_COUNT)
@@ -154,9 +169,9 @@ class QuantKernels:
             if self.smem:  # the kernel's static shared memory counts too against the 48 KB default
                 k.fn.set_attribute(cuda.function_attribute.MAX_DYNAMIC_SHARED_SIZE_BYTES, self.smem)
                 # the stages, not L1, want the SM's memory (QMINB blocks of them an SM)
-                carveout = getattr(cuda.function_attribute, "PREFERRED_SHARED_MEMORY_CARVEOUT", None)
-                if carveout is not None:
-                    k.fn.set_attribute(carveout, 100)
+                attr = getattr(cuda.function_attribute, "PREFERRED_SHARED_MEMORY_CARVEOUT", None)
+                if attr is not None:
+                    k.fn.set_attribute(attr, carveout)
             self.gemv[epi] = k
         self._dequant = {
             dt: Kernel(mod, f"dequant_q_{dt}", "W:ptr out:ptr N:i32 K:i32", DEQUANT_THREADS) for dt in ("bf16", "f32")
