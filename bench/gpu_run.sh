@@ -1,10 +1,13 @@
 #!/bin/bash
 # One device call: build check, GPU tests, benchmark; logs under $OUT.
-# Usage (from the repo root on the GPU machine): bash bench/gpu_run.sh [tests|bench|all|suite|pdl|load]
+# Usage (from the repo root on the GPU machine): bash bench/gpu_run.sh [tests|bench|all|suite|pdl|load|quant]
 #   suite: every GPU test under tests/kernels (~4 min on a warm kernel cache)
 #   pdl:   cuda.pdl's card tests, then bench_cuda.py --pdl (the graph with it off / on)
 #   load:  the pinned uploader's card tests, bench_load.py --write, and the loop's gaps during an
 #          8B bf16 load on the card (bench_load_beats.py, on bench_load.py's 16 GB checkpoint)
+#   quant: the quantized GEMV's queued experiments (docs/QUANT.md, "The stage loop"): x in the stage
+#          slot (QXS), less shared memory preferred (--carveout), then decode attention alone and
+#          the Q4_K_M / Q8_0 rounds
 set -o pipefail
 what=${1:-all}
 # Kernels compile into models/.cache/pycuda (the default; tests and bench alike).
@@ -33,6 +36,15 @@ if [ "$what" = load ]; then
   timeout 150 python3 bench/bench_load_beats.py --case bf16 --layers 32 --backend cuda --cold --dir /tmp/ignis-load-8b \
     --trace "$OUT/beats_trace.txt" 2>&1 | tee "$OUT/beats.log" | tail -5
   cp docs/PERFORMANCE.md "$OUT/" 2>/dev/null
+fi
+if [ "$what" = quant ]; then
+  timeout 120 python3 bench/quant_probe.py --formats Q4_K Q6_K --tunings "" 4,3,2,1,2,1 2>&1 | tee "$OUT/probe_qxs.log" | tail -14
+  timeout 60 python3 bench/quant_probe.py --formats Q8_0 --tunings "" 4,4,2,1,2,1 2>&1 | tee "$OUT/probe_qxs_q8.log" | tail -7
+  for c in 75 50; do
+    timeout 60 python3 bench/quant_probe.py --formats Q4_K --tunings "" --carveout $c 2>&1 | tee "$OUT/probe_carve$c.log" | tail -7
+  done
+  timeout 60 python3 bench/attn_probe.py 2>&1 | tee "$OUT/attn.log" | tail -11
+  timeout 150 python3 bench/bench_quant.py --synthetic Q4_K_M Q8_0 2>&1 | tee "$OUT/bench_quant.log" | tail -6
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   timeout ${BENCH_TIMEOUT:-300} python3 bench/bench_cuda.py --write ${BENCH_ARGS} 2>&1 | tee "$OUT/bench.log" | tail -30
