@@ -3,12 +3,13 @@ by context and rows on the Llama-3.1-8B shape (8 KV heads of 4 query heads, head
 rows), for the backend's build and for builds with other compile-time switches (``--variant
 NAME=DEFINE=VALUE[,DEFINE=VALUE]``). A case is 32 calls, one a layer of a 32-layer paged cache (so a
 call's keys are not in L2 from the call before, as in a round), captured in one CUDA graph: the median
-of 5 replays over 32. Every variant's output is compared with the backend build's (bitwise: the switches
-move loads, not arithmetic).
+of 5 replays over 32. Every variant's output is compared with the backend build's: bitwise for the
+switches that move loads, not arithmetic (DECODE_VPRE, DECODE_PIPE); a NUM_SPLITS variant (its grid
+follows) merges in another order, so "differs" there is expected.
 
 On the GPU machine, from the repo root:
 
-    python3 bench/attn_probe.py --variant vpre0=DECODE_VPRE=0
+    python3 bench/attn_probe.py --variant vpre0=DECODE_VPRE=0 pipe=DECODE_PIPE=1 s64=NUM_SPLITS=64
 """
 
 from __future__ import annotations
@@ -48,10 +49,13 @@ def main() -> None:
         import pycuda.driver as cuda
 
         stream = cuda.Stream()
-        base = (("HEAD_DIM", D), ("GROUP", G), ("NUM_SPLITS", DECODE_SPLITS), ("DECODE_THREADS", DECODE_THREADS))
+        base = {"HEAD_DIM": D, "GROUP": G, "NUM_SPLITS": DECODE_SPLITS, "DECODE_THREADS": DECODE_THREADS}
+        # a variant's defines override the base's
+        defines = {n: tuple({**base, **dict(defs)}.items()) for n, defs in builds}
+        splits = {n: dict(d)["NUM_SPLITS"] for n, d in defines.items()}  # the grid's z and the partials' rows
         with compiling():
-            kernels = {n: Kernel(module("attention_decode", base + defs), "decode_attn", PARAMS, DECODE_THREADS)
-                       for n, defs in builds}  # fmt: skip
+            kernels = {n: Kernel(module("attention_decode", defines[n]), "decode_attn", PARAMS, DECODE_THREADS)
+                       for n, _ in builds}  # fmt: skip
         print(f"{device_name()}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; "
               f"python3 bench/attn_probe.py {' '.join(sys.argv[1:])}\n", flush=True)  # fmt: skip
         pages = -(-max(CONTEXTS) // BS)
@@ -69,8 +73,8 @@ def main() -> None:
         q = cuda.to_device((rng.standard_normal((rows_max, KVH * G, D)).astype(np.float32).view(np.uint32) >> 16)
                            .astype(np.uint16))  # fmt: skip
         tables = cuda.to_device(np.arange(rows_max * pages, dtype=np.int32).reshape(rows_max, pages))
-        o_part = cuda.mem_alloc(rows_max * KVH * G * DECODE_SPLITS * D * 4)
-        ml = cuda.mem_alloc(rows_max * KVH * G * DECODE_SPLITS * 2 * 4)
+        o_part = cuda.mem_alloc(rows_max * KVH * G * max(splits.values()) * D * 4)
+        ml = cuda.mem_alloc(rows_max * KVH * G * max(splits.values()) * 2 * 4)
         counters = cuda.to_device(np.zeros(4096, np.int32))
         outs = {n: cuda.mem_alloc(rows_max * KVH * G * D * 2) for n, _ in builds}
         scale_log2 = float(D**-0.5 * 1.4426950408889634)
@@ -80,8 +84,8 @@ def main() -> None:
             for rows in ROWS:
                 pos = cuda.to_device(np.full(rows, ctx - 1, np.int32))
 
-                def call(k, layer, out, rows=rows, pos=pos):
-                    k(stream, (KVH, rows, DECODE_SPLITS), q=int(q), positions=int(pos), block_tables=int(tables),
+                def call(k, layer, out, rows=rows, pos=pos, ns=DECODE_SPLITS):
+                    k(stream, (KVH, rows, ns), q=int(q), positions=int(pos), block_tables=int(tables),
                       bt_stride=pages, cache=int(cache) + layer * page_bytes, block_stride=block_stride,
                       block_size=BS, KVH=KVH, scale_log2=scale_log2, o_part=int(o_part), ml=int(ml),
                       counters=int(counters), out=int(out), window=0, cap_log2=0.0, sinks=0)  # fmt: skip
@@ -89,13 +93,13 @@ def main() -> None:
                 cells, ref = [], None
                 for n, _ in builds:
                     k = kernels[n]
-                    call(k, 0, outs[n])
+                    call(k, 0, outs[n], ns=splits[n])
                     stream.synchronize()
                     got = cuda.from_device(outs[n], (rows * KVH * G * D,), np.uint16)
                     if ref is None:
                         ref = got
                     same = np.array_equal(got, ref)
-                    t = timed(cuda, stream, lambda i, k=k, n=n: call(k, i, outs[n]), reps=5, calls=LAYERS)
+                    t = timed(cuda, stream, lambda i, k=k, n=n: call(k, i, outs[n], ns=splits[n]), reps=5, calls=LAYERS)
                     cells.append(f"{t * 1e6:.1f}" + ("" if same else " (output differs)"))
                 print(f"| {ctx} | {rows} | " + " | ".join(cells) + " |", flush=True)
                 pos.free()

@@ -60,6 +60,16 @@ static_assert(DECODE_THREADS == 128, "decode_attn: 4 warps walk the keys and red
 #if DECODE_VPRE && HEAD_DIM > 128
 #error "DECODE_VPRE: HEAD_DIM 64 or 128"
 #endif
+// DECODE_PIPE 1 (an experiment for bench/attn_probe.py; 0 in the backend's build, not yet run on a
+// card): a block of several sub-chunks (contexts past 64 x NUM_SPLITS keys) loads sub-chunk i + 1's K
+// and V rows before sub-chunk i's scores, softmax and P.V, so only the first sub-chunk waits for memory.
+// HEAD_DIM 128 with DECODE_MMA and DECODE_VPRE; the same arithmetic.
+#ifndef DECODE_PIPE
+#define DECODE_PIPE 0
+#endif
+#if DECODE_PIPE && !(HEAD_DIM == 128 && DECODE_MMA && DECODE_VPRE)
+#error "DECODE_PIPE: HEAD_DIM 128, DECODE_MMA, DECODE_VPRE"
+#endif
 #define DSTEPS (HEAD_DIM / 64)
 #if HEAD_DIM == 256
 #define UNROLL 8  // 8 values a lane per key: 8 keys in flight per warp (16 would spill registers)
@@ -136,9 +146,48 @@ extern "C" __global__ void __launch_bounds__(DECODE_THREADS)
 #pragma unroll
         for (int e = 0; e < E; e++) acc[g][e] = 0.f;
 
+#if DECODE_PIPE
+    // A sub-chunk's K rows (the scores' B tiles) and V rows (4 bf16 a lane a key) as loaded.
+    auto load_sub = [&](int s0, uint4 (&kr)[2][DSTEPS][2], uint2 (&vr)[UNROLL]) {
+        const int s1 = min(te, s0 + SUB), sb = s0 + 16 * warp;
+        if (sb < s1) {
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                const int t = min(sb + 8 * h + g8, s1 - 1);
+                const bf16* kp = cache + (size_t)bt[t / block_size] * block_stride +
+                                 ((size_t)(t % block_size) * KVH + kh) * HEAD_DIM;
+#pragma unroll
+                for (int st = 0; st < DSTEPS; st++)
+#pragma unroll
+                    for (int c = 0; c < 2; c++)
+                        kr[h][st][c] = *reinterpret_cast<const uint4*>(kp + st * 64 + (t4 + 4 * c) * 8);
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < UNROLL; j++) {
+            const int t = min(s0 + warp + 4 * j, s1 - 1);
+            vr[j] = *reinterpret_cast<const uint2*>(cache + (size_t)bt[t / block_size] * block_stride + kv_half +
+                                                    ((size_t)(t % block_size) * KVH + kh) * HEAD_DIM + lane * E);
+        }
+    };
+    uint4 kcur[2][DSTEPS][2];
+    uint2 vcur[UNROLL];
+    load_sub(tb, kcur, vcur);
+#endif
     for (int t0 = tb; t0 < te; t0 += SUB) {
         const int t1 = min(te, t0 + SUB), len = t1 - t0;
-#if DECODE_VPRE
+#if DECODE_PIPE
+        const bool more = t0 + SUB < te;  // block-uniform
+        uint4 knext[2][DSTEPS][2];
+        uint2 vnext[UNROLL];
+        if (more) load_sub(t0 + SUB, knext, vnext);  // in flight during this sub-chunk's math
+        float vpre[UNROLL][E];
+#pragma unroll
+        for (int j = 0; j < UNROLL; j++) {
+            vpre[j][0] = bf_lo(vcur[j].x), vpre[j][1] = bf_hi(vcur[j].x);
+            vpre[j][2] = bf_lo(vcur[j].y), vpre[j][3] = bf_hi(vcur[j].y);
+        }
+#elif DECODE_VPRE
         float vpre[UNROLL][E];  // keys t0 + warp + 4 j: the P.V loop's, issued now
 #pragma unroll
         for (int j = 0; j < UNROLL; j++) {
@@ -150,6 +199,9 @@ extern "C" __global__ void __launch_bounds__(DECODE_THREADS)
 #if DECODE_MMA
         const int kb = t0 + 16 * warp;  // this warp's keys: n-tile h holds keys kb + 8h .. kb + 8h + 7
         if (kb < t1) {
+#if DECODE_PIPE
+            uint4 (&kv)[2][DSTEPS][2] = kcur;
+#else
             uint4 kv[2][DSTEPS][2];
 #pragma unroll
             for (int h = 0; h < 2; h++) {
@@ -162,6 +214,7 @@ extern "C" __global__ void __launch_bounds__(DECODE_THREADS)
                     for (int c = 0; c < 2; c++)
                         kv[h][st][c] = *reinterpret_cast<const uint4*>(kp + st * 64 + (t4 + 4 * c) * 8);
             }
+#endif
 #pragma unroll
             for (int h = 0; h < 2; h++) {
                 float sc[4] = {0.f, 0.f, 0.f, 0.f};
@@ -251,6 +304,18 @@ extern "C" __global__ void __launch_bounds__(DECODE_THREADS)
                 }
             }
         }
+#if DECODE_PIPE
+        if (more) {
+#pragma unroll
+            for (int h = 0; h < 2; h++)
+#pragma unroll
+                for (int st = 0; st < DSTEPS; st++)
+#pragma unroll
+                    for (int c = 0; c < 2; c++) kcur[h][st][c] = knext[h][st][c];
+#pragma unroll
+            for (int j = 0; j < UNROLL; j++) vcur[j] = vnext[j];
+        }
+#endif
         __syncthreads();
     }
 #pragma unroll
