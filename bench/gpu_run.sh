@@ -5,9 +5,10 @@
 #   pdl:   cuda.pdl's card tests, then bench_cuda.py --pdl (the graph with it off / on)
 #   load:  the pinned uploader's card tests, bench_load.py --write, and the loop's gaps during an
 #          8B bf16 load on the card (bench_load_beats.py, on bench_load.py's 16 GB checkpoint)
-#   quant: the quantized GEMV's queued experiments (docs/QUANT.md, "The stage loop"): x in the stage
-#          slot (QXS), less shared memory preferred (--carveout), then decode attention alone and
-#          the Q4_K_M / Q8_0 rounds
+#   quant: the queued kernel experiments (docs/QUANT.md, "The stage loop"): the quantized GEMV with x in
+#          the stage slot (QXS) and with less shared memory preferred (--carveout); decode attention
+#          alone with the next sub-chunk prefetched (DECODE_PIPE) and with 64 / 128 splits; then the
+#          Q4_K_M / Q8_0 rounds
 set -o pipefail
 what=${1:-all}
 # Kernels compile into models/.cache/pycuda (the default; tests and bench alike).
@@ -43,7 +44,8 @@ if [ "$what" = quant ]; then
   for c in 75 50; do
     timeout 60 python3 bench/quant_probe.py --formats Q4_K --tunings "" --carveout $c 2>&1 | tee "$OUT/probe_carve$c.log" | tail -7
   done
-  timeout 60 python3 bench/attn_probe.py 2>&1 | tee "$OUT/attn.log" | tail -11
+  timeout 90 python3 bench/attn_probe.py --variant pipe=DECODE_PIPE=1 s64=NUM_SPLITS=64 s128=NUM_SPLITS=128 2>&1 \
+    | tee "$OUT/attn.log" | tail -11
   timeout 150 python3 bench/bench_quant.py --synthetic Q4_K_M Q8_0 2>&1 | tee "$OUT/bench_quant.log" | tail -6
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
