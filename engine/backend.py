@@ -166,6 +166,9 @@ class Backend(abc.ABC):
     # Most rows one decode round may carry (lanes plus their drafts); a backend that cannot
     # run several rows of one sequence in a round keeps this at 0 (no speculation).
     max_round_rows: int = 0
+    # Of those, the most the round's drafts may bring it to (0: max_round_rows); rows of known
+    # tokens (a short prompt's tail, forced tokens after a take-back) may fill the rest.
+    max_draft_rows: int = 0
     # How far the last step got: "plan" (nothing ran yet; the worker sets it), "swaps" (the
     # page copies ran or raised), "rows" (the swaps are done; the prefill or decode ran).
     step_stage: str = "plan"

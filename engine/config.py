@@ -24,6 +24,11 @@ class CudaTuning:
     # cuda.round_rows: rows a decode round may hold (lanes and their verify rows; the kernels and
     # graphs take 64). Past 16 a round costs more than 1.3x the plain one on the H200 (docs/SPECULATION.md).
     round_rows: int = 16
+    # cuda.known_rows: rows a decode round may hold when the rows past cuda.round_rows are known tokens
+    # (short prompts' tails fed as rows, forced tokens after a take-back), not drafts; 0 = round_rows.
+    # A burst of short prompts then starts in one wider round instead of several (the graphs of every
+    # width up to it are captured at load, and prefill chunks of up to as many rows run the GEMV).
+    known_rows: int = 0
     # cuda.pdl: launch a decode round's kernels with programmatic dependent launch (each may start
     # while the one before ends; gemv.cu issues its first weight loads before it waits). docs/CUDA.md.
     pdl: bool = False

@@ -195,6 +195,7 @@ def load_model(
             supports_prompt_logprobs=backend.supports_prompt_logprobs,
             kv_window=release_window(model_cfg, backend.releases_window_pages),
             max_round_rows=backend.max_round_rows,
+            max_draft_rows=backend.max_draft_rows,
             groups_prefill=backend.prefills_together,
             draft_model=draft,
             vision=model_cfg.vision,

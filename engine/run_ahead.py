@@ -82,7 +82,7 @@ def plan_ahead(sched, plan: StepPlan) -> StepPlan | None:
             return None
         fed[lane.seq_id] = lane.position
     cfg = sched.cfg
-    speculates = cfg.spec_enabled and cfg.spec_max_draft > 0 and sched.max_round_rows > len(sched.running)
+    speculates = cfg.spec_enabled and cfg.spec_max_draft > 0 and sched.max_draft_rows > len(sched.running)
     kv = sched.kv
     lanes: list[Sequence] = []
     need = 0

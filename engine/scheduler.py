@@ -90,6 +90,7 @@ class Scheduler:
         supports_prompt_logprobs: bool = True,
         kv_window: int | None = None,
         max_round_rows: int = 0,
+        max_draft_rows: int = 0,
         groups_prefill: bool = True,
         draft_model=None,
         vision: VisionConfig | None = None,
@@ -102,6 +103,7 @@ class Scheduler:
         self.supports_prompt_logprobs = supports_prompt_logprobs
         self.kv_window = kv_window
         self.max_round_rows = max_round_rows  # Backend.max_round_rows: 0 = no speculation
+        self._draft_rows = max_draft_rows  # Backend.max_draft_rows (0: max_round_rows)
         self.groups_prefill = groups_prefill  # Backend.prefills_together (and cfg.prefill_group): prefill groups
         self.draft_model = draft_model  # engine.spec.draft_model.DraftModel (spec.draft_model), or None
         self.vision = vision  # ModelConfig.vision: the tower AddRequest.images are checked against (None: no images)
@@ -207,6 +209,12 @@ class Scheduler:
         self._plan_rows(plan)
         return plan
 
+    @property
+    def max_draft_rows(self) -> int:
+        """Rows a round may reach with drafts (Backend.max_draft_rows, at most max_round_rows); rows of
+        known tokens (a short prompt's tail, forced tokens) may take it on to max_round_rows."""
+        return min(self._draft_rows, self.max_round_rows) if self._draft_rows else self.max_round_rows
+
     def _plan_rows(self, plan: StepPlan) -> None:
         """Every decoding lane's rows: one, plus (better-ranked lanes first, while the round has rows
         to spare) the forced tokens it is behind on after a take-back, or else its drafts when the
@@ -215,12 +223,14 @@ class Scheduler:
         forced tokens one a round."""
         spare = max(0, self.max_round_rows - len(self.running))
         # Known tokens first (a prompt's tail, forced tokens), better-ranked lanes first: they are
-        # owed, drafts are a bet.
+        # owed, drafts are a bet (and bring the round to max_draft_rows at most).
         known_rows: dict[int, int] = {}
         for seq in self.running:
             if behind := spec.num_behind(seq):
                 known_rows[seq.seq_id] = 1 + min(behind, spare)
                 spare -= known_rows[seq.seq_id] - 1
+        used = len(self.running) + sum(known_rows.values()) - len(known_rows)  # a row a lane, the known ones
+        spare = min(spare, max(0, self.max_draft_rows - used))
         chosen: list[tuple[Sequence, list[int] | None, int]] = []  # (seq, drafts | None: the draft model's, known)
         by_model: dict[int, int] = {}  # seq_id -> drafts the draft model is asked for
         for seq in self.running:

@@ -308,6 +308,15 @@ FIELDS: dict[str, Field] = {
             64,
         ),
         Field(
+            "cuda.known_rows",
+            int,
+            0,
+            "CUDA backend: rows a decode round may hold when those past cuda.round_rows are known tokens "
+            "(short prompts' tails, forced tokens), not drafts; 0 = cuda.round_rows",
+            0,
+            64,
+        ),
+        Field(
             "cuda.pdl",
             bool,
             False,
@@ -567,6 +576,7 @@ def cuda_tuning_dict(values: dict[str, Any]) -> dict[str, Any]:
         "expert_budget": values["cuda.expert_budget"],
         "gpu_budget": values["model.gpu_budget"],
         "round_rows": values["cuda.round_rows"],
+        "known_rows": values["cuda.known_rows"],
         "pdl": values["cuda.pdl"],
         "pinned_upload": values["cuda.pinned_upload"],
         "quant_activations": values["cuda.quant_activations"],

@@ -15,11 +15,13 @@ from tests.engine.fake_backend import FakeBackend, FakeClock, create_requests, r
 from tests.engine.test_scheduler import assert_pool_drained, expected_tokens
 
 
-def scheduler(*, short_prefill: int = 16, rows: int = 16, block_size: int = 4, lanes: int = 4, spec: bool = False):
+def scheduler(*, short_prefill: int = 16, rows: int = 16, block_size: int = 4, lanes: int = 4, spec: bool = False,
+              draft_rows: int = 0):  # fmt: skip
     cfg = EngineConfig(decode_lanes=lanes, prefill_chunk=64, max_context=256, block_size=block_size,
                        default_max_tokens=16, short_prefill=short_prefill, spec_enabled=spec)  # fmt: skip
     clock = FakeClock()
-    sched = Scheduler(cfg, KVManager(64, block_size, 16), clock=clock, seed_rng=random.Random(0), max_round_rows=rows)
+    sched = Scheduler(cfg, KVManager(64, block_size, 16), clock=clock, seed_rng=random.Random(0), max_round_rows=rows,
+                      max_draft_rows=draft_rows)  # fmt: skip
     return sched, FakeBackend(64, block_size, 16), clock
 
 
@@ -127,6 +129,31 @@ def test_known_rows_are_owed_before_drafts(monkeypatch):
     assert plan.drafts[0] == [7] * (8 - 5 - 1)  # the drafting lane gets what is left
 
 
+def test_a_burst_past_the_draft_rows_starts_in_one_wider_round(monkeypatch):
+    """Backend.max_draft_rows (cuda.round_rows) below max_round_rows (cuda.known_rows): the known rows of a
+    burst of short prompts fill the wide round, drafts never bring a round past the draft rows."""
+    from engine.spec import rounds
+
+    sched, backend, clock = scheduler(rows=32, draft_rows=8, lanes=4, spec=True)
+    reqs = create_requests(4, prompt_len=7, max_tokens=6)
+    for r in reqs:
+        assert sched.add_request(r) is None
+    first = sched.schedule()
+    assert first.prefill is None and len(first.decode) == 28  # every tail in one round, past the 8 draft rows
+    assert not first.drafts
+    outs = sched.update_from_output(first, backend.step(first))
+    assert len([o for o in outs if isinstance(o, TokenEvent)]) == 4  # every first token in that round
+    monkeypatch.setattr(rounds, "drafts_for", lambda seq, budget: [7] * budget)  # lanes always drafting
+    plan = sched.schedule()
+    assert len(plan.decode) == 8 and sum(map(len, plan.drafts.values())) == 8 - 4  # drafts stop at the 8
+
+
+def test_draft_rows_default_to_the_round_rows():
+    sched, _, _ = scheduler(rows=12)
+    assert sched.max_draft_rows == 12
+    assert scheduler(rows=12, draft_rows=20)[0].max_draft_rows == 12  # never past the round's rows
+
+
 @pytest.fixture(scope="module")
 def real_model(default_gguf_path):
     """The default GGUF on the default backend (cpu; numpy where its kernels do not build)."""
@@ -176,3 +203,14 @@ def test_short_prompts_on_the_real_model_give_the_prefilled_tokens(real_model):
     assert rows == plain
     alone, _ = generate_real(real_model, SHORT[:1], short_prefill=16)
     assert alone["p0"] == rows["p0"]  # the same beside three others in its rounds
+
+
+def test_cuda_known_rows_key_reaches_cuda_tuning():
+    from engine.config import CudaTuning
+    from ignis_site import config
+
+    assert config.FIELDS["cuda.known_rows"].default == 0 and CudaTuning().known_rows == 0
+    values, _ = config.resolve(environ={"IGNIS_CUDA_KNOWN_ROWS": "48"})
+    assert CudaTuning(**config.cuda_tuning_dict(values)).known_rows == 48
+    with pytest.raises(Exception, match="known_rows"):
+        config.resolve(environ={"IGNIS_CUDA_KNOWN_ROWS": "65"})
