@@ -146,23 +146,29 @@ extern "C" __global__ void __launch_bounds__(DECODE_THREADS)
 #pragma unroll
         for (int e = 0; e < E; e++) acc[g][e] = 0.f;
 
+#if DECODE_MMA
+    // The warp's K tiles of sub-chunk [s0, s1): keys s0 + 16 warp + 8 h + g8, the scores' B operands;
+    // past the sub-chunk a real key, its score unused.
+    auto load_k = [&](int s0, int s1, uint4 (&kr)[2][DSTEPS][2]) {
+        const int sb = s0 + 16 * warp;
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            const int t = min(sb + 8 * h + g8, s1 - 1);
+            const bf16* kp = cache + (size_t)bt[t / block_size] * block_stride +
+                             ((size_t)(t % block_size) * KVH + kh) * HEAD_DIM;
+#pragma unroll
+            for (int st = 0; st < DSTEPS; st++)
+#pragma unroll
+                for (int c = 0; c < 2; c++)
+                    kr[h][st][c] = *reinterpret_cast<const uint4*>(kp + st * 64 + (t4 + 4 * c) * 8);
+        }
+    };
+#endif
 #if DECODE_PIPE
     // A sub-chunk's K rows (the scores' B tiles) and V rows (4 bf16 a lane a key) as loaded.
     auto load_sub = [&](int s0, uint4 (&kr)[2][DSTEPS][2], uint2 (&vr)[UNROLL]) {
-        const int s1 = min(te, s0 + SUB), sb = s0 + 16 * warp;
-        if (sb < s1) {
-#pragma unroll
-            for (int h = 0; h < 2; h++) {
-                const int t = min(sb + 8 * h + g8, s1 - 1);
-                const bf16* kp = cache + (size_t)bt[t / block_size] * block_stride +
-                                 ((size_t)(t % block_size) * KVH + kh) * HEAD_DIM;
-#pragma unroll
-                for (int st = 0; st < DSTEPS; st++)
-#pragma unroll
-                    for (int c = 0; c < 2; c++)
-                        kr[h][st][c] = *reinterpret_cast<const uint4*>(kp + st * 64 + (t4 + 4 * c) * 8);
-            }
-        }
+        const int s1 = min(te, s0 + SUB);
+        if (s0 + 16 * warp < s1) load_k(s0, s1, kr);
 #pragma unroll
         for (int j = 0; j < UNROLL; j++) {
             const int t = min(s0 + warp + 4 * j, s1 - 1);
@@ -203,17 +209,7 @@ extern "C" __global__ void __launch_bounds__(DECODE_THREADS)
             uint4 (&kv)[2][DSTEPS][2] = kcur;
 #else
             uint4 kv[2][DSTEPS][2];
-#pragma unroll
-            for (int h = 0; h < 2; h++) {
-                const int t = min(kb + 8 * h + g8, t1 - 1);  // past the sub-chunk: a real key, its score unused
-                const bf16* kp = cache + (size_t)bt[t / block_size] * block_stride +
-                                 ((size_t)(t % block_size) * KVH + kh) * HEAD_DIM;
-#pragma unroll
-                for (int st = 0; st < DSTEPS; st++)
-#pragma unroll
-                    for (int c = 0; c < 2; c++)
-                        kv[h][st][c] = *reinterpret_cast<const uint4*>(kp + st * 64 + (t4 + 4 * c) * 8);
-            }
+            load_k(t0, t1, kv);
 #endif
 #pragma unroll
             for (int h = 0; h < 2; h++) {

@@ -151,9 +151,12 @@ class CudaBackend(Backend):
         eager = self.moe is not None and not self.moe.graph_safe  # the expert cache reads routing back
         # gemv_q.cu and the expert kernels take one group of 8 rows; gemv.cu takes 64.
         narrow = self.weights.quantized or gemv_rows(self.weights.lm_head) < MAX_LANES or self.moe is not None
-        rows = max(self.tuning.round_rows, self.tuning.known_rows)  # cuda.known_rows: wider for known tokens
-        self.max_round_rows = QUANT_LANES if narrow else max(QUANT_LANES, min(rows, MAX_LANES))
-        self.max_draft_rows = QUANT_LANES if narrow else max(QUANT_LANES, min(self.tuning.round_rows, MAX_LANES))
+
+        def cap(rows: int) -> int:
+            return QUANT_LANES if narrow else max(QUANT_LANES, min(rows, MAX_LANES))
+
+        self.max_round_rows = cap(max(self.tuning.round_rows, self.tuning.known_rows))  # cuda.known_rows: wider
+        self.max_draft_rows = cap(self.tuning.round_rows)  # drafts stop at cuda.round_rows
         self.kern.gemv_cap = self.max_round_rows  # wider prefill chunks run the GEMM
         compiles.bind()  # waits for the cubins still compiling; the graphs launch every kernel
         self.graphs = GraphRunner(self.stream, self.dstage, self._decode_body, self.max_round_rows, eager=eager)
