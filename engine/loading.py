@@ -34,7 +34,7 @@ BackendFactory = Callable[[str, EngineConfig], Backend]
 def load_artifact(path: Path, progress: Callable[[int, int], None], *, as_stored: bool | Collection[str] = False,
                   **options) -> tuple[ModelConfig, dict[str, np.ndarray]]:  # fmt: skip
     """The default loader: engine.loaders.load_artifact (imported when first needed); ``options``:
-    ``loader_options``' (fp8 and bf16 tensors as stored, model.weight_format)."""
+    ``loader_options``' (fp8, bf16 and MXFP4 tensors as stored, model.weight_format)."""
     from engine.loaders import load_artifact as load
 
     return load(path, progress, as_stored=as_stored, **options)
@@ -49,8 +49,9 @@ def create_backend(name: str, cfg: EngineConfig) -> Backend:
 
 def loader_options(cfg: EngineConfig, backend: Backend) -> dict:
     """The loader's arguments for ``backend``: fp8 ones (none where it takes no fp8 weights, so FP8
-    checkpoints come as float32; ``model.weight_format = fp8`` there is refused, ValueError), and
-    ``bf16_as_stored`` where it takes bf16 tensors as stored."""
+    checkpoints come as float32; ``model.weight_format = fp8`` there is refused, ValueError),
+    ``bf16_as_stored`` where it takes bf16 tensors as stored, and ``mxfp4_as_stored`` (with
+    ``weight_format``: ``bf16`` dequantizes) where it takes MXFP4 ones (``takes_mxfp4``)."""
     from engine.loaders.hf import check_weight_format
 
     takes_fp8 = getattr(backend, "takes_fp8", False)
@@ -65,6 +66,8 @@ def loader_options(cfg: EngineConfig, backend: Backend) -> dict:
     kw = {"fp8_as_stored": True, "weight_format": cfg.weight_format} if takes_fp8 else {}
     if getattr(backend, "takes_bf16", False):  # bf16 tensors stay bf16 (engine.loaders.bf16): no float32 copy
         kw["bf16_as_stored"] = True
+    if getattr(backend, "takes_mxfp4", False):  # MXFP4 experts stay 4.25 bits a weight (engine.loaders.mxfp4)
+        kw.update(mxfp4_as_stored=True, weight_format=cfg.weight_format)
     return kw
 
 

@@ -45,6 +45,7 @@ def load_artifact(
     fp8_as_stored: bool = False,
     weight_format: str = "auto",
     bf16_as_stored: bool = False,
+    mxfp4_as_stored: bool = False,
 ) -> tuple[ModelConfig, dict[str, np.ndarray]]:
     """Load any supported artifact; ``progress(done, total)`` reports load progress.
 
@@ -56,7 +57,10 @@ def load_artifact(
     ``fp8_as_stored``) quantizes float projections to e4m3 per output channel at load,
     ``bf16`` dequantizes FP8 checkpoints, ``auto`` keeps what is stored. ``bf16_as_stored``
     (a backend that takes bf16): a Hugging Face checkpoint's bf16 tensors stay bf16
-    (``engine.loaders.bf16``), a GGUF's F16 / BF16 matrices float16 / bf16.
+    (``engine.loaders.bf16``), a GGUF's F16 / BF16 matrices float16 / bf16. ``mxfp4_as_stored``
+    (a backend that takes MXFP4): a Hugging Face MXFP4 checkpoint's experts stay
+    ``engine.loaders.mxfp4.Mxfp4Tensor`` unless ``weight_format`` is ``bf16`` (a GGUF's MXFP4
+    tensors: ``"MXFP4"`` in ``as_stored``).
     """
     from engine.loaders.hf import check_weight_format
 
@@ -74,4 +78,4 @@ def load_artifact(
     from engine.loaders.hf import load_hf
 
     return load_hf(path, progress, fp8_as_stored=fp8_as_stored, weight_format=weight_format,
-                   bf16_as_stored=bf16_as_stored)  # fmt: skip
+                   bf16_as_stored=bf16_as_stored, mxfp4_as_stored=mxfp4_as_stored)  # fmt: skip

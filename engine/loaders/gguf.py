@@ -13,8 +13,10 @@ ggml shape ``[in, out]``, which numpy sees as ``[out, in]`` -- already the
 As stored (``as_stored``): 2-D tensors of the GGML block types a backend keeps
 (its ``weights_as_stored``: the cpu and cuda backends Q8_0 / Q4_0 / Q4_1 / Q5_0 /
 Q5_1 / Q4_K / Q5_K / Q6_K, the cpu backend Q3_K too) stay in their blocks, as a
-:class:`QuantizedTensor` over the raw rows; every other tensor is float32 as
-above, except, for a backend that takes 16-bit floats (``bf16_as_stored``), F16 and BF16
+:class:`QuantizedTensor` over the raw rows; MXFP4 tensors of any rank (llama.cpp's
+gpt-oss experts, ``[experts, out, in]``), where a backend names MXFP4, become
+``engine.loaders.mxfp4.Mxfp4Tensor`` (which the definitions index by expert); every
+other tensor is float32 as above, except, for a backend that takes 16-bit floats (``bf16_as_stored``), F16 and BF16
 matrices, which stay float16 and ``engine.loaders.bf16`` tensors (no float32 copy). Blocks run along the input dimension, so a row of blocks is one output
 row and the definitions' row splits and q/k row un-permutation apply to the
 raw rows.
@@ -28,17 +30,19 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.loaders import bf16
+from engine.loaders import bf16, mxfp4
 from engine.model_config import ModelConfig
 from engine.models import definition, for_gguf
 
 # GGML block types a backend can take as stored (gguf.GGMLQuantizationType values); ``as_stored=True``
 # means these (the cpu backend's).
 STORED_TYPES = {"Q8_0": 8, "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q3_K": 11, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
+MXFP4 = 39  # kept as an Mxfp4Tensor, of any rank, not a QuantizedTensor
 # Every block type some backend keeps: name -> (type id, values a block, bytes a block).
 BLOCK_TYPES = {
     "Q4_0": (2, 32, 18), "Q4_1": (3, 32, 20), "Q5_0": (6, 32, 22), "Q5_1": (7, 32, 24), "Q8_0": (8, 32, 34),
     "Q3_K": (11, 256, 110), "Q4_K": (12, 256, 144), "Q5_K": (13, 256, 176), "Q6_K": (14, 256, 210),
+    "MXFP4": (MXFP4, mxfp4.BLOCK, mxfp4.GGML_BLOCK),
 }  # fmt: skip
 TYPE_NAMES = {tid: name for name, (tid, _, _) in BLOCK_TYPES.items()}
 
@@ -117,10 +121,10 @@ def load_gguf(
 
     ``progress(done, total)`` is called after each tensor. ``as_stored``: matrices of these
     block types (names of ``BLOCK_TYPES``; True: ``STORED_TYPES``) come as
-    :class:`QuantizedTensor` instead (see the module docstring). ``bf16_as_stored`` (a backend
-    that takes 16-bit floats): F16 matrices come as float16 and BF16 ones as
-    ``engine.loaders.bf16`` tensors, not widened (vectors stay float32: definitions compute on
-    norms, and only move matrices' rows).
+    :class:`QuantizedTensor` instead, MXFP4 ones as ``Mxfp4Tensor`` (see the module
+    docstring). ``bf16_as_stored`` (a backend that takes 16-bit floats): F16 matrices come as
+    float16 and BF16 ones as ``engine.loaders.bf16`` tensors, not widened (vectors stay float32:
+    definitions compute on norms, and only move matrices' rows).
     """
     import gguf
     from gguf.quants import dequantize
@@ -135,7 +139,10 @@ def load_gguf(
     total = len(reader.tensors)
     keep = stored_type_ids(as_stored)
     for done, t in enumerate(reader.tensors, 1):
-        if int(t.tensor_type) in keep and len(t.shape) == 2:
+        if int(t.tensor_type) in keep and int(t.tensor_type) == MXFP4:
+            w = mxfp4.from_ggml(t.data, [int(d) for d in reversed(t.shape)])
+            weights.update(model.from_gguf(cfg, t.name, w))
+        elif int(t.tensor_type) in keep and len(t.shape) == 2:
             raw = np.asarray(t.data, dtype=np.uint8)  # [out, row_bytes], a view of the mapped file
             for name, part in model.from_gguf(cfg, t.name, raw):
                 weights[name] = QuantizedTensor(int(t.tensor_type), (part.shape[0], int(t.shape[0])), part)

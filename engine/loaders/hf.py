@@ -16,7 +16,9 @@ produce. Two quantizations are read:
 
 * MXFP4 (``quantization_config.quant_method == "mxfp4"``, gpt-oss's experts):
   each ``X_blocks`` / ``X_scales`` pair is dequantized to float32 ``X`` before
-  the definition maps names (``engine.loaders.mxfp4``).
+  the definition maps names (``engine.loaders.mxfp4``), or, for a backend that
+  takes MXFP4 as stored (``mxfp4_as_stored``), joined into an ``Mxfp4Tensor``
+  whose per-expert rows the definition picks.
 * FP8 (``quant_method == "fp8"``, ``fmt`` e4m3, ``weight_block_size`` [B, B] or
   absent): each float8_e4m3fn ``X.weight`` with its ``X.weight_scale_inv``
   (B x B tiles) or ``X.weight_scale`` (per tensor or output channel) becomes an
@@ -117,6 +119,7 @@ def load_hf(
     fp8_as_stored: bool = False,
     weight_format: str = "auto",
     bf16_as_stored: bool = False,
+    mxfp4_as_stored: bool = False,
 ) -> tuple[ModelConfig, dict[str, np.ndarray]]:
     """Read a Hugging Face directory; ``progress(done, total)`` counts safetensors files.
 
@@ -128,6 +131,9 @@ def load_hf(
     ``weight_format`` is ``bf16``), and ``weight_format`` ``fp8`` quantizes a float
     checkpoint's projections per output channel; without it FP8 is dequantized to float32
     and ``fp8`` is refused (ValueError).
+
+    ``mxfp4_as_stored`` (a backend that takes MXFP4): an MXFP4 checkpoint's experts come as
+    ``engine.loaders.mxfp4.Mxfp4Tensor`` ``[out, in]`` (unless ``weight_format`` is ``bf16``).
     """
     root = Path(path)
     cfg = read_config(root)  # first: an unsupported model_type is refused before any weights are read
@@ -145,13 +151,14 @@ def load_hf(
     is_mxfp4 = method == "mxfp4"
     fp8_block = fp8.checkpoint_block(raw_config["quantization_config"]) if method == "fp8" else None
     keep_fp8 = fp8_as_stored and weight_format != "bf16"
+    keep_mxfp4 = mxfp4_as_stored and weight_format != "bf16"
     keep_bf16 = bf16_as_stored and method is None and weight_format != "fp8"
     weights: dict[str, np.ndarray] = {}
     halves: dict[str, np.ndarray] = {}  # MXFP4 blocks or scales whose partner is in a later shard
     for done, name in enumerate(files, 1):
         tensors = read_safetensors(root / name, keep_bf16=keep_bf16)
         if is_mxfp4:
-            tensors = mxfp4.join_pairs(tensors, halves)
+            tensors = mxfp4.join_pairs(tensors, halves, keep=keep_mxfp4)
         if method == "fp8":
             tensors = fp8.join_scales(tensors, halves, block=fp8_block, keep=keep_fp8)
             for name in [n for n, t in tensors.items() if isinstance(t, fp8.Fp8Tensor)]:

@@ -22,7 +22,9 @@ as transformers' fused parameters, ``[in, out]`` per expert:
 ``mlp.experts.gate_up_proj`` ``[E, hidden, 2I]`` with gate and up interleaved
 on the last axis (even columns gate, odd up), ``gate_up_proj_bias`` ``[E, 2I]``,
 ``down_proj`` ``[E, I, hidden]``, ``down_proj_bias`` ``[E, hidden]``; MXFP4
-checkpoints reach this layout through the loader (``engine.loaders.mxfp4``).
+checkpoints reach this layout through the loader (``engine.loaders.mxfp4``), or,
+kept as stored, come as ``Mxfp4Tensor`` stacks ``[E, out, in]`` (gate and up
+interleaved on the rows), each expert's rows picked without dequantizing.
 llama.cpp stacks them ``[E, out, in]`` as ``ffn_{gate,up,down}_exps`` (gate and
 up already apart) with ``.bias`` ``[E, out]``, names the router
 ``ffn_gate_inp``, the sinks ``attn_sinks`` and the second norm
@@ -36,6 +38,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from engine.loaders.mxfp4 import Mxfp4Tensor
 from engine.model_config import ModelConfig
 from engine.models.base import TensorMap, split_fused
 from engine.models.llama import LLAMA_GGUF, Llama
@@ -206,24 +209,30 @@ def _gguf_expert(name: str) -> tuple[str, str | None]:
     return "", None
 
 
-def _check_experts(cfg: ModelConfig, name: str, w: np.ndarray) -> None:
+def _check_experts(cfg: ModelConfig, name: str, w: np.ndarray | Mxfp4Tensor) -> None:
     if w.shape[0] != cfg.num_experts:
         raise ValueError(f"{name}: {w.shape[0]} experts stacked, expected {cfg.num_experts}")
 
 
-def _split_hf_experts(cfg: ModelConfig, prefix: str, fused: str, w: np.ndarray) -> dict[str, np.ndarray]:
-    """transformers' fused experts ``[E, in, out]`` (gate|up interleaved) -> per-expert ``[out, in]``."""
+def _split_hf_experts(
+    cfg: ModelConfig, prefix: str, fused: str, w: np.ndarray | Mxfp4Tensor
+) -> dict[str, np.ndarray | Mxfp4Tensor]:
+    """transformers' fused experts ``[E, in, out]`` (gate|up interleaved), or an ``Mxfp4Tensor``
+    stack ``[E, out, in]``, -> per-expert ``[out, in]``."""
     _check_experts(cfg, prefix + fused, w)
-    out: dict[str, np.ndarray] = {}
+    out: dict[str, np.ndarray | Mxfp4Tensor] = {}
     for e in range(cfg.num_experts):
         p = f"{prefix}{e}."
-        if fused == "gate_up_proj":
+        if fused == "gate_up_proj" and isinstance(w, Mxfp4Tensor):  # gate|up interleaved on the rows
+            out[p + "gate_proj.weight"] = w[e].rows(slice(0, None, 2))
+            out[p + "up_proj.weight"] = w[e].rows(slice(1, None, 2))
+        elif fused == "gate_up_proj":
             out[p + "gate_proj.weight"] = np.ascontiguousarray(w[e][:, 0::2].T)
             out[p + "up_proj.weight"] = np.ascontiguousarray(w[e][:, 1::2].T)
         elif fused == "gate_up_proj_bias":
             out[p + "gate_proj.bias"], out[p + "up_proj.bias"] = w[e][0::2], w[e][1::2]
         elif fused == "down_proj":
-            out[p + "down_proj.weight"] = np.ascontiguousarray(w[e].T)
+            out[p + "down_proj.weight"] = w[e] if isinstance(w, Mxfp4Tensor) else np.ascontiguousarray(w[e].T)
         elif fused == "down_proj_bias":
             out[p + "down_proj.bias"] = w[e]
         else:

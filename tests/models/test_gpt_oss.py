@@ -22,7 +22,7 @@ from engine.models import definition
 from engine.models.ops import MoE, Rope
 from engine.models.rope import rope_tables
 from tests.engine.test_hf_parity import MAX_REL_ERR, greedy, hf_greedy, load_backend, rel_err
-from tests.models.tiny_gpt_oss import quantize_experts_mxfp4, write_checkpoint
+from tests.models.tiny_gpt_oss import quantize_experts_mxfp4, write_checkpoint, write_gguf
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -131,98 +131,12 @@ def test_mxfp4_checkpoint_loads_as_transformers_dequantizes_it(tiny_mxfp4):
 # --- llama.cpp's layout --------------------------------------------------------------------
 
 
-def _e2m1_nibbles(blocks: np.ndarray) -> np.ndarray:
-    """Each value's 4-bit code, in order: byte j of an HF block holds value 2j low, 2j + 1 high."""
-    return np.stack([blocks & 0x0F, blocks >> 4], axis=-1).reshape(*blocks.shape[:-1], 32)
-
-
-def _ggml_mxfp4(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
-    """The same MXFP4 data as ggml blocks: the scale byte, then 16 bytes holding value j low, j + 16 high."""
-    n = _e2m1_nibbles(blocks)
-    qs = (n[..., :16] | (n[..., 16:] << 4)).astype(np.uint8)
-    packed = np.concatenate([scales[..., None], qs], axis=-1)  # [E, out, G, 17]
-    return packed.reshape(*packed.shape[:2], -1)
-
-
-def _write_gguf(hf_dir, path, *, mxfp4: bool = False) -> None:
-    """The checkpoint as llama.cpp's converter writes gpt-oss: F32 tensors (experts MXFP4 when the
-    checkpoint's are), experts stacked [E, out, in] with gate and up apart."""
-    import gguf
-    from safetensors.numpy import load_file
-
-    hf = json.loads((hf_dir / "config.json").read_text())
-    rope = hf["rope_parameters"]
-    w = gguf.GGUFWriter(str(path), "gpt-oss")
-    w.add_context_length(hf["max_position_embeddings"])
-    w.add_embedding_length(hf["hidden_size"])
-    w.add_feed_forward_length(hf["intermediate_size"])
-    w.add_expert_feed_forward_length(hf["intermediate_size"])
-    w.add_block_count(hf["num_hidden_layers"])
-    w.add_head_count(hf["num_attention_heads"])
-    w.add_head_count_kv(hf["num_key_value_heads"])
-    w.add_key_length(hf["head_dim"])
-    w.add_value_length(hf["head_dim"])
-    w.add_layer_norm_rms_eps(hf["rms_norm_eps"])
-    w.add_rope_freq_base(rope["rope_theta"])
-    w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
-    w.add_rope_scaling_factor(rope["factor"])
-    w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
-    w.add_rope_scaling_yarn_beta_fast(rope["beta_fast"])
-    w.add_rope_scaling_yarn_beta_slow(rope["beta_slow"])
-    w.add_expert_count(hf["num_local_experts"])
-    w.add_expert_used_count(hf["num_experts_per_tok"])
-    w.add_sliding_window(hf["sliding_window"])
-    names = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "post_attention_norm.weight",
-             "self_attn.sinks": "attn_sinks.weight", "mlp.router.weight": "ffn_gate_inp.weight",
-             "mlp.router.bias": "ffn_gate_inp.bias"}  # fmt: skip
-    for x, g in (("q", "attn_q"), ("k", "attn_k"), ("v", "attn_v"), ("o", "attn_output")):
-        names |= {f"self_attn.{x}_proj.weight": f"{g}.weight", f"self_attn.{x}_proj.bias": f"{g}.bias"}
-    globals_ = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-                "lm_head.weight": "output.weight"}  # fmt: skip
-    tensors = load_file(hf_dir / "model.safetensors")
-    for name, t in tensors.items():
-        if not name.startswith("model.layers."):
-            w.add_tensor(globals_[name], t)
-            continue
-        _, _, i, suffix = name.split(".", 3)
-        blk = f"blk.{i}."
-        if suffix == "mlp.experts.gate_up_proj_bias":
-            w.add_tensor(blk + "ffn_gate_exps.bias", np.ascontiguousarray(t[:, 0::2]))
-            w.add_tensor(blk + "ffn_up_exps.bias", np.ascontiguousarray(t[:, 1::2]))
-        elif suffix == "mlp.experts.down_proj_bias":
-            w.add_tensor(blk + "ffn_down_exps.bias", t)
-        elif suffix in ("mlp.experts.gate_up_proj", "mlp.experts.down_proj"):  # [E, in, out] -> [E, out, in]
-            t = t.transpose(0, 2, 1)
-            if suffix.endswith("down_proj"):
-                w.add_tensor(blk + "ffn_down_exps.weight", np.ascontiguousarray(t))
-            else:
-                w.add_tensor(blk + "ffn_gate_exps.weight", np.ascontiguousarray(t[:, 0::2]))
-                w.add_tensor(blk + "ffn_up_exps.weight", np.ascontiguousarray(t[:, 1::2]))
-        elif suffix.endswith("_scales"):
-            continue  # written with their blocks
-        elif suffix.endswith("_blocks"):
-            b, s = t, tensors[name.replace("_blocks", "_scales")]
-            if suffix.startswith("mlp.experts.down_proj"):
-                w.add_tensor(blk + "ffn_down_exps.weight", _ggml_mxfp4(b, s), raw_dtype=gguf.GGMLQuantizationType.MXFP4)
-            else:
-                for part, rows in (("gate", slice(0, None, 2)), ("up", slice(1, None, 2))):
-                    w.add_tensor(blk + f"ffn_{part}_exps.weight", _ggml_mxfp4(b[:, rows], s[:, rows]),
-                                 raw_dtype=gguf.GGMLQuantizationType.MXFP4)  # fmt: skip
-        else:
-            w.add_tensor(blk + names[suffix], t)
-    assert mxfp4 == any(n.endswith("_blocks") for n in tensors)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-
-
 @pytest.mark.parametrize("mxfp4", [False, True], ids=["f32", "mxfp4"])
 def test_gguf_loads_as_its_hf_checkpoint(mxfp4, tiny, tiny_mxfp4, tmp_path):
     """llama.cpp's names, stacked experts and metadata (MXFP4 experts in ggml's block layout) map onto
     the same canonical tensors, bit for bit, and the same config as the safetensors checkpoint."""
     hf_dir = tiny_mxfp4 if mxfp4 else tiny
-    _write_gguf(hf_dir, tmp_path / "tiny.gguf", mxfp4=mxfp4)
+    write_gguf(hf_dir, tmp_path / "tiny.gguf", mxfp4=mxfp4)
     hf_cfg, hf_weights = load_artifact(hf_dir)
     cfg, weights = load_artifact(tmp_path / "tiny.gguf")
     assert cfg.rms_norm_eps == np.float32(hf_cfg.rms_norm_eps)  # GGUF keeps eps as a float32
