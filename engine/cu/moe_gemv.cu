@@ -14,7 +14,10 @@
 //                y[m*k + s] (fixed order), and with nw the next norm's xw = bf16(h * nw) and
 //                ss_out[m, bx] = sum of h^2 over the tile (ss_nparts = ceil(N / 128)).
 // Preconditions (wrapper): N % 8 == 0 (float4 / 4-column combine), M <= 64.
-// Compile-time: MOE_THREADS (256).
+// Compile-time: MOE_THREADS (256); MOE_MX (0 or 1): the pools hold MXFP4 blobs (engine/cu/mxfp4.py's
+// layout; stride in bytes) instead of bf16, and moe_mx_dequant is built for prefill. A quad's 4 lanes
+// read one 32-value block of a row at a time, so each mma's k values share the row's scale: the mma
+// sums the unscaled e2m1 values (bf16, exact), the scale multiplies its fp32 result.
 
 #ifndef MOE_THREADS
 #error "MOE_THREADS is defined by engine/backends/cuda/moe.py"
@@ -24,6 +27,16 @@ static_assert(MOE_THREADS == 256, "moe_gemv: 8 warps");
 #define EX_U 4
 #define DOWN_ROWS 128
 #define DOWN_MAX_K 16
+#ifndef MOE_MX
+#define MOE_MX 0
+#endif
+#if MOE_MX
+typedef unsigned char wt_t;  // a pool's unit: MXFP4 blobs are addressed in bytes
+#define MX_GROUP 128         // values a row group: 4 blocks, 64 bytes, 16 a lane
+#define MX_U 2               // row groups in flight a warp
+#else
+typedef bf16 wt_t;
+#endif
 
 struct Groups {
     int n_active, n_tiles;
@@ -43,23 +56,98 @@ __device__ __forceinline__ float act_fn(float g, float u, int oai, float limit) 
     return g / (1.f + expf(-g)) * u;
 }
 
-__device__ __forceinline__ void ex_step(float* c, const uint4& wa, const uint4& wb, const uint4& xv) {
-    const uint32_t a0[4] = {wa.x, wb.x, wa.y, wb.y};
-    const uint32_t a1[4] = {wa.z, wb.z, wa.w, wb.w};
-    mma_bf16(c, a0, xv.x, xv.y);
-    mma_bf16(c, a1, xv.z, xv.w);
+#if MOE_MX
+// A u32 of 8 e2m1 codes in mxfp4.py's nibble order -> (v0, v1) .. (v6, v7) as 4 bf16x2, unscaled.
+// A code's magnitude bits go to bf16 bits 8..6 (exponent 0..3 and one mantissa bit: the value times
+// 2^-126, subnormal for 0 and 0.5) and its sign to bit 15; one bf16x2 multiply by 2^126 (exact,
+// subnormal inputs kept) gives the value.
+__device__ __forceinline__ uint32_t mx_pair(uint32_t bits) {
+    uint32_t r;
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(bits), "r"(0x7e807e80u), "r"(0x80008000u));
+    return r;
 }
 
+__device__ __forceinline__ uint4 mx_decode(uint32_t q) {
+    const uint32_t M = 0x01c001c0u, S = 0x80008000u;
+    return make_uint4(mx_pair(((q << 6) & M) | ((q << 12) & S)), mx_pair(((q << 2) & M) | ((q << 8) & S)),
+                      mx_pair(((q >> 2) & M) | ((q << 4) & S)), mx_pair(((q >> 6) & M) | (q & S)));
+}
+
+// e8m0 -> 2^(s - 127) (s = 0: 2^-127, an fp32 subnormal).
+__device__ __forceinline__ float mx_scale(uint32_t s) {
+    return __uint_as_float(s ? s << 23 : 0x00400000u);
+}
+
+__device__ __forceinline__ uint32_t ld_u32_if(const uint32_t* p, bool pred) { return pred ? __ldg(p) : 0u; }
+
+// c += rows g, g + 8 of an MXFP4 blob (wa_p / wb_p: the rows' nibbles at this lane's 16 bytes of
+// group 0; sa_p / sb_p: their scales) times column g's activations x_p (bf16 [K]), over row groups
+// G0, G0 + step, .. < nG (MX_U of them in flight).
+__device__ __forceinline__ void mx_rows(float* c, const uint4* wa_p, const uint4* wb_p, const uint32_t* sa_p,
+                                        const uint32_t* sb_p, bool ra, bool rb, const uint4* x_p, bool rx, int K8,
+                                        int G0, int step, int nG) {
+    const int t = threadIdx.x & 3;
+    for (; G0 < nG; G0 += step * MX_U) {
+        uint4 wa[MX_U], wb[MX_U], xv[MX_U][4];
+        uint32_t sa[MX_U], sb[MX_U];
+#pragma unroll
+        for (int u = 0; u < MX_U; u++) {
+            const int G = G0 + u * step;
+            const bool ok = G < nG;
+            wa[u] = ld_stream_if(wa_p + 4 * G, ok && ra);
+            wb[u] = ld_stream_if(wb_p + 4 * G, ok && rb);
+            sa[u] = ld_u32_if(sa_p + G, ok && ra);
+            sb[u] = ld_u32_if(sb_p + G, ok && rb);
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                const int ch = (4 * G + j) * 4 + t;  // 8 values of block 4G + j
+                xv[u][j] = ldg_if(x_p + ch, ok && rx && ch < K8);
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < MX_U; u++) {
+            const uint32_t qa[4] = {wa[u].x, wa[u].y, wa[u].z, wa[u].w}, qb[4] = {wb[u].x, wb[u].y, wb[u].z, wb[u].w};
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                float d[4] = {0.f, 0.f, 0.f, 0.f};
+                tc_step(d, mx_decode(qa[j]), mx_decode(qb[j]), xv[u][j]);
+                const float fa = mx_scale((sa[u] >> (8 * j)) & 0xff), fb = mx_scale((sb[u] >> (8 * j)) & 0xff);
+                c[0] += d[0] * fa;
+                c[1] += d[1] * fa;
+                c[2] += d[2] * fb;
+                c[3] += d[3] * fb;
+            }
+        }
+    }
+}
+
+// c += rows nr, nr + 8 (ra / rb: they exist) of the N x K blob W times x_p, over groups G0, G0 + step, ..
+__device__ __forceinline__ void mx_accumulate(float* c, const unsigned char* W, int nr, bool ra, bool rb, int N,
+                                              int K, const uint4* x_p, bool rx, int G0, int step) {
+    const int t = threadIdx.x & 3, Kp = (K + MX_GROUP - 1) / MX_GROUP * MX_GROUP;
+    const size_t row_a = ra ? nr : 0, row_b = rb ? nr + 8 : 0;
+    const unsigned char* S = W + (size_t)N * (Kp / 2);
+    mx_rows(c, reinterpret_cast<const uint4*>(W + row_a * (Kp / 2)) + t,
+            reinterpret_cast<const uint4*>(W + row_b * (Kp / 2)) + t,
+            reinterpret_cast<const uint32_t*>(S + row_a * (Kp / 32)),
+            reinterpret_cast<const uint32_t*>(S + row_b * (Kp / 32)), ra, rb, x_p, rx, K >> 3, G0, step,
+            Kp / MX_GROUP);
+}
+#endif
+
 // This warp's partial of W rows n0 + g, n0 + g + 8 times column g's activation row, into red.
-__device__ __forceinline__ void ex_accumulate(const bf16* W, const bf16* xrow, bool rx, int n0, int N, int K,
+__device__ __forceinline__ void ex_accumulate(const wt_t* W, const bf16* xrow, bool rx, int n0, int N, int K,
                                               float (*red)[EX_ROWS][8]) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const int K8 = K >> 3;
     const bool ra = n0 + g < N, rb = n0 + g + 8 < N;
+    float c[4] = {0.f, 0.f, 0.f, 0.f};
+#if MOE_MX
+    mx_accumulate(c, W, n0 + g, ra, rb, N, K, reinterpret_cast<const uint4*>(xrow), rx, warp, 8);
+#else
+    const int K8 = K >> 3;
     const uint4* wa_p = reinterpret_cast<const uint4*>(W) + (size_t)(ra ? n0 + g : 0) * K8;
     const uint4* wb_p = reinterpret_cast<const uint4*>(W) + (size_t)(rb ? n0 + g + 8 : 0) * K8;
     const uint4* x_p = reinterpret_cast<const uint4*>(xrow);
-    float c[4] = {0.f, 0.f, 0.f, 0.f};
     const int steps = (K8 + 7) / 8;
     for (int s0 = warp; s0 < steps; s0 += 8 * EX_U) {
         uint4 wa[EX_U][2], wb[EX_U][2], xv[EX_U][2];
@@ -78,8 +166,9 @@ __device__ __forceinline__ void ex_accumulate(const bf16* W, const bf16* xrow, b
 #pragma unroll
         for (int u = 0; u < EX_U; u++)
 #pragma unroll
-            for (int h = 0; h < 2; h++) ex_step(c, wa[u][h], wb[u][h], xv[u][h]);
+            for (int h = 0; h < 2; h++) tc_step(c, wa[u][h], wb[u][h], xv[u][h]);
     }
+#endif
     red[warp][g][2 * t] = c[0];
     red[warp][g][2 * t + 1] = c[1];
     red[warp][g + 8][2 * t] = c[2];
@@ -89,14 +178,14 @@ __device__ __forceinline__ void ex_accumulate(const bf16* W, const bf16* xrow, b
 // act bf16 [M*k, N/2] per pair = act(gate, up) of x[m] @ Wgu^T (+ bias); ss_in: fused RMSNorm.
 extern "C" __global__ void __launch_bounds__(MOE_THREADS, 2)
     moe_gate_up(const bf16* __restrict__ x, const float* __restrict__ ss_in, int ss_nparts, float eps,
-                const bf16* __restrict__ pool, long long stride, const int* __restrict__ slot_of,
+                const wt_t* __restrict__ pool, long long stride, const int* __restrict__ slot_of,
                 const float* __restrict__ bias, const int* __restrict__ grp, int E, int tmax, int k, int N,
                 int K, bf16* __restrict__ act, int oai, float limit) {
     const Groups G = groups(grp, E, tmax);
     const int j = blockIdx.y;
     if (j >= G.n_active) return;
     const int e = G.active[j], p0 = G.off[j], cnt = G.off[j + 1] - p0;
-    const bf16* W = pool + (size_t)slot_of[e] * stride;
+    const wt_t* W = pool + (size_t)slot_of[e] * stride;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, n0 = blockIdx.x * EX_ROWS;
     __shared__ float red[8][EX_ROWS][8];
     __shared__ float rs[8];
@@ -139,7 +228,7 @@ extern "C" __global__ void __launch_bounds__(MOE_THREADS, 2)
 // moe_down: a warp owns 16 weight rows over all of K (K is short: I), so a block covers DOWN_ROWS
 // = 128 output columns and needs no cross-warp reduction; the pair's result goes straight to y.
 extern "C" __global__ void __launch_bounds__(MOE_THREADS, 2)
-    moe_down(const bf16* __restrict__ act, const bf16* __restrict__ pool, long long stride,
+    moe_down(const bf16* __restrict__ act, const wt_t* __restrict__ pool, long long stride,
              const int* __restrict__ slot_of, const float* __restrict__ bias, const int* __restrict__ grp, int E,
              int tmax, int N, int K, float* __restrict__ y, int* __restrict__ done, const float* __restrict__ weights,
              int k, int M, float* __restrict__ x, const bf16* __restrict__ nw, bf16* __restrict__ xw,
@@ -148,16 +237,22 @@ extern "C" __global__ void __launch_bounds__(MOE_THREADS, 2)
     const int j = blockIdx.y;
     if (j >= G.n_active) return;
     const int e = G.active[j], p0 = G.off[j], cnt = G.off[j + 1] - p0;
-    const bf16* W = pool + (size_t)slot_of[e] * stride;
+    const wt_t* W = pool + (size_t)slot_of[e] * stride;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const int n0 = blockIdx.x * DOWN_ROWS, nb = n0 + warp * 16, K8 = K >> 3, steps = (K8 + 7) / 8;
+    const int n0 = blockIdx.x * DOWN_ROWS, nb = n0 + warp * 16;
     const bool ra = nb + g < N, rb = nb + g + 8 < N;
+#if !MOE_MX
+    const int K8 = K >> 3, steps = (K8 + 7) / 8;
     const uint4* wa_p = reinterpret_cast<const uint4*>(W) + (size_t)(ra ? nb + g : 0) * K8;
     const uint4* wb_p = reinterpret_cast<const uint4*>(W) + (size_t)(rb ? nb + g + 8 : 0) * K8;
+#endif
     for (int c0 = 0; c0 < cnt; c0 += 8) {
         const bool rx = c0 + g < cnt;
         const uint4* x_p = reinterpret_cast<const uint4*>(act + (size_t)(rx ? G.pairs[p0 + c0 + g] : 0) * K);
         float c[4] = {0.f, 0.f, 0.f, 0.f};
+#if MOE_MX
+        mx_accumulate(c, W, nb + g, ra, rb, N, K, x_p, rx, 0, 1);
+#else
         for (int s0 = 0; s0 < steps; s0 += EX_U) {
             uint4 wa[EX_U][2], wb[EX_U][2], xv[EX_U][2];
 #pragma unroll
@@ -175,8 +270,9 @@ extern "C" __global__ void __launch_bounds__(MOE_THREADS, 2)
 #pragma unroll
             for (int u = 0; u < EX_U; u++)
 #pragma unroll
-                for (int h = 0; h < 2; h++) ex_step(c, wa[u][h], wb[u][h], xv[u][h]);
+                for (int h = 0; h < 2; h++) tc_step(c, wa[u][h], wb[u][h], xv[u][h]);
         }
+#endif
 #pragma unroll
         for (int h = 0; h < 2; h++) {  // c[h]: row nb + g, column 2t + h; c[2 + h]: row nb + g + 8
             const int col = c0 + 2 * t + h;
@@ -235,3 +331,28 @@ extern "C" __global__ void __launch_bounds__(MOE_THREADS, 2)
         if (nw != nullptr && lane == 0) ss_out[(size_t)m * gridDim.x + blockIdx.x] = q;
     }
 }
+
+#if MOE_MX
+// moe_mx_dequant: out bf16 [E, N, K] = each expert's N x K blob (pool + slot_of[e] * stride) as bf16
+// (exact: a prefill chunk's moe_gemm reads it). Grid (x, E); a thread a u32 (8 values) at a time.
+extern "C" __global__ void __launch_bounds__(MOE_THREADS)
+    moe_mx_dequant(const unsigned char* __restrict__ pool, long long stride, const int* __restrict__ slot_of, int N,
+                   int K, bf16* __restrict__ out) {
+    const int e = blockIdx.y, Kp = (K + MX_GROUP - 1) / MX_GROUP * MX_GROUP;
+    const unsigned char* W = pool + (size_t)slot_of[e] * stride;
+    const uint32_t* words = reinterpret_cast<const uint32_t*>(W);
+    const unsigned char* S = W + (size_t)N * (Kp / 2);
+    bf16* o = out + (size_t)e * N * K;
+    const long long total = (long long)N * (Kp / 8);
+    for (long long w = (long long)blockIdx.x * blockDim.x + threadIdx.x; w < total; w += (long long)gridDim.x * blockDim.x) {
+        const int row = (int)(w / (Kp / 8)), r = (int)(w % (Kp / 8));  // r: group r / 16, lane (r / 4) % 4, block r % 4
+        const int blk = 4 * (r >> 4) + (r & 3), k0 = blk * 32 + 8 * ((r >> 2) & 3);
+        if (k0 >= K) continue;
+        const float f = mx_scale(S[(size_t)row * (Kp / 32) + blk]);
+        const uint4 v = mx_decode(__ldg(words + w));
+        *reinterpret_cast<uint4*>(o + (size_t)row * K + k0) =
+            make_uint4(pack_bf162(bf_lo(v.x) * f, bf_hi(v.x) * f), pack_bf162(bf_lo(v.y) * f, bf_hi(v.y) * f),
+                       pack_bf162(bf_lo(v.z) * f, bf_hi(v.z) * f), pack_bf162(bf_lo(v.w) * f, bf_hi(v.w) * f));
+    }
+}
+#endif

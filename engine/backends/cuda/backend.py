@@ -43,13 +43,17 @@ class CudaBackend(Backend):
     # matrices or MoE layers (``_load``).
     max_round_rows = MAX_LANES
     # The GGUF block types the loader keeps as stored (engine.loaders.gguf.QuantizedTensor): decode
-    # GEMVs read them (engine/cu/gemv_q.cu); F16 / BF16 / F32 arrive as floats and go up as bf16.
-    weights_as_stored = frozenset(QUANT_FORMATS)
+    # GEMVs read them (engine/cu/gemv_q.cu); F16 / BF16 / F32 arrive as floats and go up as bf16;
+    # MXFP4 comes as an Mxfp4Tensor (experts as stored, see takes_mxfp4).
+    weights_as_stored = frozenset(QUANT_FORMATS) | {"MXFP4"}
     # fp8 matrices (engine.loaders.fp8.Fp8Tensor, per-output-channel scales) go up as e4m3 bytes and
     # fp32 scales; decode reads them in gemv_q.cu, prefill dequantizes them for the GEMM.
     takes_fp8 = True
     # bf16 checkpoint tensors arrive as stored (engine.loaders.bf16) and go up as their bits.
     takes_bf16 = True
+    # MXFP4 experts (gpt-oss) arrive as engine.loaders.mxfp4.Mxfp4Tensor and go up as stored
+    # (engine/cu/mxfp4.py, read by moe_gemv.cu's MOE_MX build); any other MXFP4 matrix is dequantized.
+    takes_mxfp4 = True
     # Rounds planned ahead (engine/run_ahead.py, docs/CUDA.md): a PENDING row's token is read on the
     # device from the round before's ``out`` (the embed kernel's ``src`` rows); with ``step(defer=True)``
     # a plain round returns once queued, and ``finish`` waits for its tokens: the next round is queued
@@ -119,7 +123,7 @@ class CudaBackend(Backend):
         self.mem = Allocations()
         self.formats = quant_formats(weights)
         self.kern = self._kernels()  # every compile starts on the pool (in the serial order: done now)
-        moe_kern, vision_kern = self._model_kernels(cfg, blocks)  # theirs too, before the upload
+        moe_kern, vision_kern = self._model_kernels(cfg, blocks, weights)  # theirs too, before the upload
         self.stream = cuda.Stream()
         self.weights = upload(cfg, blocks, head, weights, self.mem, embed_scale=embedding.scale, kern=self.kern,
                               pinned=self.tuning.pinned_upload)  # fmt: skip
@@ -164,6 +168,8 @@ class CudaBackend(Backend):
         # The workspace figure is engine.memory's formula (the same one the switch precheck uses):
         # activations of PREFILL_CHUNK rows plus MAX_LANES rows of logits.
         work = workspace_bytes(cfg, rows=PREFILL_CHUNK, logit_rows=MAX_LANES) + scratch
+        if self.moe is not None:
+            work += self.moe.ws.mx_scratch_bytes  # MXFP4 experts: a layer's as bf16 for prefill
         kv_bytes = self.kv.num_blocks * self.kv.block_bytes
         weight_bytes = self.weights.nbytes + moe_bytes
         if self.vision is not None:
@@ -193,15 +199,17 @@ class CudaBackend(Backend):
         return {"experts": {"resident": cache.slots, "total": total, "hits": cache.hits, "misses": cache.misses,
                             "bytes_moved": cache.bytes_moved}}  # fmt: skip
 
-    def _model_kernels(self, cfg, blocks):
-        """(``MoEKernels`` of a sparse model or None, ``VisionKernels`` of a vision-language one or None)."""
+    def _model_kernels(self, cfg, blocks, weights):
+        """(``MoEKernels`` of a sparse model (built for MXFP4 experts when ``weights`` hold them) or None,
+        ``VisionKernels`` of a vision-language one or None)."""
         from engine.models.ops import MoE
 
         moe = vision = None
         if blocks and isinstance(blocks[0].mlp, MoE):
+            from engine.backends.cuda.expert_cache import is_mxfp4
             from engine.backends.cuda.moe import MoEKernels
 
-            moe = MoEKernels(self.tuning.kernel_cache_dir)
+            moe = MoEKernels(self.tuning.kernel_cache_dir, mx=is_mxfp4(cfg, weights))
         if cfg.vision is not None:
             from engine.cu.vision import VisionKernels
 
@@ -219,18 +227,17 @@ class CudaBackend(Backend):
             return None, 0
         from engine.backends.cuda.expert_cache import expert_nbytes, upload_moe
         from engine.backends.cuda.moe import DeviceMoE, MoEWorkspace
-        from engine.backends.cuda.weights import Dequantized
 
         op, budget = blocks[0].mlp, self.tuning.expert_budget or None
-        weights = Dequantized(weights)  # the expert kernels read bf16
+        # bf16 experts (GGUF blocks and fp8 dequantized), or MXFP4 ones as stored
         layers, cache = upload_moe(cfg, op, weights, self.mem, gpu_budget=budget)  # (primes the cache)
         ws = MoEWorkspace(op.num_experts, op.top_k, cfg.hidden_size, cfg.moe_intermediate_size, PREFILL_CHUNK,
-                          self.mem)  # fmt: skip
+                          self.mem, mx=kern.mx)  # fmt: skip
         resident = cfg.num_layers * op.num_experts if cache is None else cache.slots
         logging.getLogger("ignis.engine").info(
             "ignis.runtime.experts", extra={"resident": resident, "total": cfg.num_layers * op.num_experts}
         )
-        return DeviceMoE(cfg, op, kern, layers, ws, cache), resident * expert_nbytes(cfg)
+        return DeviceMoE(cfg, op, kern, layers, ws, cache), resident * expert_nbytes(cfg, kern.mx)
 
     def _upload_vision(self, cfg, weights, vk):
         """The vision tower (engine/backends/cuda/vision.py, its kernels ``vk``) of a vision-language

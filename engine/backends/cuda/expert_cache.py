@@ -2,7 +2,10 @@
 
 ``upload_moe`` plans by a byte budget for expert weights (``gpu_budget``; None = no limit): when
 every layer's experts fit they are uploaded per layer as bf16 ``[E, 2I, H]`` gate|up (interleaved
-in 8-row groups) and ``[E, H, I]`` down, with an identity slot table. Otherwise every expert lives
+in 8-row groups) and ``[E, H, I]`` down, with an identity slot table; experts that come as
+``Mxfp4Tensor`` (gpt-oss's, kept as stored) go up as MXFP4 blobs instead (engine/cu/mxfp4.py: the
+same rows, 17 bytes a 32 values), one a matrix and expert, and the MoE kernels' ``MOE_MX`` build
+reads them. Otherwise every expert lives
 in pinned host RAM and ``ExpertCache`` keeps the most recently used in a fixed pool of device slots;
 a slot table ``[layers, E]`` int32 (host mirror + device copy) maps (layer, expert) to its slot or
 -1. The kernels read weights through the layer's row of that table (engine/cu/moe.cu).
@@ -20,30 +23,47 @@ import logging
 import numpy as np
 
 from engine.backends.cuda.moe import MoELayer
+from engine.cu import mxfp4
+from engine.loaders.mxfp4 import Mxfp4Tensor
 from engine.model_config import ModelConfig
 from engine.models.ops import MoE
 
 log = logging.getLogger(__name__)
 
 
-def expert_nbytes(cfg: ModelConfig) -> int:
-    """bf16 bytes of one expert's gate, up and down."""
-    return 3 * cfg.moe_intermediate_size * cfg.hidden_size * 2
+def expert_bytes(cfg: ModelConfig, mx: bool = False) -> tuple[int, int]:
+    """Device bytes of one expert's gate|up and of its down: bf16, or MXFP4 blobs (``mx``)."""
+    H, inter = cfg.hidden_size, cfg.moe_intermediate_size
+    if mx:
+        return mxfp4.blob_bytes(2 * inter, H), mxfp4.blob_bytes(H, inter)
+    return 2 * inter * H * 2, H * inter * 2
+
+
+def expert_nbytes(cfg: ModelConfig, mx: bool = False) -> int:
+    """Device bytes of one expert's gate, up and down (bf16, or MXFP4 blobs)."""
+    return sum(expert_bytes(cfg, mx))
+
+
+def is_mxfp4(cfg: ModelConfig, weights) -> bool:
+    """Whether ``weights`` hold every expert matrix as ``Mxfp4Tensor`` (the loader kept them as
+    stored); experts of mixed formats all go up as bf16."""
+    names = [n for n in weights if ".mlp.experts." in n and n.endswith("_proj.weight")]
+    return bool(names) and all(isinstance(weights[n], Mxfp4Tensor) for n in names)
 
 
 class ExpertCache:
-    """``slots`` device slots over every (layer, expert) in pinned host RAM (``host_gu[layer]`` uint16
-    ``[E, 2I * H]``, ``host_down[layer]`` ``[E, H * I]``: fill them, then ``prime``)."""
+    """``slots`` device slots over every (layer, expert) in pinned host RAM (``host_gu[layer]`` uint8
+    ``[E, gu_bytes]``, ``host_down[layer]`` ``[E, down_bytes]``: fill them, then ``prime``)."""
 
-    def __init__(self, layers: int, experts: int, gu_elems: int, down_elems: int, slots: int, mem) -> None:
+    def __init__(self, layers: int, experts: int, gu_bytes: int, down_bytes: int, slots: int, mem) -> None:
         import pycuda.driver as cuda
 
         if slots < experts:
             raise ValueError(f"gpu_budget holds {slots} expert slots; a layer can need all {experts}")
         self.layers, self.E, self.slots = layers, experts, slots
-        self.gu_bytes, self.down_bytes = gu_elems * 2, down_elems * 2
-        self.host_gu = [cuda.pagelocked_empty((experts, gu_elems), np.uint16) for _ in range(layers)]
-        self.host_down = [cuda.pagelocked_empty((experts, down_elems), np.uint16) for _ in range(layers)]
+        self.gu_bytes, self.down_bytes = gu_bytes, down_bytes
+        self.host_gu = [cuda.pagelocked_empty((experts, gu_bytes), np.uint8) for _ in range(layers)]
+        self.host_down = [cuda.pagelocked_empty((experts, down_bytes), np.uint8) for _ in range(layers)]
         self.gu_pool, self.down_pool = mem.alloc(slots * self.gu_bytes), mem.alloc(slots * self.down_bytes)
         self.table = cuda.pagelocked_empty((layers, experts), np.int32)
         self.table[:] = -1
@@ -116,16 +136,27 @@ class ExpertCache:
             cuda.memcpy_htod_async(self.slot_of(layer), self.table[layer], s)
 
 
+def expert_blobs(gate: Mxfp4Tensor, up: Mxfp4Tensor, down: Mxfp4Tensor) -> tuple[np.ndarray, np.ndarray]:
+    """One expert's MXFP4 gate|up blob (rows interleaved as the bf16 pool's) and down blob."""
+    from engine.backends.cuda.weights import interleave_gate_up
+
+    rows = interleave_gate_up(*np.arange(2 * gate.shape[0]).reshape(2, -1, 1))[:, 0]
+    gu = Mxfp4Tensor(np.concatenate([gate.blocks, up.blocks]), np.concatenate([gate.scales, up.scales])).rows(rows)
+    return mxfp4.pack(gu.blocks, gu.scales), mxfp4.pack(down.blocks, down.scales)
+
+
 def upload_moe(cfg: ModelConfig, op: MoE, weights, mem, gpu_budget: int | None = None):
-    """Upload every MoE layer's router, biases and experts (canonical names, float32 ``[out, in]``);
-    returns ``(layers, cache)``: ``cache`` None when all experts fit ``gpu_budget`` bytes."""
+    """Upload every MoE layer's router, biases and experts (canonical names: float32 ``[out, in]``,
+    or every expert an ``Mxfp4Tensor``, see ``is_mxfp4``); returns ``(layers, cache)``: ``cache``
+    None when all experts fit ``gpu_budget`` bytes."""
     import pycuda.driver as cuda
 
-    from engine.backends.cuda.weights import interleave_gate_up, to_bf16
+    from engine.backends.cuda.weights import dequantized, interleave_gate_up, to_bf16
 
-    L, E, H, inter = cfg.num_layers, op.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
-    slots = L * E if gpu_budget is None else int(gpu_budget) // expert_nbytes(cfg)
-    cache = ExpertCache(L, E, 2 * inter * H, H * inter, slots, mem) if slots < L * E else None
+    L, E = cfg.num_layers, op.num_experts
+    mx = is_mxfp4(cfg, weights)
+    slots = L * E if gpu_budget is None else int(gpu_budget) // expert_nbytes(cfg, mx)
+    cache = ExpertCache(L, E, *expert_bytes(cfg, mx), slots, mem) if slots < L * E else None
     if cache is None:
         log.info("experts: all %d of %d layers' %d resident", L, L, E)
 
@@ -139,23 +170,28 @@ def upload_moe(cfg: ModelConfig, op: MoE, weights, mem, gpu_budget: int | None =
     layers = []
     for i in range(L):
         p = f"model.layers.{i}.mlp."
-        w = [np.asarray(weights[f"{p}experts.{e}.{n}_proj.weight"], np.float32) for e in range(E) for n in ("gate", "up", "down")]  # fmt: skip
-        gu = np.stack([to_bf16(interleave_gate_up(w[3 * e], w[3 * e + 1])).reshape(-1) for e in range(E)])
-        down = np.stack([to_bf16(w[3 * e + 2]).reshape(-1) for e in range(E)])
+        w = [weights[f"{p}experts.{e}.{n}_proj.weight"] for e in range(E) for n in ("gate", "up", "down")]
+        if mx:
+            blobs = [expert_blobs(*w[3 * e : 3 * e + 3]) for e in range(E)]
+            gu, down = np.stack([b[0] for b in blobs]), np.stack([b[1] for b in blobs])
+        else:
+            w = [np.asarray(dequantized(a), np.float32) for a in w]
+            gu = np.stack([to_bf16(interleave_gate_up(w[3 * e], w[3 * e + 1])).reshape(-1) for e in range(E)])
+            down = np.stack([to_bf16(w[3 * e + 2]).reshape(-1) for e in range(E)])
         gu_bias = down_bias = 0
         if op.expert_bias:
-            b = [np.asarray(weights[f"{p}experts.{e}.{n}_proj.bias"], np.float32) for e in range(E) for n in ("gate", "up", "down")]  # fmt: skip
+            b = [np.asarray(dequantized(weights[f"{p}experts.{e}.{n}_proj.bias"]), np.float32) for e in range(E) for n in ("gate", "up", "down")]  # fmt: skip
             gu_bias = put(np.stack([interleave_gate_up(b[3 * e][:, None], b[3 * e + 1][:, None])[:, 0] for e in range(E)]))  # fmt: skip
             down_bias = put(np.stack([b[3 * e + 2] for e in range(E)]))
         if cache is None:
             gu_pool, down_pool, slot_of = put(gu), put(down), ident
         else:
-            cache.host_gu[i][:], cache.host_down[i][:] = gu, down
+            cache.host_gu[i][:], cache.host_down[i][:] = gu.view(np.uint8), down.view(np.uint8)
             gu_pool, down_pool, slot_of = cache.gu_pool, cache.down_pool, cache.slot_of(i)
         layers.append(MoELayer(
-            router=put(to_bf16(np.asarray(weights[p + "gate.weight"], np.float32))),
-            router_bias=put(np.asarray(weights[p + "gate.bias"], np.float32)) if op.router_bias else 0,
-            gu_pool=gu_pool, down_pool=down_pool, slot_of=slot_of, gu_bias=gu_bias, down_bias=down_bias,
+            router=put(to_bf16(np.asarray(dequantized(weights[p + "gate.weight"]), np.float32))),
+            router_bias=put(np.asarray(dequantized(weights[p + "gate.bias"]), np.float32)) if op.router_bias else 0,
+            gu_pool=gu_pool, down_pool=down_pool, slot_of=slot_of, gu_bias=gu_bias, down_bias=down_bias, mx=mx,
         ))  # fmt: skip
     if cache is not None:
         cache.prime()

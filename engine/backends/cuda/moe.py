@@ -10,6 +10,10 @@ and grouping, then grouped tensor-core GEMMs over 128-pair tiles of one expert).
 grouping never leave the device; with an expert cache (``expert_cache.ExpertCache``) the active
 experts are read back after routing and misses copied in first (one sync a layer), so cached
 rounds are not graph-capturable (``graph_safe``). docs/MOE.md has the design.
+
+MXFP4 experts (``MoELayer.mx``, engine/cu/mxfp4.py's blobs): decode rounds read them as stored
+(moe_gemv.cu built with ``MOE_MX``); a prefill chunk first dequantizes the layer's experts into a
+bf16 scratch (``moe_mx_dequant``, exact) that the grouped GEMMs read as they read bf16 pools.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from engine.cu import mxfp4
 from engine.cu.launch import Kernel, module
 from engine.model_config import ModelConfig
 from engine.models.ops import MoE
@@ -45,12 +50,14 @@ class MoELayer:
     gu_bias: int  # fp32 [E, 2I] interleaved like the weights, or 0
     down_bias: int  # fp32 [E, H] or 0
     router_bias_ld: int = 0  # 0: one router bias vector; E: a row per input row (scripted routing)
+    mx: bool = False  # the pools hold MXFP4 blobs (strides in bytes), not bf16
 
 
 class MoEWorkspace:
     """Routing and expert activations for up to ``max_rows`` rows (one int32 groups table, moe.cu)."""
 
-    def __init__(self, num_experts: int, top_k: int, hidden: int, inter: int, max_rows: int, mem) -> None:
+    def __init__(self, num_experts: int, top_k: int, hidden: int, inter: int, max_rows: int, mem,
+                 mx: bool = False) -> None:  # fmt: skip
         E, P = num_experts, max_rows * top_k
         self.max_rows, self.tmax = max_rows, -(-P // 128) + E
         self.logits, self.ids, self.weights = mem.alloc(max_rows * E * 4), mem.alloc(P * 4), mem.alloc(P * 4)
@@ -67,17 +74,33 @@ class MoEWorkspace:
 
         cuda.memset_d32(self.done, 0, n_done)
         self.tile_done = self.done + 4
+        # MXFP4 experts: a layer's gate|up or down as bf16 for prefill, expert e at e (``ident``)
+        self.mx_scratch_bytes = mx_scratch_bytes(E, hidden, inter) if mx else 0
+        self.mx_scratch = mem.alloc(self.mx_scratch_bytes) if mx else 0
+        self.ident = 0
+        if mx:
+            ident = np.arange(E, dtype=np.int32)
+            self.ident = mem.alloc(ident.nbytes)
+            cuda.memcpy_htod(self.ident, ident)
+
+
+def mx_scratch_bytes(num_experts: int, hidden: int, inter: int) -> int:
+    """The bf16 scratch a prefill chunk dequantizes one MXFP4 layer's gate|up (then down) into."""
+    return num_experts * 2 * inter * hidden * 2
 
 
 class MoEKernels:
     """moe.cu's and moe_gemm.cu's kernels, compiled and prepared (``launch.Kernel``)."""
 
-    def __init__(self, cache_dir: str = "") -> None:
+    def __init__(self, cache_dir: str = "", mx: bool = False) -> None:
         import pycuda.driver as cuda
 
-        d = (("MOE_THREADS", MOE_THREADS),)
-        m, v, g = module("moe", d, cache_dir), module("moe_gemv", d, cache_dir), module("moe_gemm", d, cache_dir)
         T = MOE_THREADS
+        d = (("MOE_THREADS", MOE_THREADS),)
+        m, g = module("moe", d, cache_dir), module("moe_gemm", d, cache_dir)
+        v = module("moe_gemv", d + (("MOE_MX", 1),) if mx else d, cache_dir)  # mx: the expert GEMVs read MXFP4
+        self.mx = mx
+        self.mx_dequant = Kernel(v, "moe_mx_dequant", "pool:ptr stride:i64 slot_of:ptr N:i32 K:i32 out:ptr", T) if mx else None  # fmt: skip
         self.router = Kernel(m, "moe_router", "x:ptr ss_in:ptr ss_nparts:i32 eps:f32 W:ptr bias:ptr bias_ld:i32 logits:ptr "
                              "M:i32 E:i32 K:i32 done:ptr k:i32 normalize:i32 ids:ptr weights:ptr grp:ptr tmax:i32", T)  # fmt: skip
         self.route = Kernel(m, "moe_route", "logits:ptr M:i32 E:i32 k:i32 normalize:i32 ids:ptr weights:ptr grp:ptr "
@@ -95,7 +118,7 @@ class MoEKernels:
             kern.fn.set_attribute(cuda.function_attribute.MAX_DYNAMIC_SHARED_SIZE_BYTES, MOE_GEMM_SMEM)
 
 
-def check_moe(op: MoE, cfg: ModelConfig) -> None:
+def check_moe(op: MoE, cfg: ModelConfig, mx: bool = False) -> None:
     """Refuse, naming the field, what these kernels cannot run."""
     if not 1 <= op.num_experts <= MAX_EXPERTS:
         raise ValueError(f"num_experts {op.num_experts} not supported (1..{MAX_EXPERTS})")
@@ -105,6 +128,8 @@ def check_moe(op: MoE, cfg: ModelConfig) -> None:
         raise ValueError(f"MoE act {op.act!r} not supported ({', '.join(ACTS)})")
     if cfg.hidden_size % 8 or cfg.moe_intermediate_size % 8:
         raise ValueError("hidden_size and moe_intermediate_size must be multiples of 8")
+    if mx and (cfg.hidden_size % 32 or cfg.moe_intermediate_size % 32):
+        raise ValueError("MXFP4 experts: hidden_size and moe_intermediate_size must be multiples of 32")
     if cfg.hidden_size > MAX_ROUTER_K:
         raise ValueError(f"hidden_size {cfg.hidden_size} not supported by the router GEMV (<= {MAX_ROUTER_K})")
 
@@ -114,9 +139,14 @@ class DeviceMoE:
 
     def __init__(self, cfg: ModelConfig, op: MoE, kern: MoEKernels, layers: list[MoELayer], ws: MoEWorkspace,
                  cache=None) -> None:  # fmt: skip
-        check_moe(op, cfg)
+        self.mx = bool(layers) and layers[0].mx
+        check_moe(op, cfg, self.mx)
         self.cfg, self.op, self.kern, self.layers, self.ws, self.cache = cfg, op, kern, layers, ws, cache
-        self.hidden, self.inter = cfg.hidden_size, cfg.moe_intermediate_size
+        self.hidden, self.inter = H, inter = cfg.hidden_size, cfg.moe_intermediate_size
+        if self.mx and not (kern.mx and ws.mx_scratch):
+            raise ValueError("MXFP4 experts need MoEKernels(mx=True) and MoEWorkspace(mx=True)")
+        # an expert's gate|up and down in its pool: bf16 elements, or MXFP4 blob bytes
+        self.strides = (mxfp4.blob_bytes(2 * inter, H), mxfp4.blob_bytes(H, inter)) if self.mx else (2 * inter * H, H * inter)  # fmt: skip
         self.oai, self.limit = ACTS[op.act], float("inf") if op.swiglu_limit is None else float(op.swiglu_limit)
         self._hdr = None
         if cache is not None:
@@ -163,10 +193,10 @@ class DeviceMoE:
         self._route(s, i, xn, rows, ss_in, eps)
         groups = min(E, rows * op.top_k)
         k.gate_up(s, (2 * inter // 16, groups), x=xn, ss_in=ss_in[0], ss_nparts=ss_in[1], eps=eps, pool=L.gu_pool,
-                  stride=2 * inter * H, slot_of=L.slot_of, bias=L.gu_bias, grp=ws.grp, E=E, tmax=ws.tmax,
+                  stride=self.strides[0], slot_of=L.slot_of, bias=L.gu_bias, grp=ws.grp, E=E, tmax=ws.tmax,
                   k=op.top_k, N=2 * inter, K=H, act=ws.act, oai=self.oai, limit=self.limit)  # fmt: skip
         nw, xw, ss = norm_out
-        k.down(s, (-(-H // DOWN_ROWS), groups), act=ws.act, pool=L.down_pool, stride=H * inter, slot_of=L.slot_of,
+        k.down(s, (-(-H // DOWN_ROWS), groups), act=ws.act, pool=L.down_pool, stride=self.strides[1], slot_of=L.slot_of,
                bias=L.down_bias, grp=ws.grp, E=E, tmax=ws.tmax, N=H, K=inter, y=ws.y, done=ws.tile_done,
                weights=ws.weights, k=op.top_k, M=rows, x=x, nw=nw, xw=xw, ss_out=ss)  # fmt: skip
         return -(-H // DOWN_ROWS) if nw else 0
@@ -177,10 +207,23 @@ class DeviceMoE:
         self._route(s, i, xn, rows, (0, 0), 0.0)
         P = rows * op.top_k
         tiles = -(-P // 128) + min(E, P)
-        common = dict(grp=ws.grp, tiles=ws.tiles, pairs=ws.pairs, slot_of=L.slot_of)
-        k.gemm_gu(s, (tiles, -(-2 * inter // 128)), A=xn, a_div=op.top_k, pool=L.gu_pool, stride=2 * inter * H,
-                  bias=L.gu_bias, N=2 * inter, K=H, act=ws.act, oai=self.oai, limit=self.limit, **common)  # fmt: skip
-        k.gemm_down(s, (tiles, -(-H // 128)), A=ws.act, a_div=1, pool=L.down_pool, stride=H * inter,
+        common = dict(grp=ws.grp, tiles=ws.tiles, pairs=ws.pairs)
+        gu_pool, down_pool, slot_of = L.gu_pool, L.down_pool, L.slot_of
+        if self.mx:  # every expert of the layer as bf16 in the scratch, expert e at e
+            gu_pool, down_pool, slot_of = ws.mx_scratch, ws.mx_scratch, ws.ident
+            self._dequant(s, L.gu_pool, self.strides[0], L.slot_of, 2 * inter, H)
+        k.gemm_gu(s, (tiles, -(-2 * inter // 128)), A=xn, a_div=op.top_k, pool=gu_pool, stride=2 * inter * H,
+                  slot_of=slot_of, bias=L.gu_bias, N=2 * inter, K=H, act=ws.act, oai=self.oai, limit=self.limit,
+                  **common)  # fmt: skip
+        if self.mx:
+            self._dequant(s, L.down_pool, self.strides[1], L.slot_of, H, inter)
+        k.gemm_down(s, (tiles, -(-H // 128)), A=ws.act, a_div=1, pool=down_pool, stride=H * inter, slot_of=slot_of,
                     bias=L.down_bias, N=H, K=inter, y=ws.y, **common)  # fmt: skip
         self.kern.combine(s, (-(-H // COMBINE_COLS), rows), y=ws.y, weights=ws.weights, k=op.top_k, x=x, H=H, nw=0,
                           xw=0, ss_out=0)  # fmt: skip
+
+    def _dequant(self, s, pool: int, stride: int, slot_of: int, N: int, K: int) -> None:
+        """The layer's experts' N x K MXFP4 blobs -> bf16 [E, N, K] in the scratch."""
+        words = N * mxfp4.padded_k(K) // 8
+        self.kern.mx_dequant(s, (min(-(-words // MOE_THREADS), 1024), self.op.num_experts), pool=pool, stride=stride,
+                             slot_of=slot_of, N=N, K=K, out=self.ws.mx_scratch)  # fmt: skip

@@ -36,6 +36,7 @@ from engine.loaders import bf16
 from engine.loaders.bf16 import is_bf16
 from engine.loaders.fp8 import Fp8Tensor
 from engine.loaders.gguf import QuantizedTensor
+from engine.loaders.mxfp4 import Mxfp4Tensor
 from engine.model_config import ModelConfig
 from engine.models.ops import Block, Head, MoE, MRope, RMSNorm, Rope
 
@@ -370,9 +371,9 @@ def _keeps_blocks(parts: list, interleave: bool) -> bool:
 
 
 def dequantized(w):
-    """A weight as float32 numpy (a ``QuantizedTensor`` through gguf's dequantize, an ``Fp8Tensor``
-    through its own, bf16 kept as stored widened); others as they are."""
-    if isinstance(w, Fp8Tensor):
+    """A weight as float32 numpy (a ``QuantizedTensor`` through gguf's dequantize, an ``Fp8Tensor`` or
+    ``Mxfp4Tensor`` through its own, bf16 kept as stored widened); others as they are."""
+    if isinstance(w, (Fp8Tensor, Mxfp4Tensor)):
         return w.dequantize()
     if is_bf16(w):
         return bf16.to_float32(w)

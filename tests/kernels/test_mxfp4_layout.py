@@ -1,0 +1,49 @@
+"""The MXFP4 blobs the CUDA backend uploads (engine/cu/mxfp4.py), checked on the CPU: read back as the
+kernels read them they hold the checkpoint's values, rows in the bf16 pools' gate|up order."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from engine.cu import mxfp4
+from engine.loaders.mxfp4 import Mxfp4Tensor
+
+rng = np.random.default_rng(5)
+
+
+def tensor(rows: int, cols: int) -> Mxfp4Tensor:
+    g = cols // 32
+    return Mxfp4Tensor(rng.integers(0, 256, (rows, g, 16), dtype=np.uint8),
+                       rng.integers(100, 140, (rows, g), dtype=np.uint8))  # fmt: skip
+
+
+@pytest.mark.parametrize("rows,cols", [(16, 2880), (3, 32), (8, 128), (5, 288)])
+def test_blob_reads_back_as_the_checkpoint_values(rows, cols):
+    t = tensor(rows, cols)
+    blob = mxfp4.pack(t.blocks, t.scales)
+    assert blob.size == mxfp4.blob_bytes(rows, cols) and blob.size % mxfp4.BLOB_ALIGN == 0
+    np.testing.assert_array_equal(mxfp4.unpack(blob, rows, cols), t.dequantize())
+
+
+def test_blob_layout_of_one_group():
+    """Row 0, group 0: lane t's u32 j holds values 8t.. of block j, nibble i value NIBBLE_ORDER[i]."""
+    t = tensor(1, 128)
+    blob = mxfp4.pack(t.blocks, t.scales)
+    codes = np.stack([t.blocks & 0xF, t.blocks >> 4], -1).reshape(4, 32)  # [block, value]
+    words = blob[:64].view("<u4").reshape(4, 4)  # [lane t, block j]
+    for lane in range(4):
+        for j in range(4):
+            got = [(int(words[lane, j]) >> (4 * i)) & 0xF for i in range(8)]
+            assert got == [codes[j, 8 * lane + v] for v in mxfp4.NIBBLE_ORDER]
+    np.testing.assert_array_equal(blob[64:68], t.scales[0])  # the scales follow the nibbles
+
+
+def test_expert_blobs_interleave_gate_and_up_as_the_bf16_pool():
+    from engine.backends.cuda.expert_cache import expert_blobs
+    from engine.backends.cuda.weights import interleave_gate_up
+
+    gate, up, down = tensor(32, 96), tensor(32, 96), tensor(96, 32)
+    gu, dn = expert_blobs(gate, up, down)
+    np.testing.assert_array_equal(mxfp4.unpack(gu, 64, 96), interleave_gate_up(gate.dequantize(), up.dequantize()))
+    np.testing.assert_array_equal(mxfp4.unpack(dn, 96, 32), down.dequantize())
