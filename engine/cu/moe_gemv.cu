@@ -78,6 +78,12 @@ __device__ __forceinline__ float mx_scale(uint32_t s) {
     return __uint_as_float(s ? s << 23 : 0x00400000u);
 }
 
+// Byte j of four e8m0 scales -> 2^(s - 127) in two instructions (the decode's: s = 0 reads as 0, not
+// 2^-127; a block that small contributes below 1e-37).
+__device__ __forceinline__ float mx_scale_of(uint32_t s4, int j) {
+    return __uint_as_float((j < 3 ? s4 << (23 - 8 * j) : s4 >> 1) & 0x7f800000u);
+}
+
 __device__ __forceinline__ uint32_t ld_u32_if(const uint32_t* p, bool pred) { return pred ? __ldg(p) : 0u; }
 
 // c += rows g, g + 8 of an MXFP4 blob (wa_p / wb_p: the rows' nibbles at this lane's 16 bytes of
@@ -111,7 +117,7 @@ __device__ __forceinline__ void mx_rows(float* c, const uint4* wa_p, const uint4
             for (int j = 0; j < 4; j++) {
                 float d[4] = {0.f, 0.f, 0.f, 0.f};
                 tc_step(d, mx_decode(qa[j]), mx_decode(qb[j]), xv[u][j]);
-                const float fa = mx_scale((sa[u] >> (8 * j)) & 0xff), fb = mx_scale((sb[u] >> (8 * j)) & 0xff);
+                const float fa = mx_scale_of(sa[u], j), fb = mx_scale_of(sb[u], j);
                 c[0] += d[0] * fa;
                 c[1] += d[1] * fa;
                 c[2] += d[2] * fb;

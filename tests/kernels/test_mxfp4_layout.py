@@ -47,3 +47,23 @@ def test_expert_blobs_interleave_gate_and_up_as_the_bf16_pool():
     gu, dn = expert_blobs(gate, up, down)
     np.testing.assert_array_equal(mxfp4.unpack(gu, 64, 96), interleave_gate_up(gate.dequantize(), up.dequantize()))
     np.testing.assert_array_equal(mxfp4.unpack(dn, 96, 32), down.dequantize())
+
+
+def test_the_kernels_bit_decode_gives_the_values():
+    """moe_gemv.cu's mx_decode in numpy: per u32, pair j's magnitude bits shifted to bf16 bits 8..6 and
+    sign to bit 15 (both halves), times 2^126, are the e2m1 values (v2j, v2j+1) unscaled."""
+    t = tensor(4, 256)
+    blob = mxfp4.pack(t.blocks, np.full_like(t.scales, 127))  # scale 1
+    words = blob[: 4 * 256 // 2].view("<u4").astype(np.uint64)
+    m, s = 0x01C001C0, 0x80008000
+    shifts = [(6, 12), (2, 8), (-2, 4), (-6, 0)]  # (magnitude, sign) left shifts of pair j
+
+    def shl(q, n):
+        return (q << n if n >= 0 else q >> -n) & 0xFFFFFFFF
+
+    pairs = np.stack([(shl(words, a) & m) | (shl(words, b) & s) for a, b in shifts], -1)  # [words, j]
+    lo = ((pairs & 0xFFFF) << 16).astype(np.uint32).view(np.float32) * np.float32(2.0**126)
+    hi = (pairs & 0xFFFF0000).astype(np.uint32).view(np.float32) * np.float32(2.0**126)
+    values = np.stack([lo, hi], -1).reshape(4, 2, 4, 4, 8)  # [row, group, lane t, block j, 8 values]
+    got = values.transpose(0, 1, 3, 2, 4).reshape(4, 256)
+    np.testing.assert_array_equal(got, mxfp4.unpack(blob, 4, 256))
