@@ -268,13 +268,16 @@ def test_greedy_matches_numpy_and_is_width_invariant(model):
         toks[label], lps[label] = _run_lanes(backend, prompts, tables, steps, width)
     assert toks["cuda1"] == toks["cuda8"] == toks["cuda3"], kind
     assert lps["cuda1"] == lps["cuda8"] == lps["cuda3"], kind
-    for i in range(lanes):
-        a, b = toks["numpy"][i], toks["cuda1"][i]
-        if a == b:
-            continue
-        j = next(k for k in range(len(a)) if a[k] != b[k])
-        seq = prompts[i] + a[:j]
-        assert near_tie(ref, seq), f"{kind}: lane {i} diverged at {j}"
+    assert_follows(ref, prompts, toks["numpy"][:lanes], toks["cuda1"][:lanes], f"{kind}: ")
+
+
+def assert_follows(ref, prompts: list, want: list, got: list, label: str = "") -> None:
+    """Each lane's greedy tokens ``got`` are the reference's ``want`` up to their first difference,
+    and that one is at a near tie (``near_tie``, the reference backend ``ref``'s view)."""
+    for i, (a, b) in enumerate(zip(want, got)):
+        if a != b:
+            j = next(k for k in range(len(a)) if a[k] != b[k])
+            assert near_tie(ref, prompts[i] + a[:j]), f"{label}lane {i} diverged at {j}"
 
 
 def near_tie(ref, seq: list[int]) -> bool:
