@@ -362,3 +362,39 @@ extern "C" __global__ void __launch_bounds__(MOE_THREADS)
     }
 }
 #endif
+
+#if MOE_MX
+// moe_mx_pack: E experts' checkpoint MXFP4 (blocks [N, G, 16] in HF's nibble order, scales [N, G];
+// expert e at e * N * G of each) -> their blobs (engine/cu/mxfp4.py's layout) at dst + e * stride.
+// gu: the N rows are gate's N / 2 then up's, and blob row r is interleave_gate_up's (8-row groups of
+// gate, then of up). Grid (x, E); a thread a u32 of nibbles, then a scale byte, at a time.
+extern "C" __global__ void __launch_bounds__(MOE_THREADS)
+    moe_mx_pack(const uint32_t* __restrict__ blocks, const unsigned char* __restrict__ scales, int N, int G, int gu,
+                unsigned char* __restrict__ dst, long long stride) {
+    const int e = blockIdx.y, Kp = (G * 32 + MX_GROUP - 1) / MX_GROUP * MX_GROUP, nb = Kp / 32;
+    const uint32_t* src = blocks + (size_t)e * N * G * 4;
+    const unsigned char* ssrc = scales + (size_t)e * N * G;
+    unsigned char* W = dst + (size_t)e * stride;
+    uint32_t* words = reinterpret_cast<uint32_t*>(W);
+    unsigned char* S = W + (size_t)N * (Kp / 2);
+    const long long step = (long long)gridDim.x * blockDim.x, first = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    auto src_row = [&](int r) {
+        if (!gu) return r;
+        const int q = r >> 4, w = r & 15;
+        return w < 8 ? 8 * q + w : N / 2 + 8 * q + w - 8;
+    };
+    for (long long w = first; w < (long long)N * (Kp / 8); w += step) {
+        const int row = (int)(w / (Kp / 8)), r = (int)(w % (Kp / 8));  // r: group r / 16, lane (r / 4) % 4, block r % 4
+        const int blk = 4 * (r >> 4) + (r & 3), t = (r >> 2) & 3;
+        uint32_t x = blk < G ? __ldg(src + ((size_t)src_row(row) * G + blk) * 4 + t) : 0u;
+        uint32_t d = (x ^ (x >> 4)) & 0x00f000f0u;  // nibbles v0..v7 -> v0 v2 v4 v6 v1 v3 v5 v7
+        x ^= d ^ (d << 4);
+        d = (x ^ (x >> 8)) & 0x0000ff00u;
+        words[w] = x ^ d ^ (d << 8);
+    }
+    for (long long i = first; i < (long long)N * nb; i += step) {
+        const int row = (int)(i / nb), blk = (int)(i % nb);
+        S[i] = blk < G ? ssrc[(size_t)src_row(row) * G + blk] : 0;
+    }
+}
+#endif

@@ -67,9 +67,10 @@ def build(cfg, op, w, mem, rows, gpu_budget=None):
     from engine.backends.cuda.expert_cache import upload_moe
     from engine.backends.cuda.moe import DeviceMoE, MoEKernels, MoEWorkspace
 
-    layers, cache = upload_moe(cfg, op, w, mem, gpu_budget)
+    kern = MoEKernels(mx=True)
+    layers, cache = upload_moe(cfg, op, w, mem, gpu_budget, kern=kern)
     ws = MoEWorkspace(op.num_experts, op.top_k, cfg.hidden_size, cfg.moe_intermediate_size, rows, mem, mx=True)
-    moe = DeviceMoE(cfg, op, MoEKernels(mx=True), layers, ws, cache)
+    moe = DeviceMoE(cfg, op, kern, layers, ws, cache)
     assert moe.mx
     return moe
 
@@ -103,6 +104,28 @@ def test_dequant_kernel_is_the_blob_exactly(stream, mem, scales):
     got = get(out, (E, N, K), np.uint16)
     for e, t in enumerate(ts):
         np.testing.assert_array_equal(got[e], to_bf16(t.dequantize()))
+
+
+@pytest.mark.parametrize("H,inter", [(256, 128), (288, 96), (2880, 64)])
+def test_pack_kernel_writes_the_blobs(stream, mem, H, inter):
+    """upload_moe's blobs (packed on the card) are mxfp4.pack's of the bf16 pools' rows."""
+    from engine.backends.cuda.expert_cache import expert_bytes, upload_moe
+    from engine.backends.cuda.moe import MoEKernels
+    from engine.backends.cuda.weights import interleave_gate_up
+    from engine.cu import mxfp4
+    from engine.loaders.mxfp4 import Mxfp4Tensor
+
+    cfg, op = config(H=H, inter=inter, E=3, k=2), op_for("silu", 3, 2)
+    w = mx_weights(cfg, op)
+    (layer,), _ = upload_moe(cfg, op, w, mem, kern=MoEKernels(mx=True))
+    gu_bytes, down_bytes = expert_bytes(cfg, mx=True)
+    rows = interleave_gate_up(*np.arange(2 * inter).reshape(2, -1, 1))[:, 0]
+    got_gu, got_down = get(layer.gu_pool, (3, gu_bytes), np.uint8), get(layer.down_pool, (3, down_bytes), np.uint8)
+    for e in range(3):
+        g, u, d = (w[f"model.layers.0.mlp.experts.{e}.{n}_proj.weight"] for n in ("gate", "up", "down"))
+        gu = Mxfp4Tensor(np.concatenate([g.blocks, u.blocks]), np.concatenate([g.scales, u.scales])).rows(rows)
+        np.testing.assert_array_equal(got_gu[e], mxfp4.pack(gu.blocks, gu.scales))
+        np.testing.assert_array_equal(got_down[e], mxfp4.pack(d.blocks, d.scales))
 
 
 @pytest.mark.parametrize("act,H,inter", [("silu", 256, 128), ("swiglu_oai", 288, 96)])

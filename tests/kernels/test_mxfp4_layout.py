@@ -39,14 +39,17 @@ def test_blob_layout_of_one_group():
     np.testing.assert_array_equal(blob[64:68], t.scales[0])  # the scales follow the nibbles
 
 
-def test_expert_blobs_interleave_gate_and_up_as_the_bf16_pool():
-    from engine.backends.cuda.expert_cache import expert_blobs
-    from engine.backends.cuda.weights import interleave_gate_up
-
-    gate, up, down = tensor(32, 96), tensor(32, 96), tensor(96, 32)
-    gu, dn = expert_blobs(gate, up, down)
-    np.testing.assert_array_equal(mxfp4.unpack(gu, 64, 96), interleave_gate_up(gate.dequantize(), up.dequantize()))
-    np.testing.assert_array_equal(mxfp4.unpack(dn, 96, 32), down.dequantize())
+def test_the_pack_kernels_nibble_swap_gives_the_blob_words():
+    """moe_mx_pack's two delta swaps in numpy: a checkpoint u32 (values v0..v7, HF's order) becomes the
+    blob's (v0 v2 v4 v6 v1 v3 v5 v7)."""
+    t = tensor(2, 128)
+    x = t.blocks.view("<u4").reshape(2, 4, 4).astype(np.uint32)  # [row, block j, lane t]
+    d = (x ^ (x >> 4)) & 0x00F000F0
+    x = x ^ d ^ (d << 4)
+    d = (x ^ (x >> 8)) & 0x0000FF00
+    x = x ^ d ^ (d << 8)
+    words = mxfp4.pack(t.blocks, t.scales)[:128].view("<u4").reshape(2, 4, 4)  # [row, lane t, block j]
+    np.testing.assert_array_equal(x.transpose(0, 2, 1), words)
 
 
 def test_the_kernels_bit_decode_gives_the_values():

@@ -230,7 +230,7 @@ class CudaBackend(Backend):
 
         op, budget = blocks[0].mlp, self.tuning.expert_budget or None
         # bf16 experts (GGUF blocks and fp8 dequantized), or MXFP4 ones as stored
-        layers, cache = upload_moe(cfg, op, weights, self.mem, gpu_budget=budget)  # (primes the cache)
+        layers, cache = upload_moe(cfg, op, weights, self.mem, gpu_budget=budget, kern=kern)  # (primes the cache)
         ws = MoEWorkspace(op.num_experts, op.top_k, cfg.hidden_size, cfg.moe_intermediate_size, PREFILL_CHUNK,
                           self.mem, mx=kern.mx)  # fmt: skip
         resident = cfg.num_layers * op.num_experts if cache is None else cache.slots

@@ -136,19 +136,48 @@ class ExpertCache:
             cuda.memcpy_htod_async(self.slot_of(layer), self.table[layer], s)
 
 
-def expert_blobs(gate: Mxfp4Tensor, up: Mxfp4Tensor, down: Mxfp4Tensor) -> tuple[np.ndarray, np.ndarray]:
-    """One expert's MXFP4 gate|up blob (rows interleaved as the bf16 pool's) and down blob."""
-    from engine.backends.cuda.weights import interleave_gate_up
+class MxPacker:
+    """Packs one layer's MXFP4 experts into their blobs on the card (moe_gemv.cu's ``moe_mx_pack``):
+    the checkpoint's bytes go up as they are, through staging buffers reused layer after layer, so
+    a load does no per-value work on the host (``mxfp4.pack`` is the same layout in numpy)."""
 
-    rows = interleave_gate_up(*np.arange(2 * gate.shape[0]).reshape(2, -1, 1))[:, 0]
-    gu = Mxfp4Tensor(np.concatenate([gate.blocks, up.blocks]), np.concatenate([gate.scales, up.scales])).rows(rows)
-    return mxfp4.pack(gu.blocks, gu.scales), mxfp4.pack(down.blocks, down.scales)
+    def __init__(self, kern, cfg: ModelConfig, experts: int) -> None:
+        import pycuda.driver as cuda
+
+        H, inter = cfg.hidden_size, cfg.moe_intermediate_size
+        self.kern, self.E = kern, experts
+        values = experts * 2 * inter * H  # gate|up, the larger matrix
+        self.blocks, self.scales = cuda.mem_alloc(values // 2), cuda.mem_alloc(values // 32)
+
+    def pack(self, s, mats: list[list[Mxfp4Tensor]], dst: int, stride: int) -> None:
+        """``mats[e]``: expert e's [gate, up] (blob rows interleaved as the bf16 pools') or [down];
+        their blobs land at ``dst + e * stride``."""
+        import pycuda.driver as cuda
+
+        n, g = sum(m.shape[0] for m in mats[0]), mats[0][0].scales.shape[-1]
+        blocks, scales = np.empty((self.E, n, g, 16), np.uint8), np.empty((self.E, n, g), np.uint8)
+        for e, parts in enumerate(mats):
+            row = 0
+            for m in parts:
+                blocks[e, row : row + m.shape[0]], scales[e, row : row + m.shape[0]] = m.blocks, m.scales
+                row += m.shape[0]
+        cuda.memcpy_htod_async(self.blocks, blocks, s)
+        cuda.memcpy_htod_async(self.scales, scales, s)
+        words = n * mxfp4.padded_k(g * 32) // 8
+        self.kern.mx_pack(s, (min(-(-words // 256), 2048), self.E), blocks=self.blocks, scales=self.scales, N=n, G=g,
+                          gu=int(len(mats[0]) == 2), dst=dst, stride=stride)  # fmt: skip
+        s.synchronize()  # the host arrays are reused by the next call
+
+    def free(self) -> None:
+        self.blocks.free()
+        self.scales.free()
 
 
-def upload_moe(cfg: ModelConfig, op: MoE, weights, mem, gpu_budget: int | None = None):
+def upload_moe(cfg: ModelConfig, op: MoE, weights, mem, gpu_budget: int | None = None, kern=None):
     """Upload every MoE layer's router, biases and experts (canonical names: float32 ``[out, in]``,
-    or every expert an ``Mxfp4Tensor``, see ``is_mxfp4``); returns ``(layers, cache)``: ``cache``
-    None when all experts fit ``gpu_budget`` bytes."""
+    or every expert an ``Mxfp4Tensor``, see ``is_mxfp4``: packed on the card by ``kern``, the
+    ``MoEKernels(mx=True)``); returns ``(layers, cache)``: ``cache`` None when all experts fit
+    ``gpu_budget`` bytes."""
     import pycuda.driver as cuda
 
     from engine.backends.cuda.weights import dequantized, interleave_gate_up, to_bf16
@@ -168,12 +197,24 @@ def upload_moe(cfg: ModelConfig, op: MoE, weights, mem, gpu_budget: int | None =
 
     ident = put(np.arange(E, dtype=np.int32))
     layers = []
+    packer = None
+    if mx:
+        if kern is None or not kern.mx:
+            raise ValueError("MXFP4 experts are packed by MoEKernels(mx=True): pass it as kern")
+        packer, s = MxPacker(kern, cfg, E), cuda.Stream()
+        gu_bytes, down_bytes = expert_bytes(cfg, mx)
+        if cache is not None:  # packed here, then copied to the cache's pinned host arrays
+            staged = (cuda.mem_alloc(E * gu_bytes), cuda.mem_alloc(E * down_bytes))
     for i in range(L):
         p = f"model.layers.{i}.mlp."
         w = [weights[f"{p}experts.{e}.{n}_proj.weight"] for e in range(E) for n in ("gate", "up", "down")]
         if mx:
-            blobs = [expert_blobs(*w[3 * e : 3 * e + 3]) for e in range(E)]
-            gu, down = np.stack([b[0] for b in blobs]), np.stack([b[1] for b in blobs])
+            gu, down = (int(a) for a in staged) if cache is not None else (mem.alloc(E * gu_bytes), mem.alloc(E * down_bytes))  # fmt: skip
+            packer.pack(s, [w[3 * e : 3 * e + 2] for e in range(E)], gu, gu_bytes)
+            packer.pack(s, [w[3 * e + 2 : 3 * e + 3] for e in range(E)], down, down_bytes)
+            if cache is not None:
+                cuda.memcpy_dtoh(cache.host_gu[i], gu)
+                cuda.memcpy_dtoh(cache.host_down[i], down)
         else:
             w = [np.asarray(dequantized(a), np.float32) for a in w]
             gu = np.stack([to_bf16(interleave_gate_up(w[3 * e], w[3 * e + 1])).reshape(-1) for e in range(E)])
@@ -184,15 +225,21 @@ def upload_moe(cfg: ModelConfig, op: MoE, weights, mem, gpu_budget: int | None =
             gu_bias = put(np.stack([interleave_gate_up(b[3 * e][:, None], b[3 * e + 1][:, None])[:, 0] for e in range(E)]))  # fmt: skip
             down_bias = put(np.stack([b[3 * e + 2] for e in range(E)]))
         if cache is None:
-            gu_pool, down_pool, slot_of = put(gu), put(down), ident
+            gu_pool, down_pool, slot_of = (gu, down, ident) if mx else (put(gu), put(down), ident)
         else:
-            cache.host_gu[i][:], cache.host_down[i][:] = gu.view(np.uint8), down.view(np.uint8)
+            if not mx:
+                cache.host_gu[i][:], cache.host_down[i][:] = gu.view(np.uint8), down.view(np.uint8)
             gu_pool, down_pool, slot_of = cache.gu_pool, cache.down_pool, cache.slot_of(i)
         layers.append(MoELayer(
             router=put(to_bf16(np.asarray(dequantized(weights[p + "gate.weight"]), np.float32))),
             router_bias=put(np.asarray(dequantized(weights[p + "gate.bias"]), np.float32)) if op.router_bias else 0,
             gu_pool=gu_pool, down_pool=down_pool, slot_of=slot_of, gu_bias=gu_bias, down_bias=down_bias, mx=mx,
         ))  # fmt: skip
+    if packer is not None:
+        packer.free()
+        if cache is not None:
+            for a in staged:
+                a.free()
     if cache is not None:
         cache.prime()
     return layers, cache

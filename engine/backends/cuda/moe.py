@@ -100,7 +100,10 @@ class MoEKernels:
         m, g = module("moe", d, cache_dir), module("moe_gemm", d, cache_dir)
         v = module("moe_gemv", d + (("MOE_MX", 1),) if mx else d, cache_dir)  # mx: the expert GEMVs read MXFP4
         self.mx = mx
-        self.mx_dequant = Kernel(v, "moe_mx_dequant", "pool:ptr stride:i64 slot_of:ptr N:i32 K:i32 out:ptr", T) if mx else None  # fmt: skip
+        self.mx_dequant = self.mx_pack = None
+        if mx:
+            self.mx_dequant = Kernel(v, "moe_mx_dequant", "pool:ptr stride:i64 slot_of:ptr N:i32 K:i32 out:ptr", T)
+            self.mx_pack = Kernel(v, "moe_mx_pack", "blocks:ptr scales:ptr N:i32 G:i32 gu:i32 dst:ptr stride:i64", T)
         self.router = Kernel(m, "moe_router", "x:ptr ss_in:ptr ss_nparts:i32 eps:f32 W:ptr bias:ptr bias_ld:i32 logits:ptr "
                              "M:i32 E:i32 K:i32 done:ptr k:i32 normalize:i32 ids:ptr weights:ptr grp:ptr tmax:i32", T)  # fmt: skip
         self.route = Kernel(m, "moe_route", "logits:ptr M:i32 E:i32 k:i32 normalize:i32 ids:ptr weights:ptr grp:ptr "
