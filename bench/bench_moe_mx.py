@@ -34,7 +34,7 @@ PREFILL_ROWS = 512
 class Stack:
     """Random device weights of the MoE layers, bf16 or MXFP4 experts, and a ``DeviceMoE``."""
 
-    def __init__(self, cuda, stream, mem, mx: bool) -> None:
+    def __init__(self, cuda, stream, mem, mx: bool, defines: tuple = ()) -> None:
         from pycuda.compiler import SourceModule
 
         from engine.backends.cuda.moe import DeviceMoE, MoEKernels, MoELayer, MoEWorkspace
@@ -81,7 +81,7 @@ class Stack:
             slot_of=ident, gu_bias=f32(E * 2 * INTER, 0.1), down_bias=f32(E * H, 0.1), mx=mx,
         ) for _ in range(L)]  # fmt: skip
         self.ws = MoEWorkspace(E, K, H, INTER, PREFILL_ROWS, mem, mx=mx)
-        self.moe = DeviceMoE(self.cfg, self.op, MoEKernels(mx=mx), self.layers, self.ws)
+        self.moe = DeviceMoE(self.cfg, self.op, MoEKernels(mx=mx, mx_defines=defines), self.layers, self.ws)
         self.x, self.xn = rand(PREFILL_ROWS * H * 2, 0.0), rand(PREFILL_ROWS * H, 1.0)  # x fp32 zeros
         self.expert_bytes = (mxfp4.blob_bytes(2 * INTER, H) + mxfp4.blob_bytes(H, INTER)) if mx else 3 * INTER * H * 2
         self.counts = mem.alloc(L * 4)
@@ -116,6 +116,8 @@ class Stack:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--widths", type=int, nargs="*", default=[1, 8, 32])
+    ap.add_argument("--breakdown", action="store_true", help="also time the router alone and with gate,up")
+    ap.add_argument("--define", nargs="*", default=[], help="NAME=VALUE for the MXFP4 build (an experiment)")
     ap.add_argument("--write", action="store_true", help="update docs/PERFORMANCE.md")
     args = ap.parse_args()
     from engine.cu import runtime
@@ -128,10 +130,20 @@ def main() -> None:
         name, s = cuda.Context.get_device().name(), cuda.Stream()
         for mx in (False, True):
             mem = Allocations()
-            st = Stack(cuda, s, mem, mx)
+            st = Stack(cuda, s, mem, mx, tuple((k, int(v)) for k, v in (d.split("=") for d in args.define)))
             for w in args.widths:
                 ms = time_graph(s, lambda st=st, w=w: st.decode(w)) * 1e3
                 res[(mx, w)] = (ms, st.bound_ms(w))
+            if args.breakdown:  # the later launches left out: router alone, then + gate,up
+                kern, saved = st.moe.kern, (st.moe.kern.gate_up, st.moe.kern.down)
+                for name, skip in (("router", ("gate_up", "down")), ("+ gate,up", ("down",))):
+                    for n in skip:
+                        setattr(kern, n, lambda *a, **kw: None)
+                    for w in args.widths:
+                        print(
+                            f"{'mx' if mx else 'bf16'} {name} w{w}: {time_graph(s, lambda w=w: st.decode(w)) * 1e3:.3f} ms"
+                        )
+                    kern.gate_up, kern.down = saved
             res[(mx, "prefill")] = st.prefill_ms()
             mem.free()
     body = [

@@ -167,7 +167,7 @@ def test_expert_cache_of_mxfp4_blobs_matches_resident(stream, mem):
     full = build(cfg, op, w, mem, 8)
     half = build(cfg, op, w, mem, 8, gpu_budget=12 * expert_nbytes(cfg, mx=True))
     assert full.cache is None and half.cache.resident == 12
-    assert expert_nbytes(cfg, mx=True) * 3 < expert_nbytes(cfg)  # 17 bytes a 32 values, padded
+    assert expert_nbytes(cfg, mx=True) * 2.5 < expert_nbytes(cfg)  # 17 bytes a 32 values, padded to 256
     for rnd in range(4):
         x = bf(rng.standard_normal((1 + rnd, 128)).astype(np.float32))
         for mode in ("decode", "prefill"):

@@ -92,13 +92,13 @@ def mx_scratch_bytes(num_experts: int, hidden: int, inter: int) -> int:
 class MoEKernels:
     """moe.cu's and moe_gemm.cu's kernels, compiled and prepared (``launch.Kernel``)."""
 
-    def __init__(self, cache_dir: str = "", mx: bool = False) -> None:
+    def __init__(self, cache_dir: str = "", mx: bool = False, mx_defines: tuple = ()) -> None:
         import pycuda.driver as cuda
 
         T = MOE_THREADS
         d = (("MOE_THREADS", MOE_THREADS),)
         m, g = module("moe", d, cache_dir), module("moe_gemm", d, cache_dir)
-        v = module("moe_gemv", d + (("MOE_MX", 1),) if mx else d, cache_dir)  # mx: the expert GEMVs read MXFP4
+        v = module("moe_gemv", d + (("MOE_MX", 1), *mx_defines) if mx else d, cache_dir)  # mx: they read MXFP4
         self.mx = mx
         self.mx_dequant = self.mx_pack = None
         if mx:
@@ -199,7 +199,7 @@ class DeviceMoE:
                   stride=self.strides[0], slot_of=L.slot_of, bias=L.gu_bias, grp=ws.grp, E=E, tmax=ws.tmax,
                   k=op.top_k, N=2 * inter, K=H, act=ws.act, oai=self.oai, limit=self.limit)  # fmt: skip
         nw, xw, ss = norm_out
-        k.down(s, (-(-H // DOWN_ROWS), groups), act=ws.act, pool=L.down_pool, stride=self.strides[1], slot_of=L.slot_of,
+        k.down(s, (-(-H // (16 if self.mx else DOWN_ROWS)), groups), act=ws.act, pool=L.down_pool, stride=self.strides[1], slot_of=L.slot_of,
                bias=L.down_bias, grp=ws.grp, E=E, tmax=ws.tmax, N=H, K=inter, y=ws.y, done=ws.tile_done,
                weights=ws.weights, k=op.top_k, M=rows, x=x, nw=nw, xw=xw, ss_out=ss)  # fmt: skip
         return -(-H // DOWN_ROWS) if nw else 0
