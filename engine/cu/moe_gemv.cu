@@ -14,7 +14,7 @@
 //                y[m*k + s] (fixed order), and with nw the next norm's xw = bf16(h * nw) and
 //                ss_out[m, bx] = sum of h^2 over the tile (ss_nparts = ceil(N / 128)).
 // Preconditions (wrapper): N % 8 == 0 (float4 / 4-column combine), M <= 64.
-// Compile-time: MOE_THREADS (256); MOE_MX (0 or 1): the pools hold MXFP4 blobs (engine/cu/mxfp4.py's
+// Compile-time: MOE_THREADS (256); MOE_MX (0 or 1; with 1, MX_U and MX_DOWN_SPLIT): the pools hold MXFP4 blobs (engine/cu/mxfp4.py's
 // layout; stride in bytes) instead of bf16, and moe_mx_dequant is built for prefill. A quad's 4 lanes
 // read one 32-value block of a row at a time, so each mma's k values share the row's scale: the mma
 // sums the unscaled e2m1 values (bf16, exact), the scale multiplies its fp32 result.
@@ -33,8 +33,8 @@ static_assert(MOE_THREADS == 256, "moe_gemv: 8 warps");
 #if MOE_MX
 typedef unsigned char wt_t;  // a pool's unit: MXFP4 blobs are addressed in bytes
 #define MX_GROUP 128         // values a row group: 4 blocks, 64 bytes, 16 a lane
-#ifndef MX_U
-#define MX_U 1  // row groups in flight a warp (2 and 4 measured slower)
+#if !defined(MX_U) || !defined(MX_DOWN_SPLIT)
+#error "MX_U and MX_DOWN_SPLIT are defined by engine/backends/cuda/moe.py (MX_DEFINES)"
 #endif
 #else
 typedef bf16 wt_t;
@@ -235,7 +235,7 @@ extern "C" __global__ void __launch_bounds__(MOE_THREADS, 2)
 
 // moe_down: a warp owns 16 weight rows over all of K (K is short: I), so a block covers DOWN_ROWS
 // = 128 output columns and needs no cross-warp reduction; the pair's result goes straight to y.
-// MOE_MX: grid (ceil(N / 16), ...), a block of 16 rows with K split over its warps (below).
+// MOE_MX with MX_DOWN_SPLIT: grid (ceil(N / 16), ...), a block of 16 rows with K split over its warps.
 extern "C" __global__ void __launch_bounds__(MOE_THREADS, 2)
     moe_down(const bf16* __restrict__ act, const wt_t* __restrict__ pool, long long stride,
              const int* __restrict__ slot_of, const float* __restrict__ bias, const int* __restrict__ grp, int E,
@@ -247,14 +247,18 @@ extern "C" __global__ void __launch_bounds__(MOE_THREADS, 2)
     if (j >= G.n_active) return;
     const int e = G.active[j], p0 = G.off[j], cnt = G.off[j + 1] - p0;
     const wt_t* W = pool + (size_t)slot_of[e] * stride;
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2;
-#if MOE_MX
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+#if MOE_MX && MX_DOWN_SPLIT
     // 16 rows a block (EX_ROWS), K split over the 8 warps as in moe_gate_up: 8 x the bf16 build's
     // blocks, so a round of a few experts still fills the card (its K rows are 4x shorter in bytes).
     // A column tile (DOWN_ROWS) is per_tile blocks; its last one to finish combines it.
     const int tile = blockIdx.x / (DOWN_ROWS / EX_ROWS), ntiles = (N + DOWN_ROWS - 1) / DOWN_ROWS;
     const int per_tile = min(DOWN_ROWS / EX_ROWS, (N - tile * DOWN_ROWS + EX_ROWS - 1) / EX_ROWS);
     const int n0 = tile * DOWN_ROWS, r0 = blockIdx.x * EX_ROWS;
+#define DOWN_TILE tile
+#define DOWN_NTILES ntiles
+#define DOWN_BLOCKS (G.n_active * per_tile)
+    (void)t;
     __shared__ float red[8][EX_ROWS][8];
     for (int c0 = 0; c0 < cnt; c0 += 8) {
         const bool rx = c0 + g < cnt;
@@ -272,16 +276,23 @@ extern "C" __global__ void __launch_bounds__(MOE_THREADS, 2)
         }
     }
 #else
-    const int t = lane & 3, tile = blockIdx.x, ntiles = gridDim.x, per_tile = 1;
+#define DOWN_TILE blockIdx.x
+#define DOWN_NTILES gridDim.x
+#define DOWN_BLOCKS G.n_active
     const int n0 = blockIdx.x * DOWN_ROWS, nb = n0 + warp * 16;
     const bool ra = nb + g < N, rb = nb + g + 8 < N;
+#if !MOE_MX
     const int K8 = K >> 3, steps = (K8 + 7) / 8;
     const uint4* wa_p = reinterpret_cast<const uint4*>(W) + (size_t)(ra ? nb + g : 0) * K8;
     const uint4* wb_p = reinterpret_cast<const uint4*>(W) + (size_t)(rb ? nb + g + 8 : 0) * K8;
+#endif
     for (int c0 = 0; c0 < cnt; c0 += 8) {
         const bool rx = c0 + g < cnt;
         const uint4* x_p = reinterpret_cast<const uint4*>(act + (size_t)(rx ? G.pairs[p0 + c0 + g] : 0) * K);
         float c[4] = {0.f, 0.f, 0.f, 0.f};
+#if MOE_MX
+        mx_accumulate(c, W, nb + g, ra, rb, N, K, x_p, rx, 0, 1);
+#else
         for (int s0 = 0; s0 < steps; s0 += EX_U) {
             uint4 wa[EX_U][2], wb[EX_U][2], xv[EX_U][2];
 #pragma unroll
@@ -301,6 +312,7 @@ extern "C" __global__ void __launch_bounds__(MOE_THREADS, 2)
 #pragma unroll
                 for (int h = 0; h < 2; h++) tc_step(c, wa[u][h], wb[u][h], xv[u][h]);
         }
+#endif
 #pragma unroll
         for (int h = 0; h < 2; h++) {  // c[h]: row nb + g, column 2t + h; c[2 + h]: row nb + g + 8
             const int col = c0 + 2 * t + h;
@@ -316,8 +328,8 @@ extern "C" __global__ void __launch_bounds__(MOE_THREADS, 2)
     __threadfence();
     __syncthreads();
     if (threadIdx.x == 0) {
-        last = atomicAdd(done + tile, 1) == G.n_active * per_tile - 1;
-        if (last) done[tile] = 0;
+        last = atomicAdd(done + DOWN_TILE, 1) == DOWN_BLOCKS - 1;
+        if (last) done[DOWN_TILE] = 0;
     }
     __syncthreads();
     if (!last) return;
@@ -357,9 +369,12 @@ extern "C" __global__ void __launch_bounds__(MOE_THREADS, 2)
             }
         }
         q = warp_sum(q);
-        if (nw != nullptr && lane == 0) ss_out[(size_t)m * ntiles + tile] = q;
+        if (nw != nullptr && lane == 0) ss_out[(size_t)m * DOWN_NTILES + DOWN_TILE] = q;
     }
 }
+#undef DOWN_TILE
+#undef DOWN_NTILES
+#undef DOWN_BLOCKS
 
 #if MOE_MX
 // moe_mx_dequant: out bf16 [E, N, K] = each expert's N x K blob (pool + slot_of[e] * stride) as bf16

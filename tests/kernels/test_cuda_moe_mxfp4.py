@@ -63,11 +63,15 @@ def dense(w):
     return {n: t.dequantize() if isinstance(t, Mxfp4Tensor) else t for n, t in w.items()}
 
 
-def build(cfg, op, w, mem, rows, gpu_budget=None):
+# moe_gemv.cu's MXFP4 builds: the default (moe.MX_DEFINES), and the down GEMV as 16-row blocks
+VARIANTS = {"default": (), "split_down": (("MX_U", 1), ("MX_DOWN_SPLIT", 1))}
+
+
+def build(cfg, op, w, mem, rows, gpu_budget=None, variant="default"):
     from engine.backends.cuda.expert_cache import upload_moe
     from engine.backends.cuda.moe import DeviceMoE, MoEKernels, MoEWorkspace
 
-    kern = MoEKernels(mx=True)
+    kern = MoEKernels(mx=True, mx_defines=VARIANTS[variant])
     layers, cache = upload_moe(cfg, op, w, mem, gpu_budget, kern=kern)
     ws = MoEWorkspace(op.num_experts, op.top_k, cfg.hidden_size, cfg.moe_intermediate_size, rows, mem, mx=True)
     moe = DeviceMoE(cfg, op, kern, layers, ws, cache)
@@ -128,11 +132,12 @@ def test_pack_kernel_writes_the_blobs(stream, mem, H, inter):
         np.testing.assert_array_equal(got_down[e], mxfp4.pack(d.blocks, d.scales))
 
 
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("act,H,inter", [("silu", 256, 128), ("swiglu_oai", 288, 96)])
-def test_decode_matches_bf16_kernels_and_numpy(stream, mem, act, H, inter):
+def test_decode_matches_bf16_kernels_and_numpy(stream, mem, act, H, inter, variant):
     cfg, op = config(H=H, inter=inter, E=16, k=4), op_for(act, 16, 4)
     w = mx_weights(cfg, op)
-    moe, ref = build(cfg, op, w, mem, 64), build_bf16(cfg, op, dense(w), mem, 64)
+    moe, ref = build(cfg, op, w, mem, 64, variant=variant), build_bf16(cfg, op, dense(w), mem, 64)
     for rows in (1, 2, 5, 8, 17, 64):
         x = bf(rng.standard_normal((rows, H)).astype(np.float32))
         got = run(moe, stream, mem, x) - x
@@ -140,9 +145,33 @@ def test_decode_matches_bf16_kernels_and_numpy(stream, mem, act, H, inter):
         assert rel_err(got, reference(cfg, op, dense(w), 0, x)) < 6e-3, rows
 
 
-def test_decode_row_independent_of_round_width(stream, mem):
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_decode_next_norms_inputs_match_bf16_kernels(stream, mem, variant):
+    """norm_out: the combine's next-RMSNorm inputs (xw and the ss partials, one a 128-column tile)."""
+    from engine.backends.cuda.weights import from_bf16, to_bf16
+
+    cfg, op = config(H=288, inter=96, E=8, k=2), op_for("silu", 8, 2)
+    w = mx_weights(cfg, op)
+    rows, H = 5, 288
+    h = rng.standard_normal((rows, H)).astype(np.float32)
+    nxt = put(mem, to_bf16(bf(rng.standard_normal(H).astype(np.float32))))
+    outs = []
+    for moe in (build(cfg, op, w, mem, 8, variant=variant), build_bf16(cfg, op, dense(w), mem, 8)):
+        gx, gxn, gxw, gss = put(mem, h), put(mem, to_bf16(h)), mem.alloc(rows * H * 2), mem.alloc(rows * 64 * 4)
+        nparts = moe.decode(stream, 0, gxn, gx, rows, norm_out=(nxt, gxw, gss))
+        stream.synchronize()
+        assert nparts == 3
+        outs.append((get(gx, (rows, H)), from_bf16(get(gxw, (rows, H), np.uint16)), get(gss, (rows, nparts))))
+    (x, xw, ss), (x_ref, xw_ref, ss_ref) = outs
+    assert rel_err(x - h, x_ref - h) < 2e-3 and rel_err(xw, xw_ref) < 5e-3
+    np.testing.assert_allclose(ss.sum(-1), (x * x).sum(-1), rtol=1e-5)
+    np.testing.assert_allclose(ss, ss_ref, rtol=5e-3)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_decode_row_independent_of_round_width(stream, mem, variant):
     cfg, op = config(H=256, inter=128, E=32, k=8), op_for("silu", 32, 8)
-    moe = build(cfg, op, mx_weights(cfg, op), mem, 64)
+    moe = build(cfg, op, mx_weights(cfg, op), mem, 64, variant=variant)
     x = bf(rng.standard_normal((64, 256)).astype(np.float32))
     full = run(moe, stream, mem, x)
     for width in (1, 3, 8, 17, 64):

@@ -35,6 +35,9 @@ MAX_ROUTER_K = 32 * 16 * 8  # moe.cu's router: 32 lanes x ROUTER_CHUNKS 16-byte 
 MAX_DECODE_ROWS = 64  # decode rounds (speculative rounds included) up to this many rows
 COMBINE_COLS = MOE_THREADS  # moe_combine's (prefill) columns a block
 ACTS = {"silu": 0, "swiglu_oai": 1}
+# moe_gemv.cu's MXFP4 build: row groups in flight a warp (MX_U), and the down GEMV as 16-row blocks
+# with K split over the warps (MX_DOWN_SPLIT) instead of a warp walking all of K; docs/MOE.md.
+MX_DEFINES = (("MX_U", 2), ("MX_DOWN_SPLIT", 0))
 
 
 @dataclass
@@ -98,8 +101,10 @@ class MoEKernels:
         T = MOE_THREADS
         d = (("MOE_THREADS", MOE_THREADS),)
         m, g = module("moe", d, cache_dir), module("moe_gemm", d, cache_dir)
-        v = module("moe_gemv", d + (("MOE_MX", 1), *mx_defines) if mx else d, cache_dir)  # mx: they read MXFP4
+        mx_d = dict(MX_DEFINES, **dict(mx_defines))
+        v = module("moe_gemv", d + (("MOE_MX", 1), *mx_d.items()) if mx else d, cache_dir)  # mx: they read MXFP4
         self.mx = mx
+        self.down_rows = 16 if mx and mx_d["MX_DOWN_SPLIT"] else DOWN_ROWS  # moe_down's output rows a block
         self.mx_dequant = self.mx_pack = None
         if mx:
             self.mx_dequant = Kernel(v, "moe_mx_dequant", "pool:ptr stride:i64 slot_of:ptr N:i32 K:i32 out:ptr", T)
@@ -199,7 +204,7 @@ class DeviceMoE:
                   stride=self.strides[0], slot_of=L.slot_of, bias=L.gu_bias, grp=ws.grp, E=E, tmax=ws.tmax,
                   k=op.top_k, N=2 * inter, K=H, act=ws.act, oai=self.oai, limit=self.limit)  # fmt: skip
         nw, xw, ss = norm_out
-        k.down(s, (-(-H // (16 if self.mx else DOWN_ROWS)), groups), act=ws.act, pool=L.down_pool, stride=self.strides[1], slot_of=L.slot_of,
+        k.down(s, (-(-H // k.down_rows), groups), act=ws.act, pool=L.down_pool, stride=self.strides[1], slot_of=L.slot_of,
                bias=L.down_bias, grp=ws.grp, E=E, tmax=ws.tmax, N=H, K=inter, y=ws.y, done=ws.tile_done,
                weights=ws.weights, k=op.top_k, M=rows, x=x, nw=nw, xw=xw, ss_out=ss)  # fmt: skip
         return -(-H // DOWN_ROWS) if nw else 0
