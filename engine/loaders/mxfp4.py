@@ -89,9 +89,9 @@ class Mxfp4Tensor:
         return dequantize(self.blocks, self.scales)
 
     def rows(self, index) -> Mxfp4Tensor:
-        """The rows (axis -2 of ``shape``) that ``index``, a slice or an integer array, picks; contiguous."""
-        blocks, scales = self.blocks[..., index, :, :], self.scales[..., index, :]
-        return Mxfp4Tensor(np.ascontiguousarray(blocks), np.ascontiguousarray(scales))
+        """The rows (axis -2 of ``shape``) that ``index``, a slice or an integer array, picks: views of
+        these arrays for a slice (gpt-oss's gate and up rows of a load: no copy), copies otherwise."""
+        return Mxfp4Tensor(self.blocks[..., index, :, :], self.scales[..., index, :])
 
     def __getitem__(self, index) -> Mxfp4Tensor:
         """The leading axis indexed: ``t[e]`` is expert ``e``'s ``[out, in]`` of a stack."""
