@@ -141,7 +141,7 @@ def main() -> None:
                         setattr(kern, n, lambda *a, **kw: None)
                     for w in args.widths:
                         print(
-                            f"{'mx' if mx else 'bf16'} {name} w{w}: {time_graph(s, lambda w=w: st.decode(w)) * 1e3:.3f} ms"
+                            f"{'mx' if mx else 'bf16'} {name} w{w}: {time_graph(s, lambda st=st, w=w: st.decode(w)) * 1e3:.3f} ms"
                         )
                     kern.gate_up, kern.down = saved
             res[(mx, "prefill")] = st.prefill_ms()
