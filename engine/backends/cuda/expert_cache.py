@@ -22,21 +22,13 @@ import logging
 
 import numpy as np
 
-from engine.backends.cuda.moe import MoELayer
+from engine.backends.cuda.moe import MoELayer, expert_bytes
 from engine.cu import mxfp4
 from engine.loaders.mxfp4 import Mxfp4Tensor
 from engine.model_config import ModelConfig
 from engine.models.ops import MoE
 
 log = logging.getLogger(__name__)
-
-
-def expert_bytes(cfg: ModelConfig, mx: bool = False) -> tuple[int, int]:
-    """Device bytes of one expert's gate|up and of its down: bf16, or MXFP4 blobs (``mx``)."""
-    H, inter = cfg.hidden_size, cfg.moe_intermediate_size
-    if mx:
-        return mxfp4.blob_bytes(2 * inter, H), mxfp4.blob_bytes(H, inter)
-    return 2 * inter * H * 2, H * inter * 2
 
 
 def expert_nbytes(cfg: ModelConfig, mx: bool = False) -> int:

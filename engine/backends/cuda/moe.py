@@ -92,6 +92,14 @@ def mx_scratch_bytes(num_experts: int, hidden: int, inter: int) -> int:
     return num_experts * 2 * inter * hidden * 2
 
 
+def expert_bytes(cfg: ModelConfig, mx: bool = False) -> tuple[int, int]:
+    """Device bytes of one expert's gate|up and of its down: bf16, or MXFP4 blobs (``mx``)."""
+    H, inter = cfg.hidden_size, cfg.moe_intermediate_size
+    if mx:
+        return mxfp4.blob_bytes(2 * inter, H), mxfp4.blob_bytes(H, inter)
+    return 2 * inter * H * 2, H * inter * 2
+
+
 class MoEKernels:
     """moe.cu's and moe_gemm.cu's kernels, compiled and prepared (``launch.Kernel``)."""
 
@@ -150,11 +158,11 @@ class DeviceMoE:
         self.mx = bool(layers) and layers[0].mx
         check_moe(op, cfg, self.mx)
         self.cfg, self.op, self.kern, self.layers, self.ws, self.cache = cfg, op, kern, layers, ws, cache
-        self.hidden, self.inter = H, inter = cfg.hidden_size, cfg.moe_intermediate_size
+        self.hidden, self.inter = cfg.hidden_size, cfg.moe_intermediate_size
         if self.mx and not (kern.mx and ws.mx_scratch):
             raise ValueError("MXFP4 experts need MoEKernels(mx=True) and MoEWorkspace(mx=True)")
-        # an expert's gate|up and down in its pool: bf16 elements, or MXFP4 blob bytes
-        self.strides = (mxfp4.blob_bytes(2 * inter, H), mxfp4.blob_bytes(H, inter)) if self.mx else (2 * inter * H, H * inter)  # fmt: skip
+        # an expert's gate|up and down in its pool: MXFP4 blob bytes, or bf16 elements
+        self.strides = tuple(b if self.mx else b // 2 for b in expert_bytes(cfg, self.mx))
         self.oai, self.limit = ACTS[op.act], float("inf") if op.swiglu_limit is None else float(op.swiglu_limit)
         self._hdr = None
         if cache is not None:
