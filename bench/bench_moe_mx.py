@@ -24,6 +24,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench import perfdoc  # noqa: E402
 from bench.bench_moe import FILL, time_graph  # noqa: E402
+from engine.backends.cuda.moe import MAX_DECODE_ROWS  # noqa: E402
 
 SECTION = "## MXFP4 experts as stored (gpt-oss-20b shape)"
 L, H, E, K, INTER = 24, 2880, 32, 4, 2880
@@ -98,16 +99,18 @@ class Stack:
         self.cuda.memcpy_dtoh(c, self.counts)
         return (int(c.sum()) * self.expert_bytes + L * E * H * 2) / BW * 1e3
 
-    def prefill_ms(self, reps: int = 3) -> float:
+    def prefill_ms(self, rows: int = PREFILL_ROWS, as_decode: int = 0, reps: int = 3) -> float:
+        """One chunk of ``rows`` through the layers, event-timed; ``as_decode``: ``prefill_as_decode``."""
         import pycuda.driver as cuda
 
+        self.moe.prefill_as_decode = as_decode
         for i in range(L):  # warm
-            self.moe.prefill(self.s, i, self.xn, self.x, PREFILL_ROWS)
+            self.moe.prefill(self.s, i, self.xn, self.x, rows)
         a, b = cuda.Event(), cuda.Event()
         a.record(self.s)
         for _ in range(reps):
             for i in range(L):
-                self.moe.prefill(self.s, i, self.xn, self.x, PREFILL_ROWS)
+                self.moe.prefill(self.s, i, self.xn, self.x, rows)
         b.record(self.s)
         b.synchronize()
         return b.time_since(a) / reps
@@ -118,8 +121,17 @@ def main() -> None:
     ap.add_argument("--widths", type=int, nargs="*", default=[1, 8, 32])
     ap.add_argument("--breakdown", action="store_true", help="also time the router alone and with gate,up")
     ap.add_argument("--define", nargs="*", default=[], help="NAME=VALUE for the MXFP4 build (an experiment)")
+    ap.add_argument(
+        "--prefill-rows",
+        type=int,
+        nargs="*",
+        default=[16, 64],
+        help="short chunks also timed through both prefill paths (GEMM; the decode kernels)",
+    )
     ap.add_argument("--write", action="store_true", help="update docs/PERFORMANCE.md")
     args = ap.parse_args()
+    if any(not 1 <= r <= MAX_DECODE_ROWS for r in args.prefill_rows):
+        ap.error(f"--prefill-rows: 1..{MAX_DECODE_ROWS}")
     from engine.cu import runtime
     from engine.cu.runtime import Allocations
 
@@ -145,6 +157,8 @@ def main() -> None:
                         )
                     kern.gate_up, kern.down = saved
             res[(mx, "prefill")] = st.prefill_ms()
+            for r in args.prefill_rows:
+                res[(mx, "prefill", r)] = (st.prefill_ms(r), st.prefill_ms(r, as_decode=r))
             mem.free()
     body = [
         "",
@@ -160,6 +174,18 @@ def main() -> None:
                     f"{m / b:.2f}x |")  # fmt: skip
     p0, p1 = res[(False, "prefill")], res[(True, "prefill")]
     body.append(f"| prefill {PREFILL_ROWS} | {p0:.2f} ms | | {p1:.2f} ms | | {p1 / p0:.2f}x |")
+    if args.prefill_rows:
+        body += [
+            "",
+            "Short prefill chunks through the grouped GEMMs (MXFP4: after dequantizing the layer's experts) "
+            "and through the decode kernels (`DeviceMoE.prefill_as_decode`):",
+            "",
+            "| rows | bf16, GEMM | bf16, decode kernels | MXFP4, dequant + GEMM | MXFP4, decode kernels |",
+            "|---|---|---|---|---|",
+        ]
+        for r in args.prefill_rows:
+            (bg, bd), (mg, md) = res[(False, "prefill", r)], res[(True, "prefill", r)]
+            body.append(f"| {r} | {bg:.2f} ms | {bd:.2f} ms | {mg:.2f} ms | {md:.2f} ms |")
     perfdoc.report(SECTION, machine=f"{name}, {platform.node()}", command=perfdoc.command_line("python3"), body=body,
                    write=args.write)  # fmt: skip
 

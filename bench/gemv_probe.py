@@ -7,10 +7,15 @@ many weight rows walk K in address order and still give gemv_tc's bits.
 On the GPU machine, from the repo root:
 
     python3 bench/gemv_probe.py
+    ncu --section SpeedOfLight --section WarpStateStats -k regex:gemv_tc python3 bench/gemv_probe.py --ncu
+
+``--ncu`` launches each round variant twice on gate_up, down and q,k,v (widths 8, 16, 64), untimed,
+for a profiler to read where the wide variants' time goes.
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
 import time
 from pathlib import Path
@@ -27,7 +32,13 @@ SHAPES = [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("do
 WIDTHS = [(1, ""), (1, "_u2"), (8, ""), (8, "_u2"), (16, "_r16"), (32, "_r32"), (64, "_r64")]
 
 
+NCU_SHAPES, NCU_WIDTHS = ("gate_up", "down", "qkv"), ((8, ""), (16, "_r16"), (64, "_r64"))
+
+
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--ncu", action="store_true", help="untimed launches for a profiler (see above)")
+    args = ap.parse_args()
     from bench.bench_cuda import read_bandwidth
     from engine.cu import runtime
     from engine.cu.kernels import GEMV_ROW_TUNING, TC_PARAMS, TC_THREADS, WIDE_GROUPS, WIDE_STAGES, wide_smem
@@ -51,6 +62,9 @@ def main() -> None:
                 for groups in WIDE_GROUPS:
                     wide[(ks, groups)] = Kernel(wmod, f"gemv_tcw_store_g{groups}", TC_PARAMS["store"], TC_THREADS,
                                                 shared=wide_smem(groups))  # fmt: skip
+        if args.ncu:
+            ncu_launches(cuda, stream, {sfx: kern[(0, sfx)] for _m, sfx in NCU_WIDTHS})
+            return
         for kw in wide.values():
             bound(kw.fn).set_attribute(cuda.function_attribute.MAX_DYNAMIC_SHARED_SIZE_BYTES, kw.shared)
         print(
@@ -105,6 +119,24 @@ def main() -> None:
                       + f" | {cells[1] / cells[0]:.3f} |" + (extra or " | | |"), flush=True)  # fmt: skip
             for w in ws:
                 w.free()
+
+
+def ncu_launches(cuda, stream, kern: dict) -> None:
+    """Each of ``NCU_WIDTHS``' kernels twice on each of ``NCU_SHAPES`` (random bf16 x and W)."""
+    rng = np.random.default_rng(0)
+    xb = cuda.to_device(((rng.standard_normal((64, 14336)) * 0.1).astype(np.float32).view(np.uint32) >> 16)
+                        .astype(np.uint16))  # fmt: skip
+    out = cuda.mem_alloc(64 * 28672 * 4)
+    for name, n, k in [sh for sh in SHAPES if sh[0] in NCU_SHAPES]:
+        w = cuda.to_device(((rng.standard_normal(n * k).astype(np.float32) * 0.02).view(np.uint32) >> 16)
+                           .astype(np.uint16))  # fmt: skip
+        for m, sfx in NCU_WIDTHS:
+            for _ in range(2):
+                kern[sfx](stream, ((n + 15) // 16,), x=int(xb), W=int(w), bias=0, out=int(out), M=m, N=n, K=k, ldo=n,
+                          ss_in=0, ss_nparts=0, eps=0.0, nw=0, xw=0, ss_out=0)  # fmt: skip
+            stream.synchronize()
+            print(f"launched gemv_tc_store{sfx} {name} x{m}", flush=True)
+        w.free()
 
 
 if __name__ == "__main__":

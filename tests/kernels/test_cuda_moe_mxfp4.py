@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from engine.backends.cuda.moe import MX_PREFILL_AS_DECODE
 from tests.kernels.gpu import requires_cuda
 from tests.kernels.test_cuda_moe import bf, config, get, put, reference, rel_err, run, weights
 from tests.kernels.test_cuda_moe import build as build_bf16
@@ -180,12 +181,28 @@ def test_decode_row_independent_of_round_width(stream, mem, variant):
 
 @pytest.mark.parametrize("rows,act", [(300, "silu"), (37, "swiglu_oai")])
 def test_prefill_is_the_bf16_prefill_bitwise(stream, mem, rows, act):
-    """Prefill dequantizes into the scratch (exact), so it is the bf16 pools' GEMM on the same values."""
+    """A chunk past ``prefill_as_decode`` dequantizes into the scratch (exact), so it is the bf16 pools'
+    GEMM on the same values (37 rows: the threshold lowered to reach the scratch path)."""
     cfg, op = config(H=288, inter=96, E=8, k=2), op_for(act, 8, 2)
     w = mx_weights(cfg, op)
     moe, ref = build(cfg, op, w, mem, rows), build_bf16(cfg, op, dense(w), mem, rows)
+    assert moe.prefill_as_decode == MX_PREFILL_AS_DECODE and ref.prefill_as_decode == 0
+    moe.prefill_as_decode = min(moe.prefill_as_decode, rows - 1)
     x = bf(rng.standard_normal((rows, 288)).astype(np.float32))
     np.testing.assert_array_equal(run(moe, stream, mem, x, "prefill"), run(ref, stream, mem, x, "prefill"))
+
+
+@pytest.mark.parametrize("rows", [1, 16, MX_PREFILL_AS_DECODE])
+def test_short_prefill_runs_the_decode_kernels(stream, mem, rows):
+    """A chunk of up to ``prefill_as_decode`` rows is the decode round's result bitwise, and still
+    within bf16's error of the scratch path's GEMM."""
+    cfg, op = config(H=288, inter=96, E=8, k=2), op_for("swiglu_oai", 8, 2)
+    moe = build(cfg, op, mx_weights(cfg, op), mem, rows)
+    x = bf(rng.standard_normal((rows, 288)).astype(np.float32))
+    short = run(moe, stream, mem, x, "prefill")
+    np.testing.assert_array_equal(short, run(moe, stream, mem, x))
+    moe.prefill_as_decode = 0
+    assert rel_err(short - x, run(moe, stream, mem, x, "prefill") - x) < 2e-3
 
 
 def test_expert_cache_of_mxfp4_blobs_matches_resident(stream, mem):
@@ -199,6 +216,7 @@ def test_expert_cache_of_mxfp4_blobs_matches_resident(stream, mem):
     assert expert_nbytes(cfg, mx=True) * 2.5 < expert_nbytes(cfg)  # 17 bytes a 32 values, padded to 256
     for rnd in range(4):
         x = bf(rng.standard_normal((1 + rnd, 128)).astype(np.float32))
+        full.prefill_as_decode = half.prefill_as_decode = 0 if rnd % 2 else MX_PREFILL_AS_DECODE  # both paths
         for mode in ("decode", "prefill"):
             for i in range(3):
                 np.testing.assert_array_equal(run(half, stream, mem, x, mode, i), run(full, stream, mem, x, mode, i))

@@ -12,8 +12,10 @@ experts are read back after routing and misses copied in first (one sync a layer
 rounds are not graph-capturable (``graph_safe``). docs/MOE.md has the design.
 
 MXFP4 experts (``MoELayer.mx``, engine/cu/mxfp4.py's blobs): decode rounds read them as stored
-(moe_gemv.cu built with ``MOE_MX``); a prefill chunk first dequantizes the layer's experts into a
-bf16 scratch (``moe_mx_dequant``, exact) that the grouped GEMMs read as they read bf16 pools.
+(moe_gemv.cu built with ``MOE_MX``); a prefill chunk of up to ``MX_PREFILL_AS_DECODE`` rows runs
+the decode kernels too (reading a quarter of bf16's bytes beats dequantizing every expert of the
+layer for a few rows), a longer one first dequantizes the layer's experts into a bf16 scratch
+(``moe_mx_dequant``, exact) that the grouped GEMMs read as they read bf16 pools.
 """
 
 from __future__ import annotations
@@ -38,6 +40,9 @@ ACTS = {"silu": 0, "swiglu_oai": 1}
 # moe_gemv.cu's MXFP4 build: row groups in flight a warp (MX_U), and the down GEMV as 16-row blocks
 # with K split over the warps (MX_DOWN_SPLIT) instead of a warp walking all of K; docs/MOE.md.
 MX_DEFINES = (("MX_U", 2), ("MX_DOWN_SPLIT", 0))
+# An MXFP4 prefill chunk of up to this many rows runs the decode kernels instead of dequantizing the
+# layer's experts (bench/bench_moe_mx.py --prefill-rows measures both sides).
+MX_PREFILL_AS_DECODE = MAX_DECODE_ROWS
 
 
 @dataclass
@@ -164,6 +169,8 @@ class DeviceMoE:
         # an expert's gate|up and down in its pool: MXFP4 blob bytes, or bf16 elements
         self.strides = tuple(b if self.mx else b // 2 for b in expert_bytes(cfg, self.mx))
         self.oai, self.limit = ACTS[op.act], float("inf") if op.swiglu_limit is None else float(op.swiglu_limit)
+        # prefill chunks of up to this many rows run ``decode`` (bf16 experts: never, unmeasured)
+        self.prefill_as_decode = MX_PREFILL_AS_DECODE if self.mx else 0
         self._hdr = None
         if cache is not None:
             import pycuda.driver as cuda
@@ -219,6 +226,9 @@ class DeviceMoE:
 
     def prefill(self, s, i: int, xn: int, x: int, rows: int) -> None:
         """x[rows, H] += MoE(xn) for a prefill chunk, ``xn`` bf16 [rows, H] already normalised."""
+        if rows <= self.prefill_as_decode:
+            self.decode(s, i, xn, x, rows)
+            return
         k, ws, L, op, E, H, inter = self.kern, self.ws, self.layers[i], self.op, self.op.num_experts, self.hidden, self.inter  # fmt: skip
         self._route(s, i, xn, rows, (0, 0), 0.0)
         P = rows * op.top_k
