@@ -4,8 +4,8 @@
 biases; random device weights (the MXFP4 blobs' codes random, their scales 2^-7). Only the MoE
 part of a decode round: ``DeviceMoE.decode`` for every layer in one CUDA graph per width, against
 the bound of the bytes it must read at 4.4 TB/s (routers and the distinct experts the round's rows
-chose); then one prefill chunk of 512 rows through all layers (the MXFP4 one dequantizes each
-layer's experts into the scratch first), event-timed.
+chose); then one prefill chunk of 512 rows through all layers, event-timed: MXFP4 through the GEMMs
+reading its tiles and, for comparison, through each layer's experts dequantized into a bf16 scratch.
 
     python3 bench/bench_moe_mx.py [--widths 1 8 32] [--write]
 """
@@ -81,7 +81,7 @@ class Stack:
             down_pool=blobs(H, INTER) if mx else rand(E * H * INTER),
             slot_of=ident, gu_bias=f32(E * 2 * INTER, 0.1), down_bias=f32(E * H, 0.1), mx=mx,
         ) for _ in range(L)]  # fmt: skip
-        self.ws = MoEWorkspace(E, K, H, INTER, PREFILL_ROWS, mem, mx=mx)
+        self.ws = MoEWorkspace(E, K, H, INTER, PREFILL_ROWS, mem, mx=mx, scratch=mx)  # both prefill paths
         self.moe = DeviceMoE(self.cfg, self.op, MoEKernels(mx=mx, mx_defines=defines), self.layers, self.ws)
         self.x, self.xn = rand(PREFILL_ROWS * H * 2, 0.0), rand(PREFILL_ROWS * H, 1.0)  # x fp32 zeros
         self.expert_bytes = (mxfp4.blob_bytes(2 * INTER, H) + mxfp4.blob_bytes(H, INTER)) if mx else 3 * INTER * H * 2
@@ -142,7 +142,8 @@ def main() -> None:
         name, s = cuda.Context.get_device().name(), cuda.Stream()
         for mx in (False, True):
             mem = Allocations()
-            st = Stack(cuda, s, mem, mx, tuple((k, int(v)) for k, v in (d.split("=") for d in args.define)))
+            defines = tuple((k, int(v)) for k, v in (d.split("=") for d in args.define))
+            st = Stack(cuda, s, mem, mx, defines)
             for w in args.widths:
                 ms = time_graph(s, lambda st=st, w=w: st.decode(w)) * 1e3
                 res[(mx, w)] = (ms, st.bound_ms(w))
@@ -157,6 +158,12 @@ def main() -> None:
                         )
                     kern.gate_up, kern.down = saved
             res[(mx, "prefill")] = st.prefill_ms()
+            if mx:  # the earlier path: each layer's experts dequantized into the bf16 scratch first
+                from engine.backends.cuda.moe import MoEKernels
+
+                tiles_kern, st.moe.kern = st.moe.kern, MoEKernels(mx=True, mx_defines=defines, mx_tiles=False)
+                res["scratch"] = st.prefill_ms()
+                st.moe.kern = tiles_kern
             for r in args.prefill_rows:
                 res[(mx, "prefill", r)] = (st.prefill_ms(r), st.prefill_ms(r, as_decode=r))
             mem.free()
@@ -174,6 +181,8 @@ def main() -> None:
                     f"{m / b:.2f}x |")  # fmt: skip
     p0, p1 = res[(False, "prefill")], res[(True, "prefill")]
     body.append(f"| prefill {PREFILL_ROWS} | {p0:.2f} ms | | {p1:.2f} ms | | {p1 / p0:.2f}x |")
+    p2 = res["scratch"]
+    body.append(f"| prefill {PREFILL_ROWS}, MXFP4 through the bf16 scratch | | | {p2:.2f} ms | | {p2 / p0:.2f}x |")
     if args.prefill_rows:
         body += [
             "",

@@ -125,6 +125,11 @@ __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, int src
     uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(s), "l"(gmem), "r"(src_bytes));
 }
+// 4 bytes (cp.async's .ca form; src_bytes 0 zero-fills), for operands scattered at 4-byte granules.
+__device__ __forceinline__ void cp_async4(void* smem, const void* gmem, int src_bytes) {
+    uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(s), "l"(gmem), "r"(src_bytes));
+}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N)); }
@@ -159,3 +164,32 @@ __device__ __forceinline__ void tc_step(float* c, const uint4& wa, const uint4& 
     mma_bf16(c, a0, xv.x, xv.y);
     mma_bf16(c, a1, xv.z, xv.w);
 }
+
+#if defined(MOE_MX) && MOE_MX  // MXFP4 experts (engine/cu/mxfp4.py): moe_gemv.cu and moe_gemm.cu
+// A u32 of 8 e2m1 codes in mxfp4.py's nibble order -> (v0, v1) .. (v6, v7) as 4 bf16x2, unscaled.
+// A code's magnitude bits go to bf16 bits 8..6 (exponent 0..3 and one mantissa bit: the value times
+// 2^-126, subnormal for 0 and 0.5) and its sign to bit 15; one bf16x2 multiply by 2^126 (exact,
+// subnormal inputs kept) gives the value.
+__device__ __forceinline__ uint32_t mx_pair(uint32_t bits) {
+    uint32_t r;
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(bits), "r"(0x7e807e80u), "r"(0x80008000u));
+    return r;
+}
+
+__device__ __forceinline__ uint4 mx_decode(uint32_t q) {
+    const uint32_t M = 0x01c001c0u, S = 0x80008000u;
+    return make_uint4(mx_pair(((q << 6) & M) | ((q << 12) & S)), mx_pair(((q << 2) & M) | ((q << 8) & S)),
+                      mx_pair(((q >> 2) & M) | ((q << 4) & S)), mx_pair(((q >> 6) & M) | (q & S)));
+}
+
+// e8m0 -> 2^(s - 127) (s = 0: 2^-127, an fp32 subnormal).
+__device__ __forceinline__ float mx_scale(uint32_t s) {
+    return __uint_as_float(s ? s << 23 : 0x00400000u);
+}
+
+// Byte j of four e8m0 scales -> 2^(s - 127) in two instructions (the decode's: s = 0 reads as 0, not
+// 2^-127; a block that small contributes below 1e-37).
+__device__ __forceinline__ float mx_scale_of(uint32_t s4, int j) {
+    return __uint_as_float((j < 3 ? s4 << (23 - 8 * j) : s4 >> 1) & 0x7f800000u);
+}
+#endif

@@ -14,6 +14,11 @@
 // 32, 8 warps as 2 x 4 (64 x 32 each), 3-stage cp.async pipeline, rows padded to 40 bf16 for
 // ldmatrix, zero-filled edges. Dynamic shared memory MOE_GEMM_SMEM bytes.
 // Preconditions (wrapper): K % 8 == 0, N % 16 == 0 for moe_gemm_gu, 16-byte aligned pointers.
+// MOE_MX 1: the pools hold MXFP4 blobs (engine/cu/mxfp4.py's layout, stride in bytes; K % 32 == 0). A
+// k-tile of 32 is one block a row: its 4 nibble words (one a quad lane's 16 bytes) and the row's scale
+// word come in by 4-byte cp.async with the A tile, and after they land the block turns them into the
+// bf16 B tile with moe_mx_dequant's operations (mx_decode, times mx_scale in fp32, rounded: exact), so
+// the products are the dequantized scratch's GEMM bit for bit while HBM streams a quarter of the bytes.
 
 #define BM 128
 #define BN 128
@@ -24,6 +29,15 @@
 #error "MOE_THREADS is defined by engine/backends/cuda/moe.py"
 #endif
 static_assert(MOE_THREADS == 256, "moe_gemm: 8 warps as 2 x 4");
+#ifndef MOE_MX
+#define MOE_MX 0
+#endif
+#if MOE_MX
+typedef unsigned char wt_t;  // MXFP4 blobs, addressed in bytes
+#define MX_WORDS 5           // a row's raw k-tile: 4 nibble words (lanes t = 0..3), then its group's scale word
+#else
+typedef bf16 wt_t;
+#endif
 
 __device__ __forceinline__ float act_fn(float g, float u, int oai, float limit) {
     if (oai) {
@@ -36,7 +50,7 @@ __device__ __forceinline__ float act_fn(float g, float u, int oai, float limit) 
 
 // acc = this warp's 64 x 32 of A_tile @ W_tile^T over all of K.
 __device__ __forceinline__ void tile_mma(const bf16* __restrict__ A, int a_div, const int* __restrict__ prs,
-                                         int rows, const bf16* __restrict__ W, int N, int K, int n0,
+                                         int rows, const wt_t* __restrict__ W, int N, int K, int n0,
                                          float (&acc)[4][4][4]) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
     bf16* sA = reinterpret_cast<bf16*>(smem_raw);
@@ -55,6 +69,12 @@ __device__ __forceinline__ void tile_mma(const bf16* __restrict__ A, int a_div, 
 #pragma unroll
             for (int e = 0; e < 4; e++) acc[i][j][e] = 0.f;
     const int KT = (K + BK - 1) / BK;
+#if MOE_MX
+    // sB: the one bf16 B tile; raw: STAGES x BN rows x MX_WORDS u32 after it.
+    uint32_t* raw = reinterpret_cast<uint32_t*>(sB + BN * LDS);
+    const int Kp = (K + 127) / 128 * 128;
+    const unsigned char* S = W + (size_t)N * (Kp / 2);
+#endif
     auto load_stage = [&](int stage, int k0) {
 #pragma unroll
         for (int i = 0; i < 2; i++) {
@@ -62,8 +82,19 @@ __device__ __forceinline__ void tile_mma(const bf16* __restrict__ A, int a_div, 
             const int gk = k0 + ch * 8, gn = n0 + row;
             const bool oka = arow[i] != nullptr && gk < K, okb = gn < N && gk < K;
             cp_async16(&sA[(stage * BM + row) * LDS + ch * 8], oka ? arow[i] + gk : A, oka ? 16 : 0);
+#if MOE_MX  // item idx: row idx / 4's nibble word of lane ch (block k0 / 32 = 4 G + j of the row's groups)
+            const int b = k0 / BK, G = b >> 2, j = b & 3;
+            cp_async4(&raw[(stage * BN + row) * MX_WORDS + ch],
+                      W + (size_t)(okb ? gn : 0) * (Kp / 2) + G * 64 + 16 * ch + 4 * j, okb ? 4 : 0);
+            if (i == 0 && tid < BN) {  // row tid's scale word (the 4 blocks of group G)
+                const bool oks = n0 + tid < N;
+                cp_async4(&raw[(stage * BN + tid) * MX_WORDS + 4], S + (size_t)(oks ? n0 + tid : 0) * (Kp / 32) + 4 * G,
+                          oks ? 4 : 0);
+            }
+#else
             cp_async16(&sB[(stage * BN + row) * LDS + ch * 8], W + (size_t)(okb ? gn : 0) * K + (okb ? gk : 0),
                        okb ? 16 : 0);
+#endif
         }
     };
 #pragma unroll
@@ -78,7 +109,24 @@ __device__ __forceinline__ void tile_mma(const bf16* __restrict__ A, int a_div, 
         if (nk < KT) load_stage(nk % STAGES, nk * BK);
         cp_async_commit();
         const bf16* a_st = sA + (kt % STAGES) * BM * LDS;
+#if MOE_MX
+        {  // thread (row r, half h): lanes 2h, 2h + 1's 8 values each, moe_mx_dequant's arithmetic
+            const int r = tid >> 1, h = tid & 1;
+            const uint32_t* rw = raw + ((kt % STAGES) * BN + r) * MX_WORDS;
+            const float f = mx_scale((rw[4] >> (8 * (kt & 3))) & 0xffu);
+#pragma unroll
+            for (int t = 2 * h; t < 2 * h + 2; t++) {
+                const uint4 v = mx_decode(rw[t]);
+                *reinterpret_cast<uint4*>(&sB[r * LDS + 8 * t]) =
+                    make_uint4(pack_bf162(bf_lo(v.x) * f, bf_hi(v.x) * f), pack_bf162(bf_lo(v.y) * f, bf_hi(v.y) * f),
+                               pack_bf162(bf_lo(v.z) * f, bf_hi(v.z) * f), pack_bf162(bf_lo(v.w) * f, bf_hi(v.w) * f));
+            }
+        }
+        __syncthreads();
+        const bf16* b_st = sB;
+#else
         const bf16* b_st = sB + (kt % STAGES) * BN * LDS;
+#endif
 #pragma unroll
         for (int kk = 0; kk < BK; kk += 16) {
             uint32_t af[4][4], bfr[4][2];
@@ -108,14 +156,14 @@ __device__ __forceinline__ void tile_mma(const bf16* __restrict__ A, int a_div, 
     if ((int)blockIdx.x >= grp[1]) return;                                                            \
     const int e = tiles[3 * blockIdx.x], first = tiles[3 * blockIdx.x + 1], rows = tiles[3 * blockIdx.x + 2]; \
     const int* prs = pairs + first;                                                                   \
-    const bf16* W = pool + (size_t)slot_of[e] * stride;                                               \
+    const wt_t* W = pool + (size_t)slot_of[e] * stride;                                               \
     const int n0 = blockIdx.y * BN, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;                 \
     const int wm = warp >> 2, wn = warp & 3;                                                          \
     float acc[4][4][4];                                                                               \
     tile_mma(A, a_div, prs, rows, W, N, K, n0, acc);
 
 extern "C" __global__ void __launch_bounds__(MOE_THREADS)
-    moe_gemm_gu(const bf16* __restrict__ A, int a_div, const bf16* __restrict__ pool, long long stride,
+    moe_gemm_gu(const bf16* __restrict__ A, int a_div, const wt_t* __restrict__ pool, long long stride,
                 const int* __restrict__ slot_of, const float* __restrict__ bias, const int* __restrict__ grp,
                 const int* __restrict__ tiles, const int* __restrict__ pairs, int N, int K, bf16* __restrict__ act,
                 int oai, float limit) {
@@ -145,7 +193,7 @@ extern "C" __global__ void __launch_bounds__(MOE_THREADS)
 }
 
 extern "C" __global__ void __launch_bounds__(MOE_THREADS)
-    moe_gemm_down(const bf16* __restrict__ A, int a_div, const bf16* __restrict__ pool, long long stride,
+    moe_gemm_down(const bf16* __restrict__ A, int a_div, const wt_t* __restrict__ pool, long long stride,
                   const int* __restrict__ slot_of, const float* __restrict__ bias, const int* __restrict__ grp,
                   const int* __restrict__ tiles, const int* __restrict__ pairs, int N, int K, float* __restrict__ y) {
     TILE_HEAD

@@ -59,33 +59,7 @@ __device__ __forceinline__ float act_fn(float g, float u, int oai, float limit) 
 }
 
 #if MOE_MX
-// A u32 of 8 e2m1 codes in mxfp4.py's nibble order -> (v0, v1) .. (v6, v7) as 4 bf16x2, unscaled.
-// A code's magnitude bits go to bf16 bits 8..6 (exponent 0..3 and one mantissa bit: the value times
-// 2^-126, subnormal for 0 and 0.5) and its sign to bit 15; one bf16x2 multiply by 2^126 (exact,
-// subnormal inputs kept) gives the value.
-__device__ __forceinline__ uint32_t mx_pair(uint32_t bits) {
-    uint32_t r;
-    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(bits), "r"(0x7e807e80u), "r"(0x80008000u));
-    return r;
-}
-
-__device__ __forceinline__ uint4 mx_decode(uint32_t q) {
-    const uint32_t M = 0x01c001c0u, S = 0x80008000u;
-    return make_uint4(mx_pair(((q << 6) & M) | ((q << 12) & S)), mx_pair(((q << 2) & M) | ((q << 8) & S)),
-                      mx_pair(((q >> 2) & M) | ((q << 4) & S)), mx_pair(((q >> 6) & M) | (q & S)));
-}
-
-// e8m0 -> 2^(s - 127) (s = 0: 2^-127, an fp32 subnormal).
-__device__ __forceinline__ float mx_scale(uint32_t s) {
-    return __uint_as_float(s ? s << 23 : 0x00400000u);
-}
-
-// Byte j of four e8m0 scales -> 2^(s - 127) in two instructions (the decode's: s = 0 reads as 0, not
-// 2^-127; a block that small contributes below 1e-37).
-__device__ __forceinline__ float mx_scale_of(uint32_t s4, int j) {
-    return __uint_as_float((j < 3 ? s4 << (23 - 8 * j) : s4 >> 1) & 0x7f800000u);
-}
-
+// mx_decode, mx_scale, mx_scale_of: common.cuh (moe_gemm.cu reads MXFP4 tiles too).
 __device__ __forceinline__ uint32_t ld_u32_if(const uint32_t* p, bool pred) { return pred ? __ldg(p) : 0u; }
 
 // c += rows g, g + 8 of an MXFP4 blob (wa_p / wb_p: the rows' nibbles at this lane's 16 bytes of

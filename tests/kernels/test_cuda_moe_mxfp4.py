@@ -68,13 +68,16 @@ def dense(w):
 VARIANTS = {"default": (), "split_down": (("MX_U", 1), ("MX_DOWN_SPLIT", 1))}
 
 
-def build(cfg, op, w, mem, rows, gpu_budget=None, variant="default"):
+def build(cfg, op, w, mem, rows, gpu_budget=None, variant="default", tiles=True):
+    """``tiles``: long prefill chunks through the GEMMs reading MXFP4 tiles, else the bf16 scratch."""
     from engine.backends.cuda.expert_cache import upload_moe
     from engine.backends.cuda.moe import DeviceMoE, MoEKernels, MoEWorkspace
 
-    kern = MoEKernels(mx=True, mx_defines=VARIANTS[variant])
+    kern = MoEKernels(mx=True, mx_defines=VARIANTS[variant], mx_tiles=tiles)
     layers, cache = upload_moe(cfg, op, w, mem, gpu_budget, kern=kern)
-    ws = MoEWorkspace(op.num_experts, op.top_k, cfg.hidden_size, cfg.moe_intermediate_size, rows, mem, mx=True)
+    ws = MoEWorkspace(op.num_experts, op.top_k, cfg.hidden_size, cfg.moe_intermediate_size, rows, mem, mx=True,
+                      scratch=not tiles)  # fmt: skip
+    assert bool(ws.mx_scratch) == (not tiles)
     moe = DeviceMoE(cfg, op, kern, layers, ws, cache)
     assert moe.mx
     return moe
@@ -179,16 +182,18 @@ def test_decode_row_independent_of_round_width(stream, mem, variant):
         np.testing.assert_array_equal(run(moe, stream, mem, x[:width]), full[:width])
 
 
-@pytest.mark.parametrize("rows,act", [(300, "silu"), (37, "swiglu_oai")])
-def test_prefill_is_the_bf16_prefill_bitwise(stream, mem, rows, act):
-    """A chunk past ``prefill_as_decode`` dequantizes into the scratch (exact), so it is the bf16 pools'
-    GEMM on the same values (37 rows: the threshold lowered to reach the scratch path)."""
-    cfg, op = config(H=288, inter=96, E=8, k=2), op_for(act, 8, 2)
+@pytest.mark.parametrize("tiles", [True, False], ids=["tiles", "scratch"])
+@pytest.mark.parametrize("rows,act,H", [(300, "silu", 288), (37, "swiglu_oai", 288), (200, "swiglu_oai", 416)])
+def test_prefill_is_the_bf16_prefill_bitwise(stream, mem, rows, act, H, tiles):
+    """A chunk past ``prefill_as_decode`` turns each k-tile's blocks into bf16 in shared memory (tiles) or
+    dequantizes into the scratch, both exact, so it is the bf16 pools' GEMM on the same values (37 rows:
+    the threshold lowered to reach that path; H 288 and 416: K not a multiple of 128, N past a tile)."""
+    cfg, op = config(H=H, inter=96, E=8, k=2), op_for(act, 8, 2)
     w = mx_weights(cfg, op)
-    moe, ref = build(cfg, op, w, mem, rows), build_bf16(cfg, op, dense(w), mem, rows)
+    moe, ref = build(cfg, op, w, mem, rows, tiles=tiles), build_bf16(cfg, op, dense(w), mem, rows)
     assert moe.prefill_as_decode == MX_PREFILL_AS_DECODE and ref.prefill_as_decode == 0
     moe.prefill_as_decode = min(moe.prefill_as_decode, rows - 1)
-    x = bf(rng.standard_normal((rows, 288)).astype(np.float32))
+    x = bf(rng.standard_normal((rows, H)).astype(np.float32))
     np.testing.assert_array_equal(run(moe, stream, mem, x, "prefill"), run(ref, stream, mem, x, "prefill"))
 
 

@@ -169,7 +169,7 @@ class CudaBackend(Backend):
         # activations of PREFILL_CHUNK rows plus MAX_LANES rows of logits.
         work = workspace_bytes(cfg, rows=PREFILL_CHUNK, logit_rows=MAX_LANES) + scratch
         if self.moe is not None:
-            work += self.moe.ws.mx_scratch_bytes  # MXFP4 experts: a layer's as bf16 for prefill
+            work += self.moe.ws.mx_scratch_bytes  # MXFP4 experts through the bf16 scratch (0 when read as tiles)
         kv_bytes = self.kv.num_blocks * self.kv.block_bytes
         weight_bytes = self.weights.nbytes + moe_bytes
         if self.vision is not None:
@@ -232,7 +232,7 @@ class CudaBackend(Backend):
         # bf16 experts (GGUF blocks and fp8 dequantized), or MXFP4 ones as stored
         layers, cache = upload_moe(cfg, op, weights, self.mem, gpu_budget=budget, kern=kern)  # (primes the cache)
         ws = MoEWorkspace(op.num_experts, op.top_k, cfg.hidden_size, cfg.moe_intermediate_size, PREFILL_CHUNK,
-                          self.mem, mx=kern.mx)  # fmt: skip
+                          self.mem, mx=kern.mx, scratch=kern.mx and not kern.mx_tiles)  # fmt: skip
         resident = cfg.num_layers * op.num_experts if cache is None else cache.slots
         logging.getLogger("ignis.engine").info(
             "ignis.runtime.experts", extra={"resident": resident, "total": cfg.num_layers * op.num_experts}

@@ -13,9 +13,10 @@ rounds are not graph-capturable (``graph_safe``). docs/MOE.md has the design.
 
 MXFP4 experts (``MoELayer.mx``, engine/cu/mxfp4.py's blobs): decode rounds read them as stored
 (moe_gemv.cu built with ``MOE_MX``); a prefill chunk of up to ``MX_PREFILL_AS_DECODE`` rows runs
-the decode kernels too (reading a quarter of bf16's bytes beats dequantizing every expert of the
-layer for a few rows), a longer one first dequantizes the layer's experts into a bf16 scratch
-(``moe_mx_dequant``, exact) that the grouped GEMMs read as they read bf16 pools.
+the decode kernels too, a longer one the grouped GEMMs built with ``MOE_MX`` (moe_gemm.cu: each k-tile's
+blocks turned into the bf16 B tile in shared memory, exactly). ``MX_PREFILL_TILES`` False keeps the
+earlier path: the layer's experts dequantized into a bf16 scratch (``moe_mx_dequant``, exact) that the
+bf16 GEMMs read; both give the same bits.
 """
 
 from __future__ import annotations
@@ -43,6 +44,8 @@ MX_DEFINES = (("MX_U", 2), ("MX_DOWN_SPLIT", 0))
 # An MXFP4 prefill chunk of up to this many rows runs the decode kernels instead of dequantizing the
 # layer's experts (bench/bench_moe_mx.py --prefill-rows measures both sides).
 MX_PREFILL_AS_DECODE = MAX_DECODE_ROWS
+# A longer MXFP4 chunk: the grouped GEMMs read the blobs' tiles (True) or a dequantized bf16 scratch.
+MX_PREFILL_TILES = True
 
 
 @dataclass
@@ -65,7 +68,7 @@ class MoEWorkspace:
     """Routing and expert activations for up to ``max_rows`` rows (one int32 groups table, moe.cu)."""
 
     def __init__(self, num_experts: int, top_k: int, hidden: int, inter: int, max_rows: int, mem,
-                 mx: bool = False) -> None:  # fmt: skip
+                 mx: bool = False, scratch: bool | None = None) -> None:  # fmt: skip
         E, P = num_experts, max_rows * top_k
         self.max_rows, self.tmax = max_rows, -(-P // 128) + E
         self.logits, self.ids, self.weights = mem.alloc(max_rows * E * 4), mem.alloc(P * 4), mem.alloc(P * 4)
@@ -82,9 +85,11 @@ class MoEWorkspace:
 
         cuda.memset_d32(self.done, 0, n_done)
         self.tile_done = self.done + 4
-        # MXFP4 experts: a layer's gate|up or down as bf16 for prefill, expert e at e (``ident``)
-        self.mx_scratch_bytes = mx_scratch_bytes(E, hidden, inter) if mx else 0
-        self.mx_scratch = mem.alloc(self.mx_scratch_bytes) if mx else 0
+        # MXFP4 experts read through the scratch (``scratch``, default: not ``MX_PREFILL_TILES``): a
+        # layer's gate|up or down as bf16 for prefill, expert e at e (``ident``)
+        scratch = mx and (not MX_PREFILL_TILES if scratch is None else scratch)
+        self.mx_scratch_bytes = mx_scratch_bytes(E, hidden, inter) if scratch else 0
+        self.mx_scratch = mem.alloc(self.mx_scratch_bytes) if scratch else 0
         self.ident = 0
         if mx:
             ident = np.arange(E, dtype=np.int32)
@@ -108,12 +113,14 @@ def expert_bytes(cfg: ModelConfig, mx: bool = False) -> tuple[int, int]:
 class MoEKernels:
     """moe.cu's and moe_gemm.cu's kernels, compiled and prepared (``launch.Kernel``)."""
 
-    def __init__(self, cache_dir: str = "", mx: bool = False, mx_defines: tuple = ()) -> None:
+    def __init__(self, cache_dir: str = "", mx: bool = False, mx_defines: tuple = (),
+                 mx_tiles: bool = MX_PREFILL_TILES) -> None:  # fmt: skip
         import pycuda.driver as cuda
 
         T = MOE_THREADS
         d = (("MOE_THREADS", MOE_THREADS),)
-        m, g = module("moe", d, cache_dir), module("moe_gemm", d, cache_dir)
+        self.mx_tiles = mx and mx_tiles  # the grouped GEMMs read MXFP4 blobs (else bf16: the scratch)
+        m, g = module("moe", d, cache_dir), module("moe_gemm", d + (("MOE_MX", 1),) * self.mx_tiles, cache_dir)
         mx_d = dict(MX_DEFINES, **dict(mx_defines))
         v = module("moe_gemv", d + (("MOE_MX", 1), *mx_d.items()) if mx else d, cache_dir)  # mx: they read MXFP4
         self.mx = mx
@@ -164,8 +171,8 @@ class DeviceMoE:
         check_moe(op, cfg, self.mx)
         self.cfg, self.op, self.kern, self.layers, self.ws, self.cache = cfg, op, kern, layers, ws, cache
         self.hidden, self.inter = cfg.hidden_size, cfg.moe_intermediate_size
-        if self.mx and not (kern.mx and ws.mx_scratch):
-            raise ValueError("MXFP4 experts need MoEKernels(mx=True) and MoEWorkspace(mx=True)")
+        if self.mx and not (kern.mx and (kern.mx_tiles or ws.mx_scratch)):
+            raise ValueError("MXFP4 experts need MoEKernels(mx=True) and, without its mx_tiles, a scratch")
         # an expert's gate|up and down in its pool: MXFP4 blob bytes, or bf16 elements
         self.strides = tuple(b if self.mx else b // 2 for b in expert_bytes(cfg, self.mx))
         self.oai, self.limit = ACTS[op.act], float("inf") if op.swiglu_limit is None else float(op.swiglu_limit)
@@ -234,16 +241,17 @@ class DeviceMoE:
         P = rows * op.top_k
         tiles = -(-P // 128) + min(E, P)
         common = dict(grp=ws.grp, tiles=ws.tiles, pairs=ws.pairs)
-        gu_pool, down_pool, slot_of = L.gu_pool, L.down_pool, L.slot_of
-        if self.mx:  # every expert of the layer as bf16 in the scratch, expert e at e
-            gu_pool, down_pool, slot_of = ws.mx_scratch, ws.mx_scratch, ws.ident
+        gu_pool, down_pool, slot_of, strides = L.gu_pool, L.down_pool, L.slot_of, self.strides
+        scratch = self.mx and not k.mx_tiles
+        if scratch:  # every expert of the layer as bf16 in the scratch, expert e at e
+            gu_pool, down_pool, slot_of, strides = ws.mx_scratch, ws.mx_scratch, ws.ident, (2 * inter * H, H * inter)
             self._dequant(s, L.gu_pool, self.strides[0], L.slot_of, 2 * inter, H)
-        k.gemm_gu(s, (tiles, -(-2 * inter // 128)), A=xn, a_div=op.top_k, pool=gu_pool, stride=2 * inter * H,
+        k.gemm_gu(s, (tiles, -(-2 * inter // 128)), A=xn, a_div=op.top_k, pool=gu_pool, stride=strides[0],
                   slot_of=slot_of, bias=L.gu_bias, N=2 * inter, K=H, act=ws.act, oai=self.oai, limit=self.limit,
                   **common)  # fmt: skip
-        if self.mx:
+        if scratch:
             self._dequant(s, L.down_pool, self.strides[1], L.slot_of, H, inter)
-        k.gemm_down(s, (tiles, -(-H // 128)), A=ws.act, a_div=1, pool=down_pool, stride=H * inter, slot_of=slot_of,
+        k.gemm_down(s, (tiles, -(-H // 128)), A=ws.act, a_div=1, pool=down_pool, stride=strides[1], slot_of=slot_of,
                     bias=L.down_bias, N=H, K=inter, y=ws.y, **common)  # fmt: skip
         self.kern.combine(s, (-(-H // COMBINE_COLS), rows), y=ws.y, weights=ws.weights, k=op.top_k, x=x, H=H, nw=0,
                           xw=0, ss_out=0)  # fmt: skip
