@@ -29,8 +29,7 @@ QUANT_GEMV_MAX_ROWS = 8  # gemv_q.cu's (GGUF blocks, fp8): one group of 8 activa
 # gemv.cu's variants by rows: (most rows, suffix); 1..8 rows pick "" or "_u2" by the matrix's size.
 GEMV_ROW_VARIANTS = ((16, "_r16"), (32, "_r32"), (64, "_r64"))
 # Steps in flight per warp and blocks per SM of the wider variants (their activation fragments
-# take the registers: 102 / 128 / 124 a thread, no spills, ptxas on sm_90a); R16_NT, R32_NT, R64_NT
-# (absent: 1) their 16-row tiles a block, the launch's grid follows.
+# take the registers: 102 / 128 / 124 a thread, no spills, ptxas on sm_90a).
 GEMV_ROW_TUNING = (("R16_U", 2), ("R16_MINB", 2), ("R32_U", 2), ("R32_MINB", 2), ("R64_U", 1), ("R64_MINB", 2))
 # gemv_wide.cu (x read once a block of 128 weight rows, gemv_tc's bits): rounds of 9..64 rows on a
 # matrix of at least ``wide_min_n`` rows; its variants by groups of 8 x rows, and their stages.
@@ -171,8 +170,6 @@ class Kernels:
             for epi, params in TC_PARAMS.items()
             for u2 in (False, True)
         }
-        tuning = dict(GEMV_ROW_TUNING)
-        self._tc_nt = {most: tuning.get(f"R{most}_NT", 1) for most, _ in GEMV_ROW_VARIANTS}  # 16-row tiles a block
         self._tc_wide = {  # 9..64 rows, keyed (epilogue, most rows)
             (epi, most): Kernel(gemv, f"gemv_tc_{epi}{sfx}", params, TC_THREADS)
             for epi, params in TC_PARAMS.items()
@@ -385,11 +382,7 @@ class Kernels:
                  ss_nparts=ss_in[1], eps=eps, **extra)  # fmt: skip
             return
         else:
-            most = next(most for most, _ in GEMV_ROW_VARIANTS if rows <= most)
-            kern, tile = self._tc_wide[(epi, most)], 16 * self._tc_nt[most]
-            kern(s, ((n + tile - 1) // tile,), x=x, W=w, out=out, M=rows, N=n, K=k, ldo=ldo, ss_in=ss_in[0],
-                 ss_nparts=ss_in[1], eps=eps, **extra)  # fmt: skip
-            return
+            kern = self._tc_wide[(epi, next(most for most, _ in GEMV_ROW_VARIANTS if rows <= most))]
         kern(s, ((n + 15) // 16,), x=x, W=w, out=out, M=rows, N=n, K=k, ldo=ldo, ss_in=ss_in[0], ss_nparts=ss_in[1],
              eps=eps, **extra)  # fmt: skip
 
