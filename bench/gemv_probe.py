@@ -38,12 +38,7 @@ NCU_SHAPES, NCU_WIDTHS = ("gate_up", "down", "qkv"), ((8, ""), (16, "_r16"), (64
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ncu", action="store_true", help="untimed launches for a profiler (see above)")
-    ap.add_argument("--nt", nargs="*", default=[],
-                    help="WIDTH=NT,U,MINB: the wide variant of WIDTH rows (16, 32, 64) with NT tiles a block, timed "
-                         "against the committed one and compared bitwise (gemv.cu's R*_NT)")  # fmt: skip
     args = ap.parse_args()
-    if args.nt:
-        return nt_probe(dict(v.split("=") for v in args.nt))
     from bench.bench_cuda import read_bandwidth
     from engine.cu import runtime
     from engine.cu.kernels import GEMV_ROW_TUNING, TC_PARAMS, TC_THREADS, WIDE_GROUPS, WIDE_STAGES, wide_smem
@@ -124,63 +119,6 @@ def main() -> None:
                       + f" | {cells[1] / cells[0]:.3f} |" + (extra or " | | |"), flush=True)  # fmt: skip
             for w in ws:
                 w.free()
-
-
-def nt_probe(variants: dict) -> None:
-    """The committed wide variants against each asked ``R<W>_NT`` build: µs and whether the bits agree."""
-    from bench.bench_cuda import read_bandwidth
-    from engine.cu import runtime
-    from engine.cu.kernels import GEMV_ROW_TUNING, TC_PARAMS, TC_THREADS
-    from engine.cu.launch import Kernel, compiling, module
-
-    with runtime.current():
-        import pycuda.driver as cuda
-
-        stream = cuda.Stream()
-        bw = read_bandwidth(cuda, stream)
-        print(f"{device_name()}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; python3 bench/gemv_probe.py "
-              f"--nt {' '.join(f'{w}={v}' for w, v in variants.items())}; read bandwidth {bw / 1e12:.2f} TB/s\n")  # fmt: skip
-        tuning = dict(GEMV_ROW_TUNING)
-        for w, v in variants.items():
-            nt, u, minb = (int(a) for a in v.split(","))
-            tuning.update({f"R{w}_NT": nt, f"R{w}_U": u, f"R{w}_MINB": minb})
-        with compiling():
-            base = module("gemv", (("TC_THREADS", TC_THREADS), *GEMV_ROW_TUNING))
-            exp = module("gemv", (("TC_THREADS", TC_THREADS), *tuning.items()))
-            kern = {(which, w): Kernel(mod, f"gemv_tc_store_r{w}", TC_PARAMS["store"], TC_THREADS)
-                    for which, mod in (("base", base), ("nt", exp)) for w in variants}  # fmt: skip
-        rng = np.random.default_rng(0)
-        xb = cuda.to_device(((rng.standard_normal((64, 14336)) * 0.1).astype(np.float32).view(np.uint32) >> 16)
-                            .astype(np.uint16))  # fmt: skip
-        out = cuda.mem_alloc(64 * 128256 * 4)
-        pool = cuda.to_device(((rng.standard_normal(32 << 20) * 0.02).astype(np.float32).view(np.uint32) >> 16)
-                              .astype(np.uint16))  # fmt: skip
-        print("| matrix | N x K | rows | committed µs | NT variant µs | variant / committed | same bits |")
-        print("|---|---|---|---|---|---|---|", flush=True)
-        for name, n, k in SHAPES:
-            nbytes = 2 * n * k
-            ws = []
-            for _ in range(max(2, -(-160_000_000 // nbytes))):  # copies of a random pool (values do not change time)
-                ws.append(cuda.mem_alloc(nbytes))
-                for off in range(0, nbytes, 64 << 20):
-                    cuda.memcpy_dtod(int(ws[-1]) + off, pool, min(64 << 20, nbytes - off))
-            for w in variants:
-                nt = tuning[f"R{w}_NT"]
-                t, res = [], []
-                for which, grid in (("base", (n + 15) // 16), ("nt", (n + 16 * nt - 1) // (16 * nt))):
-                    kk = kern[(which, w)]
-                    args = dict(bias=0, out=int(out), M=int(w), N=n, K=k, ldo=n, ss_in=0, ss_nparts=0, eps=0.0, nw=0,
-                                xw=0, ss_out=0)  # fmt: skip
-                    t.append(timed(cuda, stream, lambda i, kk=kk, grid=grid, a=args, ws=ws: kk(
-                        stream, (grid,), x=int(xb), W=int(ws[i % len(ws)]), **a)))  # fmt: skip
-                    kk(stream, (grid,), x=int(xb), W=int(ws[0]), **args)
-                    host = np.empty((int(w), n), np.uint32)
-                    cuda.memcpy_dtoh(host, out)
-                    res.append(host)
-                print(f"| {name} | {n} x {k} | {w} | {t[0] * 1e6:.1f} | {t[1] * 1e6:.1f} | {t[1] / t[0]:.3f} | "
-                      f"{bool(np.array_equal(res[0], res[1]))} |", flush=True)  # fmt: skip
-            for x in ws:
-                x.free()
 
 
 def ncu_launches(cuda, stream, kern: dict) -> None:

@@ -8,8 +8,7 @@
 // do not depend on the width of its round.
 // Preconditions (wrapper): K % 8 == 0, pointers 16-byte aligned, 1 <= M <= 8 G (the variant's groups).
 // Compile-time: TC_THREADS (256: 8 warps, the layout below assumes it); R16_U, R16_MINB, R32_U,
-// R32_MINB, R64_U, R64_MINB (the wide variants' steps in flight and blocks per SM); R16_NT, R32_NT,
-// R64_NT (their 16-row tiles a block, default 1; launch ceil(N / (16 NT)) blocks); PDL (1:
+// R32_MINB, R64_U, R64_MINB (the wide variants' steps in flight and blocks per SM); PDL (1:
 // programmatic dependent launch, common.cuh: each warp issues its first batch of weight loads,
 // then waits for the kernel before, then loads x; without it the loads interleave as they always did).
 
@@ -19,15 +18,6 @@
 static_assert(TC_THREADS == 256, "gemv_tc: 8 warps split K and reduce in shared memory");
 #ifndef GEMV_KS
 #define GEMV_KS 0
-#endif
-#ifndef R16_NT
-#define R16_NT 1
-#endif
-#ifndef R32_NT
-#define R32_NT 1
-#endif
-#ifndef R64_NT
-#define R64_NT 1
 #endif
 
 // gemv_tc_<epilogue>[_u2, _r16, _r32, _r64]:
@@ -131,27 +121,17 @@ __device__ __forceinline__ void rope_kv_store(float a, float b, int m, int r, in
 // activation rows 8j..8j+7 (G groups of 8 rows; a group at or past M is neither loaded nor multiplied).
 // Every group meets the same W fragments in the same step order, so a row's sum does not depend
 // on G, U or the other rows.
-// NT > 1 (the wide variants' R*_NT): the block owns NT 16-row tiles, c[nt G + j] tile nt's group j, and
-// each step's x fragments feed every tile (x leaves L2 once a NT tiles instead of once a tile); a
-// tile's sums are the same operations in the same order as with NT 1.
-template <int U, int G, int NT = 1>
+template <int U, int G>
 __device__ __forceinline__ void gemv_tc_main(const bf16* __restrict__ x, const bf16* __restrict__ W, int M,
                                              int N, int K, float (*c)[4]) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const int n0 = blockIdx.x * TC_ROWS * NT;
+    const int n0 = blockIdx.x * TC_ROWS;
     const int K8 = K >> 3;
     const uint4* W4 = reinterpret_cast<const uint4*>(W);
     const uint4* x4 = reinterpret_cast<const uint4*>(x);
-    bool ra[NT], rb[NT];
-    const uint4 *wa_p[NT], *wb_p[NT];
-#pragma unroll
-    for (int nt = 0; nt < NT; nt++) {
-        const int r0 = n0 + nt * TC_ROWS;
-        ra[nt] = r0 + g < N;
-        rb[nt] = r0 + g + 8 < N;
-        wa_p[nt] = W4 + (size_t)(ra[nt] ? r0 + g : 0) * K8;
-        wb_p[nt] = W4 + (size_t)(rb[nt] ? r0 + g + 8 : 0) * K8;
-    }
+    const bool ra = n0 + g < N, rb = n0 + g + 8 < N;
+    const uint4* wa_p = W4 + (size_t)(ra ? n0 + g : 0) * K8;
+    const uint4* wb_p = W4 + (size_t)(rb ? n0 + g + 8 : 0) * K8;
     const uint4* x_p = x4 + (size_t)g * K8;  // row 8j + g at x_p + 8j K8 (loaded only below M)
     // Step s covers chunks [8s, 8s + 8); this thread takes chunks 8s + t and 8s + t + 4. Warp w takes
     // steps w, w + 8, w + 16, ..; GEMV_KS 1 (an experiment, bench/gemv_probe.py): the contiguous steps
@@ -161,7 +141,7 @@ __device__ __forceinline__ void gemv_tc_main(const bf16* __restrict__ x, const b
     const int s_first = GEMV_KS ? warp * spw : warp, s_end = GEMV_KS ? min(steps, s_first + spw) : steps;
     constexpr int s_unit = GEMV_KS ? 1 : 8;
     for (int s0 = s_first; s0 < s_end; s0 += s_unit * U) {
-        uint4 wa[U][2][NT], wb[U][2][NT], xv[U][2][G];
+        uint4 wa[U][2], wb[U][2], xv[U][2][G];
 #pragma unroll
         for (int u = 0; u < U; u++) {
             const int s = s0 + u * s_unit;
@@ -169,11 +149,8 @@ __device__ __forceinline__ void gemv_tc_main(const bf16* __restrict__ x, const b
             for (int h = 0; h < 2; h++) {
                 const int ch = s * 8 + t + 4 * h;
                 const bool ok = s < s_end && ch < K8;
-#pragma unroll
-                for (int nt = 0; nt < NT; nt++) {
-                    wa[u][h][nt] = ld_stream_if(wa_p[nt] + ch, ok && ra[nt]);
-                    wb[u][h][nt] = ld_stream_if(wb_p[nt] + ch, ok && rb[nt]);
-                }
+                wa[u][h] = ld_stream_if(wa_p + ch, ok && ra);
+                wb[u][h] = ld_stream_if(wb_p + ch, ok && rb);
 #if !(defined(PDL) && PDL)
 #pragma unroll
                 for (int j = 0; j < G; j++)
@@ -206,10 +183,8 @@ __device__ __forceinline__ void gemv_tc_main(const bf16* __restrict__ x, const b
 #pragma unroll
             for (int h = 0; h < 2; h++)
 #pragma unroll
-                for (int nt = 0; nt < NT; nt++)
-#pragma unroll
-                    for (int j = 0; j < G; j++)
-                        if (j == 0 || 8 * j < M) tc_step(c[nt * G + j], wa[u][h][nt], wb[u][h][nt], xv[u][h][j]);
+                for (int j = 0; j < G; j++)
+                    if (j == 0 || 8 * j < M) tc_step(c[j], wa[u][h], wb[u][h], xv[u][h][j]);
     }
     if (s_first >= s_end) {  // no step for this warp (K < 512): the epilogue still reads the kernel before's writes
         pdl_wait();
@@ -324,30 +299,23 @@ __device__ __forceinline__ void gemv_tc_epilogue(const float* c, const float* __
 
 // The main loop, then the epilogue once per group of 8 activation rows, on that group's rows of
 // every per-row array (the epilogue itself sees at most 8 rows, as gemv_q.cu's callers give it).
-// NT > 1: the epilogues of the block's tiles one after the other (tile blockIdx.x NT + nt of the
-// matrix's ceil(N / 16), so ss_out's columns are NT 1's); a tile at or past N is skipped.
-template <int U, int G, int EPI, int NT = 1>
+template <int U, int G, int EPI>
 __device__ __forceinline__ void gemv_tc_body(const bf16* __restrict__ x, const bf16* __restrict__ W,
                                              const float* __restrict__ bias, void* __restrict__ out, int M,
                                              int N, int K, int ldo, const TcNorm& nm, const TcRope& rp) {
-    float c[NT * G][4];
+    float c[G][4];
 #pragma unroll
-    for (int j = 0; j < NT * G; j++) c[j][0] = c[j][1] = c[j][2] = c[j][3] = 0.f;
-    gemv_tc_main<U, G, NT>(x, W, M, N, K, c);
-    const int ntiles = NT == 1 ? (int)gridDim.x : (N + TC_ROWS - 1) / TC_ROWS;
-#pragma unroll
-    for (int nt = 0; nt < NT; nt++) {
-    const int tile = NT == 1 ? -1 : (int)blockIdx.x * NT + nt;
-    if (NT > 1 && tile >= ntiles) break;  // uniform over the block
+    for (int j = 0; j < G; j++) c[j][0] = c[j][1] = c[j][2] = c[j][3] = 0.f;
+    gemv_tc_main<U, G>(x, W, M, N, K, c);
 #pragma unroll
     for (int j = 0; j < G; j++) {
         const int m0 = 8 * j;
         if (m0 >= M) break;  // uniform over the block
-        if (j || nt) __syncthreads();  // the previous group's epilogue has read the shared sums
+        if (j) __syncthreads();  // the previous group's epilogue has read the shared sums
         TcNorm nj = nm;
         if (nj.ss_in) nj.ss_in += (size_t)m0 * nj.ss_nparts;
         if (nj.xw) nj.xw += (size_t)m0 * N;
-        if (nj.ss_out) nj.ss_out += NT == 1 ? (size_t)m0 * gridDim.x : (size_t)m0 * ntiles;
+        if (nj.ss_out) nj.ss_out += (size_t)m0 * gridDim.x;
         TcRope rj = rp;
         void* oj;
         if constexpr (EPI == EPI_ROPE_KV) {
@@ -359,9 +327,7 @@ __device__ __forceinline__ void gemv_tc_body(const bf16* __restrict__ x, const b
         } else {
             oj = static_cast<float*>(out) + (size_t)m0 * ldo;
         }
-        if constexpr (NT == 1) gemv_tc_epilogue<EPI>(c[j], bias, oj, min(M - m0, 8), N, K, ldo, nj, rj, 0);
-        else gemv_tc_epilogue<EPI>(c[nt * G + j], bias, oj, min(M - m0, 8), N, K, ldo, nj, rj, 0, tile, ntiles);
-    }
+        gemv_tc_epilogue<EPI>(c[j], bias, oj, min(M - m0, 8), N, K, ldo, nj, rj, 0);
     }
 }
 
@@ -369,25 +335,25 @@ __device__ __forceinline__ void gemv_tc_body(const bf16* __restrict__ x, const b
 // MINB: blocks per SM the register allocation must allow. Without it ptxas sinks each load down
 // to its mma (3 loads in flight per warp); with it every load of a batch issues first.
 // store / acc: out fp32 [M, ldo]; with nw, also the next norm's xw / ss_out.
-#define GEMV_TC_LINEAR(NAME, U, G, MINB, EPI, NT)                                                                    \
+#define GEMV_TC_LINEAR(NAME, U, G, MINB, EPI)                                                                    \
     extern "C" __global__ void __launch_bounds__(TC_THREADS, MINB)                                          \
         NAME(const bf16* x, const bf16* W, const float* bias, float* out, int M, int N, int K, int ldo,       \
              const float* ss_in, int ss_nparts, float eps, const bf16* nw, bf16* xw, float* ss_out) {         \
         const TcNorm nm{ss_in, ss_nparts, eps, nw, xw, ss_out};                                              \
         const TcRope rp{};                                                                                   \
-        gemv_tc_body<U, G, EPI, NT>(x, W, bias, out, M, N, K, ldo, nm, rp);                                      \
+        gemv_tc_body<U, G, EPI>(x, W, bias, out, M, N, K, ldo, nm, rp);                                          \
     }
 // swiglu / geglu: out bf16 act [M, ldo]; no bias, no next norm.
-#define GEMV_TC_SWIGLU(NAME, U, G, MINB, EPI, NT)                                                                       \
+#define GEMV_TC_SWIGLU(NAME, U, G, MINB, EPI)                                                                       \
     extern "C" __global__ void __launch_bounds__(TC_THREADS, MINB)                                          \
         NAME(const bf16* x, const bf16* W, bf16* out, int M, int N, int K, int ldo, const float* ss_in,       \
              int ss_nparts, float eps) {                                                                     \
         const TcNorm nm{ss_in, ss_nparts, eps, nullptr, nullptr, nullptr};                                   \
         const TcRope rp{};                                                                                   \
-        gemv_tc_body<U, G, EPI, NT>(x, W, nullptr, out, M, N, K, ldo, nm, rp);                                  \
+        gemv_tc_body<U, G, EPI>(x, W, nullptr, out, M, N, K, ldo, nm, rp);                                      \
     }
 // rope: out bf16 q [M, H, D]; K and V into the cache.
-#define GEMV_TC_ROPE(NAME, U, G, MINB, NT)                                                                           \
+#define GEMV_TC_ROPE(NAME, U, G, MINB)                                                                           \
     extern "C" __global__ void __launch_bounds__(TC_THREADS, MINB)                                          \
         NAME(const bf16* x, const bf16* W, const float* bias, bf16* out, int M, int N, int K, int ldo,        \
              const float* ss_in, int ss_nparts, float eps, const int* positions, const int* slots,            \
@@ -396,20 +362,20 @@ __device__ __forceinline__ void gemv_tc_body(const bf16* __restrict__ x, const b
         const TcNorm nm{ss_in, ss_nparts, eps, nullptr, nullptr, nullptr};                                   \
         const TcRope rp{positions, slots, inv_freq, cache, H, KVH, D, block_size, block_stride, rotary_dim,  \
                         rope_factor};                                                                        \
-        gemv_tc_body<U, G, EPI_ROPE_KV, NT>(x, W, bias, out, M, N, K, ldo, nm, rp);                              \
+        gemv_tc_body<U, G, EPI_ROPE_KV>(x, W, bias, out, M, N, K, ldo, nm, rp);                                  \
     }
 // Variants by rows: "" and "_u2" 1..8 rows (4 / 2 steps in flight, u2 for small matrices); "_r16",
 // "_r32", "_r64": up to 16 / 32 / 64 rows (2 / 4 / 8 groups; fewer steps in flight, as the
 // activation fragments take the registers).
-#define GEMV_TC_VARIANTS(SUFFIX, U, G, MINB, NT)                                  \
-    GEMV_TC_LINEAR(gemv_tc_store##SUFFIX, U, G, MINB, EPI_STORE, NT)              \
-    GEMV_TC_LINEAR(gemv_tc_acc##SUFFIX, U, G, MINB, EPI_ACC, NT)                  \
-    GEMV_TC_SWIGLU(gemv_tc_swiglu##SUFFIX, U, G, MINB, EPI_SWIGLU, NT)            \
-    GEMV_TC_SWIGLU(gemv_tc_geglu##SUFFIX, U, G, MINB, EPI_GEGLU, NT)              \
-    GEMV_TC_ROPE(gemv_tc_rope##SUFFIX, U, G, MINB, NT)
-GEMV_TC_VARIANTS(, 4, 1, 2, 1)
-GEMV_TC_VARIANTS(_u2, 2, 1, 4, 1)
-GEMV_TC_VARIANTS(_r16, R16_U, 2, R16_MINB, R16_NT)
-GEMV_TC_VARIANTS(_r32, R32_U, 4, R32_MINB, R32_NT)
-GEMV_TC_VARIANTS(_r64, R64_U, 8, R64_MINB, R64_NT)
+#define GEMV_TC_VARIANTS(SUFFIX, U, G, MINB)                                  \
+    GEMV_TC_LINEAR(gemv_tc_store##SUFFIX, U, G, MINB, EPI_STORE)              \
+    GEMV_TC_LINEAR(gemv_tc_acc##SUFFIX, U, G, MINB, EPI_ACC)                  \
+    GEMV_TC_SWIGLU(gemv_tc_swiglu##SUFFIX, U, G, MINB, EPI_SWIGLU)            \
+    GEMV_TC_SWIGLU(gemv_tc_geglu##SUFFIX, U, G, MINB, EPI_GEGLU)              \
+    GEMV_TC_ROPE(gemv_tc_rope##SUFFIX, U, G, MINB)
+GEMV_TC_VARIANTS(, 4, 1, 2)
+GEMV_TC_VARIANTS(_u2, 2, 1, 4)
+GEMV_TC_VARIANTS(_r16, R16_U, 2, R16_MINB)
+GEMV_TC_VARIANTS(_r32, R32_U, 4, R32_MINB)
+GEMV_TC_VARIANTS(_r64, R64_U, 8, R64_MINB)
 #endif  // GEMV_EPILOGUES_ONLY
