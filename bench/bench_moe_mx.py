@@ -82,7 +82,9 @@ class Stack:
             slot_of=ident, gu_bias=f32(E * 2 * INTER, 0.1), down_bias=f32(E * H, 0.1), mx=mx,
         ) for _ in range(L)]  # fmt: skip
         self.ws = MoEWorkspace(E, K, H, INTER, PREFILL_ROWS, mem, mx=mx, scratch=mx)  # both prefill paths
-        self.moe = DeviceMoE(self.cfg, self.op, MoEKernels(mx=mx, mx_defines=defines), self.layers, self.ws)
+        self.moe = DeviceMoE(
+            self.cfg, self.op, MoEKernels(mx=mx, mx_defines=defines, mx_tiles=True), self.layers, self.ws
+        )
         self.x, self.xn = rand(PREFILL_ROWS * H * 2, 0.0), rand(PREFILL_ROWS * H, 1.0)  # x fp32 zeros
         self.expert_bytes = (mxfp4.blob_bytes(2 * INTER, H) + mxfp4.blob_bytes(H, INTER)) if mx else 3 * INTER * H * 2
         self.counts = mem.alloc(L * 4)

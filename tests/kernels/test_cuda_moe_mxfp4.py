@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from engine.backends.cuda.moe import MX_PREFILL_AS_DECODE
+from engine.backends.cuda.moe import MX_PREFILL_AS_DECODE, MX_PREFILL_TILES
 from tests.kernels.gpu import requires_cuda
 from tests.kernels.test_cuda_moe import bf, config, get, put, reference, rel_err, run, weights
 from tests.kernels.test_cuda_moe import build as build_bf16
@@ -68,8 +68,10 @@ def dense(w):
 VARIANTS = {"default": (), "split_down": (("MX_U", 1), ("MX_DOWN_SPLIT", 1))}
 
 
-def build(cfg, op, w, mem, rows, gpu_budget=None, variant="default", tiles=True):
-    """``tiles``: long prefill chunks through the GEMMs reading MXFP4 tiles, else the bf16 scratch."""
+def build(cfg, op, w, mem, rows, gpu_budget=None, variant="default", tiles=None):
+    """``tiles``: long prefill chunks through the GEMMs reading MXFP4 tiles, else the bf16 scratch (None:
+    the backend's default, ``MX_PREFILL_TILES``)."""
+    tiles = MX_PREFILL_TILES if tiles is None else tiles
     from engine.backends.cuda.expert_cache import upload_moe
     from engine.backends.cuda.moe import DeviceMoE, MoEKernels, MoEWorkspace
 

@@ -13,10 +13,11 @@ rounds are not graph-capturable (``graph_safe``). docs/MOE.md has the design.
 
 MXFP4 experts (``MoELayer.mx``, engine/cu/mxfp4.py's blobs): decode rounds read them as stored
 (moe_gemv.cu built with ``MOE_MX``); a prefill chunk of up to ``MX_PREFILL_AS_DECODE`` rows runs
-the decode kernels too, a longer one the grouped GEMMs built with ``MOE_MX`` (moe_gemm.cu: each k-tile's
-blocks turned into the bf16 B tile in shared memory, exactly). ``MX_PREFILL_TILES`` False keeps the
-earlier path: the layer's experts dequantized into a bf16 scratch (``moe_mx_dequant``, exact) that the
-bf16 GEMMs read; both give the same bits.
+the decode kernels too. A longer one, by default, first dequantizes the layer's experts into a bf16
+scratch (``moe_mx_dequant``, exact) that the bf16 GEMMs read; with ``MX_PREFILL_TILES`` (or
+``MoEKernels(mx_tiles=True)``) the grouped GEMMs built with ``MOE_MX`` read the blobs instead
+(moe_gemm.cu: each k-tile's blocks turned into the bf16 B tile in shared memory, exactly, no scratch).
+Both give the same bits.
 """
 
 from __future__ import annotations
@@ -44,8 +45,10 @@ MX_DEFINES = (("MX_U", 2), ("MX_DOWN_SPLIT", 0))
 # An MXFP4 prefill chunk of up to this many rows runs the decode kernels instead of dequantizing the
 # layer's experts (bench/bench_moe_mx.py --prefill-rows measures both sides).
 MX_PREFILL_AS_DECODE = MAX_DECODE_ROWS
-# A longer MXFP4 chunk: the grouped GEMMs read the blobs' tiles (True) or a dequantized bf16 scratch.
-MX_PREFILL_TILES = True
+# A longer MXFP4 chunk: the grouped GEMMs read the blobs' tiles (True) or a dequantized bf16 scratch
+# (False: the path the card has tested; the tiles build has compiled and passed the CPU checks but
+# not yet run on a card, docs/MOE.md).
+MX_PREFILL_TILES = False
 
 
 @dataclass
