@@ -4,9 +4,9 @@ whole model's decode round and prefill, where bench/bench_moe_mx.py times the Mo
 The model is built from the gpt_oss definition (``config_from_hf`` of gpt-oss-20b's config.json
 fields: 24 layers alternating sliding-window 128 and full attention with sinks, 64 query heads of 64
 over 8 KV heads, 32 experts of 2,880 a layer, 4 a token, a 201,088-token vocabulary), with random
-weights: bf16 on the GPU for everything but the expert matrices, which are ``Mxfp4Tensor`` stacks as
-the loader hands them over (random codes, scales 2^-8 .. 2^-4; one host pool of codes shared by every
-expert, so host memory stays small). ``--bf16`` loads a second model in the same run with the same
+weights: bf16 on the GPU for attention, norms, embedding and head, host float32 for the routers and
+expert biases, and the expert matrices as ``Mxfp4Tensor``, as the loader hands them over (random
+codes, scales 2^-8 .. 2^-4; one host pool of codes shared by every expert, so host memory stays small). ``--bf16`` loads a second model in the same run with the same
 shapes' experts as bf16 (38 GB more on the card: an H200, not an H100).
 
 Timed as bench/bench_cuda.py times the Llama shape: prefill of each ``--prompts`` length (wall time of
@@ -60,14 +60,22 @@ def mxfp4_experts(shapes: dict[str, tuple[int, ...]], seed: int = 0) -> dict:
 
 
 def device_weights(shapes: dict[str, tuple[int, ...]], torch, experts_bf16: bool) -> dict:
-    """Random device tensors for every name of ``shapes`` but the expert matrices (all of them too with
-    ``experts_bf16``): bf16 matrices scaled by 1 / sqrt(fan-in), fp32 biases, norms near 1."""
-    g = torch.Generator(device="cuda").manual_seed(0)
-    out = {}
+    """Random tensors for every name of ``shapes`` but the expert matrices (all of them too with
+    ``experts_bf16``): matrices scaled by 1 / sqrt(fan-in), fp32 biases and sinks, norms near 1. bf16
+    on the GPU, except the MoE layers' (router, biases, experts), which the expert upload reads as
+    host float32 (``upload_moe``): those from numpy, an expert matrix one pool a shape (views)."""
+    g, rng = torch.Generator(device="cuda").manual_seed(0), np.random.default_rng(1)
+    out, pools = {}, {}
     for name, shape in shapes.items():
-        if is_expert_matrix(name) and not experts_bf16:
-            continue
-        if len(shape) >= 2:
+        if is_expert_matrix(name):
+            if experts_bf16:
+                if shape not in pools:
+                    pools[shape] = (rng.standard_normal(shape, np.float32) * shape[-1] ** -0.5).astype(np.float32)
+                out[name] = pools[shape]
+        elif ".mlp." in name:
+            a = rng.standard_normal(shape, np.float32)
+            out[name] = a * (shape[-1] ** -0.5 if len(shape) >= 2 else 0.1)
+        elif len(shape) >= 2:
             out[name] = torch.randn(shape, generator=g, device="cuda", dtype=torch.bfloat16) * (shape[-1] ** -0.5)
         elif name.endswith(".bias") or name.endswith(".sinks"):
             out[name] = torch.randn(shape, generator=g, device="cuda", dtype=torch.float32) * 0.1
