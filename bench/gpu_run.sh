@@ -7,10 +7,9 @@
 #          8B bf16 load on the card (bench_load_beats.py, on bench_load.py's 16 GB checkpoint)
 #   gptoss: MXFP4 checks (tests/kernels/test_cuda_moe_mxfp4.py), the MoE layers alone (bench_moe_mx.py, both
 #          prefill paths, then the split down build) and the whole gpt-oss-20b shape (bench_gpt_oss.py --bf16)
-#   quant: the queued kernel experiments (docs/QUANT.md, "The stage loop"): the quantized GEMV with x in
-#          the stage slot (QXS) and with less shared memory preferred (--carveout); decode attention
-#          alone with the next sub-chunk prefetched (DECODE_PIPE) and with 64 / 128 splits; then the
-#          Q4_K_M / Q8_0 rounds
+#   quant: the kernel experiments of 2026-12-06 still in the tree (docs/QUANT.md, "The stage loop"): the
+#          quantized GEMV with less shared memory preferred (--carveout); decode attention alone with the
+#          next sub-chunk prefetched (DECODE_PIPE) and with 64 / 128 splits; then the Q4_K_M / Q8_0 rounds
 set -o pipefail
 what=${1:-all}
 # Kernels compile into models/.cache/pycuda (the default; tests and bench alike).
@@ -41,8 +40,6 @@ if [ "$what" = load ]; then
   cp docs/PERFORMANCE.md "$OUT/" 2>/dev/null
 fi
 if [ "$what" = quant ]; then
-  timeout 120 python3 bench/quant_probe.py --formats Q4_K Q6_K --tunings "" 4,3,2,1,2,1 2>&1 | tee "$OUT/probe_qxs.log" | tail -14
-  timeout 60 python3 bench/quant_probe.py --formats Q8_0 --tunings "" 4,4,2,1,2,1 2>&1 | tee "$OUT/probe_qxs_q8.log" | tail -7
   for c in 75 50; do
     timeout 60 python3 bench/quant_probe.py --formats Q4_K --tunings "" --carveout $c 2>&1 | tee "$OUT/probe_carve$c.log" | tail -7
   done

@@ -6,7 +6,7 @@ slots hold); 0 is the kernel as the backend builds it. If the copies alone alrea
 full kernel's time, the pipeline is the limit; if the decode alone does, the instructions and their
 latencies are; if both are well under it, the two halves fail to overlap. Each case on the
 Llama-3.1-8B shapes, width 1 and 8, at the committed tuning and at others (QU, QMINB, QNST[, QKH[,
-QUF[, QXS]]]); ``--persist``: the grid of ``cuda.quant_persist`` (the blocks resident at once walk the
+QUF]]); ``--persist``: the grid of ``cuda.quant_persist`` (the blocks resident at once walk the
 tiles); ``--carveout``: less shared memory preferred, more L1 (the activations' cache).
 
 On the GPU machine, from the repo root:

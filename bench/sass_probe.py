@@ -47,7 +47,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("module", help="engine/cu/<module>.cu")
     ap.add_argument("--format", default="Q4_K", help="gemv_q: the GGUF type (or FP8)")
-    ap.add_argument("--tuning", default="", help="gemv_q: QU,QMINB,QNST[,QKH[,QUF[,QXS]]] (default: committed)")
+    ap.add_argument("--tuning", default="", help="gemv_q: QU,QMINB,QNST[,QKH[,QUF]] (default: committed)")
     ap.add_argument("--define", nargs="*", default=[], help="more NAME=VALUE defines")
     ap.add_argument("--function", default="", help="the kernel to disassemble")
     ap.add_argument("--cuobjdump", default=shutil.which("cuobjdump") or "cuobjdump")

@@ -90,17 +90,6 @@
 #ifndef QPROBE
 #define QPROBE 0
 #endif
-// QXS 1 (an experiment for bench/quant_probe.py; 0 in every build the backend makes, not yet run on a
-// card): at width 1 a stage's activations (KC bf16 values of x's one row) travel in the stage's slot
-// with its weights, one more bulk copy, so the main loop reads x from shared memory instead of
-// global loads (whose L1 misses under the weights' DRAM traffic are a candidate for the long-scoreboard
-// stalls ncu shows); wider rounds read x as before. The bf16 path only (not QACT8, not FP8).
-#ifndef QXS
-#define QXS 0
-#endif
-#if QXS && QACT8
-#error "QXS: the bf16 activation path only"
-#endif
 
 // FP8 (QTYPE 200, not a GGML id): rows of K float8_e4m3fn bytes (the torch [out, in] layout,
 // engine/loaders/fp8.py's Fp8Tensor with per-output-channel scales), all N rows back to back, then
@@ -506,8 +495,7 @@ constexpr int STAGE_BLOCKS = KC / Fmt::QK;
 constexpr int PIECE = STAGE_BLOCKS * Fmt::BB;
 constexpr int RS0 = (PIECE + 15) / 16 * 16 + 32;
 constexpr int RS = Fmt::XC ? (RS0 + 95) / 128 * 128 + 32 : (RS0 / 16) % 2 ? RS0 : RS0 + 16;
-constexpr int XS_BYTES = QXS ? KC * 2 : 0;  // QXS: the stage's x row, after the 16 weight rows
-constexpr int STAGE_BYTES = TC_ROWS * RS + XS_BYTES;
+constexpr int STAGE_BYTES = TC_ROWS * RS;
 static_assert(KC % Fmt::QK == 0, "a stage holds whole blocks");
 static_assert(Fmt::QK == 32 || QU % 4 == 0, "K-quants: a warp's units of a stage are whole super-blocks");
 static_assert(QNST * STAGE_BYTES <= QSMEM, "engine/cu/quant.py's QSMEM must hold QNST stages");
@@ -539,19 +527,16 @@ __device__ __forceinline__ void bulk_copy(void* dst, const void* src, uint32_t b
 // with the stage's bytes (one warp-wide sum), so the warp spends a few instructions a stage, not a
 // loop over the rows in one thread that the block's next barrier waits for.
 __device__ __forceinline__ void issue_stage(uint8_t* slots, uint64_t* bars, const uint8_t* tile, size_t row_bytes,
-                                            int rows, int NB, int j, int J, int lane, const void* xsrc = nullptr,
-                                            uint32_t xbytes = 0) {
+                                            int rows, int NB, int j, int J, int lane) {
     const int blk0 = j * STAGE_BLOCKS, nb = min(STAGE_BLOCKS, NB - blk0);
     uint64_t* bar = bars + J % QNST;
     const bool mine = lane < rows;
     const uintptr_t a = reinterpret_cast<uintptr_t>(tile + (size_t)(mine ? lane : 0) * row_bytes + (size_t)blk0 * Fmt::BB);
     const uintptr_t a0 = a & ~(uintptr_t)15, a1 = (a + (size_t)nb * Fmt::BB + 15) & ~(uintptr_t)15;
-    const bool xl = xsrc != nullptr && lane == TC_ROWS;  // QXS: lane 16 copies the stage's x row
-    const uint32_t bytes = mine ? (uint32_t)(a1 - a0) : xl ? xbytes : 0u;
+    const uint32_t bytes = mine ? (uint32_t)(a1 - a0) : 0u;
     const uint32_t total = __reduce_add_sync(FULL_MASK, bytes);
     if (lane == 0) mbar_expect(bar, total);
     if (mine) bulk_copy(slots + (J % QNST) * STAGE_BYTES + lane * RS, reinterpret_cast<const void*>(a0), bytes, bar);
-    if (xl) bulk_copy(slots + (J % QNST) * STAGE_BYTES + TC_ROWS * RS, xsrc, bytes, bar);
 }
 
 // KH (QKH, Q4_K and Q5_K): a super-block's 8 scales and mins of a row are computed once by the
@@ -595,7 +580,7 @@ using XT = uint8_t;
 #else
 using XT = bf16;
 #endif
-template <int U, bool FULL, bool XSM = false>
+template <int U, bool FULL>
 __device__ __forceinline__ void q_stage(float* c, const uint8_t* pa, const uint8_t* pb, const XT* __restrict__ xs,
                                         const float* __restrict__ xss, float4* ks, int t, int g, int P0, int NP,
                                         int NG, bool ra, bool rb) {
@@ -649,13 +634,9 @@ __device__ __forceinline__ void q_stage(float* c, const uint8_t* pa, const uint8
                     xd[du][h] = __ldg(reinterpret_cast<const float4*>(xss + (Fmt::base(u, cu, h) >> 5) * 16));
 #else
                     if constexpr (Fmt::XC) {
-                        const uint4 v = XSM ? *reinterpret_cast<const uint4*>(xp)  // QXS: the slot's x row
-                                            : __ldg(reinterpret_cast<const uint4*>(xp));
+                        const uint4 v = __ldg(reinterpret_cast<const uint4*>(xp));
                         xv[du][2 * h] = make_uint2(v.x, v.y);
                         xv[du][2 * h + 1] = make_uint2(v.z, v.w);
-                    } else if constexpr (XSM) {
-                        xv[du][2 * h] = *reinterpret_cast<const uint2*>(xp);
-                        xv[du][2 * h + 1] = *reinterpret_cast<const uint2*>(xp + 16);
                     } else {
                         xv[du][2 * h] = __ldg(reinterpret_cast<const uint2*>(xp));
                         xv[du][2 * h + 1] = __ldg(reinterpret_cast<const uint2*>(xp + 16));
@@ -729,12 +710,10 @@ __device__ __forceinline__ void gemv_q_main(const bf16* __restrict__ x, const ui
         asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
     }
     __syncthreads();
-    const bool xsm = QXS && M == 1;  // QXS: x's stage slices travel with the weights (width 1)
     auto issue = [&](int J) {  // the block's stage J: stage J % nst of its tile J / nst
-        const int n0 = ((int)blockIdx.x + J / nst * (int)gridDim.x) * TC_ROWS, js = J % nst;
-        issue_stage(q_slots, q_bars, W + (size_t)n0 * row_bytes, row_bytes, min(TC_ROWS, N - n0), NB, js, J, lane,
-                    xsm ? reinterpret_cast<const void*>(x + (size_t)js * KC) : nullptr,
-                    (uint32_t)(min(KC, K - js * KC) * 2));
+        const int n0 = ((int)blockIdx.x + J / nst * (int)gridDim.x) * TC_ROWS;
+        issue_stage(q_slots, q_bars, W + (size_t)n0 * row_bytes, row_bytes, min(TC_ROWS, N - n0), NB, J % nst, J,
+                    lane);
     };
     if (warp == 0)
         for (int J = 0; J < min(QNST, total); J++)
@@ -764,16 +743,6 @@ __device__ __forceinline__ void gemv_q_main(const bf16* __restrict__ x, const ui
                 // A stage of whole blocks (every stage but a partial last one) has no unit past K: its
                 // body has no guards (the same arithmetic, so the same bits).
                 const bool full = (j + 1) * STAGE_BLOCKS <= NB;
-#if QXS
-                if (xsm) {  // the slot's x row, at the same offsets as x's own
-                    const bf16* xw = reinterpret_cast<const bf16*>(q_slots + (J % QNST) * STAGE_BYTES + TC_ROWS * RS) +
-                                     64 * U * warp + (Fmt::XC ? 8 * t : 4 * t);
-                    if (full)
-                        q_stage<U, true, true>(c, pa0 + so, pb0 + so, xw, xss, ks, t, g, P0, NP, NG, ra, rb);
-                    else
-                        q_stage<U, false, true>(c, pa0 + so, pb0 + so, xw, xss, ks, t, g, P0, NP, NG, ra, rb);
-                } else
-#endif
                 if (full)
                     q_stage<U, true>(c, pa0 + so, pb0 + so, xs, xss, ks, t, g, P0, NP, NG, ra, rb);
                 else

@@ -26,10 +26,10 @@ QUANT_FORMATS = {
 }  # fmt: skip
 FP8 = "FP8"  # e4m3 rows then fp32 scales (not a GGUF type: the loader never keeps it as stored)
 FP8_QTYPE = 200  # gemv_q.cu's QFP8
-# gemv_q.cu's (QU, QMINB, QNST[, QKH[, QUF[, QXS]]]): units of 64 values a warp takes from each stage (a
+# gemv_q.cu's (QU, QMINB, QNST[, QKH[, QUF]]): units of 64 values a warp takes from each stage (a
 # multiple of 4 for the K-quants: whole super-blocks), blocks per SM the registers must allow, stages in
-# flight, for Q4_K / Q5_K whether a super-block's scales are computed once a warp (1, the default), units
-# loaded before their decode (2), and whether a width-1 stage carries its x row (0; an experiment).
+# flight, for Q4_K / Q5_K whether a super-block's scales are computed once a warp (1, the default), and
+# units loaded before their decode (2).
 # Q8_0 (2, 4, 2): 10% faster than (2, 3, 3) on gate,up (docs/QUANT.md).
 QUANT_TUNING: dict[str, tuple[int, ...]] = {"Q8_0": (2, 4, 2), "FP8": (4, 2, 1)}  # FP8: QU steps in flight, no stages
 DEFAULT_TUNING = (4, 3, 2)
@@ -49,11 +49,10 @@ def quant_act_bytes(k: int, rows: int = QACT_MAX_ROWS) -> int:
     return rows * k + (k // 32) * QACT_MAX_ROWS * 8
 
 
-def stage_smem(fmt: str, units: int, stages: int, xs: bool = False) -> int:
+def stage_smem(fmt: str, units: int, stages: int) -> int:
     """Dynamic shared memory of gemv_q.cu's block formats: ``stages`` slots of 16 rows, each row's
     piece (8 warps x ``units`` x 64 values) with its two partial 16-byte ends, padded as gemv_q.cu's
-    RS: Q4_K / Q5_K (8-byte reads) to 32 mod 128 bytes, the others to an odd number of 16-byte units.
-    ``xs`` (gemv_q.cu's QXS): each slot also holds the stage's bf16 x row."""
+    RS: Q4_K / Q5_K (8-byte reads) to 32 mod 128 bytes, the others to an odd number of 16-byte units."""
     if fmt == FP8:
         return 0
     _, qk, bb = QUANT_FORMATS[fmt]
@@ -63,7 +62,7 @@ def stage_smem(fmt: str, units: int, stages: int, xs: bool = False) -> int:
         rs = (rs + 95) // 128 * 128 + 32
     else:
         rs += 0 if (rs // 16) % 2 else 16
-    return stages * (TC_ROWS * rs + (8 * units * 64 * 2 if xs else 0))
+    return stages * TC_ROWS * rs
 
 
 def row_bytes(fmt: str, k: int) -> int:
@@ -123,21 +122,18 @@ def _gemv_params(tc_params: dict[str, str], epi: str) -> str:
 
 def gemv_q_defines(fmt: str, tuning: tuple[int, ...] | None = None, act8: bool = False,
                    probe: int = 0) -> tuple[tuple[tuple[str, int], ...], int]:  # fmt: skip
-    """gemv_q.cu's defines for ``fmt`` at ``tuning`` (QU, QMINB, QNST[, QKH[, QUF[, QXS]]]; QKH 1, QUF 2,
-    QXS 0 unless given; None: the committed one), and its dynamic shared memory (QSMEM)."""
+    """gemv_q.cu's defines for ``fmt`` at ``tuning`` (QU, QMINB, QNST[, QKH[, QUF]]; QKH 1, QUF 2 unless
+    given; None: the committed one), and its dynamic shared memory (QSMEM)."""
     tid = FP8_QTYPE if fmt == FP8 else QUANT_FORMATS[fmt][0]
     tune = tuple(tuning or QUANT_TUNING.get(fmt, DEFAULT_TUNING))
     u, minb, nst = tune[:3]
     kh = tune[3] if len(tune) > 3 else 1
     uf = tune[4] if len(tune) > 4 else 2
-    xs = bool(tune[5]) if len(tune) > 5 else False
-    smem = stage_smem(fmt, u, nst, xs)
+    smem = stage_smem(fmt, u, nst)
     defines = (("TC_THREADS", TC_THREADS), ("GEMV_EPILOGUES_ONLY", 1), ("QTYPE", tid), ("QU", u), ("QMINB", minb),
                ("QNST", nst), ("QSMEM", smem), ("QKH", kh))  # fmt: skip
     if uf != 2:  # units loaded before their decode (bench/quant_probe.py's sweeps)
         defines += (("QUF", uf),)
-    if xs:  # the stage's x row in its slot at width 1 (an experiment, bench/quant_probe.py)
-        defines += (("QXS", 1),)
     if act8:
         if fmt not in QACT8_FORMATS:
             raise ValueError(f"{fmt}: no int8-activation GEMV")

@@ -14,7 +14,7 @@ from engine.cu.quant import FP8, QUANT_FORMATS, TC_ROWS, gemv_q_defines, stage_s
 def test_committed_tunings_carry_no_experiment_switch(fmt):
     defines, smem = gemv_q_defines(fmt)
     d = dict(defines)
-    assert not {"QUF", "QXS", "QACT8", "QPROBE"} & set(d), d
+    assert not {"QUF", "QACT8", "QPROBE"} & set(d), d
     assert d["QSMEM"] == smem == stage_smem(fmt, d["QU"], d["QNST"])
     assert d["QKH"] == 1
 
@@ -22,14 +22,6 @@ def test_committed_tunings_carry_no_experiment_switch(fmt):
 def test_q8_0_runs_four_blocks_an_sm():
     d = dict(gemv_q_defines("Q8_0")[0])
     assert (d["QU"], d["QMINB"], d["QNST"]) == (2, 4, 2)
-
-
-@pytest.mark.parametrize("fmt,units", [("Q4_K", 4), ("Q6_K", 4), ("Q8_0", 2), ("Q4_0", 4)])
-def test_x_in_the_slot_adds_the_stages_bf16_row(fmt, units):
-    plain = stage_smem(fmt, units, 2)
-    defines, smem = gemv_q_defines(fmt, (units, 3, 2, 1, 2, 1))
-    assert dict(defines)["QXS"] == 1
-    assert smem == plain + 2 * (8 * units * 64) * 2  # two slots, each KC bf16 values more
 
 
 @pytest.mark.parametrize("fmt", list(QUANT_FORMATS))
