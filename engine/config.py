@@ -73,6 +73,7 @@ class EngineConfig:
     blas_threads: int = 1  # model.blas_threads: numpy backend's BLAS threads (0 = leave BLAS as it is)
     spec_enabled: bool = True  # spec.enabled: speculative rounds (prompt lookup, Predicted Outputs)
     spec_max_draft: int = 8  # spec.max_draft: drafts a lane proposes at most in one round
+    spec_cost_aware: bool = False  # spec.cost_aware: keep only the drafts worth their rows' time (spec/cost.py)
     spec_ngram: int = 4  # spec.ngram: longest n-gram prompt lookup matches (down to 2)
     # The reasoning loop guard (engine/spec/loop_guard.py, spec.loop_guard*): read at admission.
     loop_guard: bool = True  # spec.loop_guard

@@ -57,6 +57,7 @@ from engine.pacing import PrefillPacer
 from engine.refusals import refusal
 from engine.sequence import Sequence, SequenceStatus
 from engine.spec import rounds as spec
+from engine.spec.cost import RoundCost, plan_drafts
 from engine.spec.reasoning import ReasoningWatch, cut_back
 from engine.status import SchedulerStats
 
@@ -118,6 +119,7 @@ class Scheduler:
         self.preempted: list[Sequence] = []  # rank order
         self.next_seq_id = 0
         self.pacer = PrefillPacer(cfg)
+        self.round_cost = RoundCost()  # a decode round's seconds by its rows (spec.cost_aware)
         names = ("admitted", "refused", "finished", "aborted", "preempted", "recomputed")
         names += ("decoded_tokens", "prefilled_tokens", "decode_rounds", "prefill_chunks")
         self.counters = dict.fromkeys(names, 0)
@@ -209,6 +211,25 @@ class Scheduler:
         self._plan_rows(plan)
         return plan
 
+    def _keep_paying_drafts(self, chosen: list, by_model: dict[int, int], base_rows: int) -> None:
+        """``spec.cost_aware``: trim the lanes' drafts (in place: ``chosen``'s lists, ``by_model``'s
+        counts) to the count worth their rows' time (engine/spec/cost.py)."""
+        lanes = [(s, d) for s, d, known in chosen if known == 1 and (d if d is not None else s.seq_id in by_model)]
+        if not lanes:
+            return
+        desired = [by_model[s.seq_id] if d is None else len(d) for s, d in lanes]
+        if self.round_cost.probe(base_rows):
+            keep = [0] * len(lanes)
+        else:
+            keep = plan_drafts([s.k_control.rate for s, _ in lanes], desired, base_rows, self.round_cost)
+        for (s, d), k in zip(lanes, keep):
+            if d is not None:
+                del d[k:]
+            elif k:
+                by_model[s.seq_id] = k
+            else:
+                del by_model[s.seq_id]
+
     @property
     def max_draft_rows(self) -> int:
         """Rows a round may reach with drafts (Backend.max_draft_rows, at most max_round_rows); rows of
@@ -248,6 +269,8 @@ class Scheduler:
             drafts = spec.drafts_for(seq, budget)
             chosen.append((seq, drafts, 1))
             spare -= len(drafts)
+        if self.cfg.spec_cost_aware:
+            self._keep_paying_drafts(chosen, by_model, used)
         proposed: dict[int, list[int]] = {}
         if by_model:
             seqs = [s for s, *_ in chosen if s.seq_id in by_model]
@@ -381,6 +404,7 @@ class Scheduler:
         if plan.decode:
             self.counters["decode_rounds"] += 1
             self.pacer.round_ran(out.decode_seconds)
+            self.round_cost.observe(len(plan.decode), out.decode_seconds)
         logprobs = out.decode_logprobs or [None] * len(out.decode_tokens)
         i = 0
         while i < len(plan.decode):

@@ -27,6 +27,7 @@ LIVE_FIELDS = (
     "default_max_tokens",
     "spec_enabled",
     "spec_max_draft",
+    "spec_cost_aware",
     "loop_guard",
     "loop_guard_min_span",
     "loop_guard_max_span",

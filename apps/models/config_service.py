@@ -42,6 +42,7 @@ ENGINE_LIVE = {
     "model.default_max_tokens": "default_max_tokens",
     "spec.enabled": "spec_enabled",
     "spec.max_draft": "spec_max_draft",
+    "spec.cost_aware": "spec_cost_aware",
     "spec.loop_guard": "loop_guard",
     "spec.loop_guard_min_span": "loop_guard_min_span",
     "spec.loop_guard_max_span": "loop_guard_max_span",
