@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from engine.cu import mxfp4
-from engine.loaders.mxfp4 import Mxfp4Tensor
+from engine.loaders.mxfp4 import E2M1, Mxfp4Tensor
 
 rng = np.random.default_rng(5)
 
@@ -70,3 +70,30 @@ def test_the_kernels_bit_decode_gives_the_values():
     values = np.stack([lo, hi], -1).reshape(4, 2, 4, 4, 8)  # [row, group, lane t, block j, 8 values]
     got = values.transpose(0, 1, 3, 2, 4).reshape(4, 256)
     np.testing.assert_array_equal(got, mxfp4.unpack(blob, 4, 256))
+
+
+@pytest.mark.parametrize("rows,cols", [(5, 288), (16, 128)])
+def test_the_gemm_tiles_reading_gives_the_values(rows, cols):
+    """moe_gemm.cu's MOE_MX loads in numpy: k-tile kt (block b = kt of the row; group G = b / 4, j = b % 4)
+    reads lane ch's nibble word at row * Kp / 2 + 64 G + 16 ch + 4 j and the scale word at the scales +
+    row * Kp / 32 + 4 G (byte j); word ch's 8 values are the tile's k = 8 ch .. 8 ch + 7."""
+    t = tensor(rows, cols)
+    blob = mxfp4.pack(t.blocks, t.scales)
+    kp = mxfp4.padded_k(cols)
+    s0 = rows * kp // 2
+
+    def u32(off: int) -> int:
+        assert off % 4 == 0  # the 4-byte cp.async's alignment
+        return int(blob[off : off + 4].view("<u4")[0])
+
+    got = np.zeros((rows, cols), np.float32)
+    for row in range(rows):
+        for kt in range(cols // 32):
+            g, j = kt // 4, kt % 4
+            scale = (u32(s0 + row * kp // 32 + 4 * g) >> (8 * j)) & 0xFF
+            for ch in range(4):
+                w = u32(row * kp // 2 + 64 * g + 16 * ch + 4 * j)
+                codes = [(w >> (4 * i)) & 0xF for i in range(8)]  # nibble i holds value NIBBLE_ORDER[i]
+                for i, v in enumerate(mxfp4.NIBBLE_ORDER):
+                    got[row, 32 * kt + 8 * ch + v] = np.ldexp(E2M1[codes[i]], scale - 127)
+    np.testing.assert_array_equal(got, t.dequantize())
