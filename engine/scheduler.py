@@ -121,7 +121,7 @@ class Scheduler:
         self.pacer = PrefillPacer(cfg)
         self.round_cost = RoundCost()  # a decode round's seconds by its rows (spec.cost_aware)
         names = ("admitted", "refused", "finished", "aborted", "preempted", "recomputed")
-        names += ("decoded_tokens", "prefilled_tokens", "decode_rounds", "prefill_chunks")
+        names += ("decoded_tokens", "prefilled_tokens", "decode_rounds", "prefill_chunks", "spec_trimmed")
         self.counters = dict.fromkeys(names, 0)
         # Speculation, by drafter name: drafts proposed and accepted; verify rounds and their tokens.
         self.spec_drafted: dict[str, int] = {}
@@ -222,6 +222,7 @@ class Scheduler:
             keep = [0] * len(lanes)
         else:
             keep = plan_drafts([s.k_control.rate for s, _ in lanes], desired, base_rows, self.round_cost)
+        self.counters["spec_trimmed"] += sum(desired) - sum(keep)
         for (s, d), k in zip(lanes, keep):
             if d is not None:
                 del d[k:]

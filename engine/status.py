@@ -45,6 +45,7 @@ class SchedulerStats:
     prefilled_tokens: int = 0
     decode_rounds: int = 0
     prefill_chunks: int = 0
+    spec_trimmed: int = 0  # drafts spec.cost_aware kept out of the rounds (engine/spec/cost.py)
     spec_drafted: dict[str, int] = field(default_factory=dict)  # by drafter: drafts proposed
     spec_accepted: dict[str, int] = field(default_factory=dict)  # ... and accepted
     loop_guard_fired: dict[str, int] = field(default_factory=dict)  # take-backs by reason: loop | budget

@@ -42,6 +42,7 @@ SCHEDULER_COUNTERS = {  # SchedulerStats field -> (family, help)
     "prefilled_tokens": ("ignis_prefilled_tokens", "Prompt tokens run through prefill."),
     "decode_rounds": ("ignis_decode_rounds", "Batched decode rounds run."),
     "prefill_chunks": ("ignis_prefill_chunks", "Prefill chunks run."),
+    "spec_trimmed": ("ignis_spec_trimmed_drafts", "Drafts spec.cost_aware kept out of rounds (not worth their rows)."),
 }
 
 

@@ -70,6 +70,7 @@ SERVING = {
         "prefilled_tokens": 20,
         "decode_rounds": 5,
         "prefill_chunks": 2,
+        "spec_trimmed": 3,
         "spec_drafted": {"prompt_lookup": 6},
         "spec_accepted": {"prompt_lookup": 4},
         "loop_guard_fired": {"loop": 1},

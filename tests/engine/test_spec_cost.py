@@ -99,20 +99,21 @@ def run(cost_aware: bool, rows: int = 16, **costs):
         for out in sched.update_from_output(plan, backend.step(plan)):
             if isinstance(out, TokenEvent):
                 tokens[out.request_id] += out.token_ids
-    return tokens, drafted, backend.busy
+    return tokens, drafted, backend.busy, sched.make_stats().spec_trimmed
 
 
 def test_rows_that_cost_their_time_stop_the_drafting_and_the_tokens_stay():
-    plain, _, t_plain = run(False, rows=0, per_row=1e-3)
-    spec, d_spec, t_spec = run(False, per_row=1e-3)
-    aware, d_aware, t_aware = run(True, per_row=1e-3)
+    plain, _, t_plain, _ = run(False, rows=0, per_row=1e-3)
+    spec, d_spec, t_spec, trimmed_off = run(False, per_row=1e-3)
+    aware, d_aware, t_aware, trimmed = run(True, per_row=1e-3)
     assert spec == plain and aware == plain  # lossless either way
     assert d_aware < d_spec / 2  # once the costs are seen, drafting stops paying
     assert t_aware < t_spec
+    assert trimmed_off == 0 and trimmed >= d_spec / 2  # ignis_spec_trimmed_drafts_total
 
 
 def test_free_rows_keep_every_draft():
-    spec, d_spec, t_spec = run(False, flat=1e-3)
-    aware, d_aware, t_aware = run(True, flat=1e-3)
+    spec, d_spec, t_spec, _ = run(False, flat=1e-3)
+    aware, d_aware, t_aware, _ = run(True, flat=1e-3)
     assert aware == spec and d_aware >= d_spec * 0.9  # only the probe rounds go without
     assert t_aware <= t_spec * 1.1

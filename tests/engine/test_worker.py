@@ -36,7 +36,7 @@ STATUS_KEYS |= {"stats", "lanes", "plan", "telemetry", "backend_stats"}
 STATS_KEYS = {"requests_by_state", "requests_by_class", "lanes_total", "lanes_busy", "lanes_decoding", "kv_pages"}
 STATS_KEYS |= {"prefix_hits", "cached_tokens", "round_seconds", "admitted", "refused", "finished", "aborted"}
 STATS_KEYS |= {"preempted", "recomputed", "decoded_tokens", "prefilled_tokens", "decode_rounds", "prefill_chunks"}
-STATS_KEYS |= {"spec_drafted", "spec_accepted", "loop_guard_fired", "loop_guard_taken_back"}
+STATS_KEYS |= {"spec_drafted", "spec_accepted", "spec_trimmed", "loop_guard_fired", "loop_guard_taken_back"}
 
 
 def expected(add: AddRequest, n: int) -> list[int]:
