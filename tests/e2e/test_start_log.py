@@ -13,16 +13,18 @@ from tests.helpers import wait_for
 pytestmark = pytest.mark.e2e
 
 
-def lines_once_celery_is_ready(proc, marker: str) -> list[str]:
-    """The server's output (stdout and stderr) once the embedded Celery worker has said it is ready."""
-    text = wait_for(proc.log_text, 60, 0.2, "the Celery worker to be ready", until=lambda t: marker in t)
+def lines_once_celery_is_ready(proc, *markers: str) -> list[str]:
+    """The server's output (stdout and stderr) once every marker is in it: the embedded Celery worker's
+    ready line and the model's (they come in either order: the worker and the load start together)."""
+    text = wait_for(proc.log_text, 60, 0.2, "the Celery worker and the model to be ready",
+                    until=lambda t: all(m in t for m in markers))  # fmt: skip
     return [line for line in text.splitlines() if line.strip()]
 
 
 def test_the_default_start_is_json_with_one_serving_line(tmp_path, default_gguf_path):
     proc, base = start_server(tmp_path, "--model-idle-unload", "0", "--server-metrics-bind", "")
     try:
-        lines = lines_once_celery_is_ready(proc, '"ignis.celery.ready"')
+        lines = lines_once_celery_is_ready(proc, '"ignis.celery.ready"', "ignis serving ")
     finally:
         proc.stop()
     serving = [i for i, line in enumerate(lines) if line.startswith("ignis serving ")]
@@ -50,7 +52,7 @@ def test_text_format_is_for_people(tmp_path, default_gguf_path):
         env_extra={"IGNIS_SERVER_LOG_FORMAT": "text"},
     )
     try:
-        lines = lines_once_celery_is_ready(proc, "ignis.celery.ready")
+        lines = lines_once_celery_is_ready(proc, "ignis.celery.ready", "ignis.model.loaded")
     finally:
         proc.stop()
     assert not [line for line in lines if line.startswith("{")], lines
