@@ -17,7 +17,7 @@ speculate one round runs without drafts when its plain cost is not known, so the
 
 from __future__ import annotations
 
-from bisect import bisect_left
+from bisect import bisect_left, insort
 from collections.abc import Sequence
 
 MAX_RATE = 0.95  # as AdaptiveK: a lane's gains never reach 1
@@ -29,12 +29,15 @@ class RoundCost:
     def __init__(self, alpha: float = 0.2, probe_every: int = 32) -> None:
         self.alpha, self.probe_every = alpha, probe_every
         self._seconds: dict[int, float] = {}
+        self._seen: list[int] = []  # the row counts of _seconds, sorted
         self._since_probe = 0
 
     def observe(self, rows: int, seconds: float) -> None:
         if rows <= 0 or seconds <= 0:
             return
         old = self._seconds.get(rows)
+        if old is None:
+            insort(self._seen, rows)
         self._seconds[rows] = seconds if old is None else (1 - self.alpha) * old + self.alpha * seconds
 
     def estimate(self, rows: int) -> float | None:
@@ -42,7 +45,7 @@ class RoundCost:
         either side, else None (none seen at or above it, or none below it)."""
         if rows in self._seconds:
             return self._seconds[rows]
-        seen = sorted(self._seconds)
+        seen = self._seen
         i = bisect_left(seen, rows)
         if i == 0 or i == len(seen):
             return None

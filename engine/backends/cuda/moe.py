@@ -247,7 +247,8 @@ class DeviceMoE:
         gu_pool, down_pool, slot_of, strides = L.gu_pool, L.down_pool, L.slot_of, self.strides
         scratch = self.mx and not k.mx_tiles
         if scratch:  # every expert of the layer as bf16 in the scratch, expert e at e
-            gu_pool, down_pool, slot_of, strides = ws.mx_scratch, ws.mx_scratch, ws.ident, (2 * inter * H, H * inter)
+            gu_pool, down_pool, slot_of = ws.mx_scratch, ws.mx_scratch, ws.ident
+            strides = tuple(b // 2 for b in expert_bytes(self.cfg))  # bf16 experts' elements
             self._dequant(s, L.gu_pool, self.strides[0], L.slot_of, 2 * inter, H)
         k.gemm_gu(s, (tiles, -(-2 * inter // 128)), A=xn, a_div=op.top_k, pool=gu_pool, stride=strides[0],
                   slot_of=slot_of, bias=L.gu_bias, N=2 * inter, K=H, act=ws.act, oai=self.oai, limit=self.limit,
