@@ -9,7 +9,7 @@ with 4 drafts each at most 1.30x the plain 8-lane round. With ``--write`` the ta
 the "Verify rounds (H200)" section of docs/PERFORMANCE.md.
 
     python3 bench/bench_verify.py --write
-    python3 bench/bench_verify.py --wide   # gemv_wide.cu against gemv_tc's wide variants (printed)
+    python3 bench/bench_verify.py --wide   # gemv_wide.cu and the paired variants against gemv_tc's (printed)
 """
 
 from __future__ import annotations
@@ -47,8 +47,8 @@ WIDE_CASES = [(1, 8), (1, 15), (2, 8), (4, 4), (4, 8), (8, 1), (8, 3), (8, 4), (
 
 def wide_compare(be, measure) -> None:
     """The GEMVs alone (16 / 40 / 64 rows, every 8B matrix, each repetition another layer's) on gemv_tc's
-    wide variants and on gemv_wide.cu, then the verify rounds with gemv_wide off, on the large
-    matrices only (gate|up, the LM head) and on every matrix."""
+    wide variants, on gemv_wide.cu and on gemv.cu's paired variants (``gemv_pair``), then the verify rounds
+    with each."""
     from dataclasses import replace
 
     import pycuda.driver as cuda
@@ -63,14 +63,17 @@ def wide_compare(be, measure) -> None:
               ("gate,up", "gate_up", 2 * inter, hid), ("down", "down", hid, inter), ("lm_head", None, c.vocab_size, hid)]  # fmt: skip
     with runtime.current():
         group = c.num_heads // c.num_kv_heads
-        plain, wide = (Kernels(c.head_dim, group, cache_dir=be.tuning.kernel_cache_dir, wide_min_n=m) for m in (0, 1))
+        kd = dict(cache_dir=be.tuning.kernel_cache_dir)
+        plain, wide, paired = Kernels(c.head_dim, group, **kd), Kernels(c.head_dim, group, wide_min_n=1, **kd), \
+            Kernels(c.head_dim, group, gemv_pair=True, **kd)  # fmt: skip
         x = cuda.mem_alloc(64 * max(hid, inter) * 2)
         cuda.memset_d16(x, 0x3C00, 64 * max(hid, inter))  # bf16 1.0
-        print("| GEMV | N x K | rows | gemv_tc | gemv_wide | wide / tc |\n|---|---|---|---|---|---|", flush=True)
+        print("| GEMV | N x K | rows | gemv_tc | gemv_wide | paired | wide / tc | paired / tc |\n"
+              "|---|---|---|---|---|---|---|---|", flush=True)  # fmt: skip
         for label, attr, n, kk in shapes:
             for m in (16, 40, 64):
                 cells = []
-                for k in (plain, wide):
+                for k in (plain, wide, paired):
                     reps = 16
                     a, b = cuda.Event(), cuda.Event()
                     a.record(s)
@@ -80,14 +83,16 @@ def wide_compare(be, measure) -> None:
                     b.record(s)
                     b.synchronize()
                     cells.append(b.time_since(a) / 1e3 / reps)
-                print(f"| {label} | {n} x {kk} | {m} | {cells[0] * 1e6:.1f} us | {cells[1] * 1e6:.1f} us "
-                      f"| {cells[1] / cells[0]:.2f}x |", flush=True)  # fmt: skip
+                print(f"| {label} | {n} x {kk} | {m} | " + " | ".join(f"{v * 1e6:.1f} us" for v in cells)
+                      + f" | {cells[1] / cells[0]:.2f}x | {cells[2] / cells[0]:.2f}x |", flush=True)  # fmt: skip
         x.free()
     cases = sorted({(lanes, 0) for lanes, _ in WIDE_CASES} | set(WIDE_CASES))
     runs = {}
-    for label, min_n in (("gemv_tc", 0), ("gemv_wide from 16,384 rows", 16384), ("gemv_wide everywhere", 1)):
-        be.retune(replace(be.tuning, gemv_wide_min_n=min_n))
+    for label, min_n, paired in (("gemv_tc", 0, False), ("gemv_wide from 16,384 rows", 16384, False),
+                                 ("paired", 0, True)):  # fmt: skip
+        be.retune(replace(be.tuning, gemv_wide_min_n=min_n, gemv_pair=paired))
         runs[label] = measure(cases)
+    be.retune(replace(be.tuning, gemv_wide_min_n=0, gemv_pair=False))
     print("| lanes x rows a lane | " + " | ".join(runs) + " |\n|---|" + "---|" * len(runs), flush=True)
     for lanes, k in WIDE_CASES:
         cells = [f"{t[(lanes, k)] * 1e3:.2f} ms ({t[(lanes, k)] / t[(lanes, 0)]:.2f}x)" for t in runs.values()]
@@ -99,7 +104,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=30)
     ap.add_argument("--write", action="store_true")
     ap.add_argument("--sweep", action="store_true", help="also time SWEEP's tunings of the wide GEMVs (printed only)")
-    ap.add_argument("--wide", action="store_true", help="gemv_wide.cu against gemv_tc's wide variants (printed only)")
+    ap.add_argument("--wide", action="store_true",
+                    help="gemv_wide.cu and the paired variants against gemv_tc's wide variants (printed only)")  # fmt: skip
     args = ap.parse_args()
 
     import torch

@@ -197,7 +197,11 @@ __device__ __forceinline__ void gemv_tc_main(const bf16* __restrict__ x, const b
 // the whole fused matrix this block's row 0 is (a q|k|v matrix launched in parts of one format
 // each, gemv_q.cu); the rope epilogue's head arithmetic uses it. tile / ntiles: the 16-row tile
 // these are and how many the matrix has (gemv_q.cu's blocks walk several); -1: this block's own.
-template <int EPI>
+// PAIR (gemv_tc_body_pair): the block holds two 256-thread groups, each its own tile; thread
+// threadIdx.x of group threadIdx.x / 256 acts as thread threadIdx.x % 256 of a block of its own,
+// with its own shared sums (both groups reach every barrier below: the branches around them are
+// uniform over the block).
+template <int EPI, int PAIR = 1>
 __device__ __forceinline__ void gemv_tc_epilogue(const float* c, const float* __restrict__ bias,
                                                  void* __restrict__ out, int M, int N, int K, int ldo,
                                                  const TcNorm& nm, const TcRope& rp, int n_base, int tile = -1,
@@ -209,10 +213,14 @@ __device__ __forceinline__ void gemv_tc_epilogue(const float* c, const float* __
     const bf16* __restrict__ nw = nm.nw;
     bf16* __restrict__ xw = nm.xw;
     float* __restrict__ ss_out = nm.ss_out;
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int grp = PAIR > 1 ? (int)(threadIdx.x >> 8) : 0;
+    const unsigned tid = PAIR > 1 ? threadIdx.x & 255u : threadIdx.x;
+    const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
     const int n0 = tl * TC_ROWS;
-    __shared__ float red[8][TC_ROWS][8];
-    __shared__ float rs[8];
+    __shared__ float red_[PAIR][8][TC_ROWS][8];
+    __shared__ float rs_[PAIR][8];
+    float(*red)[TC_ROWS][8] = red_[grp];
+    float* rs = rs_[grp];
     red[warp][g][2 * t] = c[0];
     red[warp][g][2 * t + 1] = c[1];
     red[warp][g + 8][2 * t] = c[2];
@@ -225,8 +233,8 @@ __device__ __forceinline__ void gemv_tc_epilogue(const float* c, const float* __
     }
     __syncthreads();
     if constexpr (EPI == EPI_SWIGLU || EPI == EPI_GEGLU) {
-        if (threadIdx.x < 8 * 8) {
-            const int r = threadIdx.x >> 3, m = threadIdx.x & 7;
+        if (tid < 8 * 8) {
+            const int r = tid >> 3, m = tid & 7;
             if (m < M && n0 + r + 8 < N) {
                 float gt = 0.f, up = 0.f;
 #pragma unroll
@@ -244,8 +252,8 @@ __device__ __forceinline__ void gemv_tc_epilogue(const float* c, const float* __
         return;
     }
     if constexpr (EPI == EPI_ROPE_KV) {
-        if (threadIdx.x < 8 * 8) {
-            const int r = threadIdx.x >> 3, m = threadIdx.x & 7;
+        if (tid < 8 * 8) {
+            const int r = tid >> 3, m = tid & 7;
             if (m < M) {
                 float a = 0.f, b = 0.f;
 #pragma unroll
@@ -266,8 +274,8 @@ __device__ __forceinline__ void gemv_tc_epilogue(const float* c, const float* __
         return;
     }
     float q = 0.f;  // h^2 of this thread's output (nw: the next norm's partial sum)
-    if (threadIdx.x < TC_ROWS * 8) {
-        const int r = threadIdx.x >> 3, m = threadIdx.x & 7, n = n0 + r;
+    if (tid < TC_ROWS * 8) {
+        const int r = tid >> 3, m = tid & 7, n = n0 + r;
         if (m < M && n < N) {
             float v = 0.f;
 #pragma unroll
@@ -285,13 +293,14 @@ __device__ __forceinline__ void gemv_tc_epilogue(const float* c, const float* __
     }
     if (nw != nullptr) {
         // Threads 0..127: lane = (r % 4) * 8 + m, warp = r / 4. Sum over r for each m: lanes, then warps 0..3.
-        __shared__ float sp[4][8];
+        __shared__ float sp_[PAIR][4][8];
+        float(*sp)[8] = sp_[grp];
         q += __shfl_xor_sync(FULL_MASK, q, 8);
         q += __shfl_xor_sync(FULL_MASK, q, 16);
         if (warp < 4 && lane < 8) sp[warp][lane] = q;
         __syncthreads();
-        if (threadIdx.x < M) {
-            const int m = threadIdx.x;
+        if (tid < M) {
+            const int m = tid;
             ss_out[(size_t)m * ntl + tl] = ((sp[0][m] + sp[1][m]) + sp[2][m]) + sp[3][m];
         }
     }
@@ -364,6 +373,171 @@ __device__ __forceinline__ void gemv_tc_body(const bf16* __restrict__ x, const b
                         rope_factor};                                                                        \
         gemv_tc_body<U, G, EPI_ROPE_KV>(x, W, bias, out, M, N, K, ldo, nm, rp);                                  \
     }
+#if defined(GEMV_PAIR) && GEMV_PAIR
+// --- paired blocks for the wide variants (GEMV_PAIR 1, CudaTuning.gemv_pair) ----------------------
+// A block of 512 threads is two gemv_tc blocks side by side: group p (threads 256 p ..) owns tile
+// 2 blockIdx.x + p and runs gemv_tc_main's warps, K split and tc_step order, so every output has
+// gemv_tc's bits (tests/kernels/test_cuda_gemv_wide.py compares them bitwise). What changes is
+// where x comes from. gemv_tc's block reads all M rows of x over its K from L2, so a 16-row tile
+// moves M / 16 times its weight bytes of x out of L2 (2.5x at 40 rows); past 16 rows the wide
+// GEMVs all ran at about the same ~7 TB/s of weights plus x out of L2 (docs/CUDA.md), the L2's
+// bandwidth, not DRAM's. Here warp w of both groups (they take the same K steps) share one copy of
+// each batch's x chunks in shared memory: the pair's 64 threads copy it with cp.async (zero-filled
+// past M and K, as gemv_tc's predicated loads) into one of two buffers, meet at a named barrier
+// (bar.sync 1 + w, 64 threads), issue the next batch's copy into the other buffer and multiply
+// from this one; the weights still stream straight into registers. So x leaves L2 once per 32
+// weight rows instead of per 16. A buffer holds a batch's U steps x 2 halves x G groups x 32
+// chunks of 16 bytes, in the order the warp reads them (a read is 512 contiguous bytes). Dynamic
+// shared memory: 8 pairs x 2 buffers x that (kernels.py pair_smem). Launch: 512 threads, grid
+// ceil(ceil(N / 16) / 2); an odd last tile's group runs with no rows (its loads off, no writes).
+__device__ __forceinline__ void bar_pair(int id) { asm volatile("bar.sync %0, 64;" ::"r"(id) : "memory"); }
+
+template <int U, int G>
+__device__ __forceinline__ void gemv_tc_main_pair(const bf16* __restrict__ x, const bf16* __restrict__ W, int M,
+                                                  int N, int K, float (*c)[4], uint4* xring) {
+    const int grp = threadIdx.x >> 8, warp = (threadIdx.x >> 5) & 7, lane = threadIdx.x & 31, g = lane >> 2,
+              t = lane & 3;
+    const int n0 = (2 * blockIdx.x + grp) * TC_ROWS;
+    const int K8 = K >> 3;
+    const uint4* W4 = reinterpret_cast<const uint4*>(W);
+    const uint4* x4 = reinterpret_cast<const uint4*>(x);
+    const bool ra = n0 + g < N, rb = n0 + g + 8 < N;
+    const uint4* wa_p = W4 + (size_t)(ra ? n0 + g : 0) * K8;
+    const uint4* wb_p = W4 + (size_t)(rb ? n0 + g + 8 : 0) * K8;
+    const int steps = (K8 + 7) / 8;
+    const int spw = (steps + 7) / 8;
+    const int s_first = GEMV_KS ? warp * spw : warp, s_end = GEMV_KS ? min(steps, s_first + spw) : steps;
+    constexpr int s_unit = GEMV_KS ? 1 : 8;
+    constexpr int BATCH = U * 2 * G * 32;  // chunks of one batch's x
+    uint4* ring = xring + warp * 2 * BATCH;
+    const int gm = min(G, (M + 7) >> 3);  // groups in use
+    // The pair's thread p = 32 grp + lane copies chunks p, p + 64, ..: chunk e is read by lane e % 32
+    // (row 8 j + its g, chunk t + 4 h of step u) at ((u * 2 + h) G + j) = e / 32.
+    auto fill = [&](uint4* buf, int s0) {
+#pragma unroll
+        for (int q = 0; q < U * G; q++) {
+            const int slot = grp + 2 * q, j = slot % G, uh = slot / G, u = uh >> 1, h = uh & 1;
+            if (j < gm) {
+                const int s = s0 + u * s_unit, r = 8 * j + g, ch = s * 8 + t + 4 * h;
+                const bool ok = s < s_end && ch < K8 && r < M;
+                cp_async16(buf + slot * 32 + lane, x4 + (ok ? (size_t)r * K8 + ch : 0), ok ? 16 : 0);
+            }
+        }
+        cp_async_commit();
+    };
+    int it = 0;
+    for (int s0 = s_first; s0 < s_end; s0 += s_unit * U, it++) {
+        uint4 wa[U][2], wb[U][2];
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            const int s = s0 + u * s_unit;
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                const int ch = s * 8 + t + 4 * h;
+                const bool ok = s < s_end && ch < K8;
+                wa[u][h] = ld_stream_if(wa_p + ch, ok && ra);
+                wb[u][h] = ld_stream_if(wb_p + ch, ok && rb);
+            }
+        }
+        if (it == 0) {  // the first weights are in flight; x is the kernel before's (PDL: wait for it)
+            pdl_wait();
+            pdl_launch_dependents();
+            fill(ring, s0);
+        }
+        cp_async_wait<0>();  // this thread's copies of the batch
+        bar_pair(1 + warp);  // the partner's too; and both are done with the other buffer's batch
+        if (s0 + s_unit * U < s_end) fill(ring + ((it + 1) & 1) * BATCH, s0 + s_unit * U);
+        const uint4* xb = ring + (it & 1) * BATCH;
+#pragma unroll
+        for (int u = 0; u < U; u++)
+#pragma unroll
+            for (int h = 0; h < 2; h++)
+#pragma unroll
+                for (int j = 0; j < G; j++)
+                    if (j == 0 || 8 * j < M) tc_step(c[j], wa[u][h], wb[u][h], xb[((u * 2 + h) * G + j) * 32 + lane]);
+    }
+    if (s_first >= s_end) {
+        pdl_wait();
+        pdl_launch_dependents();
+    }
+}
+
+// gemv_tc_body's epilogue loop for the pair: each group its own tile (ss_out's row stride: the tiles).
+template <int U, int G, int EPI>
+__device__ __forceinline__ void gemv_tc_body_pair(const bf16* __restrict__ x, const bf16* __restrict__ W,
+                                                  const float* __restrict__ bias, void* __restrict__ out, int M,
+                                                  int N, int K, int ldo, const TcNorm& nm, const TcRope& rp) {
+    extern __shared__ __align__(16) uint4 tc_xring[];
+    float c[G][4];
+#pragma unroll
+    for (int j = 0; j < G; j++) c[j][0] = c[j][1] = c[j][2] = c[j][3] = 0.f;
+    gemv_tc_main_pair<U, G>(x, W, M, N, K, c, tc_xring);
+    const int ntiles = (N + TC_ROWS - 1) / TC_ROWS, tile = 2 * (int)blockIdx.x + (int)(threadIdx.x >> 8);
+#pragma unroll
+    for (int j = 0; j < G; j++) {
+        const int m0 = 8 * j;
+        if (m0 >= M) break;  // uniform over the block
+        if (j) __syncthreads();
+        TcNorm nj = nm;
+        if (nj.ss_in) nj.ss_in += (size_t)m0 * nj.ss_nparts;
+        if (nj.xw) nj.xw += (size_t)m0 * N;
+        if (nj.ss_out) nj.ss_out += (size_t)m0 * ntiles;
+        TcRope rj = rp;
+        void* oj;
+        if constexpr (EPI == EPI_ROPE_KV) {
+            rj.positions += m0;
+            rj.slots += m0;
+            oj = static_cast<bf16*>(out) + (size_t)m0 * rp.H * rp.D;
+        } else if constexpr (EPI == EPI_SWIGLU || EPI == EPI_GEGLU) {
+            oj = static_cast<bf16*>(out) + (size_t)m0 * ldo;
+        } else {
+            oj = static_cast<float*>(out) + (size_t)m0 * ldo;
+        }
+        // A group past the last tile (odd tile count) reaches the barriers with no rows to write.
+        gemv_tc_epilogue<EPI, 2>(c[j], bias, oj, tile < ntiles ? min(M - m0, 8) : 0, N, K, ldo, nj, rj, 0, tile,
+                                 ntiles);
+    }
+}
+
+#define GEMV_TCP_LINEAR(NAME, U, G, EPI)                                                                      \
+    extern "C" __global__ void __launch_bounds__(2 * TC_THREADS, 1)                                          \
+        NAME(const bf16* x, const bf16* W, const float* bias, float* out, int M, int N, int K, int ldo,       \
+             const float* ss_in, int ss_nparts, float eps, const bf16* nw, bf16* xw, float* ss_out) {         \
+        const TcNorm nm{ss_in, ss_nparts, eps, nw, xw, ss_out};                                              \
+        const TcRope rp{};                                                                                   \
+        gemv_tc_body_pair<U, G, EPI>(x, W, bias, out, M, N, K, ldo, nm, rp);                                 \
+    }
+#define GEMV_TCP_SWIGLU(NAME, U, G, EPI)                                                                      \
+    extern "C" __global__ void __launch_bounds__(2 * TC_THREADS, 1)                                          \
+        NAME(const bf16* x, const bf16* W, bf16* out, int M, int N, int K, int ldo, const float* ss_in,       \
+             int ss_nparts, float eps) {                                                                     \
+        const TcNorm nm{ss_in, ss_nparts, eps, nullptr, nullptr, nullptr};                                   \
+        const TcRope rp{};                                                                                   \
+        gemv_tc_body_pair<U, G, EPI>(x, W, nullptr, out, M, N, K, ldo, nm, rp);                              \
+    }
+#define GEMV_TCP_ROPE(NAME, U, G)                                                                             \
+    extern "C" __global__ void __launch_bounds__(2 * TC_THREADS, 1)                                          \
+        NAME(const bf16* x, const bf16* W, const float* bias, bf16* out, int M, int N, int K, int ldo,        \
+             const float* ss_in, int ss_nparts, float eps, const int* positions, const int* slots,            \
+             const float* inv_freq, bf16* cache, int H, int KVH, int D, int block_size, long long block_stride, \
+             int rotary_dim, float rope_factor) {                                                             \
+        const TcNorm nm{ss_in, ss_nparts, eps, nullptr, nullptr, nullptr};                                   \
+        const TcRope rp{positions, slots, inv_freq, cache, H, KVH, D, block_size, block_stride, rotary_dim,  \
+                        rope_factor};                                                                        \
+        gemv_tc_body_pair<U, G, EPI_ROPE_KV>(x, W, bias, out, M, N, K, ldo, nm, rp);                         \
+    }
+#define GEMV_TCP_VARIANTS(SUFFIX, U, G)                          \
+    GEMV_TCP_LINEAR(gemv_tc_store##SUFFIX, U, G, EPI_STORE)      \
+    GEMV_TCP_LINEAR(gemv_tc_acc##SUFFIX, U, G, EPI_ACC)          \
+    GEMV_TCP_SWIGLU(gemv_tc_swiglu##SUFFIX, U, G, EPI_SWIGLU)    \
+    GEMV_TCP_SWIGLU(gemv_tc_geglu##SUFFIX, U, G, EPI_GEGLU)      \
+    GEMV_TCP_ROPE(gemv_tc_rope##SUFFIX, U, G)
+// P16_U, P32_U, P64_U: steps in flight (x takes no registers here; the buffers take U G 16 KB).
+GEMV_TCP_VARIANTS(_r16p, P16_U, 2)
+GEMV_TCP_VARIANTS(_r32p, P32_U, 4)
+GEMV_TCP_VARIANTS(_r64p, P64_U, 8)
+#endif  // GEMV_PAIR
+
 // Variants by rows: "" and "_u2" 1..8 rows (4 / 2 steps in flight, u2 for small matrices); "_r16",
 // "_r32", "_r64": up to 16 / 32 / 64 rows (2 / 4 / 8 groups; fewer steps in flight, as the
 // activation fragments take the registers).

@@ -36,6 +36,17 @@ GEMV_ROW_TUNING = (("R16_U", 2), ("R16_MINB", 2), ("R32_U", 2), ("R32_MINB", 2),
 WIDE_GROUPS = (2, 4, 8)
 WIDE_STAGES = 4
 WIDE_ROWS = 128  # weight rows a block
+# gemv.cu's paired wide variants (GEMV_PAIR, ``Kernels(gemv_pair=True)``): steps in flight a warp, by
+# the variant's groups of 8 x rows (their x buffers take 16 KB x U x G of shared memory a block).
+PAIR_TUNING = (("P16_U", 2), ("P32_U", 2), ("P64_U", 1))
+PAIR_THREADS = 2 * 256
+
+
+def pair_smem(groups: int, tuning=PAIR_TUNING) -> int:
+    """Dynamic shared memory of gemv.cu's paired variant of ``groups`` groups: 8 warp pairs x 2 buffers x
+    U steps x 2 halves x 8 ``groups`` rows x 4 chunks of 16 bytes."""
+    u = dict(tuning)[f"P{8 * groups}_U"]
+    return 8 * 2 * u * 2 * groups * 32 * 16
 
 
 def wide_smem(groups: int) -> int:
@@ -117,11 +128,14 @@ class Kernels:
     ``quant_persist`` (``CudaTuning.quant_persist``): the quantized GEMVs launch at most the blocks that
     are resident at once, each walking 16-row tiles with its stage pipeline running on between them
     (``QuantKernels.grid``; the same bits).
+    ``gemv_pair`` (``CudaTuning.gemv_pair``): a bf16 GEMV of 9..64 rows runs gemv.cu's paired variants
+    (blocks of two 16-row tiles sharing x through shared memory; gemv_tc's bits), unless gemv_wide
+    takes it.
     """
 
     def __init__(self, head_dim: int, group: int, *, u2_below: int = 40 << 20, cache_dir: str = "",
                  formats=(), pdl: bool = False, wide_min_n: int = 0, quant_act: bool = False,
-                 quant_persist: bool = False) -> None:  # fmt: skip
+                 quant_persist: bool = False, gemv_pair: bool = False) -> None:  # fmt: skip
         if head_dim not in (64, 128, 256):
             raise ValueError(f"head_dim {head_dim} not supported (64, 128 or 256)")
         if not 1 <= group <= 8:
@@ -164,7 +178,12 @@ class Kernels:
                             "pf_bytes:i64 interleaved:i32 rotary_dim:i32 factor:f32 q_norm:ptr k_norm:ptr eps:f32 "
                             "mrope1:i32 mrope2:i32",
                             head_dim // 2)  # fmt: skip
-        gemv = mod("gemv", ("TC_THREADS", TC_THREADS), *GEMV_ROW_TUNING)
+        gemv = mod(
+            "gemv",
+            ("TC_THREADS", TC_THREADS),
+            *GEMV_ROW_TUNING,
+            *((("GEMV_PAIR", 1), *PAIR_TUNING) if gemv_pair else ()),
+        )
         self._tc = {  # 1..8 rows, keyed (epilogue, u2)
             (epi, u2): Kernel(gemv, f"gemv_tc_{epi}" + ("_u2" if u2 else ""), params, TC_THREADS)
             for epi, params in TC_PARAMS.items()
@@ -175,6 +194,12 @@ class Kernels:
             for epi, params in TC_PARAMS.items()
             for most, sfx in GEMV_ROW_VARIANTS
         }
+        self._tcp = {}  # gemv_pair: 9..64 rows, keyed (epilogue, most rows)
+        for epi, params in TC_PARAMS.items() if gemv_pair else ():
+            for most, sfx in GEMV_ROW_VARIANTS:
+                kp = Kernel(gemv, f"gemv_tc_{epi}{sfx}p", params, PAIR_THREADS, shared=pair_smem(most // 8))
+                kp.fn.set_attribute(cuda.function_attribute.MAX_DYNAMIC_SHARED_SIZE_BYTES, pair_smem(most // 8))
+                self._tcp[(epi, most)] = kp
         self._tcw = {}  # 9..64 rows on large matrices, keyed (epilogue, groups of 8 rows)
         if wide_min_n > 0:
             wide = module("gemv_wide", (("TC_THREADS", TC_THREADS), ("GEMV_EPILOGUES_ONLY", 1),
@@ -379,6 +404,11 @@ class Kernels:
         elif self._tcw and n >= self.wide_min_n:
             kern = self._tcw[(epi, next(g for g in WIDE_GROUPS if rows <= 8 * g))]
             kern(s, ((n + WIDE_ROWS - 1) // WIDE_ROWS,), x=x, W=w, out=out, M=rows, N=n, K=k, ldo=ldo, ss_in=ss_in[0],
+                 ss_nparts=ss_in[1], eps=eps, **extra)  # fmt: skip
+            return
+        elif self._tcp:
+            kern = self._tcp[(epi, next(most for most, _ in GEMV_ROW_VARIANTS if rows <= most))]
+            kern(s, ((n + 31) // 32,), x=x, W=w, out=out, M=rows, N=n, K=k, ldo=ldo, ss_in=ss_in[0],
                  ss_nparts=ss_in[1], eps=eps, **extra)  # fmt: skip
             return
         else:

@@ -1,8 +1,11 @@
-"""gemv_wide.cu (a block of 128 weight rows reads x once; engine/cu/kernels.py ``wide_min_n``) gives
-every output gemv_tc's bits: for each epilogue (store, acc with the next norm's xw and ss partials,
-the fused RMSNorm scale in, SwiGLU, GeGLU, rope with the KV write and partial rotary), at widths
-9..64 and matrix sizes that leave a block part-full, against the same Kernels call with gemv_wide
-off (gemv_tc's 16 / 32 / 64-row variants), and against numpy. Skipped without a card."""
+"""The wide bf16 GEMVs that are not gemv_tc's own variants give every output gemv_tc's bits:
+gemv_wide.cu (a block of 128 weight rows reads x once; engine/cu/kernels.py ``wide_min_n``) and
+gemv.cu's paired variants (``gemv_pair``: two 16-row tiles a block share x through shared memory).
+For each epilogue (store, acc with the next norm's xw and ss partials, the fused RMSNorm scale in,
+SwiGLU, GeGLU, rope with the KV write and partial rotary), at widths 9..64 and matrix sizes that
+leave a block part-full (an odd tile count leaves a pair's second tile empty), against the same
+Kernels call with both off (gemv_tc's 16 / 32 / 64-row variants), and against numpy. Skipped
+without a card."""
 
 from __future__ import annotations
 
@@ -27,12 +30,14 @@ def dev():
         yield cuda
 
 
-@pytest.fixture(scope="module")
-def pair(dev):
-    """(gemv_tc only, gemv_wide for every matrix), head_dim 128, 4 query heads a KV head."""
+@pytest.fixture(scope="module", params=["wide", "pair"])
+def pair(dev, request):
+    """(gemv_tc only, gemv_wide for every matrix or the paired variants), head_dim 128, 4 query heads a
+    KV head."""
     from engine.cu.kernels import Kernels
 
-    return Kernels(128, 4), Kernels(128, 4, wide_min_n=1)
+    other = Kernels(128, 4, wide_min_n=1) if request.param == "wide" else Kernels(128, 4, gemv_pair=True)
+    return Kernels(128, 4), other
 
 
 @pytest.fixture(scope="module")
@@ -63,8 +68,9 @@ class Dev:
 
 
 def test_the_wide_kernels_are_compiled_only_when_asked(pair):
-    plain, wide = pair
-    assert not plain._tcw and len(wide._tcw) == 5 * 3
+    plain, other = pair
+    assert not plain._tcw and not plain._tcp
+    assert len(other._tcw) + len(other._tcp) == 5 * 3
 
 
 @pytest.mark.parametrize("n,k", [(1000, 4096), (384, 1032), (130, 520), (16, 64)])
@@ -153,7 +159,8 @@ def test_rope_epilogue_is_gemv_tcs_bits(pair, stream, rows, rotary):
 
 
 def test_a_rows_bits_do_not_depend_on_the_width_or_its_place(pair, stream):
-    """1..8 rows run gemv_tc, 9..64 gemv_wide: a row's output is the same at every width and place."""
+    """1..8 rows run gemv_tc, 9..64 gemv_wide or the paired variants: a row's output is the same at every
+    width and place."""
     d = Dev()
     _, wide = pair
     n, k = 3000, 2048
