@@ -1,12 +1,14 @@
 #!/bin/bash
 # One device call: build check, GPU tests, benchmark; logs under $OUT.
-# Usage (from the repo root on the GPU machine): bash bench/gpu_run.sh [tests|bench|all|suite|pdl|load|quant|gptoss]
+# Usage (from the repo root on the GPU machine): bash bench/gpu_run.sh [tests|bench|all|suite|pdl|load|quant|gptoss|pair]
 #   suite: every GPU test under tests/kernels (~4 min on a warm kernel cache)
 #   pdl:   cuda.pdl's card tests, then bench_cuda.py --pdl (the graph with it off / on)
 #   load:  the pinned uploader's card tests, bench_load.py --write, and the loop's gaps during an
 #          8B bf16 load on the card (bench_load_beats.py, on bench_load.py's 16 GB checkpoint)
 #   gptoss: MXFP4 checks (tests/kernels/test_cuda_moe_mxfp4.py), the MoE layers alone (bench_moe_mx.py, both
 #          prefill paths, then the split down build) and the whole gpt-oss-20b shape (bench_gpt_oss.py --bf16)
+#   pair:  gemv.cu's paired wide variants (CudaTuning.gemv_pair): their card tests (bitwise against
+#          gemv_tc, with gemv_wide's), then bench_verify.py --wide (the GEMVs alone and the verify rounds)
 #   quant: the kernel experiments of 2026-12-06 still in the tree (docs/QUANT.md, "The stage loop"): the
 #          quantized GEMV with less shared memory preferred (--carveout); decode attention alone with the
 #          next sub-chunk prefetched (DECODE_PIPE) and with 64 / 128 splits; then the Q4_K_M / Q8_0 rounds
@@ -46,6 +48,11 @@ if [ "$what" = quant ]; then
   timeout 90 python3 bench/attn_probe.py --variant pipe=DECODE_PIPE=1 s64=NUM_SPLITS=64 s128=NUM_SPLITS=128 2>&1 \
     | tee "$OUT/attn.log" | tail -11
   timeout 150 python3 bench/bench_quant.py --synthetic Q4_K_M Q8_0 2>&1 | tee "$OUT/bench_quant.log" | tail -6
+fi
+if [ "$what" = pair ]; then
+  timeout 200 python3 -m pytest -p no:cacheprovider -q -o addopts="" tests/kernels/test_cuda_gemv_wide.py 2>&1 \
+    | tee "$OUT/test_pair.log" | tail -8
+  timeout 300 python3 bench/bench_verify.py --wide --rounds 20 2>&1 | tee "$OUT/verify_wide.log" | tail -32
 fi
 if [ "$what" = gptoss ]; then
   timeout 240 python3 -m pytest -p no:cacheprovider -q -o addopts="" tests/kernels/test_cuda_moe_mxfp4.py 2>&1 \
