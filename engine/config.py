@@ -50,6 +50,10 @@ class CudaTuning:
     # whose warps share each batch of x through shared memory, so x leaves L2 once per 32 weight rows;
     # gemv_tc's bits). Off until the card says it is right and faster (docs/CUDA.md, "Paired wide GEMVs").
     gemv_pair: bool = False
+    # Decode attention of a wide round (9 rows up) runs attention_decode.cu's DECODE_LR build: a lane's
+    # verify rows share a block and read their keys once (the same bits). Off until the card says it is
+    # right and faster (docs/CUDA.md, "A lane's rows in one attention block").
+    decode_lanes: bool = False
 
 
 @dataclass

@@ -97,28 +97,100 @@ __device__ __forceinline__ void load_row(const bf16* p, float* f) {
 #endif
 }
 
+// DECODE_LR > 1 (``Kernels(decode_lanes=True)``; HEAD_DIM <= 128 with DECODE_MMA, DECODE_VPRE and no
+// DECODE_PIPE): a lane's verify rows share their blocks. lane_first int32 [M] gives each row the
+// first row of its lane (a lane's rows are consecutive, at consecutive positions, with one block
+// table). Rows f, f + LR, f + 2 LR, .. of a lane lead a group of up to LR rows (LR = DECODE_LR, with
+// LR x GROUP <= 16: the group's query heads fill the score mma's 16 A rows), all of one split chunk
+// (rows across a multiple of 2,048 keys do not share: each goes alone) and no sliding window; the
+// leader's block (kh, leader, split) walks the split's keys once for all of them and every other
+// member's block returns at once. Each row keeps its own keys (its context), softmax state and
+// accumulators, and does per key and sub-chunk exactly what its block alone would: the same
+// scores (a row's mma dot products do not depend on the other A rows), maxima, sums and fmaf
+// order, its partials and merge under its own counter, and a split past its context skipped as
+// its own block would have returned. So the output has the bits of one row a block (1, the
+// default: the code is the kernel of before; tests/kernels/test_cuda_attention_lanes.py).
+#ifndef DECODE_LR
+#define DECODE_LR 1
+#endif
+#if DECODE_LR > 1 && !(HEAD_DIM <= 128 && DECODE_MMA && DECODE_VPRE && !DECODE_PIPE && DECODE_LR * GROUP <= 16)
+#error "DECODE_LR > 1: HEAD_DIM <= 128, DECODE_MMA, DECODE_VPRE, no DECODE_PIPE, DECODE_LR x GROUP <= 16"
+#endif
+#define AR (DECODE_LR * GROUP)  // A rows in use at most: (row of the group, head)
+
 extern "C" __global__ void __launch_bounds__(DECODE_THREADS)
     decode_attn(const bf16* __restrict__ q, const int* __restrict__ positions, const int* __restrict__ block_tables,
                 int bt_stride, const bf16* __restrict__ cache, long long block_stride, int block_size, int KVH,
                 float scale_log2, float* __restrict__ o_part, float* __restrict__ ml, int* __restrict__ counters,
-                bf16* __restrict__ out, int window, float cap_log2, const float* __restrict__ sinks) {
+                bf16* __restrict__ out, int window, float cap_log2, const float* __restrict__ sinks
+#if DECODE_LR > 1
+                , const int* __restrict__ lane_first
+#endif
+                ) {
     pdl_wait();  // PDL: the kernel before has written what this one reads (common.cuh)
     pdl_launch_dependents();
     const int kh = blockIdx.x, m = blockIdx.y, sp = blockIdx.z;
+#if DECODE_LR > 1
+    int nr = 1;  // rows m .. m + nr - 1 are this block's
+    {
+        const int f = lane_first[m], gs = f + (m - f) / DECODE_LR * DECODE_LR;  // the group's leader
+        int ge = gs + 1;
+        if (window <= 0) {
+            const int c0 = split_chunk(positions[gs] + 1);
+            while (ge < gs + DECODE_LR && ge < (int)gridDim.y && lane_first[ge] == f &&
+                   split_chunk(positions[ge] + 1) == c0)
+                ge++;
+        }
+        if (m != gs && m < ge) return;  // the leader's block does this row
+        if (m == gs) nr = ge - gs;
+    }
+    const int ctx = positions[m + nr - 1] + 1;  // the group's longest context (its last row's)
+#else
+    constexpr int nr = 1;
     const int ctx = positions[m] + 1;
+#endif
     const int lo = window > 0 ? max(0, ctx - window) : 0;
     const int chunk = split_chunk(ctx - lo);
     const int tb = lo + sp * chunk;
     if (tb >= ctx) return;
     const int te = min(ctx, tb + chunk);
+#if DECODE_LR > 1
+    int te_r[DECODE_LR];  // row r's keys of this split end here (at tb: none, the row's block would return)
+#pragma unroll
+    for (int r = 0; r < DECODE_LR; r++) te_r[r] = r < nr ? max(tb, min(positions[m + r] + 1, tb + chunk)) : tb;
+    auto row_te = [&](int r) {  // te_r[r] for a run-time r (te_r stays in registers)
+        int v = tb;
+#pragma unroll
+        for (int rr = 0; rr < DECODE_LR; rr++)
+            if (rr == r) v = te_r[rr];
+        return v;
+    };
+#endif
     const int H = KVH * GROUP;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    __shared__ float sp_[GROUP][SUB];
-    __shared__ float sacc[4][GROUP][HEAD_DIM];
-    __shared__ float smax[GROUP], ssum[GROUP], scorr[GROUP];
+    __shared__ float sp_[AR][SUB];
+    __shared__ float sacc[4][AR][HEAD_DIM];
+    __shared__ float smax[AR], ssum[AR], scorr[AR];
 
 #if DECODE_MMA
     const int g8 = lane >> 2, t4 = lane & 3;
+#if DECODE_LR > 1
+    // A rows g8 (qa) and g8 + 8 (qb): head a % GROUP of the group's row a / GROUP; zero past the group.
+    uint4 qa[DSTEPS][2], qb[DSTEPS][2];
+#pragma unroll
+    for (int st = 0; st < DSTEPS; st++)
+#pragma unroll
+        for (int c = 0; c < 2; c++) {
+            const int ra = g8 / GROUP, rb = (g8 + 8) / GROUP, o = st * 64 + (t4 + 4 * c) * 8;
+            qa[st][c] = ra < nr ? *reinterpret_cast<const uint4*>(q + ((size_t)(m + ra) * H + kh * GROUP + g8 % GROUP) *
+                                                                      HEAD_DIM + o)
+                                : make_uint4(0u, 0u, 0u, 0u);
+            qb[st][c] = AR > 8 && rb < nr
+                            ? *reinterpret_cast<const uint4*>(q + ((size_t)(m + rb) * H + kh * GROUP + (g8 + 8) % GROUP) *
+                                                                      HEAD_DIM + o)
+                            : make_uint4(0u, 0u, 0u, 0u);
+        }
+#else
     uint4 qa[DSTEPS][2];  // row g8 of the A operand: chunks t4 and t4 + 4 of each 64-dim step
 #pragma unroll
     for (int st = 0; st < DSTEPS; st++)
@@ -127,6 +199,7 @@ extern "C" __global__ void __launch_bounds__(DECODE_THREADS)
             qa[st][c] = g8 < GROUP ? *reinterpret_cast<const uint4*>(q + ((size_t)m * H + kh * GROUP + g8) * HEAD_DIM +
                                                                    st * 64 + (t4 + 4 * c) * 8)
                                    : make_uint4(0u, 0u, 0u, 0u);
+#endif
 #else
     float qr[GROUP][E];
 #pragma unroll
@@ -137,12 +210,12 @@ extern "C" __global__ void __launch_bounds__(DECODE_THREADS)
         for (int e = 0; e < E; e++) qr[g][e] = f[e] * scale_log2;
     }
 #endif
-    if (threadIdx.x < GROUP) { smax[threadIdx.x] = -INFINITY; ssum[threadIdx.x] = 0.f; }
+    if (threadIdx.x < nr * GROUP) { smax[threadIdx.x] = -INFINITY; ssum[threadIdx.x] = 0.f; }
     const int* bt = block_tables + (size_t)m * bt_stride;
     const size_t kv_half = (size_t)block_size * KVH * HEAD_DIM;
-    float acc[GROUP][E];
+    float acc[AR][E];
 #pragma unroll
-    for (int g = 0; g < GROUP; g++)
+    for (int g = 0; g < AR; g++)
 #pragma unroll
         for (int e = 0; e < E; e++) acc[g][e] = 0.f;
 
@@ -214,6 +287,23 @@ extern "C" __global__ void __launch_bounds__(DECODE_THREADS)
 #pragma unroll
             for (int h = 0; h < 2; h++) {
                 float sc[4] = {0.f, 0.f, 0.f, 0.f};
+#if DECODE_LR > 1
+#pragma unroll
+                for (int st = 0; st < DSTEPS; st++)
+#pragma unroll
+                    for (int c = 0; c < 2; c++) tc_step(sc, qa[st][c], qb[st][c], kv[h][st][c]);
+                // sc[0], sc[1]: A row g8's scores of keys kb + 8h + 2 t4 and the next; sc[2], sc[3]: row g8 + 8's
+                const int t = kb + 8 * h + 2 * t4;
+#pragma unroll
+                for (int i = 0; i < 2; i++) {
+                    const int a = g8 + 8 * i, r = a / GROUP;
+                    if (r < nr) {
+                        const int tr = min(row_te(r), t0 + SUB);  // row r's end of the sub-chunk
+                        if (t < tr) sp_[a][t - t0] = sc[2 * i] * scale_log2;
+                        if (t + 1 < tr) sp_[a][t + 1 - t0] = sc[2 * i + 1] * scale_log2;
+                    }
+                }
+#else
 #pragma unroll
                 for (int st = 0; st < DSTEPS; st++)
 #pragma unroll
@@ -224,6 +314,7 @@ extern "C" __global__ void __launch_bounds__(DECODE_THREADS)
                     if (t < t1) sp_[g8][t - t0] = sc[0] * scale_log2;
                     if (t + 1 < t1) sp_[g8][t + 1 - t0] = sc[1] * scale_log2;
                 }
+#endif
             }
         }
 #else
@@ -249,7 +340,13 @@ extern "C" __global__ void __launch_bounds__(DECODE_THREADS)
         }
 #endif
         __syncthreads();
+#if DECODE_LR > 1
+        for (int g = warp; g < nr * GROUP; g += 4) {
+            const int len = min(row_te(g / GROUP), t1) - t0;  // this row's keys of the sub-chunk
+            if (len <= 0) continue;                         // past its context: untouched (warp-uniform)
+#else
         for (int g = warp; g < GROUP; g += 4) {
+#endif
             // The soft-cap here, outside the unrolled score loop (inside, ptxas keeps fewer loads in flight).
             if (cap_log2 > 0.f)
                 for (int i = lane; i < len; i += 32) sp_[g][i] = cap_log2 * tanhf(sp_[g][i]);
@@ -272,7 +369,10 @@ extern "C" __global__ void __launch_bounds__(DECODE_THREADS)
         }
         __syncthreads();
 #pragma unroll
-        for (int g = 0; g < GROUP; g++) {
+        for (int g = 0; g < AR; g++) {
+#if DECODE_LR > 1
+            if (g >= nr * GROUP || t0 >= te_r[g / GROUP]) continue;  // no update of this row here
+#endif
             const float c = scorr[g];
 #pragma unroll
             for (int e = 0; e < E; e++) acc[g][e] *= c;
@@ -293,7 +393,10 @@ extern "C" __global__ void __launch_bounds__(DECODE_THREADS)
             for (int j = 0; j < UNROLL; j++) {
                 if (tw + 4 * j >= t1) break;
 #pragma unroll
-                for (int g = 0; g < GROUP; g++) {
+                for (int g = 0; g < AR; g++) {
+#if DECODE_LR > 1
+                    if (g >= nr * GROUP || tw + 4 * j >= te_r[g / GROUP]) continue;  // past this row's keys
+#endif
                     const float p = sp_[g][tw + 4 * j - t0];
 #pragma unroll
                     for (int e = 0; e < E; e++) acc[g][e] = fmaf(p, vf[j][e], acc[g][e]);
@@ -315,57 +418,69 @@ extern "C" __global__ void __launch_bounds__(DECODE_THREADS)
         __syncthreads();
     }
 #pragma unroll
-    for (int g = 0; g < GROUP; g++)
+    for (int g = 0; g < AR; g++)
 #pragma unroll
         for (int e = 0; e < E; e++) sacc[warp][g][lane * E + e] = acc[g][e];
     __syncthreads();
-    const int ns = (ctx - lo + chunk - 1) / chunk;
-    if (ns == 1) {  // one split: normalise and write the output here
+    __shared__ int is_last;
+    // Row mm (ns splits; its heads' state at g0 ..): the output if this is its one split, else the
+    // split's partials, and the merge by whichever of its splits ends last.
+    auto finish = [&](const int mm, const int ns, const int g0) {
+        if (ns == 1) {  // one split: normalise and write the output here
+            for (int i = threadIdx.x; i < GROUP * HEAD_DIM; i += DECODE_THREADS) {
+                const int g = i / HEAD_DIM, d = i % HEAD_DIM;
+                const float v = sacc[0][g0 + g][d] + sacc[1][g0 + g][d] + sacc[2][g0 + g][d] + sacc[3][g0 + g][d];
+                float o = v / ssum[g0 + g];
+                if (sinks != nullptr) {  // rescale to max(running max, sink) and add the sink's term
+                    const float sk = sinks[kh * GROUP + g] * 1.4426950408889634f, mx = fmaxf(smax[g0 + g], sk);
+                    const float c = exp2f(smax[g0 + g] - mx);
+                    o = v * c / (ssum[g0 + g] * c + exp2f(sk - mx));
+                }
+                out[((size_t)mm * H + kh * GROUP + g) * HEAD_DIM + d] = __float2bfloat16(o);
+            }
+            return;
+        }
         for (int i = threadIdx.x; i < GROUP * HEAD_DIM; i += DECODE_THREADS) {
             const int g = i / HEAD_DIM, d = i % HEAD_DIM;
-            const float v = sacc[0][g][d] + sacc[1][g][d] + sacc[2][g][d] + sacc[3][g][d];
-            float o = v / ssum[g];
-            if (sinks != nullptr) {  // rescale to max(running max, sink) and add the sink's term
-                const float sk = sinks[kh * GROUP + g] * 1.4426950408889634f, mx = fmaxf(smax[g], sk);
-                const float c = exp2f(smax[g] - mx);
-                o = v * c / (ssum[g] * c + exp2f(sk - mx));
+            const float v = sacc[0][g0 + g][d] + sacc[1][g0 + g][d] + sacc[2][g0 + g][d] + sacc[3][g0 + g][d];
+            const size_t row = ((size_t)mm * H + kh * GROUP + g) * NUM_SPLITS + sp;
+            o_part[row * HEAD_DIM + d] = v;
+            if (d == 0) { ml[row * 2] = smax[g0 + g]; ml[row * 2 + 1] = ssum[g0 + g]; }
+        }
+        __threadfence();
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            const int prev = atomicAdd(counters + mm * KVH + kh, 1);
+            is_last = prev == ns - 1;
+            if (is_last) counters[mm * KVH + kh] = 0;
+        }
+        __syncthreads();
+        if (!is_last) return;
+        __threadfence();
+        for (int i = threadIdx.x; i < GROUP * HEAD_DIM; i += DECODE_THREADS) {
+            const int g = i / HEAD_DIM, d = i % HEAD_DIM;
+            const size_t base = ((size_t)mm * H + kh * GROUP + g) * NUM_SPLITS;
+            float mx = -INFINITY;
+            for (int s2 = 0; s2 < ns; s2++) mx = fmaxf(mx, __ldcg(ml + (base + s2) * 2));
+            const float sk = sinks != nullptr ? sinks[kh * GROUP + g] * 1.4426950408889634f : -INFINITY;
+            mx = fmaxf(mx, sk);
+            float l = 0.f, o = 0.f;
+            for (int s2 = 0; s2 < ns; s2++) {
+                const float w = exp2f(__ldcg(ml + (base + s2) * 2) - mx);
+                l += w * __ldcg(ml + (base + s2) * 2 + 1);
+                o += w * __ldcg(o_part + (base + s2) * HEAD_DIM + d);
             }
-            out[((size_t)m * H + kh * GROUP + g) * HEAD_DIM + d] = __float2bfloat16(o);
+            if (sinks != nullptr) l += exp2f(sk - mx);
+            out[((size_t)mm * H + kh * GROUP + g) * HEAD_DIM + d] = __float2bfloat16(o / l);
         }
-        return;
+    };
+#if DECODE_LR > 1
+    for (int r = 0; r < nr; r++) {
+        const int cx = positions[m + r] + 1;
+        if (tb < cx) finish(m + r, (cx - lo + chunk - 1) / chunk, r * GROUP);  // else: its block would return
     }
-    for (int i = threadIdx.x; i < GROUP * HEAD_DIM; i += DECODE_THREADS) {
-        const int g = i / HEAD_DIM, d = i % HEAD_DIM;
-        const float v = sacc[0][g][d] + sacc[1][g][d] + sacc[2][g][d] + sacc[3][g][d];
-        const size_t row = ((size_t)m * H + kh * GROUP + g) * NUM_SPLITS + sp;
-        o_part[row * HEAD_DIM + d] = v;
-        if (d == 0) { ml[row * 2] = smax[g]; ml[row * 2 + 1] = ssum[g]; }
-    }
-    __threadfence();
-    __syncthreads();
-    __shared__ int is_last;
-    if (threadIdx.x == 0) {
-        const int prev = atomicAdd(counters + m * KVH + kh, 1);
-        is_last = prev == ns - 1;
-        if (is_last) counters[m * KVH + kh] = 0;
-    }
-    __syncthreads();
-    if (!is_last) return;
-    __threadfence();
-    for (int i = threadIdx.x; i < GROUP * HEAD_DIM; i += DECODE_THREADS) {
-        const int g = i / HEAD_DIM, d = i % HEAD_DIM;
-        const size_t base = ((size_t)m * H + kh * GROUP + g) * NUM_SPLITS;
-        float mx = -INFINITY;
-        for (int s2 = 0; s2 < ns; s2++) mx = fmaxf(mx, __ldcg(ml + (base + s2) * 2));
-        const float sk = sinks != nullptr ? sinks[kh * GROUP + g] * 1.4426950408889634f : -INFINITY;
-        mx = fmaxf(mx, sk);
-        float l = 0.f, o = 0.f;
-        for (int s2 = 0; s2 < ns; s2++) {
-            const float w = exp2f(__ldcg(ml + (base + s2) * 2) - mx);
-            l += w * __ldcg(ml + (base + s2) * 2 + 1);
-            o += w * __ldcg(o_part + (base + s2) * HEAD_DIM + d);
-        }
-        if (sinks != nullptr) l += exp2f(sk - mx);
-        out[((size_t)m * H + kh * GROUP + g) * HEAD_DIM + d] = __float2bfloat16(o / l);
-    }
+#else
+    const int ns = (ctx - lo + chunk - 1) / chunk;
+    finish(m, ns, 0);
+#endif
 }

@@ -56,6 +56,9 @@ def wide_smem(groups: int) -> int:
 
 GEMM_SMEM = 3 * (128 + 128) * 40 * 2  # STAGES * (BM + BN) * LDS * sizeof(bf16)
 DECODE_SPLITS = 32
+# ``Kernels(decode_lanes=True)``: rounds of more rows than this run attention_decode.cu's DECODE_LR build
+# (a lane's verify rows share their blocks; the plain build keeps narrower rounds, at fewer registers).
+DECODE_LANES_FROM = 9
 MAX_COUNTERS = 8192  # decode attention (lane, KV head) pairs
 PF_BLOCKS = 16  # rmsnorm's L2-prefetch blocks
 
@@ -131,11 +134,14 @@ class Kernels:
     ``gemv_pair`` (``CudaTuning.gemv_pair``): a bf16 GEMV of 9..64 rows runs gemv.cu's paired variants
     (blocks of two 16-row tiles sharing x through shared memory; gemv_tc's bits), unless gemv_wide
     takes it.
+    ``decode_lanes`` (``CudaTuning.decode_lanes``): decode attention of a round of ``DECODE_LANES_FROM`` rows
+    or more runs the DECODE_LR build, whose blocks take a lane's verify rows together (up to 16 / group
+    of them; the same bits); head_dim 64 / 128 only (256: the plain build).
     """
 
     def __init__(self, head_dim: int, group: int, *, u2_below: int = 40 << 20, cache_dir: str = "",
                  formats=(), pdl: bool = False, wide_min_n: int = 0, quant_act: bool = False,
-                 quant_persist: bool = False, gemv_pair: bool = False) -> None:  # fmt: skip
+                 quant_persist: bool = False, gemv_pair: bool = False, decode_lanes: bool = False) -> None:  # fmt: skip
         if head_dim not in (64, 128, 256):
             raise ValueError(f"head_dim {head_dim} not supported (64, 128 or 256)")
         if not 1 <= group <= 8:
@@ -213,10 +219,16 @@ class Kernels:
                             "M:i32 N:i32 K:i32 ldc:i32 accumulate:i32", GEMM_THREADS, shared=GEMM_SMEM)  # fmt: skip
         self._gemm.fn.set_attribute(cuda.function_attribute.MAX_DYNAMIC_SHARED_SIZE_BYTES, GEMM_SMEM)
         self._gemm = route_gemm(self._gemm, cache_dir)  # gemm_hopper on sm_90 (engine/cu/hopper.py)
-        dec = mod("attention_decode", *attn, ("NUM_SPLITS", DECODE_SPLITS), ("DECODE_THREADS", DECODE_THREADS))
-        self._decode_attn = Kernel(dec, "decode_attn", "q:ptr positions:ptr block_tables:ptr bt_stride:i32 cache:ptr "
-                                   "block_stride:i64 block_size:i32 KVH:i32 scale_log2:f32 o_part:ptr ml:ptr "
-                                   "counters:ptr out:ptr window:i32 cap_log2:f32 sinks:ptr", DECODE_THREADS)  # fmt: skip
+        dec_args = (*attn, ("NUM_SPLITS", DECODE_SPLITS), ("DECODE_THREADS", DECODE_THREADS))
+        dec_params = (
+            "q:ptr positions:ptr block_tables:ptr bt_stride:i32 cache:ptr block_stride:i64 block_size:i32 "
+            "KVH:i32 scale_log2:f32 o_part:ptr ml:ptr counters:ptr out:ptr window:i32 cap_log2:f32 sinks:ptr"
+        )
+        self._decode_attn = Kernel(mod("attention_decode", *dec_args), "decode_attn", dec_params, DECODE_THREADS)
+        self._decode_lanes = None  # the DECODE_LR build: one block a lane's group of rows
+        if decode_lanes and head_dim <= 128:
+            lr = mod("attention_decode", *dec_args, ("DECODE_LR", 16 // group))
+            self._decode_lanes = Kernel(lr, "decode_attn", dec_params + " lane_first:ptr", DECODE_THREADS)
         pre = mod("attention_prefill", *attn, ("PREFILL_THREADS", PREFILL_THREADS))
         self._prefill_attn = Kernel(pre, "prefill_attn", "q:ptr block_table:ptr cache:ptr block_stride:i64 "
                                     "block_size:i32 KVH:i32 n:i32 start:i32 scale_log2:f32 out:ptr window:i32 "
@@ -459,17 +471,22 @@ class Kernels:
 
     def decode_attention(self, s, q: int, positions: int, block_tables: int, bt_stride: int, cache: int,
                          block_stride: int, block_size: int, kv_heads: int, o_part: int, ml: int, out: int,
-                         rows: int, args: AttnArgs | None = None) -> None:  # fmt: skip
+                         rows: int, args: AttnArgs | None = None, lane_first: int = 0) -> None:  # fmt: skip
         """Split-K decode attention; the splits are merged inside the same kernel (last block per lane
         and KV head), so this is one launch. ``args``: the layer's scale, soft-cap, window, sinks
-        (None: ``plain``)."""
+        (None: ``plain``). ``lane_first``: int32 [rows], each row's lane's first row (a lane's rows
+        consecutive, one block table); with ``decode_lanes`` a round of ``DECODE_LANES_FROM`` rows or more
+        then shares a block among a lane's rows."""
         if rows * kv_heads > MAX_COUNTERS:
             raise ValueError(f"{rows} rows x {kv_heads} KV heads exceeds {MAX_COUNTERS} split counters")
         a = args or self.plain
-        self._decode_attn(s, (kv_heads, rows, DECODE_SPLITS), q=q, positions=positions, block_tables=block_tables,
-                          bt_stride=bt_stride, cache=cache, block_stride=block_stride, block_size=block_size,
-                          KVH=kv_heads, scale_log2=a.scale_log2, o_part=o_part, ml=ml, counters=self._counters,
-                          out=out, window=a.window, cap_log2=a.cap_log2, sinks=a.sinks)  # fmt: skip
+        kern, extra = self._decode_attn, {}
+        if self._decode_lanes is not None and lane_first and rows >= DECODE_LANES_FROM:
+            kern, extra = self._decode_lanes, {"lane_first": lane_first}
+        kern(s, (kv_heads, rows, DECODE_SPLITS), q=q, positions=positions, block_tables=block_tables,
+             bt_stride=bt_stride, cache=cache, block_stride=block_stride, block_size=block_size, KVH=kv_heads,
+             scale_log2=a.scale_log2, o_part=o_part, ml=ml, counters=self._counters, out=out, window=a.window,
+             cap_log2=a.cap_log2, sinks=a.sinks, **extra)  # fmt: skip
 
     def prefill_attention(self, s, q: int, block_table: int, cache: int, block_stride: int, block_size: int,
                           kv_heads: int, n: int, start: int, out: int, args: AttnArgs | None = None) -> None:  # fmt: skip

@@ -1,7 +1,8 @@
 """Speculative rounds on the CUDA backend: a lane's verify rows are rows of the round (one per
 position, the drafts' K/V written before any row attends), so the committed tokens must equal
 speculation off, greedy and sampled, with rounds of up to 64 rows (gemv.cu's wide variants, one
-graph per width). Skipped without a device."""
+graph per width; and again with the paired wide GEMVs and decode attention's lane blocks, which
+must keep every row's bits). Skipped without a device."""
 
 from __future__ import annotations
 
@@ -45,8 +46,8 @@ def generate(backend, plan, prompts, sampling, rows: int, max_tokens: int = 96, 
     return out, sched.make_stats().spec_drafted, widest
 
 
-@pytest.fixture(scope="module")
-def small_llama():
+@pytest.fixture(scope="module", params=["default", "pair+lanes"])
+def small_llama(request):
     from engine.backends import create_backend
     from engine.config import CudaTuning
     from engine.model_config import ModelConfig
@@ -58,7 +59,9 @@ def small_llama():
     weights = random_weights(definition("llama"), cfg, seed=3)
     from engine.config import EngineConfig
 
-    be = create_backend("cuda", EngineConfig(backend="cuda", cuda=CudaTuning(round_rows=64)))  # the widest rounds
+    wide = request.param == "pair+lanes"
+    tuning = CudaTuning(round_rows=64, gemv_pair=wide, decode_lanes=wide)  # the widest rounds
+    be = create_backend("cuda", EngineConfig(backend="cuda", cuda=tuning))
     plan = be.load(cfg, weights, block_size=16, kv_budget_bytes=64 << 20, host_kv_budget_bytes=0, max_context=1024)
     yield be, plan
     be.unload()

@@ -255,7 +255,7 @@ class CudaBackend(Backend):
         return Kernels(c.head_dim, c.num_heads // c.num_kv_heads, u2_below=t.gemv_u2_below,
                        cache_dir=t.kernel_cache_dir, formats=self.formats, pdl=t.pdl,
                        wide_min_n=t.gemv_wide_min_n, quant_act=t.quant_activations,
-                       quant_persist=t.quant_persist, gemv_pair=t.gemv_pair)  # fmt: skip
+                       quant_persist=t.quant_persist, gemv_pair=t.gemv_pair, decode_lanes=t.decode_lanes)  # fmt: skip
 
     def retune(self, tuning: CudaTuning) -> None:
         """Switch kernel settings on a loaded model and recapture the decode graphs (benchmarks)."""
@@ -486,7 +486,11 @@ class CudaBackend(Backend):
         v, stride, bs, vocab = st.view, self.bt_stride, self.block_size, self.config.vocab_size
         any_pen = False
         tokens, positions, slots, src, feed = v["tokens"], v["positions"], v["slots"], v["src"], self._feed
+        lane_first, first, seq = v["lane_first"], 0, None
         for i, ln in enumerate(lanes):  # plain Python per lane: this is on every round's critical path
+            if ln.seq_id != seq:  # a lane's rows are consecutive (its verify rows after its first)
+                first, seq = i, ln.seq_id
+            lane_first[i] = first
             bt, pos = ln.block_table, int(ln.position)
             nb = len(bt)
             if nb > stride:

@@ -19,10 +19,12 @@ import numpy as np
 def decode_fields(max_lanes: int, bt_stride: int, pen_stride: int) -> dict[str, tuple[type, int]]:
     """The decode round's staging buffers, in upload order (``Staging.upload`` copies ranges of them).
     ``src``: per row, -1, or the row of the round before whose drawn token (still in ``out`` on the
-    device) the row feeds instead of ``tokens`` (a round planned ahead, docs/CUDA.md)."""
+    device) the row feeds instead of ``tokens`` (a round planned ahead, docs/CUDA.md). ``lane_first``: per
+    row, its lane's first row (decode attention's DECODE_LR build)."""
     L = max_lanes
     return {
         "tokens": (np.int32, L), "src": (np.int32, L), "positions": (np.int32, L), "slots": (np.int32, L), "sample_pos": (np.int32, L),
+        "lane_first": (np.int32, L),
         "seeds": (np.uint64, L), "params": (np.float32, 8 * L), "pen_num": (np.int32, L), "out": (np.int32, L),
         "block_tables": (np.int32, L * bt_stride), "pen_tokens": (np.int32, L * pen_stride),
         "pen_counts": (np.int32, L * pen_stride), "rope_positions": (np.int32, L),
