@@ -88,11 +88,11 @@ def wide_compare(be, measure) -> None:
         x.free()
     cases = sorted({(lanes, 0) for lanes, _ in WIDE_CASES} | set(WIDE_CASES))
     runs = {}
-    for label, min_n, paired in (("gemv_tc", 0, False), ("gemv_wide from 16,384 rows", 16384, False),
-                                 ("paired", 0, True)):  # fmt: skip
-        be.retune(replace(be.tuning, gemv_wide_min_n=min_n, gemv_pair=paired))
+    for label, min_n, paired, lanes in (("gemv_tc", 0, False, False), ("gemv_wide from 16,384 rows", 16384, False, False),
+                                        ("paired", 0, True, False), ("paired + lane attention", 0, True, True)):  # fmt: skip
+        be.retune(replace(be.tuning, gemv_wide_min_n=min_n, gemv_pair=paired, decode_lanes=lanes))
         runs[label] = measure(cases)
-    be.retune(replace(be.tuning, gemv_wide_min_n=0, gemv_pair=False))
+    be.retune(replace(be.tuning, gemv_wide_min_n=0, gemv_pair=False, decode_lanes=False))
     print("| lanes x rows a lane | " + " | ".join(runs) + " |\n|---|" + "---|" * len(runs), flush=True)
     for lanes, k in WIDE_CASES:
         cells = [f"{t[(lanes, k)] * 1e3:.2f} ms ({t[(lanes, k)] / t[(lanes, 0)]:.2f}x)" for t in runs.values()]

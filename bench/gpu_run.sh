@@ -50,7 +50,8 @@ if [ "$what" = quant ]; then
   timeout 150 python3 bench/bench_quant.py --synthetic Q4_K_M Q8_0 2>&1 | tee "$OUT/bench_quant.log" | tail -6
 fi
 if [ "$what" = pair ]; then
-  timeout 200 python3 -m pytest -p no:cacheprovider -q -o addopts="" tests/kernels/test_cuda_gemv_wide.py 2>&1 \
+  timeout 240 python3 -m pytest -p no:cacheprovider -q -o addopts="" tests/kernels/test_cuda_gemv_wide.py \
+    tests/kernels/test_cuda_attention_lanes.py 2>&1 \
     | tee "$OUT/test_pair.log" | tail -8
   timeout 300 python3 bench/bench_verify.py --wide --rounds 20 2>&1 | tee "$OUT/verify_wide.log" | tail -32
 fi
