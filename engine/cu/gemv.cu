@@ -197,7 +197,7 @@ __device__ __forceinline__ void gemv_tc_main(const bf16* __restrict__ x, const b
 // the whole fused matrix this block's row 0 is (a q|k|v matrix launched in parts of one format
 // each, gemv_q.cu); the rope epilogue's head arithmetic uses it. tile / ntiles: the 16-row tile
 // these are and how many the matrix has (gemv_q.cu's blocks walk several); -1: this block's own.
-// PAIR (gemv_tc_body_pair): the block holds two 256-thread groups, each its own tile; thread
+// PAIR (gemv_tc_body<.., 2>): the block holds two 256-thread groups, each its own tile; thread
 // threadIdx.x of group threadIdx.x / 256 acts as thread threadIdx.x % 256 of a block of its own,
 // with its own shared sums (both groups reach every barrier below: the branches around them are
 // uniform over the block).
@@ -306,16 +306,32 @@ __device__ __forceinline__ void gemv_tc_epilogue(const float* c, const float* __
     }
 }
 
+#if defined(GEMV_PAIR) && GEMV_PAIR
+template <int U, int G>
+__device__ __forceinline__ void gemv_tc_main_pair(const bf16* __restrict__ x, const bf16* __restrict__ W, int M,
+                                                  int N, int K, float (*c)[4], uint4* xring);
+#endif
+
 // The main loop, then the epilogue once per group of 8 activation rows, on that group's rows of
 // every per-row array (the epilogue itself sees at most 8 rows, as gemv_q.cu's callers give it).
-template <int U, int G, int EPI>
+// PAIR 2: gemv_tc_main_pair's blocks, each 256-thread group its own tile (ss_out's row stride: the
+// tiles; a group past the last tile, of an odd tile count, reaches the barriers with no rows to write).
+template <int U, int G, int EPI, int PAIR = 1>
 __device__ __forceinline__ void gemv_tc_body(const bf16* __restrict__ x, const bf16* __restrict__ W,
                                              const float* __restrict__ bias, void* __restrict__ out, int M,
                                              int N, int K, int ldo, const TcNorm& nm, const TcRope& rp) {
     float c[G][4];
 #pragma unroll
     for (int j = 0; j < G; j++) c[j][0] = c[j][1] = c[j][2] = c[j][3] = 0.f;
-    gemv_tc_main<U, G>(x, W, M, N, K, c);
+    int tile = -1, ntiles = 0;  // -1: the block's own (gemv_tc_epilogue)
+#if defined(GEMV_PAIR) && GEMV_PAIR
+    if constexpr (PAIR > 1) {
+        extern __shared__ __align__(16) uint4 tc_xring[];
+        gemv_tc_main_pair<U, G>(x, W, M, N, K, c, tc_xring);
+        ntiles = (N + TC_ROWS - 1) / TC_ROWS, tile = 2 * (int)blockIdx.x + (int)(threadIdx.x >> 8);
+    } else
+#endif
+        gemv_tc_main<U, G>(x, W, M, N, K, c);
 #pragma unroll
     for (int j = 0; j < G; j++) {
         const int m0 = 8 * j;
@@ -324,7 +340,7 @@ __device__ __forceinline__ void gemv_tc_body(const bf16* __restrict__ x, const b
         TcNorm nj = nm;
         if (nj.ss_in) nj.ss_in += (size_t)m0 * nj.ss_nparts;
         if (nj.xw) nj.xw += (size_t)m0 * N;
-        if (nj.ss_out) nj.ss_out += (size_t)m0 * gridDim.x;
+        if (nj.ss_out) nj.ss_out += (size_t)m0 * (PAIR > 1 ? (unsigned)ntiles : gridDim.x);
         TcRope rj = rp;
         void* oj;
         if constexpr (EPI == EPI_ROPE_KV) {
@@ -336,7 +352,11 @@ __device__ __forceinline__ void gemv_tc_body(const bf16* __restrict__ x, const b
         } else {
             oj = static_cast<float*>(out) + (size_t)m0 * ldo;
         }
-        gemv_tc_epilogue<EPI>(c[j], bias, oj, min(M - m0, 8), N, K, ldo, nj, rj, 0);
+        if constexpr (PAIR > 1)
+            gemv_tc_epilogue<EPI, PAIR>(c[j], bias, oj, tile < ntiles ? min(M - m0, 8) : 0, N, K, ldo, nj, rj, 0, tile,
+                                        ntiles);
+        else
+            gemv_tc_epilogue<EPI>(c[j], bias, oj, min(M - m0, 8), N, K, ldo, nj, rj, 0);
     }
 }
 
@@ -344,26 +364,26 @@ __device__ __forceinline__ void gemv_tc_body(const bf16* __restrict__ x, const b
 // MINB: blocks per SM the register allocation must allow. Without it ptxas sinks each load down
 // to its mma (3 loads in flight per warp); with it every load of a batch issues first.
 // store / acc: out fp32 [M, ldo]; with nw, also the next norm's xw / ss_out.
-#define GEMV_TC_LINEAR(NAME, U, G, MINB, EPI)                                                                    \
-    extern "C" __global__ void __launch_bounds__(TC_THREADS, MINB)                                          \
+#define GEMV_TC_LINEAR(NAME, U, G, MINB, EPI, PAIR)                                                              \
+    extern "C" __global__ void __launch_bounds__(PAIR * TC_THREADS, MINB)                                   \
         NAME(const bf16* x, const bf16* W, const float* bias, float* out, int M, int N, int K, int ldo,       \
              const float* ss_in, int ss_nparts, float eps, const bf16* nw, bf16* xw, float* ss_out) {         \
         const TcNorm nm{ss_in, ss_nparts, eps, nw, xw, ss_out};                                              \
         const TcRope rp{};                                                                                   \
-        gemv_tc_body<U, G, EPI>(x, W, bias, out, M, N, K, ldo, nm, rp);                                          \
+        gemv_tc_body<U, G, EPI, PAIR>(x, W, bias, out, M, N, K, ldo, nm, rp);                                    \
     }
 // swiglu / geglu: out bf16 act [M, ldo]; no bias, no next norm.
-#define GEMV_TC_SWIGLU(NAME, U, G, MINB, EPI)                                                                       \
-    extern "C" __global__ void __launch_bounds__(TC_THREADS, MINB)                                          \
+#define GEMV_TC_SWIGLU(NAME, U, G, MINB, EPI, PAIR)                                                                 \
+    extern "C" __global__ void __launch_bounds__(PAIR * TC_THREADS, MINB)                                   \
         NAME(const bf16* x, const bf16* W, bf16* out, int M, int N, int K, int ldo, const float* ss_in,       \
              int ss_nparts, float eps) {                                                                     \
         const TcNorm nm{ss_in, ss_nparts, eps, nullptr, nullptr, nullptr};                                   \
         const TcRope rp{};                                                                                   \
-        gemv_tc_body<U, G, EPI>(x, W, nullptr, out, M, N, K, ldo, nm, rp);                                      \
+        gemv_tc_body<U, G, EPI, PAIR>(x, W, nullptr, out, M, N, K, ldo, nm, rp);                                \
     }
 // rope: out bf16 q [M, H, D]; K and V into the cache.
-#define GEMV_TC_ROPE(NAME, U, G, MINB)                                                                           \
-    extern "C" __global__ void __launch_bounds__(TC_THREADS, MINB)                                          \
+#define GEMV_TC_ROPE(NAME, U, G, MINB, PAIR)                                                                     \
+    extern "C" __global__ void __launch_bounds__(PAIR * TC_THREADS, MINB)                                   \
         NAME(const bf16* x, const bf16* W, const float* bias, bf16* out, int M, int N, int K, int ldo,        \
              const float* ss_in, int ss_nparts, float eps, const int* positions, const int* slots,            \
              const float* inv_freq, bf16* cache, int H, int KVH, int D, int block_size, long long block_stride, \
@@ -371,7 +391,7 @@ __device__ __forceinline__ void gemv_tc_body(const bf16* __restrict__ x, const b
         const TcNorm nm{ss_in, ss_nparts, eps, nullptr, nullptr, nullptr};                                   \
         const TcRope rp{positions, slots, inv_freq, cache, H, KVH, D, block_size, block_stride, rotary_dim,  \
                         rope_factor};                                                                        \
-        gemv_tc_body<U, G, EPI_ROPE_KV>(x, W, bias, out, M, N, K, ldo, nm, rp);                                  \
+        gemv_tc_body<U, G, EPI_ROPE_KV, PAIR>(x, W, bias, out, M, N, K, ldo, nm, rp);                            \
     }
 #if defined(GEMV_PAIR) && GEMV_PAIR
 // --- paired blocks for the wide variants (GEMV_PAIR 1, CudaTuning.gemv_pair) ----------------------
@@ -462,94 +482,27 @@ __device__ __forceinline__ void gemv_tc_main_pair(const bf16* __restrict__ x, co
     }
 }
 
-// gemv_tc_body's epilogue loop for the pair: each group its own tile (ss_out's row stride: the tiles).
-template <int U, int G, int EPI>
-__device__ __forceinline__ void gemv_tc_body_pair(const bf16* __restrict__ x, const bf16* __restrict__ W,
-                                                  const float* __restrict__ bias, void* __restrict__ out, int M,
-                                                  int N, int K, int ldo, const TcNorm& nm, const TcRope& rp) {
-    extern __shared__ __align__(16) uint4 tc_xring[];
-    float c[G][4];
-#pragma unroll
-    for (int j = 0; j < G; j++) c[j][0] = c[j][1] = c[j][2] = c[j][3] = 0.f;
-    gemv_tc_main_pair<U, G>(x, W, M, N, K, c, tc_xring);
-    const int ntiles = (N + TC_ROWS - 1) / TC_ROWS, tile = 2 * (int)blockIdx.x + (int)(threadIdx.x >> 8);
-#pragma unroll
-    for (int j = 0; j < G; j++) {
-        const int m0 = 8 * j;
-        if (m0 >= M) break;  // uniform over the block
-        if (j) __syncthreads();
-        TcNorm nj = nm;
-        if (nj.ss_in) nj.ss_in += (size_t)m0 * nj.ss_nparts;
-        if (nj.xw) nj.xw += (size_t)m0 * N;
-        if (nj.ss_out) nj.ss_out += (size_t)m0 * ntiles;
-        TcRope rj = rp;
-        void* oj;
-        if constexpr (EPI == EPI_ROPE_KV) {
-            rj.positions += m0;
-            rj.slots += m0;
-            oj = static_cast<bf16*>(out) + (size_t)m0 * rp.H * rp.D;
-        } else if constexpr (EPI == EPI_SWIGLU || EPI == EPI_GEGLU) {
-            oj = static_cast<bf16*>(out) + (size_t)m0 * ldo;
-        } else {
-            oj = static_cast<float*>(out) + (size_t)m0 * ldo;
-        }
-        // A group past the last tile (odd tile count) reaches the barriers with no rows to write.
-        gemv_tc_epilogue<EPI, 2>(c[j], bias, oj, tile < ntiles ? min(M - m0, 8) : 0, N, K, ldo, nj, rj, 0, tile,
-                                 ntiles);
-    }
-}
-
-#define GEMV_TCP_LINEAR(NAME, U, G, EPI)                                                                      \
-    extern "C" __global__ void __launch_bounds__(2 * TC_THREADS, 1)                                          \
-        NAME(const bf16* x, const bf16* W, const float* bias, float* out, int M, int N, int K, int ldo,       \
-             const float* ss_in, int ss_nparts, float eps, const bf16* nw, bf16* xw, float* ss_out) {         \
-        const TcNorm nm{ss_in, ss_nparts, eps, nw, xw, ss_out};                                              \
-        const TcRope rp{};                                                                                   \
-        gemv_tc_body_pair<U, G, EPI>(x, W, bias, out, M, N, K, ldo, nm, rp);                                 \
-    }
-#define GEMV_TCP_SWIGLU(NAME, U, G, EPI)                                                                      \
-    extern "C" __global__ void __launch_bounds__(2 * TC_THREADS, 1)                                          \
-        NAME(const bf16* x, const bf16* W, bf16* out, int M, int N, int K, int ldo, const float* ss_in,       \
-             int ss_nparts, float eps) {                                                                     \
-        const TcNorm nm{ss_in, ss_nparts, eps, nullptr, nullptr, nullptr};                                   \
-        const TcRope rp{};                                                                                   \
-        gemv_tc_body_pair<U, G, EPI>(x, W, nullptr, out, M, N, K, ldo, nm, rp);                              \
-    }
-#define GEMV_TCP_ROPE(NAME, U, G)                                                                             \
-    extern "C" __global__ void __launch_bounds__(2 * TC_THREADS, 1)                                          \
-        NAME(const bf16* x, const bf16* W, const float* bias, bf16* out, int M, int N, int K, int ldo,        \
-             const float* ss_in, int ss_nparts, float eps, const int* positions, const int* slots,            \
-             const float* inv_freq, bf16* cache, int H, int KVH, int D, int block_size, long long block_stride, \
-             int rotary_dim, float rope_factor) {                                                             \
-        const TcNorm nm{ss_in, ss_nparts, eps, nullptr, nullptr, nullptr};                                   \
-        const TcRope rp{positions, slots, inv_freq, cache, H, KVH, D, block_size, block_stride, rotary_dim,  \
-                        rope_factor};                                                                        \
-        gemv_tc_body_pair<U, G, EPI_ROPE_KV>(x, W, bias, out, M, N, K, ldo, nm, rp);                         \
-    }
-#define GEMV_TCP_VARIANTS(SUFFIX, U, G)                          \
-    GEMV_TCP_LINEAR(gemv_tc_store##SUFFIX, U, G, EPI_STORE)      \
-    GEMV_TCP_LINEAR(gemv_tc_acc##SUFFIX, U, G, EPI_ACC)          \
-    GEMV_TCP_SWIGLU(gemv_tc_swiglu##SUFFIX, U, G, EPI_SWIGLU)    \
-    GEMV_TCP_SWIGLU(gemv_tc_geglu##SUFFIX, U, G, EPI_GEGLU)      \
-    GEMV_TCP_ROPE(gemv_tc_rope##SUFFIX, U, G)
-// P16_U, P32_U, P64_U: steps in flight (x takes no registers here; the buffers take U G 16 KB).
-GEMV_TCP_VARIANTS(_r16p, P16_U, 2)
-GEMV_TCP_VARIANTS(_r32p, P32_U, 4)
-GEMV_TCP_VARIANTS(_r64p, P64_U, 8)
 #endif  // GEMV_PAIR
 
 // Variants by rows: "" and "_u2" 1..8 rows (4 / 2 steps in flight, u2 for small matrices); "_r16",
 // "_r32", "_r64": up to 16 / 32 / 64 rows (2 / 4 / 8 groups; fewer steps in flight, as the
 // activation fragments take the registers).
-#define GEMV_TC_VARIANTS(SUFFIX, U, G, MINB)                                  \
-    GEMV_TC_LINEAR(gemv_tc_store##SUFFIX, U, G, MINB, EPI_STORE)              \
-    GEMV_TC_LINEAR(gemv_tc_acc##SUFFIX, U, G, MINB, EPI_ACC)                  \
-    GEMV_TC_SWIGLU(gemv_tc_swiglu##SUFFIX, U, G, MINB, EPI_SWIGLU)            \
-    GEMV_TC_SWIGLU(gemv_tc_geglu##SUFFIX, U, G, MINB, EPI_GEGLU)              \
-    GEMV_TC_ROPE(gemv_tc_rope##SUFFIX, U, G, MINB)
-GEMV_TC_VARIANTS(, 4, 1, 2)
-GEMV_TC_VARIANTS(_u2, 2, 1, 4)
-GEMV_TC_VARIANTS(_r16, R16_U, 2, R16_MINB)
-GEMV_TC_VARIANTS(_r32, R32_U, 4, R32_MINB)
-GEMV_TC_VARIANTS(_r64, R64_U, 8, R64_MINB)
+// PAIR 2: a block of two tiles (GEMV_PAIR, above), 512 threads.
+#define GEMV_TC_VARIANTS(SUFFIX, U, G, MINB, PAIR)                                  \
+    GEMV_TC_LINEAR(gemv_tc_store##SUFFIX, U, G, MINB, EPI_STORE, PAIR)              \
+    GEMV_TC_LINEAR(gemv_tc_acc##SUFFIX, U, G, MINB, EPI_ACC, PAIR)                  \
+    GEMV_TC_SWIGLU(gemv_tc_swiglu##SUFFIX, U, G, MINB, EPI_SWIGLU, PAIR)            \
+    GEMV_TC_SWIGLU(gemv_tc_geglu##SUFFIX, U, G, MINB, EPI_GEGLU, PAIR)              \
+    GEMV_TC_ROPE(gemv_tc_rope##SUFFIX, U, G, MINB, PAIR)
+GEMV_TC_VARIANTS(, 4, 1, 2, 1)
+GEMV_TC_VARIANTS(_u2, 2, 1, 4, 1)
+GEMV_TC_VARIANTS(_r16, R16_U, 2, R16_MINB, 1)
+GEMV_TC_VARIANTS(_r32, R32_U, 4, R32_MINB, 1)
+GEMV_TC_VARIANTS(_r64, R64_U, 8, R64_MINB, 1)
+#if defined(GEMV_PAIR) && GEMV_PAIR
+// P16_U, P32_U, P64_U: steps in flight (x takes no registers here; the buffers take U G 16 KB).
+GEMV_TC_VARIANTS(_r16p, P16_U, 2, 1, 2)
+GEMV_TC_VARIANTS(_r32p, P32_U, 4, 1, 2)
+GEMV_TC_VARIANTS(_r64p, P64_U, 8, 1, 2)
+#endif
 #endif  // GEMV_EPILOGUES_ONLY

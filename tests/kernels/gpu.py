@@ -29,3 +29,20 @@ def gpu(test):
     for mark in requires_cuda:
         test = mark(test)
     return test
+
+
+class Dev:
+    """Device copies of host arrays, kept alive for the test (bf16: rounded to bf16 on the way)."""
+
+    def __init__(self) -> None:
+        self.live: list = []
+
+    def put(self, a, bf16: bool = False):
+        import numpy as np
+        import pycuda.gpuarray as ga
+
+        from engine.backends.cuda.weights import to_bf16
+
+        g = ga.to_gpu(to_bf16(a) if bf16 else np.ascontiguousarray(a))
+        self.live.append(g)
+        return g

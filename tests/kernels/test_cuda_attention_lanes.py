@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.kernels.gpu import requires_cuda
+from tests.kernels.gpu import Dev, requires_cuda
 
 pytestmark = requires_cuda
 
@@ -40,20 +40,6 @@ def kerns(dev):
 @pytest.fixture(scope="module")
 def stream(dev):
     return dev.Stream()
-
-
-class Dev:
-    def __init__(self) -> None:
-        self.live: list = []
-
-    def put(self, a, bf16: bool = False):
-        import pycuda.gpuarray as ga
-
-        from engine.backends.cuda.weights import to_bf16
-
-        g = ga.to_gpu(to_bf16(a) if bf16 else np.ascontiguousarray(a))
-        self.live.append(g)
-        return g
 
 
 def round_of(lanes, bs):

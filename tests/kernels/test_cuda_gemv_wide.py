@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.kernels.gpu import requires_cuda
+from tests.kernels.gpu import Dev, requires_cuda
 
 pytestmark = requires_cuda
 
@@ -49,22 +49,6 @@ def bf(a):
     from engine.backends.cuda.weights import from_bf16, to_bf16
 
     return from_bf16(to_bf16(a)).reshape(np.shape(a))
-
-
-class Dev:
-    """Device copies of host arrays, kept alive for the test."""
-
-    def __init__(self) -> None:
-        self.live: list = []
-
-    def put(self, a, bf16: bool = False):
-        import pycuda.gpuarray as ga
-
-        from engine.backends.cuda.weights import to_bf16
-
-        g = ga.to_gpu(to_bf16(a) if bf16 else np.ascontiguousarray(a))
-        self.live.append(g)
-        return g
 
 
 def test_the_wide_kernels_are_compiled_only_when_asked(pair):
