@@ -184,12 +184,7 @@ class Kernels:
                             "pf_bytes:i64 interleaved:i32 rotary_dim:i32 factor:f32 q_norm:ptr k_norm:ptr eps:f32 "
                             "mrope1:i32 mrope2:i32",
                             head_dim // 2)  # fmt: skip
-        gemv = mod(
-            "gemv",
-            ("TC_THREADS", TC_THREADS),
-            *GEMV_ROW_TUNING,
-            *((("GEMV_PAIR", 1), *PAIR_TUNING) if gemv_pair else ()),
-        )
+        gemv = mod("gemv", ("TC_THREADS", TC_THREADS), *GEMV_ROW_TUNING)
         self._tc = {  # 1..8 rows, keyed (epilogue, u2)
             (epi, u2): Kernel(gemv, f"gemv_tc_{epi}" + ("_u2" if u2 else ""), params, TC_THREADS)
             for epi, params in TC_PARAMS.items()
@@ -201,9 +196,12 @@ class Kernels:
             for most, sfx in GEMV_ROW_VARIANTS
         }
         self._tcp = {}  # gemv_pair: 9..64 rows, keyed (epilogue, most rows)
+        if gemv_pair:  # launched as without pdl (its dynamic shared memory is set through PyCUDA)
+            paired = module("gemv", (("TC_THREADS", TC_THREADS), *GEMV_ROW_TUNING, ("GEMV_PAIR", 1), *PAIR_TUNING),
+                            cache_dir)  # fmt: skip
         for epi, params in TC_PARAMS.items() if gemv_pair else ():
             for most, sfx in GEMV_ROW_VARIANTS:
-                kp = Kernel(gemv, f"gemv_tc_{epi}{sfx}p", params, PAIR_THREADS, shared=pair_smem(most // 8))
+                kp = Kernel(paired, f"gemv_tc_{epi}{sfx}p", params, PAIR_THREADS, shared=pair_smem(most // 8))
                 kp.fn.set_attribute(cuda.function_attribute.MAX_DYNAMIC_SHARED_SIZE_BYTES, pair_smem(most // 8))
                 self._tcp[(epi, most)] = kp
         self._tcw = {}  # 9..64 rows on large matrices, keyed (epilogue, groups of 8 rows)
