@@ -336,6 +336,18 @@ FIELDS: dict[str, Field] = {
             "CUDA backend: decode GEMVs over GGUF blocks quantize x to int8 (per 32) for integer mma (not yet run on a card)",
         ),
         Field(
+            "cuda.gemv_pair",
+            bool,
+            False,
+            "CUDA backend: bf16 GEMVs of 9..64 rows run in blocks of two tiles sharing x (the same bits; not yet run on a card)",
+        ),
+        Field(
+            "cuda.decode_lanes",
+            bool,
+            False,
+            "CUDA backend: decode attention of 9+ rows takes a lane's rows in one block (the same bits; not yet run on a card)",
+        ),
+        Field(
             "cuda.expert_budget",
             int,
             0,
@@ -583,4 +595,6 @@ def cuda_tuning_dict(values: dict[str, Any]) -> dict[str, Any]:
         "pdl": values["cuda.pdl"],
         "pinned_upload": values["cuda.pinned_upload"],
         "quant_activations": values["cuda.quant_activations"],
+        "gemv_pair": values["cuda.gemv_pair"],
+        "decode_lanes": values["cuda.decode_lanes"],
     }

@@ -4,16 +4,14 @@ block of its own: lanes of 1 to 9 rows, rows that straddle a split-size change (
 2,048 keys), lanes of one row between them, the scale / soft-cap / sinks options, and a sliding
 window (no sharing there). The pages past each lane's last key hold NaNs, so a row that read past
 its lane's context would show it. Rounds below ``DECODE_LANES_FROM`` rows run the plain build, and a
-call without ``lane_first`` too. Skipped without a card."""
+call without ``lane_first`` too. Skipped without a card, but for the config keys' wiring."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from tests.kernels.gpu import Dev, requires_cuda
-
-pytestmark = requires_cuda
+from tests.kernels.gpu import Dev, gpu
 
 rng = np.random.default_rng(11)
 SHAPES = [(64, 4), (128, 1), (128, 4), (128, 7), (128, 8)]  # (head_dim, query heads a KV head)
@@ -62,6 +60,7 @@ def round_of(lanes, bs):
 LANES = [(5, 5), (700, 9), (1, 1), (2046, 5), (2047, 2), (300, 4), (3000, 1), (4094, 4), (90, 3), (64, 8)]
 
 
+@gpu
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("opts", ["plain", "softcap+sinks", "window"])
 def test_a_lanes_rows_get_the_bits_of_a_block_each(kerns, stream, shape, opts):
@@ -107,6 +106,7 @@ def test_a_lanes_rows_get_the_bits_of_a_block_each(kerns, stream, shape, opts):
     np.testing.assert_array_equal(outs[1], outs[0])
 
 
+@gpu
 def test_narrow_rounds_and_calls_without_lane_first_run_the_plain_build(kerns, stream, monkeypatch):
     from engine.cu.kernels import DECODE_LANES_FROM
 
@@ -118,3 +118,20 @@ def test_narrow_rounds_and_calls_without_lane_first_run_the_plain_build(kerns, s
         k.decode_attention(stream, 1, 2, 3, 4, 5, 6, 16, 2, 7, 8, 9, rows, lane_first=lf)
     assert calls == [("plain", (2, DECODE_LANES_FROM - 1, 32), False), ("lanes", (2, DECODE_LANES_FROM, 32), True),
                      ("plain", (2, 40, 32), False)]  # fmt: skip
+
+
+def test_the_keys_reach_the_kernels():
+    """``cuda.gemv_pair`` and ``cuda.decode_lanes`` (off until the card says so) reach CudaTuning and the
+    backend's ``Kernels`` (no card)."""
+    import inspect
+
+    from engine.backends.cuda import backend
+    from engine.config import CudaTuning
+    from ignis_site import config
+
+    for key, field in (("cuda.gemv_pair", "gemv_pair"), ("cuda.decode_lanes", "decode_lanes")):
+        assert config.FIELDS[key].default is False and getattr(CudaTuning(), field) is False
+        env = "IGNIS_" + key.upper().replace(".", "_")
+        values, _ = config.resolve(environ={env: "on"})
+        assert getattr(CudaTuning(**config.cuda_tuning_dict(values)), field) is True
+        assert f"{field}=t.{field}" in inspect.getsource(backend.CudaBackend._kernels)
