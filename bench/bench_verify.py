@@ -47,7 +47,7 @@ WIDE_CASES = [(1, 8), (1, 15), (2, 8), (4, 4), (4, 8), (8, 1), (8, 3), (8, 4), (
 
 def wide_compare(be, measure) -> None:
     """The GEMVs alone (16 / 40 / 64 rows, every 8B matrix, each repetition another layer's) on gemv_tc's
-    wide variants, on gemv_wide.cu and on gemv.cu's paired variants (``gemv_pair``), then the verify rounds
+    wide variants, on gemv_wide.cu and on gemv_pair.cu's variants (``gemv_pair``), then the verify rounds
     with each."""
     from dataclasses import replace
 

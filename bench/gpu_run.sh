@@ -7,7 +7,7 @@
 #          8B bf16 load on the card (bench_load_beats.py, on bench_load.py's 16 GB checkpoint)
 #   gptoss: MXFP4 checks (tests/kernels/test_cuda_moe_mxfp4.py), the MoE layers alone (bench_moe_mx.py, both
 #          prefill paths, then the split down build) and the whole gpt-oss-20b shape (bench_gpt_oss.py --bf16)
-#   pair:  gemv.cu's paired wide variants (CudaTuning.gemv_pair): their card tests (bitwise against
+#   pair:  gemv_pair.cu's wide variants (CudaTuning.gemv_pair): their card tests (bitwise against
 #          gemv_tc, with gemv_wide's), then bench_verify.py --wide (the GEMVs alone and the verify rounds)
 #   quant: the kernel experiments of 2026-12-06 still in the tree (docs/QUANT.md, "The stage loop"): the
 #          quantized GEMV with less shared memory preferred (--carveout); decode attention alone with the

@@ -46,7 +46,7 @@ class CudaTuning:
     # The quantized GEMVs launch the blocks resident at once, each walking 16-row tiles (gemv_q.cu):
     # the stage pipeline runs on from one tile into the next instead of starting over a block a tile.
     quant_persist: bool = False
-    # A bf16 GEMV of 9..64 rows runs gemv.cu's paired variants (GEMV_PAIR: a block of two 16-row tiles
+    # A bf16 GEMV of 9..64 rows runs gemv_pair.cu's variants (a block of two 16-row tiles
     # whose warps share each batch of x through shared memory, so x leaves L2 once per 32 weight rows;
     # gemv_tc's bits). Off until the card says it is right and faster (docs/CUDA.md, "Paired wide GEMVs").
     gemv_pair: bool = False

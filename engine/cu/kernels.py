@@ -36,14 +36,14 @@ GEMV_ROW_TUNING = (("R16_U", 2), ("R16_MINB", 2), ("R32_U", 2), ("R32_MINB", 2),
 WIDE_GROUPS = (2, 4, 8)
 WIDE_STAGES = 4
 WIDE_ROWS = 128  # weight rows a block
-# gemv.cu's paired wide variants (GEMV_PAIR, ``Kernels(gemv_pair=True)``): steps in flight a warp, by
+# gemv_pair.cu's paired wide variants (``Kernels(gemv_pair=True)``): steps in flight a warp, by
 # the variant's groups of 8 x rows (their x buffers take 16 KB x U x G of shared memory a block).
 PAIR_TUNING = (("P16_U", 2), ("P32_U", 2), ("P64_U", 1))
 PAIR_THREADS = 2 * 256
 
 
 def pair_smem(groups: int, tuning=PAIR_TUNING) -> int:
-    """Dynamic shared memory of gemv.cu's paired variant of ``groups`` groups: 8 warp pairs x 2 buffers x
+    """Dynamic shared memory of gemv_pair.cu's variant of ``groups`` groups: 8 warp pairs x 2 buffers x
     U steps x 2 halves x 8 ``groups`` rows x 4 chunks of 16 bytes."""
     u = dict(tuning)[f"P{8 * groups}_U"]
     return 8 * 2 * u * 2 * groups * 32 * 16
@@ -131,7 +131,7 @@ class Kernels:
     ``quant_persist`` (``CudaTuning.quant_persist``): the quantized GEMVs launch at most the blocks that
     are resident at once, each walking 16-row tiles with its stage pipeline running on between them
     (``QuantKernels.grid``; the same bits).
-    ``gemv_pair`` (``CudaTuning.gemv_pair``): a bf16 GEMV of 9..64 rows runs gemv.cu's paired variants
+    ``gemv_pair`` (``CudaTuning.gemv_pair``): a bf16 GEMV of 9..64 rows runs gemv_pair.cu's variants
     (blocks of two 16-row tiles sharing x through shared memory; gemv_tc's bits), unless gemv_wide
     takes it.
     ``decode_lanes`` (``CudaTuning.decode_lanes``): decode attention of a round of ``DECODE_LANES_FROM`` rows
@@ -197,8 +197,8 @@ class Kernels:
         }
         self._tcp = {}  # gemv_pair: 9..64 rows, keyed (epilogue, most rows)
         if gemv_pair:  # launched as without pdl (its dynamic shared memory is set through PyCUDA)
-            paired = module("gemv", (("TC_THREADS", TC_THREADS), *GEMV_ROW_TUNING, ("GEMV_PAIR", 1), *PAIR_TUNING),
-                            cache_dir)  # fmt: skip
+            paired = module("gemv_pair", (("TC_THREADS", TC_THREADS), ("GEMV_EPILOGUES_ONLY", 1), ("GEMV_PAIR", 1),
+                                          *PAIR_TUNING), cache_dir, ("gemv",))  # fmt: skip
         for epi, params in TC_PARAMS.items() if gemv_pair else ():
             for most, sfx in GEMV_ROW_VARIANTS:
                 kp = Kernel(paired, f"gemv_tc_{epi}{sfx}p", params, PAIR_THREADS, shared=pair_smem(most // 8))

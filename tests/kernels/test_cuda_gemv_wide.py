@@ -1,6 +1,6 @@
 """The wide bf16 GEMVs that are not gemv_tc's own variants give every output gemv_tc's bits:
 gemv_wide.cu (a block of 128 weight rows reads x once; engine/cu/kernels.py ``wide_min_n``) and
-gemv.cu's paired variants (``gemv_pair``: two 16-row tiles a block share x through shared memory).
+gemv_pair.cu's variants (``gemv_pair``: two 16-row tiles a block share x through shared memory).
 For each epilogue (store, acc with the next norm's xw and ss partials, the fused RMSNorm scale in,
 SwiGLU, GeGLU, rope with the KV write and partial rotary), at widths 9..64 and matrix sizes that
 leave a block part-full (an odd tile count leaves a pair's second tile empty), against the same

@@ -1,7 +1,7 @@
 """The index arithmetic of the two wide-round kernels, replayed in Python on the CPU (their card tests
 compare bits; these check the mappings they rest on, with no card):
 
-* gemv.cu's paired variants (GEMV_PAIR): the 64 threads of a warp pair copy a batch of x chunks into
+* gemv_pair.cu's variants: the 64 threads of a warp pair copy a batch of x chunks into
   shared memory (``fill``), and each lane of both warps reads its fragment back at
   ``((u * 2 + h) G + j) 32 + lane``. Every entry a lane reads must hold exactly the chunk gemv_tc's
   own predicated load would give it (row 8 j + g, chunk 8 s + t + 4 h, zero past M, K and the steps),
