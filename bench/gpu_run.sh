@@ -1,6 +1,6 @@
 #!/bin/bash
 # One device call: build check, GPU tests, benchmark; logs under $OUT.
-# Usage (from the repo root on the GPU machine): bash bench/gpu_run.sh [tests|bench|all|suite|pdl|load|quant|gptoss|pair]
+# Usage (from the repo root on the GPU machine): bash bench/gpu_run.sh [tests|bench|all|suite|pdl|load|quant|gptoss|pair|burst]
 #   suite: every GPU test under tests/kernels (~4 min on a warm kernel cache)
 #   pdl:   cuda.pdl's card tests, then bench_cuda.py --pdl (the graph with it off / on)
 #   load:  the pinned uploader's card tests, bench_load.py --write, and the loop's gaps during an
@@ -9,6 +9,9 @@
 #          prefill paths, then the split down build) and the whole gpt-oss-20b shape (bench_gpt_oss.py --bf16)
 #   pair:  gemv_pair.cu's wide variants (CudaTuning.gemv_pair): their card tests (bitwise against
 #          gemv_tc, with gemv_wide's), then bench_verify.py --wide (the GEMVs alone and the verify rounds)
+#   burst: issue 15's burst of 8 short prompts through the real server (bench_serving_gpu.py, 1 and 8
+#          streams of 128 tokens) with cuda.known_rows 0, then 64, then 64 with cuda.gemv_pair and
+#          cuda.decode_lanes; needs .gpu/tokenizer (bench_serving_gpu.py --save-tokenizer) carried
 #   quant: the kernel experiments of 2026-12-06 still in the tree (docs/QUANT.md, "The stage loop"): the
 #          quantized GEMV with less shared memory preferred (--carveout); decode attention alone with the
 #          next sub-chunk prefetched (DECODE_PIPE) and with 64 / 128 splits; then the Q4_K_M / Q8_0 rounds
@@ -54,6 +57,14 @@ if [ "$what" = pair ]; then
     tests/kernels/test_cuda_attention_lanes.py 2>&1 \
     | tee "$OUT/test_pair.log" | tail -8
   timeout 300 python3 bench/bench_verify.py --wide --rounds 20 2>&1 | tee "$OUT/verify_wide.log" | tail -32
+fi
+if [ "$what" = burst ]; then
+  for run in "0 off" "64 off" "64 on"; do
+    set -- $run
+    IGNIS_CUDA_KNOWN_ROWS=$1 IGNIS_CUDA_GEMV_PAIR=$2 IGNIS_CUDA_DECODE_LANES=$2 timeout 200 python3 \
+      bench/bench_serving_gpu.py --streams 1,8 --tokens 128 --label "known_rows $1, pair and lanes $2" \
+      --server-log "$OUT/server_$1_$2.log" 2>&1 | tee "$OUT/burst_$1_$2.log" | tail -6
+  done
 fi
 if [ "$what" = gptoss ]; then
   timeout 240 python3 -m pytest -p no:cacheprovider -q -o addopts="" tests/kernels/test_cuda_moe_mxfp4.py 2>&1 \
