@@ -199,11 +199,11 @@ class Kernels:
         if gemv_pair:  # launched as without pdl (its dynamic shared memory is set through PyCUDA)
             paired = module("gemv_pair", (("TC_THREADS", TC_THREADS), ("GEMV_EPILOGUES_ONLY", 1), ("GEMV_PAIR", 1),
                                           *PAIR_TUNING), cache_dir, ("gemv",))  # fmt: skip
-        for epi, params in TC_PARAMS.items() if gemv_pair else ():
-            for most, sfx in GEMV_ROW_VARIANTS:
-                kp = Kernel(paired, f"gemv_tc_{epi}{sfx}p", params, PAIR_THREADS, shared=pair_smem(most // 8))
-                kp.fn.set_attribute(cuda.function_attribute.MAX_DYNAMIC_SHARED_SIZE_BYTES, pair_smem(most // 8))
-                self._tcp[(epi, most)] = kp
+            for epi, params in TC_PARAMS.items():
+                for most, sfx in GEMV_ROW_VARIANTS:
+                    kp = Kernel(paired, f"gemv_tc_{epi}{sfx}p", params, PAIR_THREADS, shared=pair_smem(most // 8))
+                    kp.fn.set_attribute(cuda.function_attribute.MAX_DYNAMIC_SHARED_SIZE_BYTES, pair_smem(most // 8))
+                    self._tcp[(epi, most)] = kp
         self._tcw = {}  # 9..64 rows on large matrices, keyed (epilogue, groups of 8 rows)
         if wide_min_n > 0:
             wide = module("gemv_wide", (("TC_THREADS", TC_THREADS), ("GEMV_EPILOGUES_ONLY", 1),
@@ -409,22 +409,16 @@ class Kernels:
             raise ValueError("gemv_tc with pdl reads its weights before the kernel before it ends: not scratch")
         if rows > GEMV_MAX_ROWS:
             raise ValueError(f"gemv_tc takes 1..{GEMV_MAX_ROWS} rows, got {rows}")
+        block_rows = 16  # weight rows a block: gemv_tc's tile, a pair of them, gemv_wide's 8
         if rows <= 8:
             kern = self._tc[(epi, n * k < self.u2_below)]
         elif self._tcw and n >= self.wide_min_n:
-            kern = self._tcw[(epi, next(g for g in WIDE_GROUPS if rows <= 8 * g))]
-            kern(s, ((n + WIDE_ROWS - 1) // WIDE_ROWS,), x=x, W=w, out=out, M=rows, N=n, K=k, ldo=ldo, ss_in=ss_in[0],
-                 ss_nparts=ss_in[1], eps=eps, **extra)  # fmt: skip
-            return
-        elif self._tcp:
-            kern = self._tcp[(epi, next(most for most, _ in GEMV_ROW_VARIANTS if rows <= most))]
-            kern(s, ((n + 31) // 32,), x=x, W=w, out=out, M=rows, N=n, K=k, ldo=ldo, ss_in=ss_in[0],
-                 ss_nparts=ss_in[1], eps=eps, **extra)  # fmt: skip
-            return
+            kern, block_rows = self._tcw[(epi, next(g for g in WIDE_GROUPS if rows <= 8 * g))], WIDE_ROWS
         else:
-            kern = self._tc_wide[(epi, next(most for most, _ in GEMV_ROW_VARIANTS if rows <= most))]
-        kern(s, ((n + 15) // 16,), x=x, W=w, out=out, M=rows, N=n, K=k, ldo=ldo, ss_in=ss_in[0], ss_nparts=ss_in[1],
-             eps=eps, **extra)  # fmt: skip
+            most = next(most for most, _ in GEMV_ROW_VARIANTS if rows <= most)
+            kern, block_rows = (self._tcp[(epi, most)], 32) if self._tcp else (self._tc_wide[(epi, most)], 16)
+        kern(s, (-(-n // block_rows),), x=x, W=w, out=out, M=rows, N=n, K=k, ldo=ldo, ss_in=ss_in[0],
+             ss_nparts=ss_in[1], eps=eps, **extra)  # fmt: skip
 
     def qkv_rope(self, s, x: int, w: int, bias: int, q_out: int, rows: int, heads: int, kv_heads: int, k: int,
                  positions: int, slots: int, inv_freq: int, cache: int, block_size: int, block_stride: int,

@@ -173,7 +173,7 @@ class Forward:
                       ss_in=(ws.ss, nparts), fused=True)  # fmt: skip
             k.decode_attention(s, ws.q, p["positions"], p["block_tables"], bt_stride, cache, kv.block_stride,
                                kv.block_size, KVH, ws.o_part, ws.ml, ws.attn, rows, args=L.attn,
-                               lane_first=p.get("lane_first", 0))  # fmt: skip
+                               lane_first=p["lane_first"])  # fmt: skip
             nparts = self._residual(L.o, L.o_bias, ws.attn, H * c.head_dim, L.attn_post_norm, rows,
                                     (L.ln2, ws.xn, ws.ss))  # fmt: skip
             nparts = self._mlp(i, L, rows, ss_in=(ws.ss, nparts), norm_out=(norms[i], ws.xn, ws.ss))
