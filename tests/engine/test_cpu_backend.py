@@ -197,7 +197,9 @@ def _prefill_logits(backend, ids, blocks, chunks=1):
 def test_tiny_model_logits_match_numpy(cpu_backend_cls, arch, kw):
     cfg, stored, floats = _tiny(arch, **kw)
     cpu, ref = _load(cpu_backend_cls(), cfg, stored), _load(NumpyBackend(), cfg, floats)
-    ids = list(np.random.default_rng().integers(3, cfg.vocab_size, 40))
+    # seeded: float16 K/V and int8 activations put the worst logit of about 1 draw in 300 past 3e-3 (the median
+    # is 8e-4), so a fresh draw each run made this flaky without any change to the kernels
+    ids = list(np.random.default_rng(11).integers(3, cfg.vocab_size, 40))
     assert rel_err(_prefill_logits(cpu, ids, [0, 1, 2]), _prefill_logits(ref, ids, [0, 1, 2])) < 3e-3  # float16 K/V
 
 
@@ -208,7 +210,7 @@ def test_tiled_prefill_matches_numpy_and_the_decode_kernels(cpu_backend_cls, arc
     from engine.backends.cpu import backend as cpu_backend
 
     cfg, stored, floats = _tiny(arch, **kw)
-    ids = list(np.random.default_rng().integers(3, cfg.vocab_size, 70))
+    ids = list(np.random.default_rng(12).integers(3, cfg.vocab_size, 70))  # seeded, as in the test above
     tiled = _prefill_logits(_load(cpu_backend_cls(), cfg, stored), ids, [3, 1, 0, 4, 2])
     ref = _prefill_logits(_load(NumpyBackend(), cfg, floats), ids, [3, 1, 0, 4, 2])
     monkeypatch.setattr(cpu_backend, "TILED_ROWS", 0)
