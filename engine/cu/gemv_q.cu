@@ -99,12 +99,21 @@
 // bf16 is exact, four bf16 mma a step with the k order permuted alike for W and x; the row scale
 // multiplies the accumulators once, before gemv.cu's epilogues. Dequant: one thread 16 values,
 // bf16(__fmul_rn(decode, scale)) (numpy's float32 product, then rounded). K % 16 == 0.
+//
+// FP8B (QTYPE 201): the same bytes with a scale per row and 128 columns (a block-wise FP8
+// checkpoint's 128 x 128 tiles, each tile's scale repeated over its rows by the loader, so the
+// row permutations move a row's scales with it): the N rows' bytes, then fp32 scales [N][KB],
+// KB = ceil(K / 128); w[n, k] = decode(W[n, k]) * scale[n][k / 128]. A warp's 64-value step lies
+// inside one 128-column block, so the step's four mma go to a zeroed partial that one FFMA per
+// accumulator adds at its rows' scales; nothing else differs from FP8.
 #define QFP8 200
-#if QACT8 && QTYPE == QFP8
+#define QFP8B 201
+#define IS_FP8 (QTYPE == QFP8 || QTYPE == QFP8B)
+#if QACT8 && IS_FP8
 #error "QACT8: the GGUF block formats only"
 #endif
 
-#if QTYPE != QFP8
+#if !IS_FP8
 enum { GGML_Q4_0 = 2, GGML_Q4_1 = 3, GGML_Q5_0 = 6, GGML_Q5_1 = 7, GGML_Q8_0 = 8, GGML_Q4_K = 12,
        GGML_Q5_K = 13, GGML_Q6_K = 14 };
 
@@ -757,7 +766,7 @@ __device__ __forceinline__ void gemv_q_main(const bf16* __restrict__ x, const ui
         done(c, tl, ntiles);
     }
 }
-#else  // QTYPE == QFP8
+#else  // IS_FP8
 #include <cuda_fp8.h>
 
 // Two e4m3 bytes (the low byte first) -> a bf16 pair packed as mma operands are (low element low).
@@ -782,9 +791,17 @@ __device__ __forceinline__ void gemv_q_main(const bf16* __restrict__ x, const ui
         const uint8_t* wa_p = W + (size_t)(ra ? n0 + g : 0) * K + 16 * t;
         const uint8_t* wb_p = W + (size_t)(rb ? n0 + g + 8 : 0) * K + 16 * t;
         const bf16* x_p = x + (size_t)(rx ? g : 0) * K + 16 * t;
+#if QTYPE == QFP8B
+        const int KB = (K + 127) >> 7;
+        const float* sa_p = fp8_scales(W, N, K) + (size_t)(ra ? n0 + g : 0) * KB;
+        const float* sb_p = fp8_scales(W, N, K) + (size_t)(rb ? n0 + g + 8 : 0) * KB;
+#endif
         float acc[4] = {0.f, 0.f, 0.f, 0.f};
         for (int s0 = warp; s0 * 64 < K; s0 += 8 * U) {
             uint4 wa[U], wb[U], xa[U], xb[U];
+#if QTYPE == QFP8B
+            float sa[U], sb[U];
+#endif
 #pragma unroll
             for (int l = 0; l < U; ++l) {
                 const int k = (s0 + 8 * l) * 64;
@@ -793,21 +810,39 @@ __device__ __forceinline__ void gemv_q_main(const bf16* __restrict__ x, const ui
                 wb[l] = ld_stream_if(wb_p + k, in && rb);
                 xa[l] = ldg_if(x_p + k, in && rx);
                 xb[l] = ldg_if(x_p + k + 8, in && rx);
+#if QTYPE == QFP8B
+                sa[l] = in && ra ? __ldg(sa_p + (k >> 7)) : 0.f;
+                sb[l] = in && rb ? __ldg(sb_p + (k >> 7)) : 0.f;
+#endif
             }
 #pragma unroll
             for (int l = 0; l < U; ++l) {
                 const uint32_t wa4[4] = {wa[l].x, wa[l].y, wa[l].z, wa[l].w};
                 const uint32_t wb4[4] = {wb[l].x, wb[l].y, wb[l].z, wb[l].w};
                 const uint32_t xs[8] = {xa[l].x, xa[l].y, xa[l].z, xa[l].w, xb[l].x, xb[l].y, xb[l].z, xb[l].w};
+#if QTYPE == QFP8B
+                float part[4] = {0.f, 0.f, 0.f, 0.f};
+#else
+                float* part = acc;
+#endif
 #pragma unroll
                 for (int j = 0; j < 4; ++j) {
                     // mma j: k-slots 2t, 2t+1 <- bytes 4j, 4j+1; slots 2t+8, 2t+9 <- bytes 4j+2, 4j+3.
                     const uint32_t a[4] = {fp8x2_to_bf162(wa4[j]), fp8x2_to_bf162(wb4[j]), fp8x2_to_bf162(wa4[j] >> 16),
                                            fp8x2_to_bf162(wb4[j] >> 16)};
-                    mma_bf16(acc, a, xs[2 * j], xs[2 * j + 1]);
+                    mma_bf16(part, a, xs[2 * j], xs[2 * j + 1]);
                 }
+#if QTYPE == QFP8B
+                acc[0] = fmaf(part[0], sa[l], acc[0]);
+                acc[1] = fmaf(part[1], sa[l], acc[1]);
+                acc[2] = fmaf(part[2], sb[l], acc[2]);
+                acc[3] = fmaf(part[3], sb[l], acc[3]);
+#endif
             }
         }
+#if QTYPE == QFP8B
+        done(acc, tl, ntiles);
+#else
         const float* sc = fp8_scales(W, N, K);
         const float sa = ra ? __ldg(sc + n0 + g) : 0.f, sb = rb ? __ldg(sc + n0 + g + 8) : 0.f;
         float c[4] = {0.f, 0.f, 0.f, 0.f};
@@ -816,6 +851,7 @@ __device__ __forceinline__ void gemv_q_main(const bf16* __restrict__ x, const ui
         c[2] += acc[2] * sb;
         c[3] += acc[3] * sb;
         done(c, tl, ntiles);
+#endif
     }
 }
 
@@ -871,7 +907,7 @@ __device__ __forceinline__ void store4(float* p, const float* v) {
     *reinterpret_cast<float4*>(p) = make_float4(v[0], v[1], v[2], v[3]);
 }
 
-#if QTYPE != QFP8
+#if !IS_FP8
 
 __device__ __forceinline__ float q_value(uint32_t v, int i) {
     const uint32_t b = (v >> (8 * i)) & 0xffu;
@@ -910,7 +946,7 @@ __device__ __forceinline__ void dequant_body(const uint8_t* __restrict__ W, T* _
     }
 }
 
-#else  // QTYPE == QFP8
+#else  // IS_FP8
 
 // One thread: 16 values (one 16-byte chunk) of a row.
 template <typename T>
@@ -919,7 +955,11 @@ __device__ __forceinline__ void dequant_body(const uint8_t* __restrict__ W, T* _
     if (idx >= (long long)N * per_row) return;
     const int n = (int)(idx / per_row), ch = (int)(idx % per_row);
     const uint4 q = __ldg(reinterpret_cast<const uint4*>(W + (size_t)n * K + 16 * ch));
+#if QTYPE == QFP8B
+    const float s = __ldg(fp8_scales(W, N, K) + (size_t)n * ((K + 127) >> 7) + ((16 * ch) >> 7));
+#else
     const float s = __ldg(fp8_scales(W, N, K) + n);
+#endif
     const uint32_t w4[4] = {q.x, q.y, q.z, q.w};
     T* o = out + (size_t)n * K + 16 * ch;
 #pragma unroll

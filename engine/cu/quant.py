@@ -7,7 +7,9 @@ block types of ``QUANT_FORMATS``, kept exactly as the file stores them (rows of 
 ``row_bytes``); gemv_q.cu reads those in decode rounds, and prefill dequantizes a matrix
 to a bf16 scratch buffer for the GEMM (``QuantKernels.dequantize``). ``"FP8"``: float8_e4m3fn
 bytes ``[rows, k]`` then the part's fp32 per-output-channel scales ``[rows]`` (an
-``engine.loaders.fp8.Fp8Tensor`` with ``block`` None), read by gemv_q.cu's fp8 main loop. The
+``engine.loaders.fp8.Fp8Tensor`` with ``block`` None), read by gemv_q.cu's fp8 main loop;
+``"FP8B"``: the same bytes, then fp32 scales ``[rows, ceil(k / 128)]`` (a block-wise checkpoint's
+128 x 128 tile scales, each repeated over the tile's rows so that a row carries its own). The
 backend only passes ``Matrix`` objects around.
 """
 
@@ -26,18 +28,23 @@ QUANT_FORMATS = {
 }  # fmt: skip
 FP8 = "FP8"  # e4m3 rows then fp32 scales (not a GGUF type: the loader never keeps it as stored)
 FP8_QTYPE = 200  # gemv_q.cu's QFP8
+FP8B = "FP8B"  # e4m3 rows then fp32 scales a row and FP8_BLOCK columns (gemv_q.cu's QFP8B)
+FP8B_QTYPE = 201
+FP8_BLOCK = 128
+FP8_FORMATS = (FP8, FP8B)
 # gemv_q.cu's (QU, QMINB, QNST[, QKH[, QUF]]): units of 64 values a warp takes from each stage (a
 # multiple of 4 for the K-quants: whole super-blocks), blocks per SM the registers must allow, stages in
 # flight, for Q4_K / Q5_K whether a super-block's scales are computed once a warp (1, the default), and
 # units loaded before their decode (2).
 # Q8_0 (2, 4, 2): 10% faster than (2, 3, 3) on gate,up (docs/QUANT.md).
-QUANT_TUNING: dict[str, tuple[int, ...]] = {"Q8_0": (2, 4, 2), "FP8": (4, 2, 1)}  # FP8: QU steps in flight, no stages
+# FP8 / FP8B: QU steps in flight, no stages.
+QUANT_TUNING: dict[str, tuple[int, ...]] = {"Q8_0": (2, 4, 2), "FP8": (4, 2, 1), "FP8B": (4, 2, 1)}
 DEFAULT_TUNING = (4, 3, 2)
 TC_THREADS = 256
 DEQUANT_THREADS = 256
 TC_ROWS = 16
 # cuda.quant_activations: the formats whose GEMV has gemv_q.cu's int8-activation main loop (QACT8);
-# the others (FP8) keep bf16 activations.
+# the others (FP8, FP8B) keep bf16 activations.
 QACT8_FORMATS = frozenset(QUANT_FORMATS)
 QACT_THREADS = 128  # quant_act.cu: a thread a (row, group of 32)
 QACT_MAX_ROWS = 8
@@ -53,7 +60,7 @@ def stage_smem(fmt: str, units: int, stages: int) -> int:
     """Dynamic shared memory of gemv_q.cu's block formats: ``stages`` slots of 16 rows, each row's
     piece (8 warps x ``units`` x 64 values) with its two partial 16-byte ends, padded as gemv_q.cu's
     RS: Q4_K / Q5_K (8-byte reads) to 32 mod 128 bytes, the others to an odd number of 16-byte units."""
-    if fmt == FP8:
+    if fmt in FP8_FORMATS:
         return 0
     _, qk, bb = QUANT_FORMATS[fmt]
     piece = 8 * units * 64 // qk * bb
@@ -69,10 +76,10 @@ def row_bytes(fmt: str, k: int) -> int:
     """Bytes of one row of ``k`` values in ``fmt``."""
     if fmt == BF16:
         return 2 * k
-    if fmt == FP8:
+    if fmt in FP8_FORMATS:
         if k % 16:
             raise ValueError(f"FP8 rows are read in 16-byte chunks: K={k} must be a multiple of 16")
-        return k + 4  # the bytes and the row's fp32 scale
+        return k + 4 * (1 if fmt == FP8 else -(-k // FP8_BLOCK))  # the bytes and the row's fp32 scale(s)
     _, qk, bb = QUANT_FORMATS[fmt]
     if k % qk:
         raise ValueError(f"{fmt} rows hold whole blocks of {qk} values, not {k}")
@@ -82,7 +89,7 @@ def row_bytes(fmt: str, k: int) -> int:
 @dataclass(frozen=True)
 class Part:
     ptr: int  # device address of the part's first row
-    fmt: str  # BF16, FP8 or a QUANT_FORMATS name
+    fmt: str  # BF16, FP8, FP8B or a QUANT_FORMATS name
     rows: int
 
 
@@ -124,7 +131,7 @@ def gemv_q_defines(fmt: str, tuning: tuple[int, ...] | None = None, act8: bool =
                    probe: int = 0) -> tuple[tuple[tuple[str, int], ...], int]:  # fmt: skip
     """gemv_q.cu's defines for ``fmt`` at ``tuning`` (QU, QMINB, QNST[, QKH[, QUF]]; QKH 1, QUF 2 unless
     given; None: the committed one), and its dynamic shared memory (QSMEM)."""
-    tid = FP8_QTYPE if fmt == FP8 else QUANT_FORMATS[fmt][0]
+    tid = {FP8: FP8_QTYPE, FP8B: FP8B_QTYPE}.get(fmt) or QUANT_FORMATS[fmt][0]
     tune = tuple(tuning or QUANT_TUNING.get(fmt, DEFAULT_TUNING))
     u, minb, nst = tune[:3]
     kh = tune[3] if len(tune) > 3 else 1
@@ -182,7 +189,7 @@ class QuantKernels:
     def dequantize(self, s, w: int, out: int, n: int, k: int, dtype: str = "bf16") -> None:
         """out[n, k] (bf16 or fp32) = the ``n`` rows of blocks at ``w``, as gguf's dequantize computes them."""
         row_bytes(self.fmt, k)  # checks whole blocks
-        if self.fmt == FP8:
+        if self.fmt in FP8_FORMATS:
             threads = n * k // 16  # a thread: one 16-byte chunk
         else:
             threads = n * -(-k // 64) * 4  # a thread: 8 + 8 values of each of a unit's two groups (gemv_q.cu)

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import pytest
 
-from engine.cu.quant import FP8, QUANT_FORMATS, TC_ROWS, gemv_q_defines, stage_smem
+from engine.cu.quant import FP8, FP8_FORMATS, FP8B, QUANT_FORMATS, TC_ROWS, gemv_q_defines, stage_smem
 
 
-@pytest.mark.parametrize("fmt", [*QUANT_FORMATS, FP8])
+@pytest.mark.parametrize("fmt", [*QUANT_FORMATS, *FP8_FORMATS])
 def test_committed_tunings_carry_no_experiment_switch(fmt):
     defines, smem = gemv_q_defines(fmt)
     d = dict(defines)
@@ -44,4 +44,6 @@ def test_slot_rows_fall_on_distinct_banks(fmt, units):
 def test_int8_activations_refuse_fp8():
     with pytest.raises(ValueError, match="int8-activation"):
         gemv_q_defines(FP8, act8=True)
+    with pytest.raises(ValueError, match="int8-activation"):
+        gemv_q_defines(FP8B, act8=True)
     assert dict(gemv_q_defines("Q4_K", act8=True)[0])["QACT8"] == 1

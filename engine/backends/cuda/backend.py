@@ -46,8 +46,8 @@ class CudaBackend(Backend):
     # GEMVs read them (engine/cu/gemv_q.cu); F16 / BF16 / F32 arrive as floats and go up as bf16;
     # MXFP4 comes as an Mxfp4Tensor (experts as stored, see takes_mxfp4).
     weights_as_stored = frozenset(QUANT_FORMATS) | {"MXFP4"}
-    # fp8 matrices (engine.loaders.fp8.Fp8Tensor, per-output-channel scales) go up as e4m3 bytes and
-    # fp32 scales; decode reads them in gemv_q.cu, prefill dequantizes them for the GEMM.
+    # fp8 matrices (engine.loaders.fp8.Fp8Tensor, per-output-channel or 128 x 128 tile scales) go up as
+    # e4m3 bytes and fp32 scales; decode reads them in gemv_q.cu, prefill dequantizes them for the GEMM.
     takes_fp8 = True
     # bf16 checkpoint tensors arrive as stored (engine.loaders.bf16) and go up as their bits.
     takes_bf16 = True

@@ -3,9 +3,10 @@
 bf16 (biases fp32), torch ``[out, in]``; a GGUF matrix the loader kept as stored
 (``QuantizedTensor``, the block types of ``engine.cu.quant.QUANT_FORMATS``) stays in its
 blocks, every row as the file holds it (row permutations below move whole rows of
-blocks). An fp8 matrix (``engine.loaders.fp8.Fp8Tensor``, per-output-channel scales) stays
-as e4m3 bytes followed by its fp32 scales (format ``FP8``; the row permutations move a row's
-scale with it); block-scaled fp8 is refused. Each matrix is an ``engine.cu.quant.Matrix``:
+blocks). An fp8 matrix (``engine.loaders.fp8.Fp8Tensor``) stays as e4m3 bytes followed by its
+fp32 scales: per output channel (format ``FP8``) or, for 128 x 128 tile scales, a row of
+scales for each row, one a 128 columns (``FP8B``: each tile's scale repeated over its rows, 3% of
+the bytes at K 4096); the row permutations move a row's scales with it. Each matrix is an ``engine.cu.quant.Matrix``:
 parts of one format each (a fused q|k|v whose v has another block type than q and k is two
 parts; a fused gate|up whose halves differ, or whose parts mix blocks and floats, is
 dequantized to bf16 instead). The embedding table is bf16 (a quantized one is dequantized; a tied LM head then keeps
@@ -31,7 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from engine.cu.kernels import AttnArgs, attention_scales
-from engine.cu.quant import FP8, QUANT_FORMATS, Matrix, Part
+from engine.cu.quant import FP8, FP8_BLOCK, FP8B, QUANT_FORMATS, Matrix, Part
 from engine.loaders import bf16
 from engine.loaders.bf16 import is_bf16
 from engine.loaders.fp8 import Fp8Tensor
@@ -273,7 +274,7 @@ class _Uploader:
         k = int(parts[0].shape[1])
         if all(isinstance(p, Fp8Tensor) for p in parts) and fp8_readable(parts):
             return self._fp8(parts, k, interleave, rope_dim, rotary_dim)
-        # Anything else (block-scaled fp8 as well: gemv_q.cu reads per-channel scales only) goes up as bf16.
+        # Anything else (fp8 of other block sizes, or parts of both fp8 kinds) goes up as bf16.
         if not _keeps_blocks(parts, interleave):
             return Matrix.bf16(self(names, interleave=interleave, rope_dim=rope_dim, rotary_dim=rotary_dim),
                                sum(int(p.shape[0]) for p in parts), k)  # fmt: skip
@@ -300,24 +301,37 @@ class _Uploader:
 
     def _fp8(self, parts: list[Fp8Tensor], k: int, interleave: bool, rope_dim: int,
              rotary_dim: int | None) -> Matrix:  # fmt: skip
-        """fp8 ``parts`` as one ``FP8`` part: the rows' e4m3 bytes, then their fp32 scales."""
+        """fp8 ``parts`` as one ``FP8`` / ``FP8B`` part (``fp8_part``)."""
         import pycuda.driver as cuda
 
-        check_fp8(parts)
-        data = [p.data for p in parts]
-        scale = [p.scale.reshape(-1, 1) for p in parts]
-        if rope_dim:
-            data = [interleave_rope(d, rope_dim, rotary_dim) for d in data]
-            scale = [interleave_rope(s, rope_dim, rotary_dim) for s in scale]
-        if interleave:
-            data, scale = [interleave_gate_up(*data)], [interleave_gate_up(*scale)]
-        a = np.ascontiguousarray(np.concatenate(data))
-        sc = np.ascontiguousarray(np.concatenate(scale).reshape(-1), dtype=np.float32)
+        fmt, a, sc = fp8_part(parts, interleave, rope_dim, rotary_dim)
         dst = self.mem.alloc(a.nbytes + sc.nbytes)
         cuda.memcpy_htod(dst, a)
         cuda.memcpy_htod(int(dst) + a.nbytes, sc)
         self.nbytes += a.nbytes + sc.nbytes
-        return Matrix((Part(int(dst), FP8, a.shape[0]),), k)
+        return Matrix((Part(int(dst), fmt, a.shape[0]),), k)
+
+
+def fp8_part(parts: list[Fp8Tensor], interleave: bool = False, rope_dim: int = 0,
+             rotary_dim: int | None = None) -> tuple[str, np.ndarray, np.ndarray]:  # fmt: skip
+    """(format, e4m3 bytes [rows, k], fp32 scales) of fp8 ``parts`` stacked along the rows as gemv_q.cu
+    reads them: ``FP8`` with a scale a row, ``FP8B`` with a row of ceil(k / 128) scales a row (a
+    128 x 128 tile's scale on each of its rows); ``interleave`` / ``rope_dim`` permute the scales' rows
+    with the bytes'."""
+    check_fp8(parts)
+    fmt = FP8 if parts[0].block is None else FP8B
+    data = [p.data for p in parts]
+    if fmt == FP8:
+        scale = [p.scale.reshape(-1, 1) for p in parts]
+    else:
+        scale = [np.repeat(p.scale, FP8_BLOCK, axis=0)[: p.shape[0]] for p in parts]
+    if rope_dim:
+        data = [interleave_rope(d, rope_dim, rotary_dim) for d in data]
+        scale = [interleave_rope(s, rope_dim, rotary_dim) for s in scale]
+    if interleave:
+        data, scale = [interleave_gate_up(*data)], [interleave_gate_up(*scale)]
+    a = np.ascontiguousarray(np.concatenate(data))
+    return fmt, a, np.ascontiguousarray(np.concatenate(scale).reshape(-1), dtype=np.float32)
 
 
 def fp8_readable(parts) -> bool:
@@ -330,11 +344,15 @@ def fp8_readable(parts) -> bool:
 
 
 def check_fp8(parts) -> None:
-    """ValueError unless every fp8 matrix has per-output-channel scales and K % 16 == 0 (gemv_q.cu)."""
+    """ValueError unless the fp8 matrices all have per-output-channel scales or all 128 x 128 tile scales,
+    and K % 16 == 0 (gemv_q.cu)."""
     for p in parts:
-        if p.block is not None:
+        if p.block not in (None, FP8_BLOCK):
             raise ValueError(f"fp8 weights with {p.block}x{p.block} block scales: the cuda backend reads "
-                             "per-output-channel scales only (set model.weight_format bf16 to load them as bf16)")  # fmt: skip
+                             f"per-output-channel or {FP8_BLOCK}x{FP8_BLOCK} scales only (set model.weight_format "
+                             "bf16 to load them as bf16)")  # fmt: skip
+        if p.block != parts[0].block:
+            raise ValueError("fp8 weights fused into one matrix with both per-channel and block scales")
         if p.shape[1] % 16:
             raise ValueError(f"fp8 weights of {p.shape[1]} columns: the cuda backend needs a multiple of 16")
 
@@ -342,7 +360,9 @@ def check_fp8(parts) -> None:
 def quant_formats(weights) -> tuple[str, ...]:
     """The formats of ``weights``' quantized matrices that gemv_q.cu reads (compiled at load)."""
     found = {w.type_name for w in weights.values() if isinstance(w, QuantizedTensor)}
-    fp8 = {FP8} if any(isinstance(w, Fp8Tensor) for w in weights.values()) else set()
+    kinds = {w.block for w in weights.values() if isinstance(w, Fp8Tensor)}
+    fp8 = {FP8} if None in kinds else set()
+    fp8 |= {FP8B} if FP8_BLOCK in kinds else set()
     return tuple(sorted(found & set(QUANT_FORMATS) | fp8))
 
 
