@@ -1,8 +1,9 @@
 """The fp8 decode GEMV (gemv_q.cu's FP8 format) against gemv_tc's bf16 on the Llama-3.1-8B matrices.
 
 Times the store epilogue at width 1 (CUDA events, median of 50 calls, each over a fresh copy of the
-weights so nothing is served from L2) for several (steps in flight, blocks per SM) tunings and prints
-microseconds and the achieved read bandwidth. Needs a CUDA device; prints a table.
+weights so nothing is served from L2) for several (steps in flight, blocks per SM) tunings, and the
+128 x 128 tile-scaled FP8B at its default tuning, and prints microseconds and the achieved read
+bandwidth (of the e4m3 bytes). Needs a CUDA device; prints a table.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ def main() -> None:
 
     from engine.cu import runtime
     from engine.cu.kernels import TC_PARAMS, Kernels
-    from engine.cu.quant import FP8, QuantKernels
+    from engine.cu.quant import FP8, FP8B, QuantKernels, row_bytes
 
     with runtime.current():
         s = cuda.Stream()
@@ -45,14 +46,16 @@ def main() -> None:
         out = cuda.mem_alloc(4 * 8 * 28672)
         rows = []
         quants = {t: QuantKernels(FP8, TC_PARAMS, tuning=t) for t in TUNINGS}
+        tiles = QuantKernels(FP8B, TC_PARAMS)
         for name, (n, k) in SHAPES.items():
             bf = [cuda.mem_alloc(2 * n * k) for _ in range(COPIES)]
-            f8 = [cuda.mem_alloc(n * k + 4 * n) for _ in range(COPIES)]
+            f8 = [cuda.mem_alloc(n * row_bytes(FP8, k)) for _ in range(COPIES)]
+            f8b = [cuda.mem_alloc(n * row_bytes(FP8B, k)) for _ in range(COPIES)]
             for b in bf:
                 cuda.memset_d16(b, 0x3C00, n * k)
-            for f in f8:
+            for f, scales in [(f, n) for f in f8] + [(f, n * (row_bytes(FP8B, k) - k) // 4) for f in f8b]:
                 cuda.memset_d8(f, 0x38, n * k)
-                cuda.memset_d32(int(f) + n * k, 0x3F800000, n)
+                cuda.memset_d32(int(f) + n * k, 0x3F800000, scales)
             common = dict(out=out, M=1, N=n, K=k, ldo=n, ss_in=0, ss_nparts=0, eps=0.0, bias=0, nw=0, xw=0, ss_out=0)
             tc = kern._tc[("store", n * k < kern.u2_below)]
             t_bf = timed(cuda, s, launcher(tc, s, n, x, bf, common))
@@ -60,8 +63,10 @@ def main() -> None:
             for t, q in quants.items():
                 tf = timed(cuda, s, launcher(q.gemv["store"], s, n, x, f8, common))
                 cells.append(f"fp8 {t}: {tf * 1e6:.1f} us ({n * k / tf / 1e12:.2f} TB/s, {tf / t_bf:.2f}x)")
+            tb = timed(cuda, s, launcher(tiles.gemv["store"], s, n, x, f8b, common))
+            cells.append(f"fp8 128x128 tiles: {tb * 1e6:.1f} us ({n * k / tb / 1e12:.2f} TB/s, {tb / t_bf:.2f}x)")
             rows.append(" | ".join(cells))
-            for b in bf + f8:
+            for b in bf + f8 + f8b:
                 b.free()
         print("\n".join(rows))
 
