@@ -1,6 +1,6 @@
 #!/bin/bash
 # One device call: build check, GPU tests, benchmark; logs under $OUT.
-# Usage (from the repo root on the GPU machine): bash bench/gpu_run.sh [tests|bench|all|suite|pdl|load|quant|gptoss|pair|burst]
+# Usage (from the repo root on the GPU machine): bash bench/gpu_run.sh [tests|bench|all|suite|pdl|load|quant|gptoss|pair|burst|fp8]
 #   suite: every GPU test under tests/kernels (~4 min on a warm kernel cache)
 #   pdl:   cuda.pdl's card tests, then bench_cuda.py --pdl (the graph with it off / on)
 #   load:  the pinned uploader's card tests, bench_load.py --write, and the loop's gaps during an
@@ -12,6 +12,7 @@
 #   burst: issue 15's burst of 8 short prompts through the real server (bench_serving_gpu.py, 1 and 8
 #          streams of 128 tokens) with cuda.known_rows 0, then 64, then 64 with cuda.gemv_pair and
 #          cuda.decode_lanes; needs .gpu/tokenizer (bench_serving_gpu.py --save-tokenizer) carried
+#   fp8:   both fp8 kinds (per channel: FP8; 128 x 128 tiles: FP8B): their card tests, then bench_fp8.py
 #   quant: the kernel experiments of 2026-12-06 still in the tree (docs/QUANT.md, "The stage loop"): the
 #          quantized GEMV with less shared memory preferred (--carveout); decode attention alone with the
 #          next sub-chunk prefetched (DECODE_PIPE) and with 64 / 128 splits; then the Q4_K_M / Q8_0 rounds
@@ -65,6 +66,11 @@ if [ "$what" = burst ]; then
       bench/bench_serving_gpu.py --streams 1,8 --tokens 128 --label "known_rows $1, pair and lanes $2" \
       --server-log "$OUT/server_$1_$2.log" 2>&1 | tee "$OUT/burst_$1_$2.log" | tail -6
   done
+fi
+if [ "$what" = fp8 ]; then
+  timeout 200 python3 -m pytest -p no:cacheprovider -q -o addopts="" tests/kernels/test_cuda_fp8.py 2>&1 \
+    | tee "$OUT/test_fp8.log" | tail -8
+  timeout 120 python3 bench/bench_fp8.py 2>&1 | tee "$OUT/bench_fp8.log" | tail -6
 fi
 if [ "$what" = gptoss ]; then
   timeout 240 python3 -m pytest -p no:cacheprovider -q -o addopts="" tests/kernels/test_cuda_moe_mxfp4.py 2>&1 \
