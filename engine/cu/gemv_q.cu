@@ -811,8 +811,10 @@ __device__ __forceinline__ void gemv_q_main(const bf16* __restrict__ x, const ui
                 xa[l] = ldg_if(x_p + k, in && rx);
                 xb[l] = ldg_if(x_p + k + 8, in && rx);
 #if QTYPE == QFP8B
-                sa[l] = in && ra ? __ldg(sa_p + (k >> 7)) : 0.f;
-                sb[l] = in && rb ? __ldg(sb_p + (k >> 7)) : 0.f;
+                // the step's scale whether or not this thread's own chunk is in: its accumulators (x rows
+                // 2t, 2t + 1) hold the whole step's sums
+                sa[l] = k < K && ra ? __ldg(sa_p + (k >> 7)) : 0.f;
+                sb[l] = k < K && rb ? __ldg(sb_p + (k >> 7)) : 0.f;
 #endif
             }
 #pragma unroll

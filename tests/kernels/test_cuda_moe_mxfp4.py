@@ -64,8 +64,9 @@ def dense(w):
     return {n: t.dequantize() if isinstance(t, Mxfp4Tensor) else t for n, t in w.items()}
 
 
-# moe_gemv.cu's MXFP4 builds: the default (moe.MX_DEFINES), and the down GEMV as 16-row blocks
-VARIANTS = {"default": (), "split_down": (("MX_U", 1), ("MX_DOWN_SPLIT", 1))}
+# moe_gemv.cu's MXFP4 builds: the default (moe.MX_DEFINES: the down GEMV as 16-row blocks with K split over
+# the warps, a row group in flight), and the first build (a warp walks all of K for its down rows, two in flight)
+VARIANTS = {"default": (), "unsplit_down": (("MX_U", 2), ("MX_DOWN_SPLIT", 0))}
 
 
 def build(cfg, op, w, mem, rows, gpu_budget=None, variant="default", tiles=None):

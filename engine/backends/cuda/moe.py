@@ -13,11 +13,11 @@ rounds are not graph-capturable (``graph_safe``). docs/MOE.md has the design.
 
 MXFP4 experts (``MoELayer.mx``, engine/cu/mxfp4.py's blobs): decode rounds read them as stored
 (moe_gemv.cu built with ``MOE_MX``); a prefill chunk of up to ``MX_PREFILL_AS_DECODE`` rows runs
-the decode kernels too. A longer one, by default, first dequantizes the layer's experts into a bf16
-scratch (``moe_mx_dequant``, exact) that the bf16 GEMMs read; with ``MX_PREFILL_TILES`` (or
-``MoEKernels(mx_tiles=True)``) the grouped GEMMs built with ``MOE_MX`` read the blobs instead
-(moe_gemm.cu: each k-tile's blocks turned into the bf16 B tile in shared memory, exactly, no scratch).
-Both give the same bits.
+the decode kernels too. A longer one goes through the grouped GEMMs built with ``MOE_MX``, which read
+the blobs (moe_gemm.cu: each k-tile's blocks turned into the bf16 B tile in shared memory, exactly,
+no scratch; ``MX_PREFILL_TILES``, the default); with ``MoEKernels(mx_tiles=False)`` it first
+dequantizes the layer's experts into a bf16 scratch (``moe_mx_dequant``, exact) that the bf16 GEMMs
+read. Both give the same bits.
 """
 
 from __future__ import annotations
@@ -41,14 +41,16 @@ COMBINE_COLS = MOE_THREADS  # moe_combine's (prefill) columns a block
 ACTS = {"silu": 0, "swiglu_oai": 1}
 # moe_gemv.cu's MXFP4 build: row groups in flight a warp (MX_U), and the down GEMV as 16-row blocks
 # with K split over the warps (MX_DOWN_SPLIT) instead of a warp walking all of K; docs/MOE.md.
-MX_DEFINES = (("MX_U", 2), ("MX_DOWN_SPLIT", 0))
+# The split build with MX_U 1: width 1 0.87x, width 8 0.98x, width 32 1.01x the (2, 0) build (H100,
+# 2026-12-07, docs/PERFORMANCE.md).
+MX_DEFINES = (("MX_U", 1), ("MX_DOWN_SPLIT", 1))
 # An MXFP4 prefill chunk of up to this many rows runs the decode kernels instead of dequantizing the
 # layer's experts (bench/bench_moe_mx.py --prefill-rows measures both sides).
 MX_PREFILL_AS_DECODE = MAX_DECODE_ROWS
-# A longer MXFP4 chunk: the grouped GEMMs read the blobs' tiles (True) or a dequantized bf16 scratch
-# (False: the path the card has tested; the tiles build has compiled and passed the CPU checks but
-# not yet run on a card, docs/MOE.md).
-MX_PREFILL_TILES = False
+# A longer MXFP4 chunk: the grouped GEMMs read the blobs' tiles (True: a 512-row chunk of gpt-oss-20b's
+# MoE layers in 25.3 ms against 43.0 through the scratch, H100, 2026-12-07) or a dequantized bf16
+# scratch (False). Both give the same bits (tests/kernels/test_cuda_moe_mxfp4.py).
+MX_PREFILL_TILES = True
 
 
 @dataclass
