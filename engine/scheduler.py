@@ -351,8 +351,9 @@ class Scheduler:
         seq.status = S.PREFILLING
         self.prefilling = seq
         first_chunk = min(self.cfg.prefill_chunk, seq.num_tokens - seq.num_computed_tokens)
+        whole = first_chunk == seq.num_tokens - seq.num_computed_tokens
         first_chunk += prefill_group.join(self, first_chunk)
-        self.pacer.prompt_started(self.clock(), first_chunk, bool(self.running))
+        self.pacer.prompt_started(self.clock(), first_chunk, bool(self.running), whole)
 
     def _preempt(self, seq: Sequence, plan: StepPlan) -> None:
         self.running.remove(seq)

@@ -93,11 +93,13 @@ def test_the_gate_counts_the_whole_group():
     burst = create_requests(8, prompt_len=10, start=1)
     for r in burst:
         sched.add_request(r)
-    plan = sched.schedule()  # six prompts take the lane; the lanes' turn first: 60 x 0.01 x 0.25 / 0.75
+    # Six prompts take the lane. Whole in their chunk, they wait only for the debt the lane's own
+    # 4-token prompt left (0.04 x 0.25 / 0.75), not for their own estimated time first.
+    plan = sched.schedule()
     assert plan.prefill is None and len(plan.decode) == 1
-    assert sched.prefill_wait() == pytest.approx(0.2)
+    assert sched.prefill_wait() == pytest.approx(0.04 / 3)
     sched.update_from_output(plan, backend.step(plan))
-    clock.advance(0.2)
+    clock.advance(0.04 / 3)
     plan = sched.schedule()
     assert [s[0] for s in spans_of(plan)] == [1, 2, 3, 4, 5, 6] and plan.decode
     out = backend.step(plan)
@@ -119,8 +121,13 @@ def test_without_groups_the_gate_counts_one_prompt():
     step(sched, backend, clock)
     for r in create_requests(8, prompt_len=10, start=1):
         sched.add_request(r)
+    assert sched.schedule().prefill is None  # the lane's prompt's debt: 0.04 / 3
+    clock.advance(0.04 / 3)
+    plan = sched.schedule()
+    assert spans_of(plan) == [(1, 0, 10)]
+    sched.update_from_output(plan, backend.step(plan))
     assert sched.schedule().prefill is None
-    assert sched.prefill_wait() == pytest.approx(10 * 0.01 / 3)
+    assert sched.prefill_wait() == pytest.approx(10 * 0.01 / 3)  # one prompt's 0.1 s, not eight
 
 
 def gated_group(n: int = 4):

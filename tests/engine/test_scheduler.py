@@ -124,6 +124,40 @@ def test_decode_share_wait_between_chunks():
     assert sched.prefill_wait() == 0.0
 
 
+def test_a_whole_prompt_is_not_held_for_its_own_estimate():
+    """While a lane decodes, a prompt longer than a chunk waits its first chunk's estimated share
+    before it starts; one that is whole in its chunk starts at once (only a debt would hold it).
+    The estimate is the rate of the last chunk of at least half a chunk: a launch-bound few-token
+    chunk (here 4 tokens in 0.2 s) does not inflate it."""
+    sched, backend, clock = create_scheduler(prefill_chunk=32, decode_share=0.25, max_context=512, num_blocks=128)
+    lane, warm, short, tiny, long_prompt = (
+        create_requests(1, prompt_len=4, max_tokens=200)
+        + create_requests(1, prompt_len=32, max_tokens=1, start=1)
+        + create_requests(1, prompt_len=20, max_tokens=1, start=2)
+        + create_requests(1, prompt_len=4, max_tokens=1, start=3)
+        + create_requests(1, prompt_len=64, start=4)
+    )
+
+    def prefill_step(req, seconds):
+        sched.add_request(req)
+        clock.advance(10.0)  # every debt paid
+        plan = sched.schedule()
+        assert plan.prefill is not None and plan.decode, "held"
+        out = backend.step(plan)
+        out.prefill_seconds = seconds
+        sched.update_from_output(plan, out)
+
+    sched.add_request(lane)
+    step(sched, backend, clock)  # now a lane decodes
+    prefill_step(warm, 0.32)  # a full chunk: 0.01 s a token
+    prefill_step(short, 0.2)  # whole in its chunk: not held, though its estimate is 0.2 s
+    prefill_step(tiny, 0.2)  # 4 tokens in 0.2 s: too small a chunk to say a rate
+    sched.add_request(long_prompt)
+    clock.advance(10.0)
+    assert sched.schedule().prefill is None  # two chunks: its first waits 32 x 0.01 x 0.25 / 0.75
+    assert sched.prefill_wait() == pytest.approx(0.32 / 3)
+
+
 def test_prompt_with_no_lane_decoding_waits_for_nothing():
     sched, backend, clock = create_scheduler(prefill_chunk=10, max_context=512, num_blocks=128)
     (r,) = create_requests(1, prompt_len=40)
