@@ -151,11 +151,13 @@ def engine_rounds(log_path: Path, start: float, end: float, lanes: int) -> list[
     return out
 
 
-def run_streams(base: str, model: str, log_path: Path, n: int, tokens: int) -> dict:
+def run_streams(base: str, model: str, log_path: Path, n: int, tokens: int, lead: str = "") -> dict:
+    """``n`` streams of ``tokens`` released together, PROMPTS in turn (each after ``lead``: a warm-up's
+    prompts that share no more than the chat template's start with the measured ones)."""
     results = [dict() for _ in range(n)]
     go = threading.Barrier(n + 1)
     threads = [
-        threading.Thread(target=stream_one, args=(base, model, PROMPTS[i % len(PROMPTS)], tokens, go, r))
+        threading.Thread(target=stream_one, args=(base, model, lead + PROMPTS[i % len(PROMPTS)], tokens, go, r))
         for i, r in enumerate(results)
     ]
     for t in threads:
