@@ -65,7 +65,7 @@ def wide_compare(be, measure) -> None:
         group = c.num_heads // c.num_kv_heads
         kd = dict(cache_dir=be.tuning.kernel_cache_dir)
         plain, wide, paired = Kernels(c.head_dim, group, **kd), Kernels(c.head_dim, group, wide_min_n=1, **kd), \
-            Kernels(c.head_dim, group, gemv_pair=True, **kd)  # fmt: skip
+            Kernels(c.head_dim, group, gemv_pair=True, pair_from=9, **kd)  # fmt: skip
         x = cuda.mem_alloc(64 * max(hid, inter) * 2)
         cuda.memset_d16(x, 0x3C00, 64 * max(hid, inter))  # bf16 1.0
         print("| GEMV | N x K | rows | gemv_tc | gemv_wide | paired | wide / tc | paired / tc |\n"
@@ -87,12 +87,13 @@ def wide_compare(be, measure) -> None:
                       + f" | {cells[1] / cells[0]:.2f}x | {cells[2] / cells[0]:.2f}x |", flush=True)  # fmt: skip
         x.free()
     cases = sorted({(lanes, 0) for lanes, _ in WIDE_CASES} | set(WIDE_CASES))
-    runs = {}
+    runs, base = {}, be.tuning
     for label, min_n, paired, lanes in (("gemv_tc", 0, False, False), ("gemv_wide from 16,384 rows", 16384, False, False),
-                                        ("paired", 0, True, False), ("paired + lane attention", 0, True, True)):  # fmt: skip
-        be.retune(replace(be.tuning, gemv_wide_min_n=min_n, gemv_pair=paired, decode_lanes=lanes))
+                                        ("paired from 33 rows (the default)", 0, True, False),
+                                        ("paired + lane attention", 0, True, True)):  # fmt: skip
+        be.retune(replace(base, gemv_wide_min_n=min_n, gemv_pair=paired, decode_lanes=lanes))
         runs[label] = measure(cases)
-    be.retune(replace(be.tuning, gemv_wide_min_n=0, gemv_pair=False, decode_lanes=False))
+    be.retune(base)
     print("| lanes x rows a lane | " + " | ".join(runs) + " |\n|---|" + "---|" * len(runs), flush=True)
     for lanes, k in WIDE_CASES:
         cells = [f"{t[(lanes, k)] * 1e3:.2f} ms ({t[(lanes, k)] / t[(lanes, 0)]:.2f}x)" for t in runs.values()]

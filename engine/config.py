@@ -46,13 +46,15 @@ class CudaTuning:
     # The quantized GEMVs launch the blocks resident at once, each walking 16-row tiles (gemv_q.cu):
     # the stage pipeline runs on from one tile into the next instead of starting over a block a tile.
     quant_persist: bool = False
-    # A bf16 GEMV of 9..64 rows runs gemv_pair.cu's variants (a block of two 16-row tiles
-    # whose warps share each batch of x through shared memory, so x leaves L2 once per 32 weight rows;
-    # gemv_tc's bits). Off until the card says it is right and faster (docs/CUDA.md, "Paired wide GEMVs").
-    gemv_pair: bool = False
+    # A bf16 GEMV of 33..64 rows (engine/cu/kernels.py PAIR_FROM) runs gemv_pair.cu's variant (a block
+    # of two 16-row tiles whose warps share each batch of x through shared memory, so x leaves L2 once
+    # per 32 weight rows; gemv_tc's bits): rounds of 36..64 rows 6-9% faster on an H100 (docs/CUDA.md,
+    # "Paired wide variants").
+    gemv_pair: bool = True
     # Decode attention of a wide round (9 rows up) runs attention_decode.cu's DECODE_LR build: a lane's
-    # verify rows share a block and read their keys once (the same bits). Off until the card says it is
-    # right and faster (docs/CUDA.md, "A lane's rows in one attention block").
+    # verify rows share a block and read their keys once (the same bits). Right on the card, and
+    # slower: every verify round 5-13% slower with it on an H100 (docs/CUDA.md, "A lane's rows in one
+    # attention block"), so off.
     decode_lanes: bool = False
 
 

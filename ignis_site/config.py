@@ -338,14 +338,14 @@ FIELDS: dict[str, Field] = {
         Field(
             "cuda.gemv_pair",
             bool,
-            False,
-            "CUDA backend: bf16 GEMVs of 9..64 rows run in blocks of two tiles sharing x (the same bits; not yet run on a card)",
+            True,
+            "CUDA backend: bf16 GEMVs of 33..64 rows run in blocks of two tiles sharing x (the same bits)",
         ),
         Field(
             "cuda.decode_lanes",
             bool,
             False,
-            "CUDA backend: decode attention of 9+ rows takes a lane's rows in one block (the same bits; not yet run on a card)",
+            "CUDA backend: decode attention of 9+ rows takes a lane's rows in one block (the same bits; measured slower)",
         ),
         Field(
             "cuda.expert_budget",

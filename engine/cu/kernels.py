@@ -40,6 +40,10 @@ WIDE_ROWS = 128  # weight rows a block
 # the variant's groups of 8 x rows (their x buffers take 16 KB x U x G of shared memory a block).
 PAIR_TUNING = (("P16_U", 2), ("P32_U", 2), ("P64_U", 1))
 PAIR_THREADS = 2 * 256
+# The paired variants take GEMVs of this many rows up (``Kernels(pair_from=)``): on an H100 (2026-12-07,
+# docs/PERFORMANCE.md) the 64-row variant made the rounds of 36..64 rows 6-9% faster, and the 16- and
+# 32-row ones made the rounds of 9..32 rows 2-13% slower than gemv_tc's own.
+PAIR_FROM = 33
 
 
 def pair_smem(groups: int, tuning=PAIR_TUNING) -> int:
@@ -131,9 +135,9 @@ class Kernels:
     ``quant_persist`` (``CudaTuning.quant_persist``): the quantized GEMVs launch at most the blocks that
     are resident at once, each walking 16-row tiles with its stage pipeline running on between them
     (``QuantKernels.grid``; the same bits).
-    ``gemv_pair`` (``CudaTuning.gemv_pair``): a bf16 GEMV of 9..64 rows runs gemv_pair.cu's variants
-    (blocks of two 16-row tiles sharing x through shared memory; gemv_tc's bits), unless gemv_wide
-    takes it.
+    ``gemv_pair`` (``CudaTuning.gemv_pair``): a bf16 GEMV of ``pair_from``..64 rows runs gemv_pair.cu's
+    variants (blocks of two 16-row tiles sharing x through shared memory; gemv_tc's bits), unless
+    gemv_wide takes it.
     ``decode_lanes`` (``CudaTuning.decode_lanes``): decode attention of a round of ``DECODE_LANES_FROM`` rows
     or more runs the DECODE_LR build, whose blocks take a lane's verify rows together (up to 16 / group
     of them; the same bits); head_dim 64 / 128 only (256: the plain build).
@@ -141,7 +145,8 @@ class Kernels:
 
     def __init__(self, head_dim: int, group: int, *, u2_below: int = 40 << 20, cache_dir: str = "",
                  formats=(), pdl: bool = False, wide_min_n: int = 0, quant_act: bool = False,
-                 quant_persist: bool = False, gemv_pair: bool = False, decode_lanes: bool = False) -> None:  # fmt: skip
+                 quant_persist: bool = False, gemv_pair: bool = False, pair_from: int = PAIR_FROM,
+                 decode_lanes: bool = False) -> None:  # fmt: skip
         if head_dim not in (64, 128, 256):
             raise ValueError(f"head_dim {head_dim} not supported (64, 128 or 256)")
         if not 1 <= group <= 8:
@@ -195,7 +200,8 @@ class Kernels:
             for epi, params in TC_PARAMS.items()
             for most, sfx in GEMV_ROW_VARIANTS
         }
-        self._tcp = {}  # gemv_pair: 9..64 rows, keyed (epilogue, most rows)
+        self._tcp = {}  # gemv_pair: pair_from..64 rows, keyed (epilogue, most rows)
+        self.pair_from = pair_from
         if gemv_pair:  # launched as without pdl (its dynamic shared memory is set through PyCUDA)
             paired = module("gemv_pair", (("TC_THREADS", TC_THREADS), ("GEMV_EPILOGUES_ONLY", 1), ("GEMV_PAIR", 1),
                                           *PAIR_TUNING), cache_dir, ("gemv",))  # fmt: skip
@@ -416,7 +422,8 @@ class Kernels:
             kern, block_rows = self._tcw[(epi, next(g for g in WIDE_GROUPS if rows <= 8 * g))], WIDE_ROWS
         else:
             most = next(most for most, _ in GEMV_ROW_VARIANTS if rows <= most)
-            kern, block_rows = (self._tcp[(epi, most)], 32) if self._tcp else (self._tc_wide[(epi, most)], 16)
+            paired = self._tcp and rows >= self.pair_from
+            kern, block_rows = (self._tcp[(epi, most)], 32) if paired else (self._tc_wide[(epi, most)], 16)
         kern(s, (-(-n // block_rows),), x=x, W=w, out=out, M=rows, N=n, K=k, ldo=ldo, ss_in=ss_in[0],
              ss_nparts=ss_in[1], eps=eps, **extra)  # fmt: skip
 

@@ -121,7 +121,7 @@ def test_narrow_rounds_and_calls_without_lane_first_run_the_plain_build(kerns, s
 
 
 def test_the_keys_reach_the_kernels():
-    """``cuda.gemv_pair`` and ``cuda.decode_lanes`` (off until the card says so) reach CudaTuning and the
+    """``cuda.gemv_pair`` (on) and ``cuda.decode_lanes`` (off: slower on the card) reach CudaTuning and the
     backend's ``Kernels`` (no card)."""
     import inspect
 
@@ -129,9 +129,9 @@ def test_the_keys_reach_the_kernels():
     from engine.config import CudaTuning
     from ignis_site import config
 
-    for key, field in (("cuda.gemv_pair", "gemv_pair"), ("cuda.decode_lanes", "decode_lanes")):
-        assert config.FIELDS[key].default is False and getattr(CudaTuning(), field) is False
+    for key, field, default in (("cuda.gemv_pair", "gemv_pair", True), ("cuda.decode_lanes", "decode_lanes", False)):
+        assert config.FIELDS[key].default is default and getattr(CudaTuning(), field) is default
         env = "IGNIS_" + key.upper().replace(".", "_")
-        values, _ = config.resolve(environ={env: "on"})
-        assert getattr(CudaTuning(**config.cuda_tuning_dict(values)), field) is True
+        values, _ = config.resolve(environ={env: "off" if default else "on"})
+        assert getattr(CudaTuning(**config.cuda_tuning_dict(values)), field) is not default
         assert f"{field}=t.{field}" in inspect.getsource(backend.CudaBackend._kernels)

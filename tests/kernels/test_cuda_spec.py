@@ -46,7 +46,7 @@ def generate(backend, plan, prompts, sampling, rows: int, max_tokens: int = 96, 
     return out, sched.make_stats().spec_drafted, widest
 
 
-@pytest.fixture(scope="module", params=["default", "pair+lanes"])
+@pytest.fixture(scope="module", params=["default", "plain", "pair+lanes"])
 def small_llama(request):
     from engine.backends import create_backend
     from engine.config import CudaTuning
@@ -59,8 +59,10 @@ def small_llama(request):
     weights = random_weights(definition("llama"), cfg, seed=3)
     from engine.config import EngineConfig
 
-    wide = request.param == "pair+lanes"
-    tuning = CudaTuning(round_rows=64, gemv_pair=wide, decode_lanes=wide)  # the widest rounds
+    # the widest rounds; "default": the paired GEMVs from 33 rows, the plain attention; "plain": gemv_tc
+    # everywhere; "pair+lanes": the paired GEMVs and the lane attention build
+    pair, lanes = {"default": (True, False), "plain": (False, False), "pair+lanes": (True, True)}[request.param]
+    tuning = CudaTuning(round_rows=64, gemv_pair=pair, decode_lanes=lanes)
     be = create_backend("cuda", EngineConfig(backend="cuda", cuda=tuning))
     plan = be.load(cfg, weights, block_size=16, kv_budget_bytes=64 << 20, host_kv_budget_bytes=0, max_context=1024)
     yield be, plan
