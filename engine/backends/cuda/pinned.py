@@ -53,11 +53,9 @@ def runs(parts: list, interleave: bool = False, rope_dim: int = 0, rotary_dim: i
 
 
 def _view(a: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
-    """A destination ``a`` reshaped without a copy (AttributeError where that takes one: a write
-    into a copy would be lost)."""
-    v = a.view()
-    v.shape = shape
-    return v
+    """A destination ``a`` reshaped without a copy (ValueError where that takes one: a write into a
+    copy would be lost). ``copy=False``, not an assignment to ``.shape``, which NumPy 2.5 deprecates."""
+    return np.reshape(a, shape, copy=False)
 
 
 def _rows(b: np.ndarray) -> Run:
