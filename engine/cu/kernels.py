@@ -53,6 +53,14 @@ def pair_smem(groups: int, tuning=PAIR_TUNING) -> int:
     return 8 * 2 * u * 2 * groups * 32 * 16
 
 
+def pair_fits(cuda) -> bool:
+    """Whether the current device gives a block the paired variants' shared memory (128 KB: Hopper and
+    the A100 do, most other cards stop near 100 KB; without them the wide GEMVs stay gemv_tc's)."""
+    attr = getattr(cuda.device_attribute, "MAX_SHARED_MEMORY_PER_BLOCK_OPTIN", None)
+    need = max(pair_smem(most // 8) for most, _ in GEMV_ROW_VARIANTS)
+    return attr is None or cuda.Context.get_device().get_attribute(attr) >= need
+
+
 def wide_smem(groups: int) -> int:
     """gemv_wide.cu's dynamic shared memory: WIDE_STAGES x (128 W rows + 8 ``groups`` x rows) x 128 bytes."""
     return WIDE_STAGES * (WIDE_ROWS + 8 * groups) * 128
@@ -202,7 +210,7 @@ class Kernels:
         }
         self._tcp = {}  # gemv_pair: pair_from..64 rows, keyed (epilogue, most rows)
         self.pair_from = pair_from
-        if gemv_pair:  # launched as without pdl (its dynamic shared memory is set through PyCUDA)
+        if gemv_pair and pair_fits(cuda):  # launched as without pdl (its dynamic shared memory is set through PyCUDA)
             paired = module("gemv_pair", (("TC_THREADS", TC_THREADS), ("GEMV_EPILOGUES_ONLY", 1), ("GEMV_PAIR", 1),
                                           *PAIR_TUNING), cache_dir, ("gemv",))  # fmt: skip
             for epi, params in TC_PARAMS.items():

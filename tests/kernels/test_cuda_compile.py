@@ -203,3 +203,17 @@ def test_a_block_inside_a_block_binds_its_own_and_leaves_the_outer_ones(tmp_path
         assert len(calls.loads) == 2 and launch._current() is outer
         assert isinstance(k._rmsnorm._fn, launch.LazyFunction) and k._rmsnorm._fn.target is None
     assert k._rmsnorm._fn.target is not None and launch._current() is None
+
+
+@pytest.mark.parametrize("optin,built", [(232448, True), (101376, False)])
+def test_the_paired_gemvs_are_built_only_where_their_shared_memory_fits(tmp_path, optin, built):
+    """gemv_pair.cu's 64-row variant takes 128 KB of shared memory a block: on a card that gives a block
+    less (most non-Hopper ones near 100 KB) the wide GEMVs stay gemv_tc's instead of failing the load."""
+    nvcc = fake_nvcc.Nvcc()
+    with fake_nvcc.installed(nvcc), launch.compiling(0):
+        import pycuda.driver as drv
+
+        drv.device_attribute.MAX_SHARED_MEMORY_PER_BLOCK_OPTIN = "optin"
+        drv.Context.get_device().get_attribute = lambda attr: optin if attr == "optin" else 132
+        k = Kernels(128, 4, cache_dir=str(tmp_path), formats=(), gemv_pair=True)
+        assert bool(k._tcp) is built
