@@ -21,6 +21,8 @@ what=${1:-all}
 # Kernels compile into models/.cache/pycuda (the default; tests and bench alike).
 export PYTHONUNBUFFERED=1
 mkdir -p "$OUT"
+# PyCUDA's own SourceModule (bench_moe_mx.py's fill kernel) writes into PYCUDA_CACHE_DIR without creating it
+[ -n "${PYCUDA_CACHE_DIR:-}" ] && mkdir -p "$PYCUDA_CACHE_DIR"
 nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used --format=csv > "$OUT/machine.txt" 2>&1
 python3 -c "import pycuda, cuda.bindings, torch, transformers; print(pycuda.VERSION, torch.__version__, transformers.__version__)" >> "$OUT/machine.txt" 2>&1
 cat "$OUT/machine.txt"
