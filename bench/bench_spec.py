@@ -54,13 +54,13 @@ PROMPTS = {
 }
 
 
-def run(backend, plan, tok, prompt_ids, max_tokens, *, speculate: bool, prediction=None):
+def run(backend, plan, tok, prompt_ids, max_tokens, *, speculate: bool, prediction=None, cost_aware=False):
     from engine.config import EngineConfig
     from engine.kv_manager import KVManager
     from engine.messages import AddRequest, TokenEvent
     from engine.scheduler import Scheduler
 
-    cfg = EngineConfig(decode_lanes=1, prefill_chunk=1024, max_context=2048, block_size=16)
+    cfg = EngineConfig(decode_lanes=1, prefill_chunk=1024, max_context=2048, block_size=16, spec_cost_aware=cost_aware)
     rows = backend.max_round_rows if speculate else 0
     sched = Scheduler(cfg, KVManager(plan.num_blocks, 16, 0), seed_rng=random.Random(0), max_round_rows=rows)
     add = AddRequest("r", "c", prompt_ids, max_tokens, sampling={"temperature": 0},
@@ -89,6 +89,8 @@ def main() -> None:
     ap.add_argument("--weight-format", default="auto", choices=("auto", "bf16"),
                     help="bf16: dequantize a GGUF's blocks at load (the CUDA backend's 64-row GEMVs; its quantized "
                     "GEMV takes 8 rows)")  # fmt: skip
+    ap.add_argument("--cost-aware", action="store_true",
+                    help="speculation on with spec.cost_aware (its own section with --write)")  # fmt: skip
     ap.add_argument("--write", action="store_true")
     args = ap.parse_args()
 
@@ -119,7 +121,7 @@ def main() -> None:
         run(backend, plan, tok, ids, 8, speculate=False)  # warm-up
         off, r_off, s_off, _, _ = run(backend, plan, tok, ids, args.max_tokens, speculate=False)
         on, r_on, s_on, drafted, accepted = run(backend, plan, tok, ids, args.max_tokens, speculate=True,
-                                                prediction=pred)  # fmt: skip
+                                                prediction=pred, cost_aware=args.cost_aware)  # fmt: skip
         assert on == off, f"{name}: speculation changed the output"
         n = len(off)
         d, a = sum(drafted.values()), sum(accepted.values())
@@ -142,12 +144,14 @@ def main() -> None:
     body = [
         f"Model: {Path(args.model).name}{fmt} on the {args.backend} backend, round rows {backend.max_round_rows}, greedy, one request at a time, at most "
         f"{args.max_tokens} tokens (its EOS ends it); speculation off vs on (prompt lookup, n-grams 2..4, k "
-        f"adaptive up to 8; the prediction row adds Predicted Outputs); the output is asserted identical. "
+        f"adaptive up to 8{', spec.cost_aware on' if args.cost_aware else ''}; the prediction row adds Predicted "
+        f"Outputs); the output is asserted identical. "
         f"tok/s over the decode phase (after the first token). Median on/off: {statistics.median(ratios):.2f}x.",
         "",
         *rows,
     ]
-    report(f"## Speculative rounds ({args.backend})", machine=machine, command=command_line("python3"), body=body,
+    title = f"## Speculative rounds ({args.backend}{', spec.cost_aware' if args.cost_aware else ''})"
+    report(title, machine=machine, command=command_line("python3"), body=body,
            write=args.write)  # fmt: skip
 
 
