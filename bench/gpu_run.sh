@@ -10,8 +10,9 @@
 #   pair:  gemv_pair.cu's wide variants (CudaTuning.gemv_pair): their card tests (bitwise against
 #          gemv_tc, with gemv_wide's), then bench_verify.py --wide (the GEMVs alone and the verify rounds)
 #   burst: issue 15's burst of 8 short prompts through the real server (bench_serving_gpu.py, 1 and 8
-#          streams of 128 tokens) with cuda.known_rows 0, then 64, then 64 with cuda.gemv_pair and
-#          cuda.decode_lanes; needs .gpu/tokenizer (bench_serving_gpu.py --save-tokenizer) carried
+#          streams of 128 tokens, after a warm-up burst) with cuda.known_rows 0, then 64, then 64 with
+#          cuda.gemv_pair off; needs .gpu/tokenizer (bench_serving_gpu.py --save-tokenizer) and the
+#          openai client's wheels in .whl, both carried
 #   fp8:   both fp8 kinds (per channel: FP8; 128 x 128 tiles: FP8B): their card tests, then bench_fp8.py
 #   quant: the kernel experiments of 2026-12-06 still in the tree (docs/QUANT.md, "The stage loop"): the
 #          quantized GEMV with less shared memory preferred (--carveout); decode attention alone with the
@@ -62,10 +63,10 @@ if [ "$what" = pair ]; then
   timeout 300 python3 bench/bench_verify.py --wide --rounds 20 2>&1 | tee "$OUT/verify_wide.log" | tail -32
 fi
 if [ "$what" = burst ]; then
-  for run in "0 off" "64 off" "64 on"; do
+  for run in "0 on" "64 on" "64 off"; do
     set -- $run
-    IGNIS_CUDA_KNOWN_ROWS=$1 IGNIS_CUDA_GEMV_PAIR=$2 IGNIS_CUDA_DECODE_LANES=$2 timeout 200 python3 \
-      bench/bench_serving_gpu.py --streams 1,8 --tokens 128 --label "known_rows $1, pair and lanes $2" \
+    IGNIS_CUDA_KNOWN_ROWS=$1 IGNIS_CUDA_GEMV_PAIR=$2 timeout 200 python3 \
+      bench/bench_serving_gpu.py --streams 1,8 --tokens 128 --label "known_rows $1, gemv_pair $2" \
       --server-log "$OUT/server_$1_$2.log" 2>&1 | tee "$OUT/burst_$1_$2.log" | tail -6
   done
 fi
