@@ -28,7 +28,7 @@ def _job(job: tuple) -> str:
         if job[0] == "kernels":
             from engine.cu.kernels import Kernels
 
-            Kernels(job[1], job[2])
+            Kernels(job[1], job[2], gemv_pair=True)  # the backend's default: gemv_pair.cu too
         elif job[0] == "wide":
             from engine.cu.kernels import Kernels
 
@@ -45,10 +45,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quant-tunings", nargs="*", default=[], help="FMT=QU,QMINB,QNST")
     args = ap.parse_args()
-    from engine.cu.quant import FP8, QUANT_FORMATS
+    from engine.cu.quant import FP8_FORMATS, QUANT_FORMATS
 
     jobs: list[tuple] = [("kernels", d, g) for d, g in KERNEL_SHAPES]
-    jobs += [("quant", f, None) for f in [*QUANT_FORMATS, FP8]]
+    jobs += [("quant", f, None) for f in [*QUANT_FORMATS, *FP8_FORMATS]]
     jobs += [("quant8", f, None) for f in QUANT_FORMATS]  # cuda.quant_activations' int8-x GEMVs
     jobs.append(("wide", 128, 4))
     for spec in args.quant_tunings:
