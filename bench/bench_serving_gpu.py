@@ -234,6 +234,12 @@ def main() -> None:
             else ""
         ),
     ]
+    for run in runs:  # issue 15's burst figure: the last first token of the widest burst against one stream's
+        by_n = {f["streams"]: f for f in run["figures"]}
+        if 1 in by_n and max(by_n) > 1:
+            one, wide = by_n[1]["ttft_median"], by_n[max(by_n)]
+            body.append(f"Burst ({run['label']}): the last of {wide['streams']} first tokens {wide['ttft_max'] * 1e3:.1f} ms, "
+                        f"{wide['ttft_max'] / one:.2f}x one stream's {one * 1e3:.1f} ms.")  # fmt: skip
     machine = f"{gpu}, Python {platform.python_version()}"
     report(SECTION, machine=machine, command=command_line("python3"), body=body, write=args.write)
 
