@@ -1,6 +1,6 @@
 #!/bin/bash
 # One device call: build check, GPU tests, benchmark; logs under $OUT.
-# Usage (from the repo root on the GPU machine): bash bench/gpu_run.sh [tests|bench|all|suite|pdl|load|quant|gptoss|pair|burst|fp8]
+# Usage (from the repo root on the GPU machine): bash bench/gpu_run.sh [tests|bench|all|suite|pdl|load|quant|gptoss|pair|burst|fp8|next]
 #   suite: every GPU test under tests/kernels (~4 min on a warm kernel cache)
 #   pdl:   cuda.pdl's card tests, then bench_cuda.py --pdl (the graph with it off / on)
 #   load:  the pinned uploader's card tests, bench_load.py --write, and the loop's gaps during an
@@ -13,6 +13,10 @@
 #          streams of 128 tokens, after a warm-up burst) with cuda.known_rows 0, then 64, then 64 with
 #          cuda.gemv_pair off; needs .gpu/tokenizer (bench_serving_gpu.py --save-tokenizer) and the
 #          openai client's wheels in .whl, both carried
+#   next:  what stop 33 left unmeasured, in one call (~8 min; carry .whl with the openai wheels and .gpu):
+#          the serving bench at 1, 8 and 12 streams of 256 tokens with cuda.known_rows 64 (the burst
+#          figure after the pacer fix), then bench_verify.py --write and bench_cuda.py --skip-hf --write
+#          with the new defaults (cuda.gemv_pair from 33 rows)
 #   fp8:   both fp8 kinds (per channel: FP8; 128 x 128 tiles: FP8B): their card tests, then bench_fp8.py
 #   quant: the kernel experiments of 2026-12-06 still in the tree (docs/QUANT.md, "The stage loop"): the
 #          quantized GEMV with less shared memory preferred (--carveout); decode attention alone with the
@@ -82,6 +86,13 @@ if [ "$what" = gptoss ]; then
   timeout 90 python3 bench/bench_moe_mx.py --prefill-rows --define MX_U=1 MX_DOWN_SPLIT=1 2>&1 \
     | tee "$OUT/moe_mx_split.log" | tail -10
   timeout 300 python3 bench/bench_gpt_oss.py --bf16 --write 2>&1 | tee "$OUT/gpt_oss.log" | tail -10
+  cp docs/PERFORMANCE.md "$OUT/" 2>/dev/null
+fi
+if [ "$what" = next ]; then
+  IGNIS_CUDA_KNOWN_ROWS=64 timeout 200 python3 bench/bench_serving_gpu.py --streams 1,8,12 --tokens 256 \
+    --label "known_rows 64" --server-log "$OUT/server_next.log" 2>&1 | tee "$OUT/serving_next.log" | tail -8
+  timeout 150 python3 bench/bench_verify.py --write 2>&1 | tee "$OUT/verify.log" | tail -24
+  timeout 120 python3 bench/bench_cuda.py --skip-hf --write 2>&1 | tee "$OUT/bench.log" | tail -20
   cp docs/PERFORMANCE.md "$OUT/" 2>/dev/null
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
