@@ -215,6 +215,8 @@ class Kernels:
                                           *PAIR_TUNING), cache_dir, ("gemv",))  # fmt: skip
             for epi, params in TC_PARAMS.items():
                 for most, sfx in GEMV_ROW_VARIANTS:
+                    if most < pair_from:  # a round of pair_from rows up never picks it
+                        continue
                     kp = Kernel(paired, f"gemv_tc_{epi}{sfx}p", params, PAIR_THREADS, shared=pair_smem(most // 8))
                     kp.fn.set_attribute(cuda.function_attribute.MAX_DYNAMIC_SHARED_SIZE_BYTES, pair_smem(most // 8))
                     self._tcp[(epi, most)] = kp

@@ -37,13 +37,17 @@ def _from_bf16(a: np.ndarray, shape) -> np.ndarray:
 # --- the fp8 formats of gemv_q.cu (engine/cu/quant.py FP8, FP8B), wired into Kernels and the backend
 
 
-def stored(q) -> np.ndarray:
-    """An fp8 part as the CUDA backend stores it (weights.fp8_part): the e4m3 bytes [rows, k], then the fp32
-    scales ([rows], or [rows, ceil(k / 128)] for tile scales)."""
+def packed(parts, interleave=False) -> tuple[str, int, np.ndarray]:
+    """fp8 ``parts`` stacked as the CUDA backend stores them (weights.fp8_part): (format, rows, the e4m3
+    bytes [rows, k] then the fp32 scales: [rows], or [rows, ceil(k / 128)] for tile scales)."""
     from engine.backends.cuda.weights import fp8_part
 
-    _, a, sc = fp8_part([q])
-    return np.concatenate([a.reshape(-1), sc.view(np.uint8)])
+    fmt, a, sc = fp8_part(list(parts), interleave)
+    return fmt, a.shape[0], np.concatenate([a.reshape(-1), sc.view(np.uint8)])
+
+
+def stored(q) -> np.ndarray:
+    return packed([q])[2]
 
 
 def random_fp8(rows: int, k: int, std: float, rng, block=None):
@@ -80,14 +84,12 @@ def _release():
 
 
 def fp8_matrix(*parts, interleave=False):
-    """fp8 ``parts`` stacked (weights.fp8_part) as one device part."""
-    from engine.backends.cuda.weights import fp8_part
+    """fp8 ``parts`` stacked (``packed``) as one device part."""
     from engine.cu.quant import Matrix, Part
     from tests.kernels.test_cuda_kernels import put
 
-    fmt, a, sc = fp8_part(list(parts), interleave)
-    data = np.concatenate([a.reshape(-1), sc.view(np.uint8)])
-    return Matrix((Part(int(put(data).ptr), fmt, a.shape[0]),), a.shape[1])
+    fmt, rows, data = packed(parts, interleave)
+    return Matrix((Part(int(put(data).ptr), fmt, rows),), parts[0].shape[1])
 
 
 @pytest.mark.parametrize("block", BLOCKS)
