@@ -348,6 +348,12 @@ FIELDS: dict[str, Field] = {
             "CUDA backend: decode attention of 9+ rows takes a lane's rows in one block (the same bits; measured slower)",
         ),
         Field(
+            "cuda.fp8_gemm",
+            bool,
+            False,
+            "CUDA backend: prefill of per-channel FP8 weights on the fp8 tensor cores (x quantized to e4m3 a row)",
+        ),
+        Field(
             "cuda.expert_budget",
             int,
             0,
@@ -597,4 +603,5 @@ def cuda_tuning_dict(values: dict[str, Any]) -> dict[str, Any]:
         "quant_activations": values["cuda.quant_activations"],
         "gemv_pair": values["cuda.gemv_pair"],
         "decode_lanes": values["cuda.decode_lanes"],
+        "fp8_gemm": values["cuda.fp8_gemm"],
     }

@@ -26,6 +26,12 @@
 //   fp32 gate|up round trip and norm.cu's swiglu launch are gone.
 // Out of range rows / columns / k are zero-filled by the TMA (so any M, N and K % 8 == 0 work);
 //   stores are guarded by row < M, col < N.
+// HG_FP8 (the fp8 build, kernel gemm_hopper_fp8): A and W are float8_e4m3fn bytes ([M, K] and [N, K],
+//   K % 16 == 0), a 128-byte smem row holds 128 of them (BK 128), and each 32-wide k step is one
+//   wgmma m64nNk32 e4m3 x e4m3 -> fp32 (the same descriptors: a k step still advances 32 bytes).
+//   Two more parameters scale the fp32 product before bias / act / accumulate: sa fp32 [M] (A's
+//   per-row scales, quant_act.cu's quant_act_fp8) and sw fp32 [N] (W's per-output-channel scales,
+//   the FP8 format's tail): C[m, n] = (sum_k A[m, k] W[n, k]) * (sa[m] * sw[n]).
 // Dynamic shared memory: HG_STAGES * (BM + BN) * 128 + 1024 (alignment) + 256 (barriers).
 // Preconditions (engine/cu/hopper.py): K % 8 == 0, A and W 16-byte aligned (TMA), C 8-byte
 //   aligned and ldc even, the tensor maps encoded for A [M, K] box (64, BM) and W [N, K] box
@@ -36,19 +42,67 @@
 #endif
 #define BM (64 * HG_NC)
 #define BN HG_BN
+#ifdef HG_FP8
+typedef uint8_t elem_t;
+#define BK 128    // elements a 128-byte smem row
+#define KSTEP 32  // elements a wgmma k step (32 bytes)
+#define GEMM_NAME gemm_hopper_fp8
+#else
+typedef bf16 elem_t;
 #define BK 64
+#define KSTEP 16
+#define GEMM_NAME gemm_hopper
+#endif
 #define HG_THREADS (128 * (HG_NC + 1))
-#define STAGE_BYTES ((BM + BN) * BK * 2)
+#define STAGE_BYTES ((BM + BN) * 128)
 #ifndef HG_GROUP_M
 #define HG_GROUP_M 16
 #endif
 static_assert(HG_NC == 1 || HG_NC == 2, "one or two consumer warpgroups");
 static_assert(BN == 128 || BN == 256, "wgmma n128 or n256");
 
+#ifdef HG_FP8
+// D[64 x 128] (+)= A[64 x 32] * B[128 x 32]^T, e4m3 operands, both K-major in shared memory
+// (descriptors; fp8 wgmma takes no transpose); d: 64 fp32 a thread; scale_d == 0 overwrites D.
+__device__ __forceinline__ void wgmma_e4m3_n128(float* d, uint64_t da, uint64_t db, int scale_d) {
+    asm volatile(
+        "{\n .reg .pred p;\n setp.ne.b32 p, %66, 0;\n wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15,"
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31,"
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47,"
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+        "}, %64, %65, p, 1, 1;\n}\n"
+        : WG_D32(0), WG_D32(32)
+        : "l"(da), "l"(db), "r"(scale_d));
+}
+
+// D[64 x 256] (+)= A[64 x 32] * B[256 x 32]^T, as wgmma_e4m3_n128; d: 128 fp32 a thread.
+__device__ __forceinline__ void wgmma_e4m3_n256(float* d, uint64_t da, uint64_t db, int scale_d) {
+    asm volatile(
+        "{\n .reg .pred p;\n setp.ne.b32 p, %130, 0;\n wgmma.mma_async.sync.aligned.m64n256k32.f32.e4m3.e4m3 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15,"
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31,"
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47,"
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63,"
+        "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79,"
+        "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95,"
+        "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111,"
+        "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
+        "}, %128, %129, p, 1, 1;\n}\n"
+        : WG_D32(0), WG_D32(32), WG_D32(64), WG_D32(96)
+        : "l"(da), "l"(db), "r"(scale_d));
+}
+#if BN == 256
+#define WGMMA wgmma_e4m3_n256
+#else
+#define WGMMA wgmma_e4m3_n128
+#endif
+#else
 #if BN == 256
 #define WGMMA wgmma_n256
 #else
 #define WGMMA wgmma_n128
+#endif
 #endif
 
 // silu(g) (act 0) or gelu_tanh(g) (act 1), as norm.cu's swiglu computes them.
@@ -65,13 +119,17 @@ __device__ __forceinline__ void tile_coords(int t, int mt, int nt, int& mb, int&
 }
 
 extern "C" __global__ void __launch_bounds__(HG_THREADS, 1)
-    gemm_hopper(const __grid_constant__ TmaMap tmA, const __grid_constant__ TmaMap tmW,
-                const float* __restrict__ bias, float* __restrict__ C, int M, int N, int K, int ldc, int accumulate,
-                int act) {
+    GEMM_NAME(const __grid_constant__ TmaMap tmA, const __grid_constant__ TmaMap tmW,
+              const float* __restrict__ bias, float* __restrict__ C, int M, int N, int K, int ldc, int accumulate,
+              int act
+#ifdef HG_FP8
+              , const float* __restrict__ sa, const float* __restrict__ sw
+#endif
+    ) {
     extern __shared__ unsigned char smem_raw[];
     unsigned char* smem = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);  // 128B swizzle: 1 KB aligned
-    bf16* sA = reinterpret_cast<bf16*>(smem);  // [HG_STAGES][BM][BK]
-    bf16* sB = sA + HG_STAGES * BM * BK;       // [HG_STAGES][BN][BK]
+    elem_t* sA = reinterpret_cast<elem_t*>(smem);  // [HG_STAGES][BM][BK]
+    elem_t* sB = sA + HG_STAGES * BM * BK;         // [HG_STAGES][BN][BK]
     uint64_t* full = reinterpret_cast<uint64_t*>(sB + HG_STAGES * BN * BK);
     uint64_t* empty = full + HG_STAGES;
 
@@ -122,11 +180,12 @@ extern "C" __global__ void __launch_bounds__(HG_THREADS, 1)
             int prev = 0;
             for (int kt = 0; kt < KT; kt++) {
                 mbar_wait(&full[s], ph);
-                const bf16* a = sA + s * BM * BK + (wg - 1) * 64 * BK;
-                const bf16* b = sB + s * BN * BK;
+                const elem_t* a = sA + s * BM * BK + (wg - 1) * 64 * BK;
+                const elem_t* b = sB + s * BN * BK;
                 wgmma_fence();
 #pragma unroll
-                for (int k = 0; k < BK / 16; k++) WGMMA(d, sw128_desc(a + k * 16), sw128_desc(b + k * 16), kt | k);
+                for (int k = 0; k < BK / KSTEP; k++)
+                    WGMMA(d, sw128_desc(a + k * KSTEP), sw128_desc(b + k * KSTEP), kt | k);
                 wgmma_commit();
                 wgmma_wait<1>();  // the previous stage's batch has retired: hand that stage back
                 if (kt > 0 && tid == 0) mbar_arrive(&empty[prev]);
@@ -143,6 +202,20 @@ extern "C" __global__ void __launch_bounds__(HG_THREADS, 1)
 
             // d[4j + 2h + e]: row 16 * warp + lane / 4 + 8h, column 8j + 2 * (lane % 4) + e of the 64 x BN part.
             const int row0 = mb * BM + (wg - 1) * 64 + warp * 16 + lane / 4, col0 = nb * BN + 2 * (lane % 4);
+#ifdef HG_FP8
+            {  // the row's and the column's scales (rows / columns past M / N: 0, never stored)
+                const float a0 = row0 < M ? sa[row0] : 0.f, a1 = row0 + 8 < M ? sa[row0 + 8] : 0.f;
+#pragma unroll
+                for (int j = 0; j < BN / 8; j++) {
+                    const int col = col0 + 8 * j;
+                    const float w0 = col < N ? sw[col] : 0.f, w1 = col + 1 < N ? sw[col + 1] : 0.f;
+                    d[4 * j] *= a0 * w0;
+                    d[4 * j + 1] *= a0 * w1;
+                    d[4 * j + 2] *= a1 * w0;
+                    d[4 * j + 3] *= a1 * w1;
+                }
+            }
+#endif
             if (act >= 0) {  // fused SwiGLU / GeGLU: column groups of 16 = 8 gates, then their 8 ups
                 bf16* out = reinterpret_cast<bf16*>(C);
 #pragma unroll

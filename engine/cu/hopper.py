@@ -5,7 +5,9 @@ descriptors, variants and launches.
 warpgroups x tile width, each with as many pipeline stages as fit in shared memory) and
 launches the one ``pick`` chooses for the shape: ``gemm(s, A, W, bias, C, M, N, K, ldc,
 accumulate)`` has ``Kernels.linear``'s GEMM contract, C fp32 [M, ldc] (+)= A bf16 [M, K] @
-W bf16 [N, K]^T (+ bias fp32 [N]).
+W bf16 [N, K]^T (+ bias fp32 [N]). ``HopperGemm(fp8=True)`` is the same kernel's fp8 build
+(``gemm_hopper_fp8``): A and W float8_e4m3fn bytes, the product times A's row scales and W's
+column scales (``sa``, ``sw``), for the prefill of ``FP8`` matrices (``cuda.fp8_gemm``).
 
 The TMA tensor maps (``CUtensorMap``, 128 opaque bytes) are encoded on the host by the
 driver's ``cuTensorMapEncodeTiled`` (through ctypes: no binding beyond PyCUDA) and passed
@@ -35,10 +37,11 @@ MAX_STAGES = 8
 # (consumer warpgroups, tile width): BM = 64 * warpgroups rows by BN columns a tile
 VARIANTS = ((2, 256), (2, 128), (1, 256), (1, 128))
 PARAMS = ["128s", "128s", "P", "P", "i", "i", "i", "i", "i", "i"]  # tmA, tmW, bias, C, M, N, K, ldc, accumulate, act
+PARAMS_FP8 = PARAMS + ["P", "P"]  # ..., sa, sw
 _KPARAM_INFO = 0x17
 
 # CUtensorMap enums (cuda.h)
-_BF16, _INTERLEAVE_NONE, _SWIZZLE_128B, _L2_256B, _OOB_ZERO = 9, 0, 3, 3, 0
+_UINT8, _BF16, _INTERLEAVE_NONE, _SWIZZLE_128B, _L2_256B, _OOB_ZERO = 0, 9, 0, 3, 3, 0
 
 
 # A tile's cost in units of a 128 x 256 one: its area over the rate that variant reached at
@@ -79,10 +82,11 @@ def _libcuda():
     return f
 
 
-def encode_map(ptr: int, dims: tuple[int, ...], strides: tuple[int, ...], box: tuple[int, ...]) -> bytes:
-    """The 128-byte CUtensorMap of a bf16 tensor at ``ptr``: ``dims`` innermost first, ``strides`` the
-    byte strides of dims 1.. (multiples of 16), read in boxes of ``box`` with the 128-byte swizzle
-    (zeros outside the tensor)."""
+def encode_map(ptr: int, dims: tuple[int, ...], strides: tuple[int, ...], box: tuple[int, ...],
+               dtype: int = _BF16) -> bytes:  # fmt: skip
+    """The 128-byte CUtensorMap of a bf16 (or ``dtype``: ``_UINT8`` for fp8 bytes) tensor at ``ptr``: ``dims``
+    innermost first, ``strides`` the byte strides of dims 1.. (multiples of 16), read in boxes of
+    ``box`` with the 128-byte swizzle (zeros outside the tensor)."""
     if ptr % 16 or any(st % 16 for st in strides):
         raise ValueError(f"TMA needs a 16-byte aligned tensor and strides (ptr={ptr:#x}, strides={strides})")
     rank = len(dims)
@@ -91,16 +95,21 @@ def encode_map(ptr: int, dims: tuple[int, ...], strides: tuple[int, ...], box: t
     cstrides = (ctypes.c_uint64 * (rank - 1))(*strides)
     cbox = (ctypes.c_uint32 * rank)(*box)
     elem = (ctypes.c_uint32 * rank)(*([1] * rank))
-    res = _libcuda()(out, _BF16, rank, ctypes.c_void_p(ptr), cdims, cstrides, cbox, elem, _INTERLEAVE_NONE,
+    res = _libcuda()(out, dtype, rank, ctypes.c_void_p(ptr), cdims, cstrides, cbox, elem, _INTERLEAVE_NONE,
                      _SWIZZLE_128B, _L2_256B, _OOB_ZERO)  # fmt: skip
     if res != 0:
         raise RuntimeError(f"cuTensorMapEncodeTiled failed (CUresult {res}) for dims {dims} box {box}")
     return bytes(out)
 
 
-def tensor_map(ptr: int, rows: int, cols: int, box_rows: int) -> bytes:
+def tensor_map(ptr: int, rows: int, cols: int, box_rows: int, fp8: bool = False) -> bytes:
     """The tensor map of a row-major bf16 [rows, cols] matrix at ``ptr``, read in boxes of ``box_rows``
-    x 64 with the 128-byte swizzle (zeros outside the matrix)."""
+    x 64 with the 128-byte swizzle (zeros outside the matrix); ``fp8``: a matrix of bytes, boxes of
+    ``box_rows`` x 128 (a 128-byte row either way)."""
+    if fp8:
+        if ptr % 16 or cols % 16:
+            raise ValueError(f"TMA needs a 16-byte aligned matrix and cols % 16 == 0 (ptr={ptr:#x}, cols={cols})")
+        return encode_map(ptr, (cols, rows), (cols,), (2 * BK, box_rows), _UINT8)
     if ptr % 16 or cols % 8:
         raise ValueError(f"TMA needs a 16-byte aligned matrix and cols % 8 == 0 (ptr={ptr:#x}, cols={cols})")
     return encode_map(ptr, (cols, rows), (cols * 2,), (BK, box_rows))
@@ -161,10 +170,11 @@ def _build(source: str, defines: dict[str, int], cache_dir: str) -> tuple[str, l
     return src, ["-O3", "-std=c++17"] + [f"-D{k}={v}" for k, v in defines.items()], cache
 
 
-def _module(nc: int, bn: int, cache_dir: str):
-    """One variant's module (``launch.compiled``: loaded now, or when a ``compiling()`` block binds it)."""
-    defines = {"HG_NC": nc, "HG_BN": bn, "HG_STAGES": stages(nc, bn)}
-    return compiled(("gemm_hopper", nc, bn, cache_dir), lambda: _build("gemm_hopper.cu", defines, cache_dir),
+def _module(nc: int, bn: int, cache_dir: str, fp8: bool = False):
+    """One variant's module (``launch.compiled``: loaded now, or when a ``compiling()`` block binds it);
+    ``fp8``: the HG_FP8 build (same tiles and stages: a stage row is 128 bytes either way)."""
+    defines = {"HG_NC": nc, "HG_BN": bn, "HG_STAGES": stages(nc, bn)} | ({"HG_FP8": 1} if fp8 else {})
+    return compiled(("gemm_hopper", nc, bn, cache_dir, fp8), lambda: _build("gemm_hopper.cu", defines, cache_dir),
                     arch=ARCH)  # fmt: skip
 
 
@@ -188,18 +198,21 @@ def supported() -> bool:
 
 
 class HopperGemm:
-    """gemm_hopper's variants, compiled and prepared for the current context's device."""
+    """gemm_hopper's variants, compiled and prepared for the current context's device; ``fp8``: the
+    fp8 build's (gemm_hopper_fp8: A and W e4m3 bytes, calls pass ``sa`` and ``sw``)."""
 
-    def __init__(self, cache_dir: str = "") -> None:
+    def __init__(self, cache_dir: str = "", fp8: bool = False) -> None:
         import pycuda.driver as cuda
 
         dev = cuda.Context.get_device()
         self.sms = dev.get_attribute(cuda.device_attribute.MULTIPROCESSOR_COUNT)
+        self.fp8 = fp8
+        name, params = ("gemm_hopper_fp8", PARAMS_FP8) if fp8 else ("gemm_hopper", PARAMS)
         self._fns = {}
         for nc, bn in VARIANTS:
-            mod = _module(nc, bn, cache_dir)
-            fn = mod.get_function("gemm_hopper")  # a LazyFunction inside launch.compiling()
-            _prepare(mod, fn, "gemm_hopper", PARAMS, smem_bytes(nc, bn))
+            mod = _module(nc, bn, cache_dir, fp8)
+            fn = mod.get_function(name)  # a LazyFunction inside launch.compiling()
+            _prepare(mod, fn, name, params, smem_bytes(nc, bn))
             self._fns[(nc, bn)] = fn
         self._maps: dict[tuple[int, int, int, int], bytes] = {}
 
@@ -212,14 +225,18 @@ class HopperGemm:
         if tm is None:
             if len(self._maps) > 4096:
                 self._maps.clear()
-            tm = self._maps[key] = tensor_map(ptr, rows, k, box)
+            tm = self._maps[key] = tensor_map(ptr, rows, k, box, self.fp8)
         return tm
 
     def __call__(self, s, a: int, w: int, bias: int, c: int, m: int, n: int, k: int, ldc: int | None = None,
-                 accumulate: bool = False, variant: tuple[int, int] | None = None, act: int = -1) -> None:  # fmt: skip
+                 accumulate: bool = False, variant: tuple[int, int] | None = None, act: int = -1, sa: int = 0,
+                 sw: int = 0) -> None:  # fmt: skip
         """c[m, :n] (+)= a[m, k] @ w[n, k].T (+ bias) on stream ``s``; ``variant`` forces one of ``VARIANTS``.
         ``act`` 0 / 1: c is bf16 [m, ldc] and gets silu / gelu_tanh(gate) * up of the interleaved gate|up
-        product (n / 2 columns; gemm_hopper.cu)."""
+        product (n / 2 columns; gemm_hopper.cu). The fp8 build: a and w e4m3 bytes (k % 16 == 0), the
+        product times ``sa`` fp32 [m] and ``sw`` fp32 [n] (both needed) before bias, act, accumulate."""
+        if self.fp8 and (k % 16 or not sa or not sw or int(sa) % 4 or int(sw) % 4):
+            raise ValueError(f"gemm_hopper_fp8 needs K % 16 == 0 and both scale vectors (K={k})")
         if act >= 0:
             ldc = n // 2 if ldc is None else ldc
             if k % 8 or n % 16 or ldc % 2 or ldc < n // 2 or int(c) % 4 or bias or accumulate:
@@ -235,10 +252,11 @@ class HopperGemm:
         bm = 64 * nc
         tiles = -(-m // bm) * -(-n // bn)
         fn = self._fns[(nc, bn)]
+        scales = (int(sa), int(sw)) if self.fp8 else ()
         fn.prepared_async_call((min(tiles, self.sms), 1, 1), (128 * (nc + 1), 1, 1), s,
                                self._map(int(a), m, k, bm), self._map(int(w), n, k, bn), int(bias), int(c),
                                np.int32(m), np.int32(n), np.int32(k), np.int32(ldc), np.int32(int(accumulate)),
-                               np.int32(act), shared_size=smem_bytes(nc, bn))  # fmt: skip
+                               np.int32(act), *scales, shared_size=smem_bytes(nc, bn))  # fmt: skip
 
 
 class GemmRoute:

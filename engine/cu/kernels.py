@@ -19,9 +19,18 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engine.cu.hopper import route_attention, route_gemm
+from engine.cu.hopper import GemmRoute, HopperGemm, route_attention, route_gemm
 from engine.cu.launch import Kernel, module, pdl_module
-from engine.cu.quant import BF16, QACT8_FORMATS, QACT_THREADS, Matrix, QuantKernels, quant_act_bytes
+from engine.cu.quant import (
+    BF16,
+    FP8,
+    QACT8_FORMATS,
+    QACT_THREADS,
+    QF8_THREADS,
+    Matrix,
+    QuantKernels,
+    quant_act_bytes,
+)
 from engine.sampling import MIN_TEMPERATURE
 
 GEMV_MAX_ROWS = 64  # gemv.cu's bf16 GEMV (its epilogues and fused norms included)
@@ -149,12 +158,16 @@ class Kernels:
     ``decode_lanes`` (``CudaTuning.decode_lanes``): decode attention of a round of ``DECODE_LANES_FROM`` rows
     or more runs the DECODE_LR build, whose blocks take a lane's verify rows together (up to 16 / group
     of them; the same bits); head_dim 64 / 128 only (256: the plain build).
+    ``fp8_gemm`` (``CudaTuning.fp8_gemm``): on an sm_90 device, the prefill GEMM of a matrix whose parts
+    are all ``FP8`` (per-channel scales) runs on the fp8 tensor cores (gemm_hopper_fp8) with x
+    quantized to e4m3 a row at a time (quant_act.cu's quant_act_fp8, into ``scratch``) instead of
+    dequantizing the weights into ``scratch`` for the bf16 GEMM (``fp8_prefill``).
     """
 
     def __init__(self, head_dim: int, group: int, *, u2_below: int = 40 << 20, cache_dir: str = "",
                  formats=(), pdl: bool = False, wide_min_n: int = 0, quant_act: bool = False,
                  quant_persist: bool = False, gemv_pair: bool = False, pair_from: int = PAIR_FROM,
-                 decode_lanes: bool = False) -> None:  # fmt: skip
+                 decode_lanes: bool = False, fp8_gemm: bool = False) -> None:  # fmt: skip
         if head_dim not in (64, 128, 256):
             raise ValueError(f"head_dim {head_dim} not supported (64, 128 or 256)")
         if not 1 <= group <= 8:
@@ -233,6 +246,11 @@ class Kernels:
                             "M:i32 N:i32 K:i32 ldc:i32 accumulate:i32", GEMM_THREADS, shared=GEMM_SMEM)  # fmt: skip
         self._gemm.fn.set_attribute(cuda.function_attribute.MAX_DYNAMIC_SHARED_SIZE_BYTES, GEMM_SMEM)
         self._gemm = route_gemm(self._gemm, cache_dir)  # gemm_hopper on sm_90 (engine/cu/hopper.py)
+        self._gemm_fp8 = self._quant_fp8 = None  # cuda.fp8_gemm: gemm_hopper_fp8 and its x quantizer
+        if fp8_gemm and FP8 in formats and isinstance(self._gemm, GemmRoute):
+            self._gemm_fp8 = HopperGemm(cache_dir, fp8=True)
+            self._quant_fp8 = Kernel(module("quant_act", (), cache_dir), "quant_act_fp8",
+                                     "x:ptr q:ptr sa:ptr M:i32 K:i32", QF8_THREADS)  # fmt: skip
         dec_args = (*attn, ("NUM_SPLITS", DECODE_SPLITS), ("DECODE_THREADS", DECODE_THREADS))
         dec_params = (
             "q:ptr positions:ptr block_tables:ptr bt_stride:i32 cache:ptr block_stride:i64 block_size:i32 "
@@ -339,6 +357,8 @@ class Kernels:
             return (n + 15) // 16 if norm_out[0] else 0
         if ss_in[0] or norm_out[0]:
             raise ValueError(f"fused RMSNorm needs 1..{gemv_rows(w)} rows, got {rows}")
+        if self.fp8_prefill(s, x, w, bias, out, rows, n, k, ldo, accumulate):
+            return 0
         self._gemm(s, ((rows + 127) // 128, (n + 127) // 128), A=x, W=self.as_bf16(s, w, n, k), bias=bias, C=out,
                    M=rows, N=n, K=k, ldc=ldo, accumulate=int(accumulate))  # fmt: skip
         return 0
@@ -365,6 +385,32 @@ class Kernels:
         groups = rows * (k // 32)
         self._quant_act(s, (-(-groups // QACT_THREADS),), x=x, q=out, M=rows, K=k)
         return out
+
+    def fp8_prefill(self, s, x: int, w, bias: int, out: int, rows: int, n: int, k: int, ldo: int,
+                    accumulate: bool = False, act: int = -1) -> bool:  # fmt: skip
+        """The GEMM of an all-``FP8`` matrix ``w`` on the fp8 tensor cores (``fp8_gemm``): x quantized
+        to e4m3 with a scale a row into ``scratch``, then gemm_hopper_fp8 a part, each over its columns
+        of ``out`` (``act`` >= 0: the fused gate|up, one part). False (nothing launched) where it does
+        not apply: not built, another format, unaligned, or x does not fit the scratch."""
+        if self._gemm_fp8 is None or not isinstance(w, Matrix) or w.formats != (FP8,) or k % 16:
+            return False
+        q_bytes = -(-rows * k // 16) * 16
+        if w.rows != n or w.k != k or q_bytes + 4 * rows > self.scratch_bytes or (act >= 0 and len(w.parts) > 1):
+            return False
+        if int(x) % 16 or any(int(p.ptr) % 16 for p in w.parts) or (bias and act >= 0):
+            return False
+        q, sa = self.scratch, self.scratch + q_bytes
+        self._quant_fp8(s, (rows,), x=x, q=q, sa=sa, M=rows, K=k)
+        r0 = 0
+        for p in w.parts:
+            sw = p.ptr + p.rows * k  # the part's fp32 scales follow its bytes (quant.FP8)
+            if act >= 0:
+                self._gemm_fp8(s, q, p.ptr, 0, out, rows, p.rows, k, ldo, act=act, sa=sa, sw=sw)
+            else:
+                self._gemm_fp8(s, q, p.ptr, bias + 4 * r0 if bias else 0, out + 4 * r0, rows, p.rows, k, ldo,
+                               accumulate=accumulate, sa=sa, sw=sw)  # fmt: skip
+            r0 += p.rows
+        return True
 
     def as_bf16(self, s, w, n: int, k: int) -> int:
         """A bf16 pointer to weight ``w``: itself when it is bf16, else its parts dequantized (or copied)
@@ -469,6 +515,8 @@ class Kernels:
             return
         if ss_in[0]:
             raise ValueError(f"fused RMSNorm needs 1..{gemv_rows(w)} rows, got {rows}")
+        if int(act) % 4 == 0 and self.fp8_prefill(s, x, w, 0, act, rows, 2 * inter, k, inter, act=ACT_CODE[fn]):
+            return
         wb = self.as_bf16(s, w, 2 * inter, k)
         fused = getattr(self._gemm, "gate_up", None)  # gemm_hopper: the activation in its epilogue
         if fused is not None and fused(s, x, wb, act, rows, inter, k, ACT_CODE[fn]):

@@ -48,6 +48,7 @@ TC_ROWS = 16
 QACT8_FORMATS = frozenset(QUANT_FORMATS)
 QACT_THREADS = 128  # quant_act.cu: a thread a (row, group of 32)
 QACT_MAX_ROWS = 8
+QF8_THREADS = 256  # quant_act.cu's quant_act_fp8: a block a row (the fp8 prefill GEMM's x)
 
 
 def quant_act_bytes(k: int, rows: int = QACT_MAX_ROWS) -> int:

@@ -53,3 +53,50 @@ extern "C" __global__ void quant_act_q8(const bf16* __restrict__ x, int8_t* __re
     float2* sc = reinterpret_cast<float2*>(q + (size_t)M * K);
     sc[(size_t)grp * 8 + m] = make_float2(d, __fmul_rn(d, (float)sum));
 }
+
+// quant_act_fp8: the fp8 prefill GEMM's activations (gemm_hopper.cu's HG_FP8 build).
+// x bf16 [M, K] (K % 8 == 0) -> q float8_e4m3fn [M, K] and sa fp32 [M], one scale a row:
+//   sa[m] = absmax(row m) / 448 (1 for a row of zeros), q = e4m3(x / sa[m]) rounded to nearest even and
+//   saturated at +-448 (cvt.rn.satfinite), so q * sa[m] is x to within e4m3's 3 mantissa bits.
+// Every step is one correctly rounded fp32 operation (__fdiv_rn), so engine/loaders/fp8.py's encode on
+// numpy float32 is bit-exact (tests/kernels/test_cuda_fp8_gemm.py). One block (QF8_THREADS) a row.
+#include <cuda_fp8.h>
+#define QF8_THREADS 256
+
+extern "C" __global__ void __launch_bounds__(QF8_THREADS)
+    quant_act_fp8(const bf16* __restrict__ x, uint8_t* __restrict__ q, float* __restrict__ sa, int M, int K) {
+    __shared__ float red[QF8_THREADS / 32];
+    const int m = blockIdx.x, n8 = K >> 3;
+    const uint4* src = reinterpret_cast<const uint4*>(x + (size_t)m * K);
+    float amax = 0.f;
+    for (int i = threadIdx.x; i < n8; i += QF8_THREADS) {
+        const uint4 w = src[i];
+        const uint32_t w4[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+        for (int j = 0; j < 4; j++)
+            amax = fmaxf(amax, fmaxf(fabsf(__uint_as_float(w4[j] << 16)), fabsf(__uint_as_float(w4[j] & 0xffff0000u))));
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = amax;
+    __syncthreads();
+    amax = red[0];
+#pragma unroll
+    for (int w = 1; w < QF8_THREADS / 32; w++) amax = fmaxf(amax, red[w]);
+    const float s = amax > 0.f ? __fdiv_rn(amax, 448.f) : 1.f;
+    if (threadIdx.x == 0) sa[m] = s;
+    uint2* dst = reinterpret_cast<uint2*>(q + (size_t)m * K);
+    for (int i = threadIdx.x; i < n8; i += QF8_THREADS) {
+        const uint4 w = src[i];
+        const uint32_t w4[4] = {w.x, w.y, w.z, w.w};
+        uint32_t o[2] = {0u, 0u};
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            const float lo = __fdiv_rn(__uint_as_float(w4[j] << 16), s);
+            const float hi = __fdiv_rn(__uint_as_float(w4[j] & 0xffff0000u), s);
+            const uint32_t two = __nv_cvt_float2_to_fp8x2(make_float2(lo, hi), __NV_SATFINITE, __NV_E4M3);
+            o[j >> 1] |= (two & 0xffffu) << (16 * (j & 1));
+        }
+        dst[i] = make_uint2(o[0], o[1]);
+    }
+}

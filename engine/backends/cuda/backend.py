@@ -255,7 +255,8 @@ class CudaBackend(Backend):
         return Kernels(c.head_dim, c.num_heads // c.num_kv_heads, u2_below=t.gemv_u2_below,
                        cache_dir=t.kernel_cache_dir, formats=self.formats, pdl=t.pdl,
                        wide_min_n=t.gemv_wide_min_n, quant_act=t.quant_activations,
-                       quant_persist=t.quant_persist, gemv_pair=t.gemv_pair, decode_lanes=t.decode_lanes)  # fmt: skip
+                       quant_persist=t.quant_persist, gemv_pair=t.gemv_pair, decode_lanes=t.decode_lanes,
+                       fp8_gemm=t.fp8_gemm)  # fmt: skip
 
     def retune(self, tuning: CudaTuning) -> None:
         """Switch kernel settings on a loaded model and recapture the decode graphs (benchmarks)."""

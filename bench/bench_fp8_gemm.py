@@ -1,0 +1,190 @@
+"""FP8 prefill on the tensor cores (``cuda.fp8_gemm``) against the dequant + bf16 GEMM it replaces.
+
+1. The Llama-3.1-8B layer GEMMs alone at chunks of 128 .. 2,048 rows (CUDA events, median of 10 calls,
+   random operands): the bf16 GEMM on bf16 weights (gemm_hopper), the FP8 matrix with fp8_gemm off
+   (dequantized into the scratch, then gemm_hopper) and on (x quantized a row by quant_act_fp8, then
+   gemm_hopper_fp8), with TFLOP/s of the product and the on / off ratio; and the on path's relative
+   error against the off path's output (which keeps x in bf16) at 512 rows.
+2. The whole 8B shape (``--layers``, random weights as tests/kernels/test_cuda_fp8.py's 8B test draws
+   them, every layer projection fp8 per output channel): prefill of 512- and 4,096-token prompts in the
+   CUDA default chunks with fp8_gemm off and on (``CudaBackend.retune``, the same loaded weights), the
+   bf16 model's beside them, and the last position's logits cosine on / off and each against bf16.
+
+Needs a Hopper device and torch (part 2); prints tables (docs/QUANT.md, "FP8 prefill on the tensor cores").
+
+    python3 bench/bench_fp8_gemm.py [--layers 32] [--skip-model]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from functools import partial
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+SHAPES = {"q,k,v": (6144, 4096), "o": (4096, 4096), "gate,up": (28672, 4096), "down": (4096, 14336)}
+ROWS = (128, 512, 1024, 2048)
+
+
+def timed(cuda, s, fn, reps: int = 10) -> float:
+    fn()
+    ts = []
+    for _ in range(reps):
+        a, b = cuda.Event(), cuda.Event()
+        a.record(s)
+        fn()
+        b.record(s)
+        b.synchronize()
+        ts.append(b.time_since(a) / 1e3)
+    return statistics.median(ts)
+
+
+def gemms() -> list[str]:
+    import pycuda.driver as cuda
+    import pycuda.gpuarray as ga
+
+    from engine.backends.cuda.weights import to_bf16
+    from engine.cu import runtime
+    from engine.cu.kernels import Kernels
+    from engine.cu.quant import FP8, Matrix, Part
+    from engine.loaders.fp8 import encode
+
+    rng = np.random.default_rng(0)
+    lines = ["| matrix [N, K] | rows | bf16 weights | fp8, dequant + bf16 GEMM | fp8 tensor cores | on / off |",
+             "|---|---|---|---|---|---|"]  # fmt: skip
+    errs = []
+    with runtime.current():
+        s = cuda.Stream()
+        off = Kernels(128, 4, formats=(FP8,))
+        on = Kernels(128, 4, formats=(FP8,), fp8_gemm=True)
+        nbytes = 2 * 28672 * 4096
+        scratch = cuda.mem_alloc(nbytes)
+        for k in (off, on):
+            k.scratch, k.scratch_bytes = int(scratch), nbytes
+        x = ga.to_gpu(to_bf16(rng.standard_normal((max(ROWS), 14336)).astype(np.float32)))
+        out = cuda.mem_alloc(4 * max(ROWS) * 28672)
+        for name, (n, k) in SHAPES.items():
+            w = (rng.standard_normal((n, k)).astype(np.float32) * k**-0.5).astype(np.float32)
+            wb = ga.to_gpu(to_bf16(w))
+            scale = np.abs(w).max(axis=1) / np.float32(448)
+            f8 = ga.to_gpu(np.concatenate([encode(w / scale[:, None]).reshape(-1), scale.view(np.uint8)]))
+            mat = Matrix((Part(int(f8.ptr), FP8, n),), k)
+            del w
+            for m in ROWS:
+                t_bf = timed(cuda, s, partial(off.linear, s, x.ptr, int(wb.ptr), 0, out, m, n, k))
+                t_off = timed(cuda, s, partial(off.linear, s, x.ptr, mat, 0, out, m, n, k))
+                t_on = timed(cuda, s, partial(on.linear, s, x.ptr, mat, 0, out, m, n, k))
+                flop = 2 * m * n * k
+                lines.append(f"| {name} [{n}, {k}] | {m} | {t_bf * 1e3:.3f} ms ({flop / t_bf / 1e12:.0f} TFLOP/s) | "
+                             f"{t_off * 1e3:.3f} ms ({flop / t_off / 1e12:.0f}) | {t_on * 1e3:.3f} ms "
+                             f"({flop / t_on / 1e12:.0f}) | {t_on / t_off:.2f}x |")  # fmt: skip
+                if m == 512:
+                    res = {}
+                    for label, kern in (("off", off), ("on", on)):
+                        kern.linear(s, x.ptr, mat, 0, out, m, n, k)
+                        s.synchronize()
+                        res[label] = cuda.from_device(out, (m, n), np.float32).astype(np.float64)
+                    errs.append(f"{name}: {np.linalg.norm(res['on'] - res['off']) / np.linalg.norm(res['off']):.4f}")
+            wb.gpudata.free()
+            f8.gpudata.free()
+        scratch.free()
+    lines.append("")
+    lines.append("Relative error of the fp8 tensor-core output against the dequant + bf16 GEMM's (512 rows): "
+                 + ", ".join(errs))  # fmt: skip
+    return lines
+
+
+def model(layers: int) -> list[str]:
+    import torch
+
+    from bench.bench_cuda import cuda_default_chunk, prefill_time
+    from engine.backends.cuda import CudaBackend
+    from engine.config import CudaTuning
+    from engine.cu import runtime
+    from engine.loaders.fp8 import is_quantizable
+    from engine.model_config import ModelConfig
+    from engine.models import definition
+    from tests.kernels.test_cuda_fp8 import _torch_fp8
+    from tests.kernels.test_cuda_model import cosine, prefill_logits
+
+    torch.cuda.init()
+    cfg = ModelConfig(arch="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=layers,
+                      num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=500000.0, max_position=131072)  # fmt: skip
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    bf = {}
+    for name, shape in definition("llama").tensors(cfg).items():
+        if len(shape) == 1:
+            bf[name] = torch.ones(shape, dtype=torch.bfloat16, device="cuda")
+        else:
+            std = 0.02 / ((2 * layers) ** 0.5 if name.endswith(("o_proj.weight", "down_proj.weight")) else 1)
+            bf[name] = (torch.randn(shape, generator=gen, device="cuda", dtype=torch.float32) * std).to(torch.bfloat16)
+    kw = dict(block_size=16, kv_budget_bytes=4 << 30, host_kv_budget_bytes=0, max_context=8192)
+    chunk = cuda_default_chunk()
+    ids = np.random.default_rng(1).integers(0, cfg.vocab_size, 512).tolist()
+    times, logits = {}, {}
+
+    def measure(be, label: str) -> None:
+        for n in (512, 4096):
+            rng = np.random.default_rng(n)
+            prefill_time(be, cfg, rng, n, chunk)  # warm-up
+            times[(label, n)] = prefill_time(be, cfg, rng, n, chunk, reps=3)
+        logits[label] = prefill_logits(be, ids, list(range(-(-len(ids) // 16))))
+
+    be = CudaBackend()
+    be.load(cfg, bf, **kw)
+    try:
+        measure(be, "bf16")
+    finally:
+        be.unload()
+    f8 = {n: _torch_fp8(torch, w) if is_quantizable(n, np.empty((1, 1))) else w for n, w in bf.items()}
+    del bf
+    torch.cuda.empty_cache()
+    be = CudaBackend()
+    be.load(cfg, f8, **kw)
+    try:
+        measure(be, "fp8, dequant + bf16 GEMM")
+        with runtime.current():
+            be.retune(CudaTuning(fp8_gemm=True))
+        assert be.kern._gemm_fp8 is not None
+        measure(be, "fp8, tensor cores")
+    finally:
+        be.unload()
+    lines = [f"| weights ({layers} layers) | prefill 512 tokens | prefill 4,096 tokens (chunks of {chunk:,}) | "
+             "logits cosine vs bf16 |", "|---|---|---|---|"]  # fmt: skip
+    for label in ("bf16", "fp8, dequant + bf16 GEMM", "fp8, tensor cores"):
+        cells = [f"{times[(label, n)] * 1e3:.1f} ms ({n / times[(label, n)]:,.0f} tok/s)" for n in (512, 4096)]
+        lines.append(f"| {label} | {cells[0]} | {cells[1]} | {cosine(logits[label], logits['bf16']):.5f} |")
+    on, off = logits["fp8, tensor cores"], logits["fp8, dequant + bf16 GEMM"]
+    lines.append("")
+    lines.append(f"fp8 tensor cores / dequant: prefill 512 {times[('fp8, tensor cores', 512)] / times[('fp8, dequant + bf16 GEMM', 512)]:.2f}x, "
+                 f"4,096 {times[('fp8, tensor cores', 4096)] / times[('fp8, dequant + bf16 GEMM', 4096)]:.2f}x; "
+                 f"logits cosine on vs off {cosine(on, off):.5f}; greedy token on / off / bf16: "
+                 f"{int(np.argmax(on))} / {int(np.argmax(off))} / {int(np.argmax(logits['bf16']))}")  # fmt: skip
+    return lines
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--skip-model", action="store_true", help="the GEMMs alone")
+    args = ap.parse_args()
+    import pycuda.driver as cuda
+
+    from engine.cu import runtime
+
+    with runtime.current():
+        dev = cuda.Context.get_device()
+        print(f"device: {dev.name()}")
+    print("\n".join(gemms()), flush=True)
+    if not args.skip_model:
+        print()
+        print("\n".join(model(args.layers)))
+
+
+if __name__ == "__main__":
+    main()
