@@ -48,20 +48,20 @@ def gemms() -> list[str]:
     import pycuda.driver as cuda
     import pycuda.gpuarray as ga
 
-    from engine.backends.cuda.weights import to_bf16
+    from engine.backends.cuda.weights import fp8_part, to_bf16
     from engine.cu import runtime
     from engine.cu.kernels import Kernels
-    from engine.cu.quant import FP8, Matrix, Part
-    from engine.loaders.fp8 import encode
+    from engine.cu.quant import FP8, FP8_FORMATS, FP8B, Matrix, Part
+    from engine.loaders.fp8 import encode, quantize_fp8
 
     rng = np.random.default_rng(0)
-    lines = ["| matrix [N, K] | rows | bf16 weights | fp8, dequant + bf16 GEMM | fp8 tensor cores | on / off |",
-             "|---|---|---|---|---|---|"]  # fmt: skip
+    lines = ["| matrix [N, K] | rows | bf16 weights | fp8, dequant + bf16 GEMM | fp8 tensor cores | on / off | "
+             "fp8 tiles (FP8B), dequant + bf16 GEMM | FP8B tensor cores |", "|---|---|---|---|---|---|---|---|"]  # fmt: skip
     errs = []
     with runtime.current():
         s = cuda.Stream()
-        off = Kernels(128, 4, formats=(FP8,))
-        on = Kernels(128, 4, formats=(FP8,), fp8_gemm=True)
+        off = Kernels(128, 4, formats=FP8_FORMATS)
+        on = Kernels(128, 4, formats=FP8_FORMATS, fp8_gemm=True)
         nbytes = 2 * 28672 * 4096
         scratch = cuda.mem_alloc(nbytes)
         for k in (off, on):
@@ -74,24 +74,32 @@ def gemms() -> list[str]:
             scale = np.abs(w).max(axis=1) / np.float32(448)
             f8 = ga.to_gpu(np.concatenate([encode(w / scale[:, None]).reshape(-1), scale.view(np.uint8)]))
             mat = Matrix((Part(int(f8.ptr), FP8, n),), k)
-            del w
+            _, codes, tile_scales = fp8_part([quantize_fp8(w, 128)], False)
+            f8b = ga.to_gpu(np.concatenate([codes.reshape(-1), tile_scales.view(np.uint8).reshape(-1)]))
+            matb = Matrix((Part(int(f8b.ptr), FP8B, n),), k)
+            del w, codes
             for m in ROWS:
                 t_bf = timed(cuda, s, partial(off.linear, s, x.ptr, int(wb.ptr), 0, out, m, n, k))
                 t_off = timed(cuda, s, partial(off.linear, s, x.ptr, mat, 0, out, m, n, k))
                 t_on = timed(cuda, s, partial(on.linear, s, x.ptr, mat, 0, out, m, n, k))
+                t_boff = timed(cuda, s, partial(off.linear, s, x.ptr, matb, 0, out, m, n, k))
+                t_bon = timed(cuda, s, partial(on.linear, s, x.ptr, matb, 0, out, m, n, k))
                 flop = 2 * m * n * k
                 lines.append(f"| {name} [{n}, {k}] | {m} | {t_bf * 1e3:.3f} ms ({flop / t_bf / 1e12:.0f} TFLOP/s) | "
                              f"{t_off * 1e3:.3f} ms ({flop / t_off / 1e12:.0f}) | {t_on * 1e3:.3f} ms "
-                             f"({flop / t_on / 1e12:.0f}) | {t_on / t_off:.2f}x |")  # fmt: skip
+                             f"({flop / t_on / 1e12:.0f}) | {t_on / t_off:.2f}x | {t_boff * 1e3:.3f} ms | "
+                             f"{t_bon * 1e3:.3f} ms ({flop / t_bon / 1e12:.0f}) |")  # fmt: skip
                 if m == 512:
                     res = {}
-                    for label, kern in (("off", off), ("on", on)):
-                        kern.linear(s, x.ptr, mat, 0, out, m, n, k)
+                    for label, kern, mm in (("off", off, mat), ("on", on, mat), ("boff", off, matb), ("bon", on, matb)):
+                        kern.linear(s, x.ptr, mm, 0, out, m, n, k)
                         s.synchronize()
                         res[label] = cuda.from_device(out, (m, n), np.float32).astype(np.float64)
-                    errs.append(f"{name}: {np.linalg.norm(res['on'] - res['off']) / np.linalg.norm(res['off']):.4f}")
-            wb.gpudata.free()
-            f8.gpudata.free()
+                    e = np.linalg.norm(res["on"] - res["off"]) / np.linalg.norm(res["off"])
+                    eb = np.linalg.norm(res["bon"] - res["boff"]) / np.linalg.norm(res["boff"])
+                    errs.append(f"{name}: {e:.4f} (FP8B {eb:.4f})")
+            for g in (wb, f8, f8b):
+                g.gpudata.free()
         scratch.free()
     lines.append("")
     lines.append("Relative error of the fp8 tensor-core output against the dequant + bf16 GEMM's (512 rows): "
@@ -150,7 +158,7 @@ def model(layers: int) -> list[str]:
         measure(be, "fp8, dequant + bf16 GEMM")
         with runtime.current():
             be.retune(CudaTuning(fp8_gemm=True))
-        assert be.kern._gemm_fp8 is not None
+        assert be.kern._fp8
         measure(be, "fp8, tensor cores")
     finally:
         be.unload()

@@ -32,6 +32,11 @@
 //   Two more parameters scale the fp32 product before bias / act / accumulate: sa fp32 [M] (A's
 //   per-row scales, quant_act.cu's quant_act_fp8) and sw fp32 [N] (W's per-output-channel scales,
 //   the FP8 format's tail): C[m, n] = (sum_k A[m, k] W[n, k]) * (sa[m] * sw[n]).
+//   HG_FP8 == 2 (kernel gemm_hopper_fp8b, tile-scaled weights, BN 128 only): a scale per 128-wide k
+//   block on both sides, sa fp32 [M, KB] (quant_act_fp8_g128) and sw fp32 [N, KB] (the FP8B tail: a
+//   row's tile scales, KB = ceil(K / 128)); a stage is one k block, its 4 wgmma steps go into a
+//   second accumulator p (waited at once: no batch stays in flight) that joins d times
+//   sa[m, kb] * sw[n, kb] on the CUDA cores, so the fp8 MMA's short accumulation spans 128 values.
 // Dynamic shared memory: HG_STAGES * (BM + BN) * 128 + 1024 (alignment) + 256 (barriers).
 // Preconditions (engine/cu/hopper.py): K % 8 == 0, A and W 16-byte aligned (TMA), C 8-byte
 //   aligned and ldc even, the tensor maps encoded for A [M, K] box (64, BM) and W [N, K] box
@@ -46,7 +51,12 @@
 typedef uint8_t elem_t;
 #define BK 128    // elements a 128-byte smem row
 #define KSTEP 32  // elements a wgmma k step (32 bytes)
+#if HG_FP8 == 2
+#define GEMM_NAME gemm_hopper_fp8b
+static_assert(HG_BN == 128, "tile scales: a 128-column tile (p and d both in registers)");
+#else
 #define GEMM_NAME gemm_hopper_fp8
+#endif
 #else
 typedef bf16 elem_t;
 #define BK 64
@@ -177,6 +187,44 @@ extern "C" __global__ void __launch_bounds__(HG_THREADS, 1)
         for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
             int mb, nb;
             tile_coords(t, mt, nt, mb, nb);
+#if HG_FP8 == 2
+            // Tile scales: each 128-wide k step's product goes into p, then into d times its scales on the
+            // CUDA cores (the fp8 MMA's own accumulation keeps ~14 bits; one k block's 4 steps at most).
+            // Rows and columns as the epilogue's row0 / col0 below (clamped: past M / N never stored).
+            const int KB = (K + 127) >> 7, brow = mb * BM + (wg - 1) * 64 + warp * 16 + lane / 4;
+            const int bcol = nb * BN + 2 * (lane % 4);
+            const float* sa0 = sa + (size_t)min(brow, M - 1) * KB;
+            const float* sa1 = sa + (size_t)min(brow + 8, M - 1) * KB;
+#pragma unroll
+            for (int i = 0; i < BN / 2; i++) d[i] = 0.f;
+            for (int kt = 0; kt < KT; kt++) {
+                mbar_wait(&full[s], ph);
+                const elem_t* a = sA + s * BM * BK + (wg - 1) * 64 * BK;
+                const elem_t* b = sB + s * BN * BK;
+                float p[BN / 2];
+                wgmma_fence();
+#pragma unroll
+                for (int k = 0; k < BK / KSTEP; k++) WGMMA(p, sw128_desc(a + k * KSTEP), sw128_desc(b + k * KSTEP), k);
+                wgmma_commit();
+                wgmma_wait<0>();
+#pragma unroll
+                for (int i = 0; i < BN / 2; i++) reg_fence(p[i]);
+                if (tid == 0) mbar_arrive(&empty[s]);
+                const float a0 = sa0[kt], a1 = sa1[kt];
+#pragma unroll
+                for (int j = 0; j < BN / 8; j++) {  // columns col, col + 1: one 8-row group, one tile scale
+                    const float w = sw[(size_t)min(bcol + 8 * j, N - 1) * KB + kt];
+                    d[4 * j] += p[4 * j] * (a0 * w);
+                    d[4 * j + 1] += p[4 * j + 1] * (a0 * w);
+                    d[4 * j + 2] += p[4 * j + 2] * (a1 * w);
+                    d[4 * j + 3] += p[4 * j + 3] * (a1 * w);
+                }
+                if (++s == HG_STAGES) {
+                    s = 0;
+                    ph ^= 1;
+                }
+            }
+#else
             int prev = 0;
             for (int kt = 0; kt < KT; kt++) {
                 mbar_wait(&full[s], ph);
@@ -199,10 +247,11 @@ extern "C" __global__ void __launch_bounds__(HG_THREADS, 1)
             if (tid == 0) mbar_arrive(&empty[prev]);
 #pragma unroll
             for (int i = 0; i < BN / 2; i++) reg_fence(d[i]);
+#endif
 
             // d[4j + 2h + e]: row 16 * warp + lane / 4 + 8h, column 8j + 2 * (lane % 4) + e of the 64 x BN part.
             const int row0 = mb * BM + (wg - 1) * 64 + warp * 16 + lane / 4, col0 = nb * BN + 2 * (lane % 4);
-#ifdef HG_FP8
+#if HG_FP8 == 1
             {  // the row's and the column's scales (rows / columns past M / N: 0, never stored)
                 const float a0 = row0 < M ? sa[row0] : 0.f, a1 = row0 + 8 < M ? sa[row0 + 8] : 0.f;
 #pragma unroll

@@ -7,7 +7,9 @@ launches the one ``pick`` chooses for the shape: ``gemm(s, A, W, bias, C, M, N, 
 accumulate)`` has ``Kernels.linear``'s GEMM contract, C fp32 [M, ldc] (+)= A bf16 [M, K] @
 W bf16 [N, K]^T (+ bias fp32 [N]). ``HopperGemm(fp8=True)`` is the same kernel's fp8 build
 (``gemm_hopper_fp8``): A and W float8_e4m3fn bytes, the product times A's row scales and W's
-column scales (``sa``, ``sw``), for the prefill of ``FP8`` matrices (``cuda.fp8_gemm``).
+column scales (``sa``, ``sw``), for the prefill of ``FP8`` matrices (``cuda.fp8_gemm``);
+``fp8=BLOCK`` the tile-scaled build (``gemm_hopper_fp8b``, 128-column tiles only): scales a row
+(column) and 128-wide k block on both sides, for ``FP8B`` matrices.
 
 The TMA tensor maps (``CUtensorMap``, 128 opaque bytes) are encoded on the host by the
 driver's ``cuTensorMapEncodeTiled`` (through ctypes: no binding beyond PyCUDA) and passed
@@ -36,6 +38,8 @@ SMEM_LIMIT = 227 * 1024  # the H100 / H200 per-block opt-in maximum
 MAX_STAGES = 8
 # (consumer warpgroups, tile width): BM = 64 * warpgroups rows by BN columns a tile
 VARIANTS = ((2, 256), (2, 128), (1, 256), (1, 128))
+BLOCK_VARIANTS = ((2, 128), (1, 128))  # the tile-scaled fp8 build: p and d (2 x 64 fp32) in registers
+PER_CHANNEL, BLOCK = 1, 2  # HopperGemm(fp8=): gemm_hopper.cu's HG_FP8
 PARAMS = ["128s", "128s", "P", "P", "i", "i", "i", "i", "i", "i"]  # tmA, tmW, bias, C, M, N, K, ldc, accumulate, act
 PARAMS_FP8 = PARAMS + ["P", "P"]  # ..., sa, sw
 _KPARAM_INFO = 0x17
@@ -49,7 +53,7 @@ _UINT8, _BF16, _INTERLEAVE_NONE, _SWIZZLE_128B, _L2_256B, _OOB_ZERO = 0, 9, 0, 3
 TILE_COST = {(2, 256): 1.0, (2, 128): 0.533, (1, 256): 0.553, (1, 128): 0.321}
 
 
-def pick(m: int, n: int, sms: int) -> tuple[int, int]:
+def pick(m: int, n: int, sms: int, variants=VARIANTS) -> tuple[int, int]:
     """The variant for an M x N product: the fewest rounds of tiles over the SMs times the tile's
     cost (``TILE_COST``); on a tie the larger tile. Small M gets small tiles (more blocks to
     stream W); 1,024 rows of q,k,v get 128 x 128 (384 tiles, 3 rounds on 132 SMs, cost less
@@ -59,7 +63,7 @@ def pick(m: int, n: int, sms: int) -> tuple[int, int]:
         tiles = -(-m // (64 * v[0])) * -(-n // v[1])
         return -(-tiles // sms) * TILE_COST[v]
 
-    return min(VARIANTS, key=cost)
+    return min(variants, key=cost)
 
 
 def stages(nc: int, bn: int) -> int:
@@ -170,10 +174,10 @@ def _build(source: str, defines: dict[str, int], cache_dir: str) -> tuple[str, l
     return src, ["-O3", "-std=c++17"] + [f"-D{k}={v}" for k, v in defines.items()], cache
 
 
-def _module(nc: int, bn: int, cache_dir: str, fp8: bool = False):
+def _module(nc: int, bn: int, cache_dir: str, fp8: int = 0):
     """One variant's module (``launch.compiled``: loaded now, or when a ``compiling()`` block binds it);
     ``fp8``: the HG_FP8 build (same tiles and stages: a stage row is 128 bytes either way)."""
-    defines = {"HG_NC": nc, "HG_BN": bn, "HG_STAGES": stages(nc, bn)} | ({"HG_FP8": 1} if fp8 else {})
+    defines = {"HG_NC": nc, "HG_BN": bn, "HG_STAGES": stages(nc, bn)} | ({"HG_FP8": fp8} if fp8 else {})
     return compiled(("gemm_hopper", nc, bn, cache_dir, fp8), lambda: _build("gemm_hopper.cu", defines, cache_dir),
                     arch=ARCH)  # fmt: skip
 
@@ -198,18 +202,21 @@ def supported() -> bool:
 
 
 class HopperGemm:
-    """gemm_hopper's variants, compiled and prepared for the current context's device; ``fp8``: the
-    fp8 build's (gemm_hopper_fp8: A and W e4m3 bytes, calls pass ``sa`` and ``sw``)."""
+    """gemm_hopper's variants, compiled and prepared for the current context's device; ``fp8``
+    ``PER_CHANNEL``: the fp8 build's (gemm_hopper_fp8: A and W e4m3 bytes, calls pass ``sa`` and ``sw``),
+    ``BLOCK``: the tile-scaled one's (gemm_hopper_fp8b, ``BLOCK_VARIANTS``)."""
 
-    def __init__(self, cache_dir: str = "", fp8: bool = False) -> None:
+    def __init__(self, cache_dir: str = "", fp8: int = 0) -> None:
         import pycuda.driver as cuda
 
         dev = cuda.Context.get_device()
         self.sms = dev.get_attribute(cuda.device_attribute.MULTIPROCESSOR_COUNT)
-        self.fp8 = fp8
-        name, params = ("gemm_hopper_fp8", PARAMS_FP8) if fp8 else ("gemm_hopper", PARAMS)
+        self.fp8 = int(fp8)
+        name, params = {0: ("gemm_hopper", PARAMS), PER_CHANNEL: ("gemm_hopper_fp8", PARAMS_FP8),
+                        BLOCK: ("gemm_hopper_fp8b", PARAMS_FP8)}[self.fp8]  # fmt: skip
+        self.variants = BLOCK_VARIANTS if self.fp8 == BLOCK else VARIANTS
         self._fns = {}
-        for nc, bn in VARIANTS:
+        for nc, bn in self.variants:
             mod = _module(nc, bn, cache_dir, fp8)
             fn = mod.get_function(name)  # a LazyFunction inside launch.compiling()
             _prepare(mod, fn, name, params, smem_bytes(nc, bn))
@@ -217,7 +224,7 @@ class HopperGemm:
         self._maps: dict[tuple[int, int, int, int], bytes] = {}
 
     def pick(self, m: int, n: int) -> tuple[int, int]:
-        return pick(m, n, self.sms)
+        return pick(m, n, self.sms, self.variants)
 
     def _map(self, ptr: int, rows: int, k: int, box: int) -> bytes:
         key = (ptr, rows, k, box)
@@ -225,7 +232,7 @@ class HopperGemm:
         if tm is None:
             if len(self._maps) > 4096:
                 self._maps.clear()
-            tm = self._maps[key] = tensor_map(ptr, rows, k, box, self.fp8)
+            tm = self._maps[key] = tensor_map(ptr, rows, k, box, bool(self.fp8))
         return tm
 
     def __call__(self, s, a: int, w: int, bias: int, c: int, m: int, n: int, k: int, ldc: int | None = None,
@@ -234,7 +241,8 @@ class HopperGemm:
         """c[m, :n] (+)= a[m, k] @ w[n, k].T (+ bias) on stream ``s``; ``variant`` forces one of ``VARIANTS``.
         ``act`` 0 / 1: c is bf16 [m, ldc] and gets silu / gelu_tanh(gate) * up of the interleaved gate|up
         product (n / 2 columns; gemm_hopper.cu). The fp8 build: a and w e4m3 bytes (k % 16 == 0), the
-        product times ``sa`` fp32 [m] and ``sw`` fp32 [n] (both needed) before bias, act, accumulate."""
+        product times ``sa`` fp32 [m] and ``sw`` fp32 [n] (both needed) before bias, act, accumulate;
+        the tile-scaled one: ``sa`` [m, ceil(k / 128)] and ``sw`` [n, ceil(k / 128)]."""
         if self.fp8 and (k % 16 or not sa or not sw or int(sa) % 4 or int(sw) % 4):
             raise ValueError(f"gemm_hopper_fp8 needs K % 16 == 0 and both scale vectors (K={k})")
         if act >= 0:

@@ -19,11 +19,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engine.cu.hopper import GemmRoute, HopperGemm, route_attention, route_gemm
+from engine.cu.hopper import BLOCK, PER_CHANNEL, GemmRoute, HopperGemm, route_attention, route_gemm
 from engine.cu.launch import Kernel, module, pdl_module
 from engine.cu.quant import (
     BF16,
     FP8,
+    FP8_BLOCK,
+    FP8B,
     QACT8_FORMATS,
     QACT_THREADS,
     QF8_THREADS,
@@ -161,7 +163,8 @@ class Kernels:
     ``fp8_gemm`` (``CudaTuning.fp8_gemm``): on an sm_90 device, the prefill GEMM of a matrix whose parts
     are all ``FP8`` (per-channel scales) runs on the fp8 tensor cores (gemm_hopper_fp8) with x
     quantized to e4m3 a row at a time (quant_act.cu's quant_act_fp8, into ``scratch``) instead of
-    dequantizing the weights into ``scratch`` for the bf16 GEMM (``fp8_prefill``).
+    dequantizing the weights into ``scratch`` for the bf16 GEMM (``fp8_prefill``); all ``FP8B``
+    (128 x 128 tiles): gemm_hopper_fp8b with x quantized a row and 128-wide block (quant_act_fp8_g128).
     """
 
     def __init__(self, head_dim: int, group: int, *, u2_below: int = 40 << 20, cache_dir: str = "",
@@ -246,11 +249,14 @@ class Kernels:
                             "M:i32 N:i32 K:i32 ldc:i32 accumulate:i32", GEMM_THREADS, shared=GEMM_SMEM)  # fmt: skip
         self._gemm.fn.set_attribute(cuda.function_attribute.MAX_DYNAMIC_SHARED_SIZE_BYTES, GEMM_SMEM)
         self._gemm = route_gemm(self._gemm, cache_dir)  # gemm_hopper on sm_90 (engine/cu/hopper.py)
-        self._gemm_fp8 = self._quant_fp8 = None  # cuda.fp8_gemm: gemm_hopper_fp8 and its x quantizer
-        if fp8_gemm and FP8 in formats and isinstance(self._gemm, GemmRoute):
-            self._gemm_fp8 = HopperGemm(cache_dir, fp8=True)
-            self._quant_fp8 = Kernel(module("quant_act", (), cache_dir), "quant_act_fp8",
-                                     "x:ptr q:ptr sa:ptr M:i32 K:i32", QF8_THREADS)  # fmt: skip
+        # cuda.fp8_gemm: format -> (gemm_hopper_fp8 / _fp8b, its x quantizer, scales a row of x)
+        self._fp8: dict[str, tuple[HopperGemm, Kernel, int]] = {}
+        if fp8_gemm and isinstance(self._gemm, GemmRoute):
+            qa = module("quant_act", (), cache_dir)
+            for fmt, kind, fn in ((FP8, PER_CHANNEL, "quant_act_fp8"), (FP8B, BLOCK, "quant_act_fp8_g128")):
+                if fmt in formats:
+                    quantizer = Kernel(qa, fn, "x:ptr q:ptr sa:ptr M:i32 K:i32", QF8_THREADS)
+                    self._fp8[fmt] = (HopperGemm(cache_dir, fp8=kind), quantizer, kind)
         dec_args = (*attn, ("NUM_SPLITS", DECODE_SPLITS), ("DECODE_THREADS", DECODE_THREADS))
         dec_params = (
             "q:ptr positions:ptr block_tables:ptr bt_stride:i32 cache:ptr block_stride:i64 block_size:i32 "
@@ -388,27 +394,36 @@ class Kernels:
 
     def fp8_prefill(self, s, x: int, w, bias: int, out: int, rows: int, n: int, k: int, ldo: int,
                     accumulate: bool = False, act: int = -1) -> bool:  # fmt: skip
-        """The GEMM of an all-``FP8`` matrix ``w`` on the fp8 tensor cores (``fp8_gemm``): x quantized
-        to e4m3 with a scale a row into ``scratch``, then gemm_hopper_fp8 a part, each over its columns
+        """The GEMM of an all-``FP8`` (or all-``FP8B``) matrix ``w`` on the fp8 tensor cores (``fp8_gemm``): x
+        quantized to e4m3 with a scale a row (a row and 128-wide block) into ``scratch``, then
+        gemm_hopper_fp8 (_fp8b) a part, each over its columns
         of ``out`` (``act`` >= 0: the fused gate|up, one part). False (nothing launched) where it does
         not apply: not built, another format, unaligned, or x does not fit the scratch."""
-        if self._gemm_fp8 is None or not isinstance(w, Matrix) or w.formats != (FP8,) or k % 16:
+        if not isinstance(w, Matrix) or len(w.formats) != 1 or w.formats[0] not in self._fp8 or k % 16:
             return False
+        gemm, quantizer, kind = self._fp8[w.formats[0]]
+        per_row = 1 if kind == PER_CHANNEL else -(-k // FP8_BLOCK)  # x's scales a row
         q_bytes = -(-rows * k // 16) * 16
-        if w.rows != n or w.k != k or q_bytes + 4 * rows > self.scratch_bytes or (act >= 0 and len(w.parts) > 1):
+        if w.rows != n or w.k != k or q_bytes + 4 * rows * per_row > self.scratch_bytes:
             return False
-        if int(x) % 16 or any(int(p.ptr) % 16 for p in w.parts) or (bias and act >= 0):
+        if (
+            (act >= 0 and len(w.parts) > 1)
+            or int(x) % 16
+            or any(int(p.ptr) % 16 for p in w.parts)
+            or (bias and act >= 0)
+        ):
             return False
         q, sa = self.scratch, self.scratch + q_bytes
-        self._quant_fp8(s, (rows,), x=x, q=q, sa=sa, M=rows, K=k)
+        grid = rows if kind == PER_CHANNEL else -(-rows * per_row // (QF8_THREADS // 32))
+        quantizer(s, (grid,), x=x, q=q, sa=sa, M=rows, K=k)
         r0 = 0
         for p in w.parts:
-            sw = p.ptr + p.rows * k  # the part's fp32 scales follow its bytes (quant.FP8)
+            sw = p.ptr + p.rows * k  # the part's fp32 scales follow its bytes (quant.FP8, FP8B)
             if act >= 0:
-                self._gemm_fp8(s, q, p.ptr, 0, out, rows, p.rows, k, ldo, act=act, sa=sa, sw=sw)
+                gemm(s, q, p.ptr, 0, out, rows, p.rows, k, ldo, act=act, sa=sa, sw=sw)
             else:
-                self._gemm_fp8(s, q, p.ptr, bias + 4 * r0 if bias else 0, out + 4 * r0, rows, p.rows, k, ldo,
-                               accumulate=accumulate, sa=sa, sw=sw)  # fmt: skip
+                gemm(s, q, p.ptr, bias + 4 * r0 if bias else 0, out + 4 * r0, rows, p.rows, k, ldo,
+                     accumulate=accumulate, sa=sa, sw=sw)  # fmt: skip
             r0 += p.rows
         return True
 

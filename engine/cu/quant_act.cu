@@ -100,3 +100,31 @@ extern "C" __global__ void __launch_bounds__(QF8_THREADS)
         dst[i] = make_uint2(o[0], o[1]);
     }
 }
+
+// quant_act_fp8_g128: x for the tile-scaled fp8 GEMM (gemm_hopper_fp8b): a scale per row and 128-wide k
+// block. x bf16 [M, K] (K % 16 == 0) -> q float8_e4m3fn [M, K], sa fp32 [M, KB] (KB = ceil(K / 128)),
+// sa[m, b] = absmax(x[m, 128 b .. 128 b + 127]) / 448 (1 for zeros), q as quant_act_fp8 within the
+// block. One warp a (row, block), 4 values a lane; QF8_THREADS / 32 of them a block of threads.
+extern "C" __global__ void __launch_bounds__(QF8_THREADS)
+    quant_act_fp8_g128(const bf16* __restrict__ x, uint8_t* __restrict__ q, float* __restrict__ sa, int M, int K) {
+    const int KB = (K + 127) >> 7, lane = threadIdx.x & 31;
+    const int idx = blockIdx.x * (QF8_THREADS / 32) + (threadIdx.x >> 5);
+    if (idx >= M * KB) return;
+    const int m = idx / KB, b = idx - m * KB, k0 = 128 * b + 4 * lane;
+    const bool in = k0 < K;  // K % 16 == 0: a lane's 4 values are all in or all out
+    uint2 w = make_uint2(0u, 0u);
+    if (in) w = *reinterpret_cast<const uint2*>(x + (size_t)m * K + k0);
+    const float v[4] = {__uint_as_float(w.x << 16), __uint_as_float(w.x & 0xffff0000u), __uint_as_float(w.y << 16),
+                        __uint_as_float(w.y & 0xffff0000u)};
+    float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    const float s = amax > 0.f ? __fdiv_rn(amax, 448.f) : 1.f;
+    if (lane == 0) sa[(size_t)m * KB + b] = s;
+    if (!in) return;
+    const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(__fdiv_rn(v[0], s), __fdiv_rn(v[1], s)), __NV_SATFINITE,
+                                                 __NV_E4M3);
+    const uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(__fdiv_rn(v[2], s), __fdiv_rn(v[3], s)), __NV_SATFINITE,
+                                                 __NV_E4M3);
+    *reinterpret_cast<uint32_t*>(q + (size_t)m * K + k0) = (lo & 0xffffu) | ((hi & 0xffffu) << 16);
+}

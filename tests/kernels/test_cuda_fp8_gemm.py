@@ -1,8 +1,9 @@
-"""The fp8 prefill path (``cuda.fp8_gemm``): quant_act.cu's quant_act_fp8 bit for bit against numpy
-(engine/loaders/fp8.py's encode), gemm_hopper.cu's HG_FP8 build against the float64 product of the
-decoded operands (every tile variant, odd shapes, bias, accumulate, the fused gate|up), both through
-``Kernels.linear`` / ``gate_up_act`` on an FP8 matrix, and a tiny llama's prefill logits with it on.
-Skipped without PyCUDA and a Hopper (sm_90) device."""
+"""The fp8 prefill path (``cuda.fp8_gemm``): quant_act.cu's quant_act_fp8 (a scale a row) and
+quant_act_fp8_g128 (a row and 128-wide block) bit for bit against numpy (engine/loaders/fp8.py's
+encode), gemm_hopper.cu's HG_FP8 builds (per channel; 128 x 128 tiles) against the float64 product of
+the decoded operands (every tile variant, odd shapes, bias, accumulate), both through
+``Kernels.linear`` / ``gate_up_act`` on FP8 and FP8B matrices, and a tiny llama's prefill logits
+with it on. Skipped without PyCUDA and a Hopper (sm_90) device."""
 
 from __future__ import annotations
 
@@ -22,10 +23,10 @@ def hg8():
     if not _hopper():
         pytest.skip("needs an sm_90 (Hopper) device")
     from engine.cu import runtime
-    from engine.cu.hopper import HopperGemm
+    from engine.cu.hopper import BLOCK, PER_CHANNEL, HopperGemm
 
     with runtime.current():
-        yield HopperGemm(fp8=True)
+        yield {PER_CHANNEL: HopperGemm(fp8=PER_CHANNEL), BLOCK: HopperGemm(fp8=BLOCK)}
 
 
 @pytest.fixture(scope="module")
@@ -40,10 +41,10 @@ def kern(hg8):
     import pycuda.driver as cuda
 
     from engine.cu.kernels import Kernels
-    from engine.cu.quant import FP8
+    from engine.cu.quant import FP8_FORMATS
 
-    k = Kernels(64, 2, formats=(FP8,), fp8_gemm=True)
-    assert k._gemm_fp8 is not None
+    k = Kernels(64, 2, formats=FP8_FORMATS, fp8_gemm=True)
+    assert set(k._fp8) == set(FP8_FORMATS)
     nbytes = 16 << 20
     scratch = cuda.mem_alloc(nbytes)
     k.scratch, k.scratch_bytes = int(scratch), nbytes
@@ -59,12 +60,27 @@ def _release():
     _live.clear()
 
 
-def quantize_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """quant_act_fp8's numpy model: a scale amax / 448 a row (1 for zeros), codes encode(x / scale)."""
+def quantize_rows(x: np.ndarray, group: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """quant_act_fp8's numpy model: a scale amax / 448 a row (1 for zeros), codes encode(x / scale);
+    ``group`` 128: quant_act_fp8_g128's, a scale a row and block of 128 ([M, ceil(K / 128)])."""
     x = np.asarray(x, np.float32)
-    amax = np.abs(x).max(axis=1)
+    m, k = x.shape
+    g = group or k
+    blocks = -(-k // g)
+    padded = np.zeros((m, blocks * g), np.float32)
+    padded[:, :k] = x
+    amax = np.abs(padded.reshape(m, blocks, g)).max(axis=2)
     sa = np.where(amax > 0, amax / np.float32(448), np.float32(1)).astype(np.float32)
-    return encode(x / sa[:, None]), sa
+    q = encode(padded.reshape(m, blocks, g) / sa[:, :, None]).reshape(m, blocks * g)[:, :k]
+    return q, sa if group else sa[:, 0]
+
+
+def dequantize_rows(q: np.ndarray, sa: np.ndarray) -> np.ndarray:
+    """float64 x back from ``quantize_rows``' codes and scales (a row's, or a row and block's)."""
+    d = decode(q).astype(np.float64)
+    if sa.ndim == 1:
+        return d * sa[:, None]
+    return d * np.repeat(sa, 128, axis=1)[:, : q.shape[1]]
 
 
 def acc_slack(k: int) -> float:
@@ -80,43 +96,59 @@ def random_codes(shape) -> np.ndarray:
 
 
 @gpu
+@pytest.mark.parametrize("group", [None, 128])
 @pytest.mark.parametrize("m,k", [(1, 16), (37, 208), (300, 4096), (9, 14336)])
-def test_quant_act_fp8_is_exact(kern, stream, m, k):
-    """Codes and row scales bit for bit as numpy's encode of x / (amax / 448) (a zero row: scale 1)."""
+def test_quant_act_fp8_is_exact(kern, stream, m, k, group):
+    """Codes and scales bit for bit as numpy's encode of x / (amax / 448) over a row (or a row's block of
+    128; a zero row or block: scale 1), K not a multiple of 128 included."""
+    from engine.cu.quant import FP8, FP8B, QF8_THREADS
     from tests.kernels.test_cuda_kernels import bf, get, put
 
     x = bf(rng.standard_normal((m, k)).astype(np.float32) * np.exp2(rng.uniform(-20, 20, (m, 1))).astype(np.float32))
     x[m // 2] = 0
+    if group and k > 256:
+        x[0, 128:256] = 0
+    want_q, want_s = quantize_rows(x, group)
     q = put(np.zeros(m * k, np.uint8))
-    sa = put(np.full(m, np.nan, np.float32))
-    kern._quant_fp8(stream, (m,), x=put(x, True).ptr, q=q.ptr, sa=sa.ptr, M=m, K=k)
+    sa = put(np.full(want_s.size, np.nan, np.float32))
+    quantizer = kern._fp8[FP8B if group else FP8][1]
+    grid = m if group is None else -(-want_s.size // (QF8_THREADS // 32))
+    quantizer(stream, (grid,), x=put(x, True).ptr, q=q.ptr, sa=sa.ptr, M=m, K=k)
     stream.synchronize()
-    want_q, want_s = quantize_rows(x)
-    assert np.array_equal(get(sa), want_s)
+    assert np.array_equal(get(sa).reshape(want_s.shape), want_s)
     assert np.array_equal(get(q).reshape(m, k), want_q)
 
 
-def run_gemm(hg8, stream, m, n, k, *, bias=False, accumulate=False, pad=0, variant=None):
-    """One product through gemm_hopper_fp8 on fresh random codes and scales; (got, reference)."""
+def run_gemm(hg8, stream, m, n, k, *, bias=False, accumulate=False, pad=0, variant=None, block=False):
+    """One product through gemm_hopper_fp8 (``block``: _fp8b, scales a row / column and 128-wide k block) on
+    fresh random codes and scales; (got, reference, sum of |terms|)."""
     import pycuda.gpuarray as ga
 
+    from engine.cu.hopper import BLOCK, PER_CHANNEL
+
+    kb = -(-k // 128)
     a, w = random_codes((m, k)), random_codes((n, k))
-    sa = rng.uniform(0.01, 2, m).astype(np.float32)
-    sw = rng.uniform(0.01, 2, n).astype(np.float32)
+    sa = rng.uniform(0.01, 2, (m, kb) if block else m).astype(np.float32)
+    sw = rng.uniform(0.01, 2, (n, kb) if block else n).astype(np.float32)
     b = rng.standard_normal(n).astype(np.float32) if bias else None
     ldc = n + pad
     c0 = rng.standard_normal((m, ldc)).astype(np.float32)
     c0[:, n:] = np.nan
     g = {name: ga.to_gpu(v) for name, v in (("a", a), ("w", w), ("sa", sa), ("sw", sw), ("c", c0))}
     g_b = ga.to_gpu(b) if bias else None
-    hg8(stream, g["a"].ptr, g["w"].ptr, g_b.ptr if bias else 0, g["c"].ptr, m, n, k, ldc, accumulate=accumulate,
-        variant=variant, sa=g["sa"].ptr, sw=g["sw"].ptr)  # fmt: skip
+    hg8[BLOCK if block else PER_CHANNEL](stream, g["a"].ptr, g["w"].ptr, g_b.ptr if bias else 0, g["c"].ptr, m, n,
+                                         k, ldc, accumulate=accumulate, variant=variant, sa=g["sa"].ptr,
+                                         sw=g["sw"].ptr)  # fmt: skip
     stream.synchronize()
     got = g["c"].get()
     assert np.isnan(got[:, n:]).all(), "columns past N were written"
-    da, dw = decode(a).astype(np.float64), decode(w).astype(np.float64)
-    ref = (da @ dw.T) * sa[:, None].astype(np.float64) * sw[None, :].astype(np.float64)
-    bound = (np.abs(da) @ np.abs(dw).T) * sa[:, None] * sw[None, :]
+    if block:
+        da, dw = dequantize_rows(a, sa), dequantize_rows(w, sw)
+        ref, bound = da @ dw.T, np.abs(da) @ np.abs(dw).T
+    else:
+        da, dw = decode(a).astype(np.float64), decode(w).astype(np.float64)
+        ref = (da @ dw.T) * sa[:, None].astype(np.float64) * sw[None, :].astype(np.float64)
+        bound = (np.abs(da) @ np.abs(dw).T) * sa[:, None] * sw[None, :]
     if bias:
         ref += b
     if accumulate:
@@ -125,16 +157,17 @@ def run_gemm(hg8, stream, m, n, k, *, bias=False, accumulate=False, pad=0, varia
 
 
 @gpu
-@pytest.mark.parametrize("variant", VARIANTS)
-def test_gemm_fp8_every_variant(hg8, stream, variant):
+@pytest.mark.parametrize("variant,block", [(v, False) for v in VARIANTS] + [((2, 128), True), ((1, 128), True)])
+def test_gemm_fp8_every_variant(hg8, stream, variant, block):
     """Odd M, N past a tile, K not a multiple of 128 (the TMA's zero fill), a single row, several tiles a
     block: within the fp8 MMA's accumulation (``acc_slack``) of the exact float64 product of the decoded
     operands, and within 1e-3 of it overall."""
     for m, n, k, bias, acc, pad in [(1, 8, 16, False, False, 0), (7, 136, 80, True, False, 2),
                                     (130, 264, 208, False, True, 0), (257, 384, 1024, True, True, 4),
                                     (33, 999, 528, True, False, 1), (2100, 2200, 272, True, True, 0)]:  # fmt: skip
-        got, ref, bound = run_gemm(hg8, stream, m, n, k, bias=bias, accumulate=acc, pad=pad, variant=variant)
-        slack = acc_slack(k) * bound + 1e-5 * np.abs(ref)
+        got, ref, bound = run_gemm(hg8, stream, m, n, k, bias=bias, accumulate=acc, pad=pad, variant=variant,
+                                   block=block)  # fmt: skip
+        slack = acc_slack(min(k, 128) if block else k) * bound + 1e-5 * np.abs(ref)
         assert np.all(np.abs(got - ref) <= slack), f"{variant} M={m} N={n} K={k}: {np.abs(got - ref).max():.3g}"
         rel = np.linalg.norm(got - ref) / np.linalg.norm(ref)
         assert rel < 1e-3, f"{variant} M={m} N={n} K={k}: rel err {rel:.2e}"
@@ -142,62 +175,60 @@ def test_gemm_fp8_every_variant(hg8, stream, variant):
 
 @gpu
 def test_gemm_fp8_preconditions(hg8, stream):
-    with pytest.raises(ValueError, match="K % 16"):
-        hg8(stream, 0, 0, 0, 0, 16, 16, 24, sa=16, sw=16)
-    with pytest.raises(ValueError, match="scale"):
-        hg8(stream, 0, 0, 0, 0, 16, 16, 32)
-
-
-def fp8_matrix(*ws):
-    from tests.kernels.test_cuda_fp8 import fp8_matrix as stack
-
-    return stack(*[quantize_fp8(w) for w in ws])
+    for g in hg8.values():
+        with pytest.raises(ValueError, match="K % 16"):
+            g(stream, 0, 0, 0, 0, 16, 16, 24, sa=16, sw=16)
+        with pytest.raises(ValueError, match="scale"):
+            g(stream, 0, 0, 0, 0, 16, 16, 32)
 
 
 @gpu
+@pytest.mark.parametrize("block", [None, 128])
 @pytest.mark.parametrize("rows", [9, 40, 300])
-def test_linear_runs_the_fp8_gemm(kern, stream, rows):
+def test_linear_runs_the_fp8_gemm(kern, stream, rows, block):
     """``Kernels.linear`` past the GEMV's rows on an FP8 matrix: x quantized a row, the fp8 product, bias and
     the residual add; against numpy's model of the same quantization (fp32-close) and against the
     exact product of x with the fp8 weights (within e4m3's rounding of x)."""
+    from tests.kernels.test_cuda_fp8 import fp8_matrix
     from tests.kernels.test_cuda_kernels import bf, get, put
 
-    n, k = 520, 1024
+    n, k = 520, 1040
     w = rng.standard_normal((n, k)).astype(np.float32) * rng.uniform(0.01, 2, (n, 1)).astype(np.float32) / 32
-    q = quantize_fp8(w)
+    q = quantize_fp8(w, block)
     x = bf(rng.standard_normal((rows, k)).astype(np.float32))
     b = rng.standard_normal(n).astype(np.float32)
     c0 = rng.standard_normal((rows, n)).astype(np.float32)
     g_o = put(c0.copy())
-    kern.linear(stream, put(x, True).ptr, fp8_matrix(w), put(b).ptr, g_o.ptr, rows, n, k, accumulate=True)
+    kern.linear(stream, put(x, True).ptr, fp8_matrix(q), put(b).ptr, g_o.ptr, rows, n, k, accumulate=True)
     stream.synchronize()
     got = get(g_o).reshape(rows, n) - c0 - b
-    xq, sa = quantize_rows(x)
+    xd = dequantize_rows(*quantize_rows(x, block))
     wq = q.dequantize().astype(np.float64)
-    model = (decode(xq).astype(np.float64) * sa[:, None]) @ wq.T
-    bound = np.abs(decode(xq).astype(np.float64) * sa[:, None]) @ np.abs(wq).T
-    assert np.all(np.abs(got - model) <= acc_slack(k) * bound + 1e-4), np.abs(got - model).max()
+    model, bound = xd @ wq.T, np.abs(xd) @ np.abs(wq).T
+    assert np.all(np.abs(got - model) <= acc_slack(128 if block else k) * bound + 1e-4), np.abs(got - model).max()
     exact = x.astype(np.float64) @ wq.T
     rel = np.linalg.norm(got - exact) / np.linalg.norm(exact)
     assert rel < 0.05, rel  # e4m3's 3 mantissa bits on x: ~2-3% rms
 
 
 @gpu
-def test_gate_up_act_runs_the_fp8_gemm(kern, stream):
-    """The fused SwiGLU epilogue on an FP8 gate|up matrix (interleaved as the backend stores it)."""
+@pytest.mark.parametrize("block", [None, 128])
+def test_gate_up_act_runs_the_fp8_gemm(kern, stream, block):
+    """The fused SwiGLU epilogue on an FP8 / FP8B gate|up matrix (interleaved as the backend stores it:
+    a tile of the interleaved matrix mixes gate and up rows, so a column's tile scale is its own)."""
     from engine.backends.cuda.weights import from_bf16
     from tests.kernels.test_cuda_fp8 import fp8_matrix as stack
     from tests.kernels.test_cuda_kernels import bf, get, put
 
     rows, inter, k = 200, 704, 512
     gate, up = (rng.standard_normal((inter, k)).astype(np.float32) * k**-0.5 for _ in range(2))
-    qg, qu = quantize_fp8(gate), quantize_fp8(up)
+    gate[: inter // 2] *= 8  # the gate's tiles and the up's of very different scales
+    qg, qu = quantize_fp8(gate, block), quantize_fp8(up, block)
     x = bf(rng.standard_normal((rows, k)).astype(np.float32))
     g_o = put(np.full(rows * inter, 0x7FC0, np.uint16))
     kern.gate_up_act(stream, put(x, True).ptr, stack(qg, qu, interleave=True), g_o.ptr, 0, rows, inter, k)
     stream.synchronize()
-    xq, sa = quantize_rows(x)
-    xd = decode(xq).astype(np.float64) * sa[:, None]
+    xd = dequantize_rows(*quantize_rows(x, block))
     g, u = xd @ qg.dequantize().T, xd @ qu.dequantize().T
     want = g / (1 + np.exp(-g)) * u
     got = from_bf16(get(g_o)).reshape(rows, inter)
@@ -205,8 +236,9 @@ def test_gate_up_act_runs_the_fp8_gemm(kern, stream):
 
 
 @gpu
-def test_tiny_llama_fp8_gemm_prefill(hg8):
-    """A 3-layer llama quantized per output channel, prefill of 40 and 200 tokens (the GEMM's rows) with
+@pytest.mark.parametrize("block", [None, 128])
+def test_tiny_llama_fp8_gemm_prefill(hg8, block):
+    """A 3-layer llama quantized per output channel (or in 128 x 128 tiles), prefill of 40 and 200 tokens (the GEMM's rows) with
     cuda.fp8_gemm on: logits within cosine 0.995 of the numpy backend on the dequantized weights (its
     activations bf16-exact), and close to the same backend with fp8_gemm off (the dequant + bf16 GEMM)."""
     from engine.backends import create_backend
@@ -226,7 +258,7 @@ def test_tiny_llama_fp8_gemm_prefill(hg8):
         else:
             std = 1.0 if "embed" in name else shape[1] ** -0.5
             floats[name] = (rng.standard_normal(shape) * std).astype(np.float32)
-    q = quantize_weights(floats)
+    q = quantize_weights(floats, block)
     deq = {n: t.dequantize() if isinstance(t, Fp8Tensor) else t for n, t in q.items()}
     ref = create_backend("numpy")
     ref.load(cfg, deq, block_size=16, kv_budget_bytes=64 << 20, host_kv_budget_bytes=0, max_context=2048)
@@ -236,7 +268,7 @@ def test_tiny_llama_fp8_gemm_prefill(hg8):
             be = CudaBackend(CudaTuning(fp8_gemm=on))
             be.load(cfg, q, block_size=16, kv_budget_bytes=64 << 20, host_kv_budget_bytes=0, max_context=2048)
             try:
-                assert (be.kern._gemm_fp8 is not None) == on
+                assert bool(be.kern._fp8) == on
                 for n in (40, 200):
                     ids = np.random.default_rng(n).integers(0, cfg.vocab_size, n).tolist()
                     logits[(on, n)] = prefill_logits(be, ids, list(range(-(-n // 16))))
