@@ -46,15 +46,14 @@ def timed(cuda, s, fn, reps: int = 10) -> float:
 
 def gemms() -> list[str]:
     import pycuda.driver as cuda
-    import pycuda.gpuarray as ga
+    import torch
 
-    from engine.backends.cuda.weights import fp8_part, to_bf16
     from engine.cu import runtime
     from engine.cu.kernels import Kernels
     from engine.cu.quant import FP8, FP8_FORMATS, FP8B, Matrix, Part
-    from engine.loaders.fp8 import encode, quantize_fp8
 
-    rng = np.random.default_rng(0)
+    torch.cuda.init()
+    gen = torch.Generator(device="cuda").manual_seed(0)
     lines = ["| matrix [N, K] | rows | bf16 weights | fp8, dequant + bf16 GEMM | fp8 tensor cores | on / off | "
              "fp8 tiles (FP8B), dequant + bf16 GEMM | FP8B tensor cores |", "|---|---|---|---|---|---|---|---|"]  # fmt: skip
     errs = []
@@ -66,24 +65,34 @@ def gemms() -> list[str]:
         scratch = cuda.mem_alloc(nbytes)
         for k in (off, on):
             k.scratch, k.scratch_bytes = int(scratch), nbytes
-        x = ga.to_gpu(to_bf16(rng.standard_normal((max(ROWS), 14336)).astype(np.float32)))
+        # The operands are drawn and quantized by torch on the same (primary) context: the FP8 layout is
+        # e4m3 bytes then fp32 scales (a row's, or FP8B's row of tile scales); torch's cast rounds to
+        # nearest even, as quantize_fp8 does, and every value is inside +-448 by construction.
+        x = torch.randn(max(ROWS), 14336, device="cuda", generator=gen).to(torch.bfloat16)
         out = cuda.mem_alloc(4 * max(ROWS) * 28672)
         for name, (n, k) in SHAPES.items():
-            w = (rng.standard_normal((n, k)).astype(np.float32) * k**-0.5).astype(np.float32)
-            wb = ga.to_gpu(to_bf16(w))
-            scale = np.abs(w).max(axis=1) / np.float32(448)
-            f8 = ga.to_gpu(np.concatenate([encode(w / scale[:, None]).reshape(-1), scale.view(np.uint8)]))
-            mat = Matrix((Part(int(f8.ptr), FP8, n),), k)
-            _, codes, tile_scales = fp8_part([quantize_fp8(w, 128)], False)
-            f8b = ga.to_gpu(np.concatenate([codes.reshape(-1), tile_scales.view(np.uint8).reshape(-1)]))
-            matb = Matrix((Part(int(f8b.ptr), FP8B, n),), k)
-            del w, codes
+            w = torch.randn(n, k, device="cuda", generator=gen) * k**-0.5
+            wb = w.to(torch.bfloat16)
+            scale = w.abs().amax(1) / 448
+            codes = (w / scale[:, None]).to(torch.float8_e4m3fn).view(torch.uint8)
+            f8 = torch.cat([codes.reshape(-1), scale.contiguous().view(torch.uint8)])
+            tiles = w.view(n // 128, 128, k // 128, 128)
+            t_scale = tiles.abs().amax(dim=(1, 3)) / 448  # [n / 128, k / 128]
+            codes = (tiles / t_scale[:, None, :, None]).reshape(n, k).to(torch.float8_e4m3fn).view(torch.uint8)
+            f8b = torch.cat(
+                [codes.reshape(-1), t_scale.repeat_interleave(128, 0).contiguous().view(torch.uint8).reshape(-1)]
+            )
+            del w, tiles, codes
+            torch.cuda.synchronize()
+            mat = Matrix((Part(f8.data_ptr(), FP8, n),), k)
+            matb = Matrix((Part(f8b.data_ptr(), FP8B, n),), k)
             for m in ROWS:
-                t_bf = timed(cuda, s, partial(off.linear, s, x.ptr, int(wb.ptr), 0, out, m, n, k))
-                t_off = timed(cuda, s, partial(off.linear, s, x.ptr, mat, 0, out, m, n, k))
-                t_on = timed(cuda, s, partial(on.linear, s, x.ptr, mat, 0, out, m, n, k))
-                t_boff = timed(cuda, s, partial(off.linear, s, x.ptr, matb, 0, out, m, n, k))
-                t_bon = timed(cuda, s, partial(on.linear, s, x.ptr, matb, 0, out, m, n, k))
+                xp = x.data_ptr()
+                t_bf = timed(cuda, s, partial(off.linear, s, xp, wb.data_ptr(), 0, out, m, n, k))
+                t_off = timed(cuda, s, partial(off.linear, s, xp, mat, 0, out, m, n, k))
+                t_on = timed(cuda, s, partial(on.linear, s, xp, mat, 0, out, m, n, k))
+                t_boff = timed(cuda, s, partial(off.linear, s, xp, matb, 0, out, m, n, k))
+                t_bon = timed(cuda, s, partial(on.linear, s, xp, matb, 0, out, m, n, k))
                 flop = 2 * m * n * k
                 lines.append(f"| {name} [{n}, {k}] | {m} | {t_bf * 1e3:.3f} ms ({flop / t_bf / 1e12:.0f} TFLOP/s) | "
                              f"{t_off * 1e3:.3f} ms ({flop / t_off / 1e12:.0f}) | {t_on * 1e3:.3f} ms "
@@ -92,14 +101,14 @@ def gemms() -> list[str]:
                 if m == 512:
                     res = {}
                     for label, kern, mm in (("off", off, mat), ("on", on, mat), ("boff", off, matb), ("bon", on, matb)):
-                        kern.linear(s, x.ptr, mm, 0, out, m, n, k)
+                        kern.linear(s, x.data_ptr(), mm, 0, out, m, n, k)
                         s.synchronize()
                         res[label] = cuda.from_device(out, (m, n), np.float32).astype(np.float64)
                     e = np.linalg.norm(res["on"] - res["off"]) / np.linalg.norm(res["off"])
                     eb = np.linalg.norm(res["bon"] - res["boff"]) / np.linalg.norm(res["boff"])
                     errs.append(f"{name}: {e:.4f} (FP8B {eb:.4f})")
-            for g in (wb, f8, f8b):
-                g.gpudata.free()
+            del wb, f8, f8b, mat, matb
+            torch.cuda.empty_cache()
         scratch.free()
     lines.append("")
     lines.append("Relative error of the fp8 tensor-core output against the dequant + bf16 GEMM's (512 rows): "
