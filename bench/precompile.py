@@ -29,6 +29,10 @@ def _job(job: tuple) -> str:
             from engine.cu.kernels import Kernels
 
             Kernels(job[1], job[2], gemv_pair=True)  # the backend's default: gemv_pair.cu too
+        elif job[0] == "fp8_gemm":
+            from engine.cu.hopper import HopperGemm
+
+            HopperGemm(fp8=job[1])  # gemm_hopper.cu's fp8 builds (cuda.fp8_gemm)
         elif job[0] == "wide":
             from engine.cu.kernels import Kernels
 
@@ -51,6 +55,7 @@ def main() -> None:
     jobs += [("quant", f, None) for f in [*QUANT_FORMATS, *FP8_FORMATS]]
     jobs += [("quant8", f, None) for f in QUANT_FORMATS]  # cuda.quant_activations' int8-x GEMVs
     jobs.append(("wide", 128, 4))
+    jobs += [("fp8_gemm", 1, None), ("fp8_gemm", 2, None)]  # hopper.PER_CHANNEL, hopper.BLOCK
     for spec in args.quant_tunings:
         f, t = spec.split("=")
         jobs.append(("quant", f, tuple(int(v) for v in t.split(","))))

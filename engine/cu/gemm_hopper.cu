@@ -212,12 +212,13 @@ extern "C" __global__ void __launch_bounds__(HG_THREADS, 1)
                 if (tid == 0) mbar_arrive(&empty[s]);
                 const float a0 = sa0[kt], a1 = sa1[kt];
 #pragma unroll
-                for (int j = 0; j < BN / 8; j++) {  // columns col, col + 1: one 8-row group, one tile scale
-                    const float w = sw[(size_t)min(bcol + 8 * j, N - 1) * KB + kt];
-                    d[4 * j] += p[4 * j] * (a0 * w);
-                    d[4 * j + 1] += p[4 * j + 1] * (a0 * w);
-                    d[4 * j + 2] += p[4 * j + 2] * (a1 * w);
-                    d[4 * j + 3] += p[4 * j + 3] * (a1 * w);
+                for (int j = 0; j < BN / 8; j++) {  // each column its own scale (rows permuted across tiles)
+                    const float w0 = sw[(size_t)min(bcol + 8 * j, N - 1) * KB + kt];
+                    const float w1 = sw[(size_t)min(bcol + 8 * j + 1, N - 1) * KB + kt];
+                    d[4 * j] += p[4 * j] * (a0 * w0);
+                    d[4 * j + 1] += p[4 * j + 1] * (a0 * w1);
+                    d[4 * j + 2] += p[4 * j + 2] * (a1 * w0);
+                    d[4 * j + 3] += p[4 * j + 3] * (a1 * w1);
                 }
                 if (++s == HG_STAGES) {
                     s = 0;

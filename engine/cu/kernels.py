@@ -413,7 +413,7 @@ class Kernels:
             or (bias and act >= 0)
         ):
             return False
-        q, sa = self.scratch, self.scratch + q_bytes
+        q, sa, out, bias = self.scratch, self.scratch + q_bytes, int(out), int(bias)
         grid = rows if kind == PER_CHANNEL else -(-rows * per_row // (QF8_THREADS // 32))
         quantizer(s, (grid,), x=x, q=q, sa=sa, M=rows, K=k)
         r0 = 0
