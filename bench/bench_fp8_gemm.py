@@ -12,7 +12,7 @@
 
 Needs a Hopper device and torch (part 2); prints tables (docs/QUANT.md, "FP8 prefill on the tensor cores").
 
-    python3 bench/bench_fp8_gemm.py [--layers 32] [--skip-model]
+    python3 bench/bench_fp8_gemm.py [--layers 32] [--skip-model | --model-only]
 """
 
 from __future__ import annotations
@@ -189,6 +189,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--skip-model", action="store_true", help="the GEMMs alone")
+    ap.add_argument("--model-only", action="store_true", help="the whole model's prefill alone")
     args = ap.parse_args()
     import pycuda.driver as cuda
 
@@ -197,7 +198,8 @@ def main() -> None:
     with runtime.current():
         dev = cuda.Context.get_device()
         print(f"device: {dev.name()}")
-    print("\n".join(gemms()), flush=True)
+    if not args.model_only:
+        print("\n".join(gemms()), flush=True)
     if not args.skip_model:
         print()
         print("\n".join(model(args.layers)))
