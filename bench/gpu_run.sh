@@ -17,8 +17,8 @@
 #          the serving bench at 1, 8 and 12 streams of 256 tokens with cuda.known_rows 64 (the burst
 #          figure after the pacer fix), then bench_verify.py and bench_cuda.py --skip-hf with the new
 #          defaults (cuda.gemv_pair from 33 rows); printed only
-#   fp8gemm: the fp8 prefill GEMM (cuda.fp8_gemm): its card tests and gemm_hopper's, then bench_fp8_gemm.py
-#          (the 8B GEMMs alone, then the whole 8B shape's prefill with it off and on, and bf16 beside)
+#   fp8gemm: the fp8 prefill GEMM (cuda.fp8_gemm): its card tests, then bench_fp8_gemm.py (the 8B GEMMs
+#          alone, then the 8B shape's prefill, FP8_LAYERS deep (16), with it off and on, and bf16 beside); ~2 min
 #   fp8:   both fp8 kinds (per channel: FP8; 128 x 128 tiles: FP8B): their card tests, then bench_fp8.py
 #   quant: the kernel experiments of 2026-12-06 still in the tree (docs/QUANT.md, "The stage loop"): the
 #          quantized GEMV with less shared memory preferred (--carveout); decode attention alone with the
@@ -82,9 +82,10 @@ if [ "$what" = fp8 ]; then
   timeout 120 python3 bench/bench_fp8.py 2>&1 | tee "$OUT/bench_fp8.log" | tail -6
 fi
 if [ "$what" = fp8gemm ]; then
-  timeout 240 python3 -m pytest -p no:cacheprovider -q -o addopts="" tests/kernels/test_cuda_fp8_gemm.py \
-    tests/kernels/test_cuda_hopper_gemm.py 2>&1 | tee "$OUT/test_fp8_gemm.log" | tail -15
-  timeout 330 python3 bench/bench_fp8_gemm.py ${FP8_ARGS} 2>&1 | tee "$OUT/bench_fp8_gemm.log" | tail -30
+  timeout 130 python3 -m pytest -p no:cacheprovider -q -o addopts="" tests/kernels/test_cuda_fp8_gemm.py 2>&1 \
+    | tee "$OUT/test_fp8_gemm.log" | tail -15
+  timeout 70 python3 bench/bench_fp8_gemm.py --skip-model 2>&1 | tee "$OUT/fp8_gemms.log" | tail -22
+  timeout 200 python3 bench/bench_fp8_gemm.py --model-only --layers ${FP8_LAYERS:-16} 2>&1 | tee "$OUT/fp8_model.log" | tail -12
 fi
 if [ "$what" = gptoss ]; then
   timeout 240 python3 -m pytest -p no:cacheprovider -q -o addopts="" tests/kernels/test_cuda_moe_mxfp4.py 2>&1 \
