@@ -55,6 +55,10 @@ PAIR_THREADS = 2 * 256
 # docs/PERFORMANCE.md) the 64-row variant made the rounds of 36..64 rows 6-9% faster, and the 16- and
 # 32-row ones made the rounds of 9..32 rows 2-13% slower than gemv_tc's own.
 PAIR_FROM = 33
+# cuda.fp8_gemm: chunks of up to this many rows take gemm_hopper_fp8b for an FP8B matrix; wider ones the
+# dequant + bf16 GEMM, which was faster there on an H100 (docs/PERFORMANCE.md, "FP8 prefill on the
+# tensor cores": 0.45-0.96x its time at 128 rows, 0.85-1.09x at 512, 1.1-1.6x slower from 1,024).
+FP8B_TC_MAX_ROWS = 384
 
 
 def pair_smem(groups: int, tuning=PAIR_TUNING) -> int:
@@ -398,10 +402,13 @@ class Kernels:
         quantized to e4m3 with a scale a row (a row and 128-wide block) into ``scratch``, then
         gemm_hopper_fp8 (_fp8b) a part, each over its columns
         of ``out`` (``act`` >= 0: the fused gate|up, one part). False (nothing launched) where it does
-        not apply: not built, another format, unaligned, or x does not fit the scratch."""
-        if not isinstance(w, Matrix) or len(w.formats) != 1 or w.formats[0] not in self._fp8 or k % 16:
-            return False
+        not apply: not built, another format, unaligned, x does not fit the scratch, or an FP8B matrix
+        over ``FP8B_TC_MAX_ROWS`` rows."""
+        if not isinstance(w, Matrix) or len(set(w.formats)) != 1 or w.formats[0] not in self._fp8 or k % 16:
+            return False  # (a q|k|v of several parts: all of one fp8 kind)
         gemm, quantizer, kind = self._fp8[w.formats[0]]
+        if kind == BLOCK and rows > FP8B_TC_MAX_ROWS:
+            return False  # the tile-scaled build is slower than dequant + bf16 GEMM from here (H100)
         per_row = 1 if kind == PER_CHANNEL else -(-k // FP8_BLOCK)  # x's scales a row
         q_bytes = -(-rows * k // 16) * 16
         if w.rows != n or w.k != k or q_bytes + 4 * rows * per_row > self.scratch_bytes:
@@ -411,6 +418,7 @@ class Kernels:
             or int(x) % 16
             or any(int(p.ptr) % 16 for p in w.parts)
             or (bias and act >= 0)
+            or any(p.rows % 2 for p in w.parts[:-1])  # a later part's columns of out: 8-byte aligned
         ):
             return False
         q, sa, out, bias = self.scratch, self.scratch + q_bytes, int(out), int(bias)

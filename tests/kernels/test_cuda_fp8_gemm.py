@@ -302,3 +302,55 @@ def test_the_key_reaches_the_kernels():
     values, _ = config.resolve(environ={"IGNIS_CUDA_FP8_GEMM": "off" if default else "on"})
     assert CudaTuning(**config.cuda_tuning_dict(values)).fp8_gemm is not default
     assert "fp8_gemm=t.fp8_gemm" in inspect.getsource(backend.CudaBackend._kernels)
+
+
+def test_fp8_prefill_routes_by_format_rows_and_room():
+    """``Kernels.fp8_prefill``'s host side against stand-in kernels (no card): x quantized once into the
+    scratch, one GEMM a part over its columns with the part's own scales, the tile-scaled build only up
+    to ``FP8B_TC_MAX_ROWS`` rows, and nothing launched where it does not apply."""
+    from engine.cu.hopper import BLOCK, PER_CHANNEL
+    from engine.cu.kernels import FP8B_TC_MAX_ROWS, Kernels
+    from engine.cu.quant import BF16, FP8, FP8B, QF8_THREADS, Matrix, Part
+
+    calls = []
+
+    def gemm(s, q, w, bias, out, m, n, k, ldo, act=-1, accumulate=False, sa=0, sw=0):
+        calls.append(("gemm", q, w, bias, out, m, n, k, ldo, act, accumulate, sa, sw))
+
+    def quantizer(s, grid, **kw):
+        calls.append(("quant", grid, kw))
+
+    kern = Kernels.__new__(Kernels)  # only fp8_prefill's state: no device
+    kern._fp8 = {FP8: (gemm, quantizer, PER_CHANNEL), FP8B: (gemm, quantizer, BLOCK)}
+    kern.scratch, kern.scratch_bytes = 1 << 20, 1 << 20
+    x, bias, out, k = 1 << 24, 1 << 25, 1 << 26, 256
+    two = Matrix((Part(4096, FP8, 32), Part(65536, FP8, 32)), k)  # a q|k|v of two parts
+    assert kern.fp8_prefill(None, x, two, bias, out, 100, 64, k, 64, accumulate=True)
+    sa = kern.scratch + 100 * k  # 16-byte aligned already
+    assert calls == [
+        ("quant", (100,), dict(x=x, q=kern.scratch, sa=sa, M=100, K=k)),
+        ("gemm", kern.scratch, 4096, bias, out, 100, 32, k, 64, -1, True, sa, 4096 + 32 * k),
+        ("gemm", kern.scratch, 65536, bias + 128, out + 128, 100, 32, k, 64, -1, True, sa, 65536 + 32 * k),
+    ]
+    calls.clear()
+    tiles = Matrix((Part(4096, FP8B, 64),), k)
+    rows = FP8B_TC_MAX_ROWS
+    assert kern.fp8_prefill(None, x, tiles, 0, out, rows, 64, k, 32, act=0)  # the fused gate|up
+    assert calls[0] == ("quant", (-(-rows * 2 // (QF8_THREADS // 32)),), dict(x=x, q=kern.scratch,
+                        sa=kern.scratch + rows * k, M=rows, K=k))  # fmt: skip
+    assert calls[1] == ("gemm", kern.scratch, 4096, 0, out, rows, 64, k, 32, 0, False, kern.scratch + rows * k,
+                        4096 + 64 * k)  # fmt: skip
+    calls.clear()
+    for w, rows, kk, xx, n in [
+        (tiles, FP8B_TC_MAX_ROWS + 1, k, x, 64),  # wider: the dequant path was faster there
+        (Matrix.bf16(4096, 64, k), 100, k, x, 64),  # not fp8
+        (Matrix((Part(4096, FP8, 32), Part(65536, BF16, 32)), k), 100, k, x, 64),  # mixed parts
+        (two, 100, k, x + 8, 64),  # x unaligned for the TMA
+        (two, 100, k, x, 48),  # a shape that is not the matrix's
+        (Matrix((Part(4096, FP8, 64),), 4104), 100, 4104, x, 64),  # K % 16
+        (two, 5000, k, x, 64),  # x's bytes do not fit the scratch
+        (Matrix((Part(4096, FP8, 33), Part(65536, FP8, 31)), k), 100, k, x, 64),  # part 2's columns unaligned
+    ]:
+        assert not kern.fp8_prefill(None, xx, w, 0, out, rows, n, kk, n)
+    assert not kern.fp8_prefill(None, x, two, 0, out, 100, 64, k, 32, act=0)  # the fused gate|up takes one part
+    assert calls == []
