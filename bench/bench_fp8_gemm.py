@@ -122,24 +122,12 @@ def model(layers: int) -> list[str]:
     from bench.bench_cuda import cuda_default_chunk, prefill_time
     from engine.backends.cuda import CudaBackend
     from engine.config import CudaTuning
-    from engine.cu import runtime
     from engine.loaders.fp8 import is_quantizable
-    from engine.model_config import ModelConfig
-    from engine.models import definition
-    from tests.kernels.test_cuda_fp8 import _torch_fp8
+    from tests.kernels.test_cuda_fp8 import _torch_fp8, llama_8b_bf16
     from tests.kernels.test_cuda_model import cosine, prefill_logits
 
     torch.cuda.init()
-    cfg = ModelConfig(arch="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=layers,
-                      num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=500000.0, max_position=131072)  # fmt: skip
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    bf = {}
-    for name, shape in definition("llama").tensors(cfg).items():
-        if len(shape) == 1:
-            bf[name] = torch.ones(shape, dtype=torch.bfloat16, device="cuda")
-        else:
-            std = 0.02 / ((2 * layers) ** 0.5 if name.endswith(("o_proj.weight", "down_proj.weight")) else 1)
-            bf[name] = (torch.randn(shape, generator=gen, device="cuda", dtype=torch.float32) * std).to(torch.bfloat16)
+    cfg, bf = llama_8b_bf16(torch, layers)
     kw = dict(block_size=16, kv_budget_bytes=4 << 30, host_kv_budget_bytes=0, max_context=8192)
     chunk = cuda_default_chunk()
     ids = np.random.default_rng(1).integers(0, cfg.vocab_size, 512).tolist()
@@ -165,8 +153,7 @@ def model(layers: int) -> list[str]:
     be.load(cfg, f8, **kw)
     try:
         measure(be, "fp8, dequant + bf16 GEMM")
-        with runtime.current():
-            be.retune(CudaTuning(fp8_gemm=True))
+        be.retune(CudaTuning(fp8_gemm=True))  # (makes the context current itself)
         assert be.kern._fp8
         measure(be, "fp8, tensor cores")
     finally:

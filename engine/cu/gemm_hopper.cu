@@ -72,36 +72,9 @@ static_assert(HG_NC == 1 || HG_NC == 2, "one or two consumer warpgroups");
 static_assert(BN == 128 || BN == 256, "wgmma n128 or n256");
 
 #ifdef HG_FP8
-// D[64 x 128] (+)= A[64 x 32] * B[128 x 32]^T, e4m3 operands, both K-major in shared memory
-// (descriptors; fp8 wgmma takes no transpose); d: 64 fp32 a thread; scale_d == 0 overwrites D.
-__device__ __forceinline__ void wgmma_e4m3_n128(float* d, uint64_t da, uint64_t db, int scale_d) {
-    asm volatile(
-        "{\n .reg .pred p;\n setp.ne.b32 p, %66, 0;\n wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 {"
-        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15,"
-        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31,"
-        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47,"
-        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
-        "}, %64, %65, p, 1, 1;\n}\n"
-        : WG_D32(0), WG_D32(32)
-        : "l"(da), "l"(db), "r"(scale_d));
-}
-
-// D[64 x 256] (+)= A[64 x 32] * B[256 x 32]^T, as wgmma_e4m3_n128; d: 128 fp32 a thread.
-__device__ __forceinline__ void wgmma_e4m3_n256(float* d, uint64_t da, uint64_t db, int scale_d) {
-    asm volatile(
-        "{\n .reg .pred p;\n setp.ne.b32 p, %130, 0;\n wgmma.mma_async.sync.aligned.m64n256k32.f32.e4m3.e4m3 {"
-        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15,"
-        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31,"
-        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47,"
-        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63,"
-        "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79,"
-        "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95,"
-        "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111,"
-        "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
-        "}, %128, %129, p, 1, 1;\n}\n"
-        : WG_D32(0), WG_D32(32), WG_D32(64), WG_D32(96)
-        : "l"(da), "l"(db), "r"(scale_d));
-}
+// e4m3 x e4m3 -> fp32, K 32 a step (hopper.cuh's generators; fp8 wgmma takes no transpose immediates)
+WGMMA_SS_N128(wgmma_e4m3_n128, "k32.f32.e4m3.e4m3", ", 1, 1")
+WGMMA_SS_N256(wgmma_e4m3_n256, "k32.f32.e4m3.e4m3", ", 1, 1")
 #if BN == 256
 #define WGMMA wgmma_e4m3_n256
 #else

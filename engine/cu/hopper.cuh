@@ -77,37 +77,40 @@ __device__ __forceinline__ void reg_fence(uint32_t& r) { asm volatile("" : "+r"(
 #define WG_D16(i) WG_D4(i), WG_D4(i + 4), WG_D4(i + 8), WG_D4(i + 12)
 #define WG_D32(i) WG_D16(i), WG_D16(i + 16)
 
-// D[64 x 128] (+)= A[64 x 16] * B[128 x 16]^T, both K-major in shared memory (descriptors);
-// d: 64 fp32 a thread; scale_d == 0 overwrites D.
-__device__ __forceinline__ void wgmma_n128(float* d, uint64_t da, uint64_t db, int scale_d) {
-    asm volatile(
-        "{\n .reg .pred p;\n setp.ne.b32 p, %66, 0;\n wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
-        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15,"
-        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31,"
-        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47,"
-        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
-        "}, %64, %65, p, 1, 1, 0, 0;\n}\n"
-        : WG_D32(0), WG_D32(32)
-        : "l"(da), "l"(db), "r"(scale_d));
-}
+// The accumulator lists of the wrappers' asm text: "%0, ..., %63" (n128) and "%0, ..., %127" (n256).
+#define WG_R64 \
+    "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15,"                 \
+    "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31,"       \
+    "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47,"       \
+    "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+#define WG_R128 \
+    WG_R64 ","                                                                               \
+    "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79,"       \
+    "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95,"       \
+    "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111," \
+    "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
 
-// D[64 x 256] (+)= A[64 x 16] * B[256 x 16]^T, both K-major in shared memory (descriptors);
-// d: 128 fp32 a thread; scale_d == 0 overwrites D.
-__device__ __forceinline__ void wgmma_n256(float* d, uint64_t da, uint64_t db, int scale_d) {
-    asm volatile(
-        "{\n .reg .pred p;\n setp.ne.b32 p, %130, 0;\n wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {"
-        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15,"
-        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31,"
-        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47,"
-        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63,"
-        "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79,"
-        "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95,"
-        "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111,"
-        "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
-        "}, %128, %129, p, 1, 1, 0, 0;\n}\n"
-        : WG_D32(0), WG_D32(32), WG_D32(64), WG_D32(96)
-        : "l"(da), "l"(db), "r"(scale_d));
-}
+// NAME(d, da, db, scale_d): D[64 x N] (+)= A[64 x K] * B[N x K]^T, both K-major in shared memory
+// (descriptors); d: N / 2 fp32 a thread; scale_d == 0 overwrites D. SHAPE_TYPES is the instruction's
+// ".kK.f32.A.B" part, IMM its immediates after the predicate (bf16: scale a, scale b, transpose a, b;
+// fp8 takes no transpose). bf16 here (wgmma_n128, wgmma_n256, K 16); gemm_hopper.cu's fp8 build
+// makes its e4m3 ones (K 32) with the same macros.
+#define WGMMA_SS_N128(NAME, SHAPE_TYPES, IMM)                                                              \
+    __device__ __forceinline__ void NAME(float* d, uint64_t da, uint64_t db, int scale_d) {               \
+        asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %66, 0;\n wgmma.mma_async.sync.aligned.m64n128" \
+                     SHAPE_TYPES " {" WG_R64 "}, %64, %65, p" IMM ";\n}\n"                                \
+                     : WG_D32(0), WG_D32(32)                                                              \
+                     : "l"(da), "l"(db), "r"(scale_d));                                                    \
+    }
+#define WGMMA_SS_N256(NAME, SHAPE_TYPES, IMM)                                                              \
+    __device__ __forceinline__ void NAME(float* d, uint64_t da, uint64_t db, int scale_d) {               \
+        asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %130, 0;\n wgmma.mma_async.sync.aligned.m64n256" \
+                     SHAPE_TYPES " {" WG_R128 "}, %128, %129, p" IMM ";\n}\n"                           \
+                     : WG_D32(0), WG_D32(32), WG_D32(64), WG_D32(96)                                      \
+                     : "l"(da), "l"(db), "r"(scale_d));                                                    \
+    }
+WGMMA_SS_N128(wgmma_n128, "k16.f32.bf16.bf16", ", 1, 1, 0, 0")
+WGMMA_SS_N256(wgmma_n256, "k16.f32.bf16.bf16", ", 1, 1, 0, 0")
 
 // D[64 x 128] += A[64 x 16] * B[16 x 128], A from registers (a[4]: mma.sync's m16k16 A fragment of
 // this warp's 16 rows), B MN-major in shared memory (descriptor, transposed: imm-trans-b = 1).

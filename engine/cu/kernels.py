@@ -400,10 +400,9 @@ class Kernels:
                     accumulate: bool = False, act: int = -1) -> bool:  # fmt: skip
         """The GEMM of an all-``FP8`` (or all-``FP8B``) matrix ``w`` on the fp8 tensor cores (``fp8_gemm``): x
         quantized to e4m3 with a scale a row (a row and 128-wide block) into ``scratch``, then
-        gemm_hopper_fp8 (_fp8b) a part, each over its columns
-        of ``out`` (``act`` >= 0: the fused gate|up, one part). False (nothing launched) where it does
-        not apply: not built, another format, unaligned, x does not fit the scratch, or an FP8B matrix
-        over ``FP8B_TC_MAX_ROWS`` rows."""
+        gemm_hopper_fp8 (_fp8b) a part, each over its columns of ``out`` (``act`` >= 0: the fused
+        gate|up, one part). False (nothing launched) where it does not apply: not built, another
+        format, unaligned, x does not fit the scratch, or an FP8B matrix over ``FP8B_TC_MAX_ROWS`` rows."""
         if not isinstance(w, Matrix) or len(set(w.formats)) != 1 or w.formats[0] not in self._fp8 or k % 16:
             return False  # (a q|k|v of several parts: all of one fp8 kind)
         gemm, quantizer, kind = self._fp8[w.formats[0]]
@@ -418,6 +417,7 @@ class Kernels:
             or int(x) % 16
             or any(int(p.ptr) % 16 for p in w.parts)
             or (bias and act >= 0)
+            or int(out) % (4 if act >= 0 else 8)  # gemm_hopper's stores: a bf16 pair, a float2
             or any(p.rows % 2 for p in w.parts[:-1])  # a later part's columns of out: 8-byte aligned
         ):
             return False
@@ -538,7 +538,7 @@ class Kernels:
             return
         if ss_in[0]:
             raise ValueError(f"fused RMSNorm needs 1..{gemv_rows(w)} rows, got {rows}")
-        if int(act) % 4 == 0 and self.fp8_prefill(s, x, w, 0, act, rows, 2 * inter, k, inter, act=ACT_CODE[fn]):
+        if self.fp8_prefill(s, x, w, 0, act, rows, 2 * inter, k, inter, act=ACT_CODE[fn]):
             return
         wb = self.as_bf16(s, w, 2 * inter, k)
         fused = getattr(self._gemm, "gate_up", None)  # gemm_hopper: the activation in its epilogue

@@ -235,6 +235,47 @@ def test_fp8_prefill_dequant_gemm(kern, stream, block):
     assert rel_err(get(g_o).reshape(rows, n), x.astype(np.float64) @ w.T) < 1e-4
 
 
+def tiny_llama_floats(rng) -> tuple:
+    """(config, float32 weights) of the 3-layer llama the fp8 backend tests quantize: norms near 1,
+    matrices of std 1 / sqrt(fan in), the embedding std 1."""
+    from engine.model_config import ModelConfig
+    from engine.models import definition
+
+    cfg = ModelConfig(arch="llama", vocab_size=2048, hidden_size=512, intermediate_size=1536, num_layers=3,
+                      num_heads=8, num_kv_heads=2, head_dim=64, max_position=4096)  # fmt: skip
+    floats = {}
+    for name, shape in definition("llama").tensors(cfg).items():
+        if len(shape) == 1:
+            floats[name] = (1 + 0.1 * rng.standard_normal(shape)).astype(np.float32)
+        else:
+            std = 1.0 if "embed" in name else shape[1] ** -0.5
+            floats[name] = (rng.standard_normal(shape) * std).astype(np.float32)
+    return cfg, floats
+
+
+def llama_8b_bf16(torch, layers: int, residual_scaled: bool = True) -> tuple:
+    """(config, bf16 CUDA weights) of the Llama-3.1-8B shape, ``layers`` deep, seed 0: std 0.02 (the HF
+    initializer range), o_proj and down_proj 0.02 / sqrt(2 layers) when ``residual_scaled`` (GPT-2's
+    residual scaling), norms 1."""
+    from engine.model_config import ModelConfig
+    from engine.models import definition
+
+    cfg = ModelConfig(arch="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=layers,
+                      num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=500000.0, max_position=131072)  # fmt: skip
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    bf = {}
+    for name, shape in definition("llama").tensors(cfg).items():
+        if len(shape) == 1:
+            bf[name] = torch.ones(shape, dtype=torch.bfloat16, device="cuda")
+        else:
+            std = 0.02
+            if residual_scaled and name.endswith(("o_proj.weight", "down_proj.weight")):
+                std /= (2 * layers) ** 0.5
+            w = torch.randn(shape, generator=gen, device="cuda", dtype=torch.float32) * std
+            bf[name] = w.to(torch.bfloat16)
+    return cfg, bf
+
+
 @pytest.mark.parametrize("block", BLOCKS)
 def test_tiny_llama_fp8_matches_numpy(dev, block):
     """A 3-layer llama with every layer projection in fp8 (quantized per output channel as
@@ -246,21 +287,11 @@ def test_tiny_llama_fp8_matches_numpy(dev, block):
     from engine.backends.cuda import CudaBackend
     from engine.cu.quant import FP8, FP8B, row_bytes
     from engine.loaders.fp8 import Fp8Tensor, quantize_weights
-    from engine.model_config import ModelConfig
-    from engine.models import definition
     from tests.kernels.test_cuda_archs import assert_follows
     from tests.kernels.test_cuda_model import _run_lanes, cosine, prefill_logits
 
     rng = np.random.default_rng()
-    cfg = ModelConfig(arch="llama", vocab_size=2048, hidden_size=512, intermediate_size=1536, num_layers=3,
-                      num_heads=8, num_kv_heads=2, head_dim=64, max_position=4096)  # fmt: skip
-    floats = {}
-    for name, shape in definition("llama").tensors(cfg).items():
-        if len(shape) == 1:
-            floats[name] = (1 + 0.1 * rng.standard_normal(shape)).astype(np.float32)
-        else:
-            std = 1.0 if "embed" in name else shape[1] ** -0.5
-            floats[name] = (rng.standard_normal(shape) * std).astype(np.float32)
+    cfg, floats = tiny_llama_floats(rng)
     q = quantize_weights(floats, block)
     assert sum(isinstance(t, Fp8Tensor) for t in q.values()) == 7 * cfg.num_layers
     fmt = FP8 if block is None else FP8B
@@ -324,26 +355,12 @@ def test_8b_shape_fp8_vs_bf16(dev):
     from engine.backends.cuda import CudaBackend
     from engine.cu import runtime
     from engine.loaders.fp8 import is_quantizable
-    from engine.model_config import ModelConfig
-    from engine.models import definition
     from engine.sampling import SamplingParams
     from tests.kernels.test_cuda_model import cosine, prefill_logits
 
     torch.cuda.init()
     layers = int(os.environ.get("IGNIS_FP8_LAYERS", "32"))
-    cfg = ModelConfig(arch="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=layers,
-                      num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=500000.0, max_position=131072)  # fmt: skip
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    bf = {}
-    for name, shape in definition("llama").tensors(cfg).items():
-        if len(shape) == 1:
-            bf[name] = torch.ones(shape, dtype=torch.bfloat16, device="cuda")
-        else:
-            std = 0.02
-            if os.environ.get("IGNIS_FP8_INIT") != "flat" and name.endswith(("o_proj.weight", "down_proj.weight")):
-                std /= (2 * layers) ** 0.5
-            w = torch.randn(shape, generator=gen, device="cuda", dtype=torch.float32) * std
-            bf[name] = w.to(torch.bfloat16)
+    cfg, bf = llama_8b_bf16(torch, layers, residual_scaled=os.environ.get("IGNIS_FP8_INIT") != "flat")
     # The name decides (every 2-D weight here is a matrix): the layer projections become fp8.
     f8 = {n: _torch_fp8(torch, w) if is_quantizable(n, np.empty((1, 1))) else w for n, w in bf.items()}
     kw = dict(block_size=16, kv_budget_bytes=4 << 30, host_kv_budget_bytes=0, max_context=4096)

@@ -251,19 +251,10 @@ def test_tiny_llama_fp8_gemm_prefill(hg8, block):
     from engine.backends.cuda import CudaBackend
     from engine.config import CudaTuning
     from engine.loaders.fp8 import Fp8Tensor, quantize_weights
-    from engine.model_config import ModelConfig
-    from engine.models import definition
+    from tests.kernels.test_cuda_fp8 import tiny_llama_floats
     from tests.kernels.test_cuda_model import cosine, prefill_logits
 
-    cfg = ModelConfig(arch="llama", vocab_size=2048, hidden_size=512, intermediate_size=1536, num_layers=3,
-                      num_heads=8, num_kv_heads=2, head_dim=64, max_position=4096)  # fmt: skip
-    floats = {}
-    for name, shape in definition("llama").tensors(cfg).items():
-        if len(shape) == 1:
-            floats[name] = (1 + 0.1 * rng.standard_normal(shape)).astype(np.float32)
-        else:
-            std = 1.0 if "embed" in name else shape[1] ** -0.5
-            floats[name] = (rng.standard_normal(shape) * std).astype(np.float32)
+    cfg, floats = tiny_llama_floats(rng)
     q = quantize_weights(floats, block)
     deq = {n: t.dequantize() if isinstance(t, Fp8Tensor) else t for n, t in q.items()}
     ref = create_backend("numpy")
