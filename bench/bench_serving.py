@@ -111,8 +111,12 @@ def start_server(
 
 
 def stream_one(base: str, model: str, prompt: str, tokens: int, go: threading.Barrier, out: dict) -> None:
-    """One stream; ``out`` gets the send time and each content chunk's arrival time."""
-    client = OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=600)
+    """One stream; ``out`` gets the send time, when its request went on the wire (after the client
+    built it: httpx's request hook), and each content chunk's arrival time."""
+    wire = []
+    hooks = {"request": [lambda request: wire.append(time.time())]}
+    client = OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=600,
+                    http_client=httpx.Client(event_hooks=hooks, timeout=600))  # fmt: skip
     go.wait()
     sent = time.time()  # the server log's clock: its round lines are placed on the same axis
     stream = client.chat.completions.create(
@@ -124,13 +128,48 @@ def stream_one(base: str, model: str, prompt: str, tokens: int, go: threading.Ba
         stream_options={"include_usage": True},
         extra_body={"ignore_eos": True},
     )
-    arrivals, usage = [], None
+    arrivals, usage, request_id = [], None, None
     for chunk in stream:
+        request_id = request_id or chunk.id
         if chunk.usage is not None:
             usage = chunk.usage
         if any(c.delta.content for c in chunk.choices):
             arrivals.append(time.time())
-    out.update(sent=sent, arrivals=arrivals, completion_tokens=usage.completion_tokens if usage else None)
+    out.update(sent=sent, wire=wire[0] if wire else sent, arrivals=arrivals, request_id=request_id,
+               completion_tokens=usage.completion_tokens if usage else None)  # fmt: skip
+
+
+def ttft_phases(log_path: Path, results: list[dict]) -> dict[str, float] | None:
+    """Where the streams' first tokens spent their time, from the server log's ``ignis.request.admitted``
+    and ``ignis.request.ttft`` lines (same clock as the client's): ``client`` = the call to its request
+    on the wire (the openai client building it, in a thread of this process), ``in`` = from the wire
+    to the engine's admission (HTTP, the consumer, the channel), ``engine`` = admission to the first
+    token (the engine's own TTFT), ``out`` = the first token to its arrival at the client (channel,
+    SSE, the client's parsing); the median and the largest of each over the streams. None when the
+    log lacks a stream."""
+    ids = {r.get("request_id") for r in results}
+    admitted, engine = {}, {}
+    for line in log_path.read_text(errors="replace").splitlines():
+        if '"ignis.request.admitted"' in line or '"ignis.request.ttft"' in line:
+            e = json.loads(line)
+            if e.get("request_id") in ids:
+                if e["event"] == "ignis.request.admitted":
+                    admitted[e["request_id"]] = e["ts"]
+                else:
+                    engine[e["request_id"]] = e["ttft"]
+    if not all(r.get("request_id") in admitted and r.get("request_id") in engine for r in results):
+        return None
+    phases = {"client": [], "in": [], "engine": [], "out": []}
+    for r in results:
+        at, ttft = admitted[r["request_id"]], engine[r["request_id"]]
+        phases["client"].append(r["wire"] - r["sent"])
+        phases["in"].append(at - r["wire"])
+        phases["engine"].append(ttft)
+        phases["out"].append(r["arrivals"][0] - at - ttft)
+    out = {}
+    for name, values in phases.items():
+        out[f"{name}_median"], out[f"{name}_max"] = statistics.median(values), max(values)
+    return out
 
 
 def quantile(values: list[float], q: float) -> float:
@@ -193,6 +232,7 @@ def run_streams(base: str, model: str, log_path: Path, n: int, tokens: int, lead
         "cadence": cadence,
         "num_rounds": len(rounds),
         "ahead_share": sum(a for *_, a in logged) / len(logged) if logged else None,
+        "ttft_phases": ttft_phases(log_path, results),
     }
 
 
@@ -227,6 +267,21 @@ def table(runs: list[dict]) -> list[str]:
                 f"| {ms(r['cadence'])} | {over(r)} | {ms(r['ttft_median'])} / {ms(r['ttft_max'])} "
                 f"| {r['agg_tok_s']:.1f} | {share(r.get('ahead_share'))} | {load(run.get('load'))} |"
             )
+    return lines
+
+
+def phases_lines(runs: list[dict]) -> list[str]:
+    """Each stream count's TTFT split (``ttft_phases``) as a line: where the first tokens waited."""
+    lines = []
+    for run in runs:
+        for r in run["figures"]:
+            p = r.get("ttft_phases")
+            if p:
+                parts = "; ".join(
+                    f"{k} {p[k + '_median'] * 1e3:.1f} / {p[k + '_max'] * 1e3:.1f}"
+                    for k in ("client", "in", "engine", "out")
+                )
+                lines.append(f"TTFT split ({run['label']}, {r['streams']} streams; median / max ms): {parts}.")
     return lines
 
 
@@ -292,17 +347,21 @@ def main() -> None:
 
 
 def render(runs: list[dict], args) -> None:
-    body = table(runs) + [
-        "",
-        f"Model {'tiny-llama (tests/models/tiny.py: 2 layers, hidden 64, random weights)' if args.tiny else MODEL + ' (GGUF Q4_1)'}, "
-        f"cpu backend, {args.tokens} tokens a stream (`ignore_eos`), greedy, "
-        + ("speculative rounds on, " if args.spec else "speculative rounds off (one token a stream a round), ")
-        + "one openai client and thread per stream. Inter-token gaps and aggregate tok/s only while every stream "
-        "decodes; engine round = the backend's decode round (the engine's `ignis.engine.round` log lines), cadence = "
-        "wall time from one round's line to the next. Trees: "
-        + "; ".join(f"{r['label']} = {r['commit'] or r['root']}" for r in runs)
-        + ".",
-    ]
+    body = (
+        table(runs)
+        + [
+            "",
+            f"Model {'tiny-llama (tests/models/tiny.py: 2 layers, hidden 64, random weights)' if args.tiny else MODEL + ' (GGUF Q4_1)'}, "
+            f"cpu backend, {args.tokens} tokens a stream (`ignore_eos`), greedy, "
+            + ("speculative rounds on, " if args.spec else "speculative rounds off (one token a stream a round), ")
+            + "one openai client and thread per stream. Inter-token gaps and aggregate tok/s only while every stream "
+            "decodes; engine round = the backend's decode round (the engine's `ignis.engine.round` log lines), cadence = "
+            "wall time from one round's line to the next. Trees: "
+            + "; ".join(f"{r['label']} = {r['commit'] or r['root']}" for r in runs)
+            + ".",
+        ]
+        + phases_lines(runs)
+    )
     machine = f"{cpu_model()}, {os.cpu_count()} cores, Python {platform.python_version()}"
     report(SECTION, machine=machine, command=command_line(".venv/bin/python"), body=body, write=args.write)
 

@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.bench_load import write_checkpoint  # noqa: E402
-from bench.bench_serving import GGUF, run_streams, start_server, table  # noqa: E402
+from bench.bench_serving import GGUF, phases_lines, run_streams, start_server, table  # noqa: E402
 from bench.perfdoc import command_line, report  # noqa: E402
 
 SECTION = "## The serving path on the GPU (H200, issue 15)"
@@ -240,6 +240,7 @@ def main() -> None:
             one, wide = by_n[1]["ttft_median"], by_n[max(by_n)]
             body.append(f"Burst ({run['label']}): the last of {wide['streams']} first tokens {wide['ttft_max'] * 1e3:.1f} ms, "
                         f"{wide['ttft_max'] / one:.2f}x one stream's {one * 1e3:.1f} ms.")  # fmt: skip
+    body += phases_lines(runs)
     machine = f"{gpu}, Python {platform.python_version()}"
     report(SECTION, machine=machine, command=command_line("python3"), body=body, write=args.write)
 
