@@ -106,7 +106,9 @@ class KVManager:
         return len(self.free_host_blocks)
 
     def usage(self) -> dict[str, int]:
-        used = sum(1 for r in self.ref_count if r > 0)
+        """The pool's books by state. O(1): the engine publishes them with every status (a walk over
+        the reference counts was 29k steps a status for an 8B on one card, on the engine's loop)."""
+        used = self.num_blocks - self.num_available_blocks  # the four states partition the pool
         pinned = len(self.evictable_pinned)
         return {
             "total": self.num_blocks,

@@ -32,7 +32,7 @@ import json
 import logging
 import time
 
-from channels.consumer import AsyncConsumer
+from channels.consumer import AsyncConsumer, get_handler_name
 from channels.exceptions import StopConsumer
 from django.conf import settings
 
@@ -106,11 +106,19 @@ class OpenAIHttpConsumer(Timers, AsyncConsumer):
             self.timers_cancel()
 
     async def dispatch(self, message: dict) -> None:
-        """One message to its handler; once a handler has finished the response, the consumer stops."""
+        """One message to its handler; once a handler has finished the response, the consumer stops.
+
+        Not through Channels' own dispatch: that first runs Django's close_old_connections on the
+        one sync thread, a round trip between threads for every message (each engine.tokens of
+        every stream, all queued on that thread); these handlers reach the database only through
+        database_sync_to_async, which closes stale connections itself."""
         engine_client.reply_heard(message)
         if self._finished:
             raise StopConsumer()
-        await super().dispatch(message)
+        handler = getattr(self, get_handler_name(message), None)
+        if handler is None:
+            raise ValueError(f"No handler for message type {message['type']}")
+        await handler(message)
         if self._finished:
             raise StopConsumer()
 

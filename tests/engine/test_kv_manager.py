@@ -195,3 +195,62 @@ def test_pinned_prefix_goes_last_and_never_blocks_a_live_request():
     assert kv2.usage()["pinned"] == 0 and not any(kv2.pins)
     kv2.free(big)
     assert kv2.allocate(make_seq(system + [2], seq_id=5)) == 0
+
+
+def test_usage_counts_live_blocks_through_every_transition():
+    """``usage()["used"]`` is derived from the other states' lists; a random walk through
+    allocation, growth, rewinds, pins, swaps and frees keeps it equal to the live reference counts."""
+    import random
+
+    rng = random.Random(7)
+    kv = KVManager(48, BS, 16)
+    live: list[Sequence] = []
+    swapped: list[Sequence] = []
+    heads = [list(range(100, 108)), list(range(200, 204))]
+    seen = {"pinned": 0, "retained": 0, "host_used": 0}
+
+    def check(step):
+        u = kv.usage()
+        assert u["used"] == sum(1 for r in kv.ref_count if r > 0), step
+        assert u["used"] + u["retained"] + u["free"] == kv.num_blocks
+        for k in seen:
+            seen[k] = max(seen[k], u[k])
+
+    for step in range(600):
+        op = rng.random()
+        if op < 0.25:
+            seq = make_seq(rng.choice(heads) + [rng.randrange(50) for _ in range(rng.randrange(1, 9))], seq_id=step)
+            if kv.can_allocate(0, seq):
+                prefill(kv, seq)
+                live.append(seq)
+        elif op < 0.4 and live:
+            seq = rng.choice(live)
+            seq.output_token_ids.append(rng.randrange(50))
+            if not kv.append_slots(seq, seq.num_tokens):
+                seq.output_token_ids.pop()
+        elif op < 0.5 and live:
+            seq = rng.choice(live)
+            kv.rewind(seq, max(seq.num_prompt_tokens, seq.num_tokens - rng.randrange(3)))
+        elif op < 0.6 and live:
+            seq = live.pop(rng.randrange(len(live)))
+            if kv.can_swap_out(seq):
+                kv.swap_out(seq)
+                swapped.append(seq)
+            else:
+                kv.free(seq)
+        elif op < 0.7 and swapped:
+            seq = swapped[0]
+            if kv.can_swap_in(seq, seq.num_tokens):
+                kv.swap_in(seq)
+                live.append(swapped.pop(0))
+        elif op < 0.8:
+            (kv.pin_prefix if rng.random() < 0.7 else kv.unpin_prefix)(rng.choice(heads))
+        elif live:
+            kv.free(live.pop(rng.randrange(len(live))))
+        kv.end_step()
+        check(step)
+    kv.pin_prefix(heads[0])
+    for seq in live:
+        kv.free(seq)
+    check("drained")
+    assert all(seen.values()), seen  # the walk reached every state
