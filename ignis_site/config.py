@@ -173,7 +173,7 @@ FIELDS: dict[str, Field] = {
         Field(
             "server.gil_switch_ms",
             float,
-            5.0,
+            1.0,
             "ms a thread may hold the GIL while another waits (sys.setswitchinterval), in `serve` with the "
             "engine embedded: the engine's kernel launches against the HTTP loop",
             0.05,

@@ -16,11 +16,11 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from rest_framework import serializers
 from rest_framework.exceptions import ValidationError
 
 from apps.api.parsers import json_loads
 from apps.api.schemas import validated
+from apps.api.schemas.fields import Body
 from apps.api.schemas.tools import MAX_SCHEMA_CHARS, MAX_TOOLS, ResponseFormat, Tools, schema_checked  # noqa: F401
 from apps.core.errors import InvalidRequest
 
@@ -47,7 +47,7 @@ def _schema(value: Any, param: str) -> dict:
         raise InvalidRequest(str(exc.detail[0]), param=param, code=exc.detail[0].code) from None
 
 
-class _ToolsBody(serializers.Serializer):
+class _ToolsBody(Body):
     tools = Tools()
     response_format = ResponseFormat()
 

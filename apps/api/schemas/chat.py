@@ -13,7 +13,7 @@ from django.conf import settings
 from rest_framework import serializers
 from rest_framework.exceptions import ErrorDetail, ValidationError
 
-from apps.api.schemas.fields import AnyJson, Bool, Custom, Enum, Integer, Number, Object, Str, Strict
+from apps.api.schemas.fields import AnyJson, Body, Bool, Custom, Enum, Integer, Number, Object, Str, Strict
 from apps.api.schemas.tools import ResponseFormat, Tools
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -60,7 +60,7 @@ TOOL_CHOICE_SCHEMA = {
 }
 
 
-class StreamOptions(serializers.Serializer):
+class StreamOptions(Body):
     include_usage = Bool()
 
 
@@ -104,7 +104,7 @@ class LogitBias(Strict):
         return out
 
 
-class SamplingBody(serializers.Serializer):
+class SamplingBody(Body):
     """Chat and legacy completions alike: model, stream, caps, sampling, stop, n, class, deadline."""
 
     model = Str(max_length=1 << 20, description="a served id; `id@agent` / `id@interactive` pick the class")
@@ -140,12 +140,12 @@ class SamplingBody(serializers.Serializer):
         return value
 
 
-class TextPart(serializers.Serializer):
+class TextPart(Body):
     type = Enum(*TEXT_PART_TYPES, required=True, message="Only text content parts are supported.")
     text = Str(required=True, max_length=MAX_MESSAGE_CHARS)
 
 
-class ImagePart(serializers.Serializer):
+class ImagePart(Body):
     """``{type: image_url, image_url: {url, detail?}}`` (chat) or ``{type: input_image, image_url: url}`` (Responses)."""
 
     type = Enum(*IMAGE_PART_TYPES, required=True)
@@ -245,18 +245,18 @@ def image_params(content: Any, prefix: str, role: str) -> Any:
     return content
 
 
-class FunctionCall(serializers.Serializer):
+class FunctionCall(Body):
     name = Str(required=True, max_length=256)
     arguments = Str(description="JSON text")
 
 
-class ToolCall(serializers.Serializer):
+class ToolCall(Body):
     id = AnyJson()
     type = AnyJson()
     function = FunctionCall(required=True)
 
 
-class Message(serializers.Serializer):
+class Message(Body):
     role = Enum(*ROLES, required=True)
     content = Content(images=True)
     name = Str(max_length=256)
@@ -321,7 +321,7 @@ class Messages(Strict):
         return out
 
 
-class Prediction(serializers.Serializer):
+class Prediction(Body):
     """OpenAI Predicted Outputs: text the answer is expected to repeat, proposed as drafts."""
 
     type = Enum("content", required=True, message="Only 'content' predictions are supported.")

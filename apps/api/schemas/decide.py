@@ -4,9 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from rest_framework import serializers
-
-from apps.api.schemas.fields import Enum, Str, Strict
+from apps.api.schemas.fields import Body, Enum, Str, Strict
 
 MAX_LABELS = 64
 MAX_LABEL_LEN = 200
@@ -40,7 +38,7 @@ class Labels(Strict):
         return data
 
 
-class DecideBody(serializers.Serializer):
+class DecideBody(Body):
     evidence = Str(description="optional context the question is about")
     question = Str(required=True, nonblank=True)
     labels = Labels(required=True)

