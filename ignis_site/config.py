@@ -170,15 +170,6 @@ FIELDS: dict[str, Field] = {
         ),
         Field("server.image_fetch_max_bytes", int, 16 * MiB, "largest fetched image, in bytes", 1024, 1 << 30),
         Field("server.image_fetch_timeout", float, 10.0, "seconds an image fetch may take in all", 0.1, 300),
-        Field(
-            "server.gil_switch_ms",
-            float,
-            1.0,
-            "ms a thread may hold the GIL while another waits (sys.setswitchinterval), in `serve` with the "
-            "engine embedded: the engine's kernel launches against the HTTP loop",
-            0.05,
-            100,
-        ),
         Field("server.engine_heartbeat", float, 1.0, "seconds between the engine's status heartbeats", 0.05, 60),
         Field(
             "server.engine_timeout",

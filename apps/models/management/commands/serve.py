@@ -93,9 +93,6 @@ class Command(BaseCommand):
             tasks.append(twisted_loop.create_task(announce_when_serving(self.stdout, url, engine)))
 
         if embedded:
-            # The engine's threads and Daphne's share one GIL: a thread that waits for it (the HTTP loop
-            # after each syscall, while the step thread launches a prefill's kernels) waits this long.
-            sys.setswitchinterval(values["server.gil_switch_ms"] / 1000)
             reactor.callWhenRunning(engine_thread.start)
             # After Daphne's own "before" trigger has ended the open requests (their aborts reach the engine).
             reactor.addSystemEventTrigger("during", "shutdown", engine_thread.stop)
