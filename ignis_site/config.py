@@ -209,7 +209,7 @@ FIELDS: dict[str, Field] = {
         Field(
             "model.short_prefill",
             int,
-            16,
+            32,
             "a prompt whose uncached tail is at most this many tokens joins the decode round as rows (0 = never)",
             0,
             64,
@@ -311,7 +311,7 @@ FIELDS: dict[str, Field] = {
         Field(
             "cuda.known_rows",
             int,
-            0,
+            64,
             "CUDA backend: rows a decode round may hold when those past cuda.round_rows are known tokens "
             "(short prompts' tails, forced tokens), not drafts; 0 = cuda.round_rows",
             0,

@@ -125,7 +125,9 @@ def _generate(backend, prompts, group: bool, sampling: dict, tokens: int = 8) ->
     from engine.messages import AddRequest, TokenEvent
     from engine.scheduler import Scheduler
 
-    cfg = EngineConfig(decode_lanes=8, prefill_chunk=256, max_context=512, block_size=BLOCK, prefill_group=group)
+    # short_prefill 16: the 17- and 30-token prompts take the prefill pass, which is what is tested here
+    cfg = EngineConfig(decode_lanes=8, prefill_chunk=256, max_context=512, block_size=BLOCK, prefill_group=group,
+                       short_prefill=16)  # fmt: skip
     sched = Scheduler(cfg, KVManager(backend.plan.num_blocks, BLOCK, 0), seed_rng=random.Random(0),
                       max_round_rows=backend.max_round_rows)  # fmt: skip
     for i, ids in enumerate(prompts):
