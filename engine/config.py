@@ -27,11 +27,10 @@ class CudaTuning:
     # cuda.known_rows: rows a decode round may hold when the rows past cuda.round_rows are known tokens
     # (short prompts' tails fed as rows, forced tokens after a take-back), not drafts; 0 = round_rows.
     # A burst of short prompts then starts in one wider round instead of several (the graphs of every
-    # width up to it are captured at load, and prefill chunks of up to as many rows run the GEMV).
-    # The server's default is 64 (ignis_site/config.py, since 2026-12-07: with model.short_prefill 32
-    # an H100 gave one stream its first token in 11.5 ms instead of 17.8, docs/PERFORMANCE.md, "Where a
-    # burst's first tokens wait"); a backend built directly (the card tests, the benches) keeps 0, so
-    # their prefill passes stay as they pin them.
+    # width up to it are captured at load; prefill passes keep round_rows' GEMV cap). The server's
+    # default is 64 (ignis_site/config.py, since 2026-12-07: docs/PERFORMANCE.md, "Where a burst's
+    # first tokens wait"); a backend built directly (the card tests, the benches) keeps 0, so their
+    # graphs stay as they pin them.
     known_rows: int = 0
     # cuda.pdl: launch a decode round's kernels with programmatic dependent launch (each may start
     # while the one before ends; gemv.cu issues its first weight loads before it waits). docs/CUDA.md.
@@ -75,7 +74,7 @@ class EngineConfig:
     prefill_chunk: int = 1024  # model.prefill_chunk
     # model.short_prefill: a prompt whose uncached tail is at most this many tokens is fed as rows of
     # the decode round instead of a prefill pass (0 = never); engine/scheduler.py _admit_short.
-    short_prefill: int = 32
+    short_prefill: int = 16
     decode_share: float = 0.25  # model.decode_share (fraction of time the lanes keep)
     # model.prefill_group: prompts that fit whole in one chunk together prefill in one step
     # (engine/prefill_group.py); False: one prompt a step.

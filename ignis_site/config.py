@@ -209,7 +209,7 @@ FIELDS: dict[str, Field] = {
         Field(
             "model.short_prefill",
             int,
-            32,
+            16,
             "a prompt whose uncached tail is at most this many tokens joins the decode round as rows (0 = never)",
             0,
             64,

@@ -183,9 +183,10 @@ class Kernels:
 
         self.head_dim, self.group, self.u2_below, self.pdl = head_dim, group, u2_below, pdl
         self.wide_min_n, self.quant_persist = wide_min_n, quant_persist
-        # Rows up to which linear / gate_up_act take the GEMV (beyond: the GEMM). The backend lowers it
-        # to its widest decode round (cuda.round_rows): a prefill chunk of more rows than a round
-        # holds runs the GEMM, which a wide GEMV variant is slower than (docs/SPECULATION.md).
+        # Rows up to which linear / gate_up_act take the GEMV (beyond: the GEMM). The backend sets it
+        # to its widest decode round while it captures the graphs, then to a plain round's rows
+        # (cuda.round_rows) for the prefill passes: a prefill chunk of more rows than a round holds
+        # runs the GEMM, which a wide GEMV variant is slower than (docs/SPECULATION.md).
         self.gemv_cap = GEMV_MAX_ROWS
         self.cache_dir, self._quant, self.scratch, self.scratch_bytes = cache_dir, {}, 0, 0
         self.quant_act, self._quant8, self.qact, self.qact_bytes = quant_act, {}, 0, 0

@@ -160,6 +160,7 @@ def _host_backend(monkeypatch, vocab=64, hidden=32, block_size=4, max_context=64
         v["out"][:rows] = 1000 + v["sample_pos"][:rows]
 
     be.kern = SimpleNamespace(gemv_cap=4, penalties=lambda *a: None, sample=sample)
+    be.prefill_gemv_rows = 4  # what _capture leaves the cap at
     return be, copies
 
 
@@ -416,3 +417,19 @@ def test_a_burst_through_the_scheduler_gives_the_tokens_of_one_prompt_a_step(loa
     alone, steps_alone = generate(False)
     assert (steps_together, steps_alone) == (1, 4)
     assert together == alone  # the cuda backend's decode lanes do not depend on their round's width
+
+
+def test_decode_graphs_take_the_wide_gemv_and_prefill_passes_a_plain_rounds_cap():
+    """cuda.known_rows widens decode rounds only: the graphs are captured with the GEMV taking the
+    widest round's rows, and the prefill passes (eager) then see cuda.round_rows' cap, so a span past
+    it runs the GEMM and may join its group's pass (CudaBackend._capture)."""
+    from engine.backends.cuda import CudaBackend
+    from engine.config import CudaTuning
+
+    be = CudaBackend(CudaTuning(known_rows=64))
+    be.max_round_rows, be.prefill_gemv_rows = 64, 16
+    seen = []
+    be.kern = SimpleNamespace(gemv_cap=0)
+    be.graphs = SimpleNamespace(capture=lambda: seen.append(be.kern.gemv_cap))
+    be._capture()
+    assert seen == [64] and be.kern.gemv_cap == 16

@@ -161,10 +161,12 @@ class CudaBackend(Backend):
 
         self.max_round_rows = cap(max(self.tuning.round_rows, self.tuning.known_rows))  # cuda.known_rows: wider
         self.max_draft_rows = cap(self.tuning.round_rows)  # drafts stop at cuda.round_rows
-        self.kern.gemv_cap = self.max_round_rows  # wider prefill chunks run the GEMM
+        # A prefill span past a plain round's rows runs the GEMM (alone and in a group pass alike), which
+        # is faster there than a wide GEMV variant; cuda.known_rows widens decode rounds only.
+        self.prefill_gemv_rows = cap(self.tuning.round_rows)
         compiles.bind()  # waits for the cubins still compiling; the graphs launch every kernel
         self.graphs = GraphRunner(self.stream, self.dstage, self._decode_body, self.max_round_rows, eager=eager)
-        self.graphs.capture()
+        self._capture()
         # The workspace figure is engine.memory's formula (the same one the switch precheck uses):
         # activations of PREFILL_CHUNK rows plus MAX_LANES rows of logits.
         work = workspace_bytes(cfg, rows=PREFILL_CHUNK, logit_rows=MAX_LANES) + scratch
@@ -269,7 +271,15 @@ class CudaBackend(Backend):
                 self.kern = self.forward.kern = self._kernels()
             self.kern.scratch, self.kern.scratch_bytes = self.scratch
             self.kern.qact, self.kern.qact_bytes = self.qact
-            self.graphs.recapture()
+            self._capture()
+
+    def _capture(self) -> None:
+        """(Re)capture the decode graphs with the GEMV taking a round's widest rows, then leave the
+        GEMV's cap at ``prefill_gemv_rows`` for the prefill passes, which run eagerly (a decode round
+        run eagerly, MoE's, is 8 rows wide under either cap)."""
+        self.kern.gemv_cap = self.max_round_rows
+        self.graphs.capture()
+        self.kern.gemv_cap = self.prefill_gemv_rows
 
     def _decode_body(self, rows: int) -> None:
         """Every launch of a decode round of ``rows`` lanes (what a graph holds)."""
@@ -294,7 +304,7 @@ class CudaBackend(Backend):
         from engine.cu import runtime
 
         with runtime.current():
-            rows = layout(spans, narrow=self.kern.gemv_cap, max_rows=min(PREFILL_CHUNK, self.max_context),
+            rows = layout(spans, narrow=self.prefill_gemv_rows, max_rows=min(PREFILL_CHUNK, self.max_context),
                           max_spans=MAX_LANES)  # fmt: skip
             together = {r.index for r in rows}
             for i, (span, out) in enumerate(zip(spans, outs, strict=True)):

@@ -5,7 +5,8 @@ rows go through the weight products together (``Forward.prefill_rows``: one GEMM
 over all of them, attention span by span) when each span gets there exactly the bits its
 ``prefill`` alone gets:
 
-* more than ``narrow`` rows (the backend's ``Kernels.gemv_cap``): alone, such a span's products
+* more than ``narrow`` rows (the backend's ``prefill_gemv_rows``, ``cuda.round_rows``' cap, which
+  ``Kernels.gemv_cap`` holds while prefill runs): alone, such a span's products
   run the GEMM, whose rows do not depend on the rows beside them (gemm_hopper.cu: one tile
   walks the whole K, no split), so they come out the same in a wider GEMM; a span the GEMV
   takes alone would get the GEMM's rounding in the group instead, so it prefills alone (fed as
