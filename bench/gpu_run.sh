@@ -13,11 +13,10 @@
 #          streams of 128 tokens, after a warm-up burst) with cuda.known_rows 0, then 64, then 64 with
 #          cuda.gemv_pair off; needs .gpu/tokenizer (bench_serving_gpu.py --save-tokenizer) and the
 #          openai client's wheels in .whl, both carried
-#   next:  what stop 34 left unmeasured (~4 min; carry .whl with the openai wheels and .gpu): the burst of
-#          8 and 12 streams with cuda.known_rows 64 and model.short_prefill 32, then 64 (tails of ~24
-#          tokens as decode rows instead of prefilling one by one: docs/PERFORMANCE.md, "The serving path
-#          at 1, 8 and 12 streams"), then bench_verify.py (8 x 5 with the paired GEMVs); printed only.
-#          Run `suite` first: the kernel suite has not completed since stop 33's last changes
+#   next:  what stop 35 left unmeasured (~3 min; carry .whl with the openai wheels and .gpu): the serving
+#          bench at the server's new defaults (cuda.known_rows 64, model.short_prefill 16, prefill passes
+#          at cuda.round_rows' GEMV cap: docs/PERFORMANCE.md, "Where a burst's first tokens wait"), then
+#          with known_rows 0, 1 / 8 / 12 streams with the TTFT split; then the prefill-group card tests
 #   fp8gemm: the fp8 prefill GEMM (cuda.fp8_gemm): its card tests, then bench_fp8_gemm.py (the 8B GEMMs
 #          alone, then the 8B shape's prefill, FP8_LAYERS deep (16), with it off and on, and bf16 beside); ~2 min
 #   fp8:   both fp8 kinds (per channel: FP8; 128 x 128 tiles: FP8B): their card tests, then bench_fp8.py
@@ -98,13 +97,13 @@ if [ "$what" = gptoss ]; then
   cp docs/PERFORMANCE.md "$OUT/" 2>/dev/null
 fi
 if [ "$what" = next ]; then
-  for sp in 32 64; do
-    IGNIS_CUDA_KNOWN_ROWS=64 IGNIS_MODEL_SHORT_PREFILL=$sp timeout 150 python3 bench/bench_serving_gpu.py \
-      --streams 1,8,12 --tokens 128 --label "known_rows 64, short_prefill $sp" --server-log "$OUT/server_sp$sp.log" \
-      2>&1 | tee "$OUT/serving_sp$sp.log" | tail -7
+  for kr in 64 0; do
+    IGNIS_CUDA_KNOWN_ROWS=$kr timeout 120 python3 bench/bench_serving_gpu.py --streams 1,8,12 --tokens 64 \
+      --label "known_rows $kr" --server-log "$OUT/server_kr$kr.log" 2>&1 | tee "$OUT/serving_kr$kr.log" \
+      | grep -E "Burst|TTFT split|\| known"
   done
-  # printed only: its --write replaces a section titled for the H200, and the card may be an H100
-  timeout 150 python3 bench/bench_verify.py 2>&1 | tee "$OUT/verify.log" | tail -24
+  timeout 200 python3 -m pytest -p no:cacheprovider -q -o addopts="" tests/kernels/test_cuda_prefill_group.py 2>&1 \
+    | tee "$OUT/test_group.log" | tail -5
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   timeout ${BENCH_TIMEOUT:-300} python3 bench/bench_cuda.py --write ${BENCH_ARGS} 2>&1 | tee "$OUT/bench.log" | tail -30
