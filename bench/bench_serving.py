@@ -145,8 +145,9 @@ def ttft_phases(log_path: Path, results: list[dict]) -> dict[str, float] | None:
     on the wire (the openai client building it, in a thread of this process), ``in`` = from the wire
     to the engine's admission (HTTP, the consumer, the channel), ``engine`` = admission to the first
     token (the engine's own TTFT), ``out`` = the first token to its arrival at the client (channel,
-    SSE, the client's parsing); the median and the largest of each over the streams. None when the
-    log lacks a stream."""
+    SSE, the client's parsing); the median and the largest of each over the streams; and the
+    engine's side of the whole burst: ``admit_spread`` (first to last admission) and ``engine_span``
+    (first admission to the last first token). None when the log lacks a stream."""
     ids = {r.get("request_id") for r in results}
     admitted, engine = {}, {}
     for line in log_path.read_text(errors="replace").splitlines():
@@ -169,6 +170,9 @@ def ttft_phases(log_path: Path, results: list[dict]) -> dict[str, float] | None:
     out = {}
     for name, values in phases.items():
         out[f"{name}_median"], out[f"{name}_max"] = statistics.median(values), max(values)
+    times = [admitted[r["request_id"]] for r in results]
+    out["admit_spread"] = max(times) - min(times)
+    out["engine_span"] = max(admitted[r["request_id"]] + engine[r["request_id"]] for r in results) - min(times)
     return out
 
 
@@ -281,7 +285,11 @@ def phases_lines(runs: list[dict]) -> list[str]:
                     f"{k} {p[k + '_median'] * 1e3:.1f} / {p[k + '_max'] * 1e3:.1f}"
                     for k in ("client", "in", "engine", "out")
                 )
-                lines.append(f"TTFT split ({run['label']}, {r['streams']} streams; median / max ms): {parts}.")
+                span = ""
+                if "engine_span" in p:  # runs saved before it have none
+                    span = (f" Admissions over {p['admit_spread'] * 1e3:.1f} ms; the last first token "
+                            f"{p['engine_span'] * 1e3:.1f} ms after the first admission.")  # fmt: skip
+                lines.append(f"TTFT split ({run['label']}, {r['streams']} streams; median / max ms): {parts}.{span}")
     return lines
 
 
