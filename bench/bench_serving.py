@@ -161,18 +161,19 @@ def ttft_phases(log_path: Path, results: list[dict]) -> dict[str, float] | None:
     if not all(r.get("request_id") in admitted and r.get("request_id") in engine for r in results):
         return None
     phases = {"client": [], "in": [], "engine": [], "out": []}
+    ats, firsts = [], []
     for r in results:
         at, ttft = admitted[r["request_id"]], engine[r["request_id"]]
         phases["client"].append(r["wire"] - r["sent"])
         phases["in"].append(at - r["wire"])
         phases["engine"].append(ttft)
         phases["out"].append(r["arrivals"][0] - at - ttft)
+        ats.append(at)
+        firsts.append(at + ttft)
     out = {}
     for name, values in phases.items():
         out[f"{name}_median"], out[f"{name}_max"] = statistics.median(values), max(values)
-    times = [admitted[r["request_id"]] for r in results]
-    out["admit_spread"] = max(times) - min(times)
-    out["engine_span"] = max(admitted[r["request_id"]] + engine[r["request_id"]] for r in results) - min(times)
+    out["admit_spread"], out["engine_span"] = max(ats) - min(ats), max(firsts) - min(ats)
     return out
 
 
