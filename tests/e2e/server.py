@@ -81,6 +81,18 @@ def start_server(data_dir: Path, *flags: str, env_extra: dict | None = None, por
     return proc, base
 
 
+def engine_stats(base: str) -> dict:
+    """The engine's counters from /health; empty while it is momentarily unreachable there (its
+    status ask timed out on a loaded machine: ``engine: null``), which polls count as "not yet"."""
+    engine = httpx.get(base + "/health", timeout=10).json().get("engine") or {}
+    return engine.get("stats") or {}
+
+
+def lanes_busy(base: str) -> int | None:
+    """The engine's busy lanes from /health; None while the engine is unreachable there."""
+    return engine_stats(base).get("lanes_busy")
+
+
 def wait_healthy(base: str, proc: LiveProcess, timeout: float = 180.0) -> None:
     """Return once GET /health answers 200; fail with the server's log if it exits or never does."""
 

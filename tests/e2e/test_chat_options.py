@@ -9,6 +9,7 @@ import jsonschema
 import openai
 import pytest
 
+from tests.e2e.server import engine_stats
 from tests.helpers import wait_for
 
 pytestmark = pytest.mark.e2e
@@ -34,10 +35,6 @@ TIME = {
         "parameters": {"type": "object", "properties": {"tz": {"type": "string"}}},
     },
 }
-
-
-def engine_stats(base: str) -> dict:
-    return httpx.get(base + "/health", timeout=10).json()["engine"]["stats"]
 
 
 def user(text: str) -> list[dict]:
@@ -246,7 +243,7 @@ def test_deadline_answers_with_what_it_has(client, live_server_url):
     engine (docs/API.md, Deadlines). Stories of up to 4000 tokens outlast a 4 s deadline by far, so
     the cut is what ends them; a finish_reason other than "deadline" fails here rather than passing."""
     idle = wait_for(
-        lambda: engine_stats(live_server_url), 30, 0.05, "no lane busy before", until=lambda s: s["lanes_busy"] == 0
+        lambda: engine_stats(live_server_url), 30, 0.05, "no lane busy before", until=lambda s: s.get("lanes_busy") == 0
     )
     aborted = idle["aborted"]
     resp = client.chat.completions.create(
@@ -277,7 +274,7 @@ def test_deadline_answers_with_what_it_has(client, live_server_url):
         10,
         0.05,
         "both cut sequences to be aborted and their lanes freed",
-        until=lambda s: s["aborted"] == aborted + 2 and s["lanes_busy"] == 0,
+        until=lambda s: s.get("aborted") == aborted + 2 and s.get("lanes_busy") == 0,
     )
 
 

@@ -7,6 +7,7 @@ import math
 import httpx
 import pytest
 
+from tests.e2e.server import engine_stats
 from tests.helpers import assert_openai_error
 
 pytestmark = pytest.mark.e2e
@@ -16,10 +17,6 @@ PARIS = {"evidence": "Paris is the capital of France.", "question": "What is the
 
 def decide(base: str, **body) -> httpx.Response:
     return httpx.post(base + "/v1/decide", json=body, timeout=120)
-
-
-def stats(base: str) -> dict:
-    return httpx.get(base + "/health", timeout=10).json()["engine"]["stats"]
 
 
 @pytest.mark.parametrize("labels", [["Paris", "London"], ["London", "Paris"]])
@@ -37,7 +34,7 @@ def test_easy_question_gets_the_right_label(live_server_url, labels):
 
 
 def test_decide_decodes_nothing_and_takes_no_lane(live_server_url):
-    before = stats(live_server_url)
+    before = engine_stats(live_server_url)
     resp = decide(
         live_server_url,
         evidence="The sky is blue.",
@@ -49,7 +46,7 @@ def test_decide_decodes_nothing_and_takes_no_lane(live_server_url):
     d = resp.json()
     assert d["label"] in ("yes", "no")
     assert math.isclose(sum(x["probability"] for x in d["distribution"]), 1.0, abs_tol=1e-9)
-    after = stats(live_server_url)
+    after = engine_stats(live_server_url)
     assert after["decoded_tokens"] == before["decoded_tokens"]
     assert after["decode_rounds"] == before["decode_rounds"]
     assert after["lanes_busy"] == 0

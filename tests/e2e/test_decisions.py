@@ -9,6 +9,7 @@ import httpx
 import openai
 import pytest
 
+from tests.e2e.server import engine_stats
 from tests.helpers import assert_openai_error
 
 pytestmark = pytest.mark.e2e
@@ -20,10 +21,6 @@ PARIS = "Paris is the capital of France."
 def capital(choices: list, name: str | None = "capital") -> dict:
     q = {"type": "choice", "instructions": "What is the capital of France?", "choices": [{"value": v} for v in choices]}
     return q | ({"name": name} if name else {})
-
-
-def stats(base: str) -> dict:
-    return httpx.get(base + "/health", timeout=10).json()["engine"]["stats"]
 
 
 @pytest.mark.parametrize("choices", [["Paris", "London"], ["London", "Paris"]])
@@ -66,13 +63,13 @@ def test_answers_come_in_question_order_with_names_normalised(client):
 
 
 def test_the_input_is_computed_once_and_nothing_decoded(client, live_server_url):
-    before = stats(live_server_url)
+    before = engine_stats(live_server_url)
     fresh = f"Note {uuid.uuid4().hex}: the Eiffel Tower stands in Paris, the capital of France, by the Seine."
     questions = [capital(["Paris", "London"]), {"type": "predicate", "instructions": "The note is about Paris."},
                  {"type": "score", "instructions": "How long is the note?", "levels": [{"label": "short"}, {"label": "long"}]}]  # fmt: skip
     first = client.decisions.create(model=MODEL, input=fresh, questions=questions)
     again = client.decisions.create(model=MODEL, input=fresh, questions=questions)
-    after = stats(live_server_url)
+    after = engine_stats(live_server_url)
     assert after["decoded_tokens"] == before["decoded_tokens"] and after["decode_rounds"] == before["decode_rounds"]
     assert after["lanes_busy"] == 0
     u, v = first.usage, again.usage

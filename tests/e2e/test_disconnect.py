@@ -10,6 +10,7 @@ import sys
 import httpx
 import pytest
 
+from tests.e2e.server import engine_stats, lanes_busy
 from tests.helpers import wait_for
 
 pytestmark = pytest.mark.e2e
@@ -22,18 +23,16 @@ BODY = {
 }
 
 
-def stats(base: str) -> dict:
-    return httpx.get(base + "/health", timeout=10).json()["engine"]["stats"]
-
-
 def wait_lanes_free(base: str, timeout: float = 10.0) -> dict:
     """The engine's stats once no lane is busy (``timeout`` bounds "within a round" generously)."""
-    return wait_for(lambda: stats(base), timeout, 0.05, "every lane to be free", until=lambda s: s["lanes_busy"] == 0)
+    return wait_for(
+        lambda: engine_stats(base), timeout, 0.05, "every lane to be free", until=lambda s: s.get("lanes_busy") == 0
+    )
 
 
 def test_dropped_sse_client_frees_its_lane(live_server_url):
     wait_lanes_free(live_server_url)
-    aborted = stats(live_server_url)["aborted"]
+    aborted = engine_stats(live_server_url)["aborted"]
     with (
         httpx.Client(timeout=60) as http,
         http.stream("POST", live_server_url + "/v1/chat/completions", json=BODY) as resp,
@@ -42,13 +41,13 @@ def test_dropped_sse_client_frees_its_lane(live_server_url):
         for line in resp.iter_lines():
             lines += line.startswith("data: ")
             if lines == 3:
-                busy = stats(live_server_url)["lanes_busy"]  # read while still connected
+                busy = lanes_busy(live_server_url)  # read while still connected
             if lines >= 4:
                 break  # leaving the iterator closes the connection (httpcore closes on GeneratorExit)
         assert busy == 1
     # The connection is closed here, mid-stream.
     wait_lanes_free(live_server_url, timeout=5.0)
-    assert stats(live_server_url)["aborted"] == aborted + 1
+    assert engine_stats(live_server_url)["aborted"] == aborted + 1
 
 
 CHILD = """
@@ -69,7 +68,7 @@ def test_killed_client_process_frees_its_lanes(live_server_url):
     try:
         for _ in range(3):
             assert child.stdout.readline().strip() == "chunk"
-        assert stats(live_server_url)["lanes_busy"] == 2
+        assert lanes_busy(live_server_url) == 2
         child.send_signal(signal.SIGKILL)
     finally:
         child.wait(10)

@@ -6,14 +6,13 @@ import json
 import threading
 import time
 
-import httpx
 import openai
 import pytest
 from openai import OpenAI
 from websockets.exceptions import ConnectionClosedOK
 from websockets.sync.client import connect as ws_connect
 
-from tests.e2e.server import start_server
+from tests.e2e.server import engine_stats, lanes_busy, start_server
 from tests.helpers import wait_for
 
 pytestmark = pytest.mark.e2e
@@ -29,17 +28,6 @@ def until_terminal(conn) -> list:
         if ev.type in TERMINAL:
             return events
     raise AssertionError(f"socket closed after {[e.type for e in events]}")
-
-
-def engine_stats(base: str) -> dict:
-    """The engine's counters from /health; empty while it is momentarily unreachable there (its
-    status ask timed out on a loaded machine), which the polls below count as "not yet"."""
-    engine = httpx.get(base + "/health", timeout=10).json().get("engine") or {}
-    return engine.get("stats") or {}
-
-
-def lanes_busy(base: str) -> int | None:
-    return engine_stats(base).get("lanes_busy")
 
 
 def test_events_as_on_sse(client):
