@@ -108,6 +108,28 @@ FIELDS: dict[str, Field] = {
         Field("server.host", str, "127.0.0.1", "address the API listens on"),
         Field("server.port", int, 8080, "port the API listens on", 0, 65535),
         Field("server.metrics_bind", str, "127.0.0.1:9464", "loopback listener for /metrics ('' = off)"),
+        Field(
+            "server.front_ends",
+            int,
+            1,
+            "serve: HTTP front-end processes sharing the API port, each with its own interpreter "
+            "(more than 1 needs server.redis_url; docs/FLEET.md, Front ends on one host)",
+            1,
+            64,
+        ),
+        Field(
+            "server.channel_hub",
+            str,
+            "",
+            "Unix socket of the channel hub the processes of serve --server-front-ends share "
+            "(serve sets it for its children; '' = none)",
+        ),
+        Field(
+            "server.reuse_port",
+            bool,
+            False,
+            "bind the API port with SO_REUSEPORT, so several serve processes share it (IPv4 hosts)",
+        ),
         Field("server.body_limit", int, 4 * MiB, "largest request body in bytes", 1024, 1 << 30),
         Field("server.api_keys", str, "", "comma-separated API keys ('' = no auth)"),
         Field(
@@ -415,6 +437,9 @@ START_ONLY_KEYS = frozenset(
         "server.log_level",
         "server.log_format",
         "server.worker_id",  # one per process: a saved value would give every worker the same
+        "server.channel_hub",
+        "server.front_ends",  # the processes serve starts: a saved value would be each child's too
+        "server.reuse_port",
     }
 )
 

@@ -10,6 +10,8 @@ VAR_DIR = Path(IGNIS["server.data_dir"] or BASE_DIR / "var")
 VAR_DIR.mkdir(parents=True, exist_ok=True)
 MODELS_DIR = Path(IGNIS["server.models_dir"] or BASE_DIR / "models")
 REDIS_URL = IGNIS["server.redis_url"]
+# The Unix socket of the channel hub a parent serve started (ignis_site/channel_hub.py).
+CHANNEL_HUB = "" if REDIS_URL else IGNIS["server.channel_hub"]
 
 
 def _secret_key() -> str:
@@ -85,6 +87,14 @@ if REDIS_URL:
             # redis-py 8 times sockets out after 5 s by default, the same as
             # channels_redis' blocking-pop timeout: a quiet channel would raise.
             "CONFIG": {"hosts": [{"address": REDIS_URL, "socket_timeout": 30}], "capacity": 2000, "expiry": 120},
+        }
+    }
+elif CHANNEL_HUB:
+    # serve --server-front-ends N without Redis: the processes of one host through the parent's hub.
+    CHANNEL_LAYERS = {
+        "default": {
+            "BACKEND": "ignis_site.channel_hub.HubChannelLayer",
+            "CONFIG": {"path": CHANNEL_HUB, "capacity": 2000, "expiry": 120},
         }
     }
 else:

@@ -16,8 +16,9 @@ import sys
 import threading
 
 from django.conf import settings
-from django.core.management.base import BaseCommand
+from django.core.management.base import BaseCommand, CommandError
 
+from apps.models.management.commands import _front_ends as front_ends
 from apps.models.management.commands._options import add_config_flags, apply_config_flags
 from ignis_site import config
 
@@ -58,6 +59,8 @@ class Command(BaseCommand):
         from ignis_site.daphne_gate import IgnisServer
 
         values = apply_config_flags(options)
+        import engine.chat_template  # noqa: F401  (jinja2: imported now, not by the first request)
+
         if values["model.id"] == DEFAULT_MODEL.served_id and not values["model.path"] and not options["no_download"]:
             if not artifact_path(settings.MODELS_DIR, DEFAULT_MODEL).exists():
                 log.info("ignis.server.fetching", extra={"model": DEFAULT_MODEL.served_id, "into": settings.MODELS_DIR})
@@ -66,7 +69,30 @@ class Command(BaseCommand):
         artifact_sync()
         config_snapshot()
         host, port = values["server.host"], values["server.port"]
-        embedded = not settings.REDIS_URL or options["with_engine"]
+        if values["server.front_ends"] > 1:  # this process only starts and watches the others
+            flags = {k: options[k] for k in config.FIELDS if options.get(k) is not None}
+            try:
+                front_ends.check(values)
+            except (ValueError, OSError) as exc:
+                raise CommandError(str(exc)) from None
+            code = front_ends.run(
+                values,
+                flags,
+                with_engine=options["with_engine"],
+                var_dir=settings.VAR_DIR,
+                celery=(celery_worker_start, celery_worker_stop),
+            )
+            if code:
+                raise SystemExit(code)
+            return
+        endpoints = build_endpoint_description_strings(host=host, port=port)
+        if values["server.reuse_port"]:
+            try:
+                # Daphne adopts the descriptor and closes it itself: detached, Python never closes it twice.
+                endpoints = [f"fd:fileno={front_ends.reuse_port_socket(host, port).detach()}"]
+            except (ValueError, OSError) as exc:
+                raise CommandError(f"server.reuse_port: {exc}") from None
+        embedded = not (settings.REDIS_URL or settings.CHANNEL_HUB) or options["with_engine"]
         tasks = []
         layer = get_channel_layer()  # made here, on this thread, before any other thread asks for it
 
@@ -86,10 +112,13 @@ class Command(BaseCommand):
         engine_thread = EngineThread(make_worker, server_loop=twisted_loop)
 
         def ready():
-            # The listener is up; the URL is announced once the model serves (announce_when_serving).
+            # The listener is up; the URL is announced once the model serves (announce_when_serving),
+            # by one front end of several.
+            if front_ends.front_end_index():
+                return
             shown = f"[{host}]" if ":" in host else host
             url = f"http://{shown}:{port}/"
-            engine = "embedded" if embedded else "runengine over Redis"
+            engine = "embedded" if embedded else "runengine over Redis" if settings.REDIS_URL else "its own process"
             tasks.append(twisted_loop.create_task(announce_when_serving(self.stdout, url, engine)))
 
         if embedded:
@@ -112,7 +141,7 @@ class Command(BaseCommand):
         ws_limit = daphne_ws.max_message_bytes(settings.IGNIS["server.body_limit"])
         server = IgnisServer(
             application=get_default_application(),
-            endpoints=build_endpoint_description_strings(host=host, port=port),
+            endpoints=endpoints,
             signal_handlers=True,
             server_name="ignis",
             verbosity=0,
