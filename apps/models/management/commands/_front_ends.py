@@ -29,6 +29,8 @@ import sys
 import time
 from pathlib import Path
 
+from django.conf import settings
+
 from ignis_site import config
 
 log = logging.getLogger("ignis.server")
@@ -164,7 +166,7 @@ def run(values: dict, flags: dict, *, with_engine: bool, var_dir: Path, celery=N
     from ignis_site.channel_hub import ChannelHub
 
     count = values["server.front_ends"]
-    manage = [sys.executable, str(Path(__file__).resolve().parents[2] / "manage.py")]
+    manage = [sys.executable, str(Path(settings.BASE_DIR) / "manage.py")]
     hub = None
     extra = {}
     if not values["server.redis_url"]:
