@@ -13,9 +13,6 @@ import pytest
 from ignis_site.channel_hub import ChannelHub, HubChannelLayer
 from tests.helpers import wait_for
 
-pytestmark = pytest.mark.django_db(transaction=False)
-
-
 @pytest.fixture
 def hub(tmp_path):
     hub = ChannelHub(tmp_path / "hub.sock", capacity=3, expiry=60, retain=("status",))
