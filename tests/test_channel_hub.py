@@ -13,6 +13,7 @@ import pytest
 from ignis_site.channel_hub import ChannelHub, HubChannelLayer
 from tests.helpers import wait_for
 
+
 @pytest.fixture
 def hub(tmp_path):
     hub = ChannelHub(tmp_path / "hub.sock", capacity=3, expiry=60, retain=("status",))
