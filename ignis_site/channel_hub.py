@@ -57,6 +57,16 @@ def frame(op: int, name: str, rest: bytes = b"") -> bytes:
     return HEAD.pack(1 + NAME.size + len(raw) + len(rest), op) + NAME.pack(len(raw)) + raw + rest
 
 
+def member_frame(op: int, group: str, channel: str) -> bytes:
+    """GROUP_ADD / GROUP_DISCARD: the group's name, then the channel's."""
+    raw = channel.encode()
+    return frame(op, group, NAME.pack(len(raw)) + raw)
+
+
+def pickled(message: dict) -> bytes:
+    return pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+
+
 def split_name(body: bytes) -> tuple[str, bytes]:
     """(the name at the front of ``body``, what follows it)."""
     (n,) = NAME.unpack_from(body)
@@ -163,8 +173,8 @@ class ChannelHub:
 
     def _handle(self, peer: _Peer, op: int, body: bytes) -> None:
         name, rest = split_name(body)
-        if op == SEND:
-            self._route(name, frame(DELIVER, name, rest))
+        if op == SEND:  # the same body, delivered: only the op differs
+            self._route(name, HEAD.pack(len(body) + 1, DELIVER) + body)
         elif op == LISTEN:
             self.listeners[name] = peer
             peer.listens.add(name)
@@ -261,7 +271,7 @@ class HubChannelLayer(CrossLoopChannelLayer):
                 sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
                 sock.connect(self.path)
                 hello = [frame(LISTEN, c) for c in sorted(self._listening)]
-                hello += [frame(GROUP_ADD, g, NAME.pack(len(c.encode())) + c.encode()) for g, c in self._memberships]
+                hello += [member_frame(GROUP_ADD, g, c) for g, c in self._memberships]
                 if hello:
                     sock.sendall(b"".join(hello))
                 self._sock = sock
@@ -331,7 +341,7 @@ class HubChannelLayer(CrossLoopChannelLayer):
         if channel in self._listening:
             await super().send(channel, message)
             return
-        self._write(frame(SEND, channel, pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)))
+        self._write(frame(SEND, channel, pickled(message)))
 
     async def receive(self, channel: str) -> dict:
         self.require_valid_channel_name(channel)
@@ -344,20 +354,18 @@ class HubChannelLayer(CrossLoopChannelLayer):
         self.require_valid_group_name(group)
         self.require_valid_channel_name(channel)
         self._memberships.add((group, channel))
-        raw = channel.encode()
-        self._write(frame(GROUP_ADD, group, NAME.pack(len(raw)) + raw))
+        self._write(member_frame(GROUP_ADD, group, channel))
 
     async def group_discard(self, group: str, channel: str) -> None:
         self.require_valid_group_name(group)
         self.require_valid_channel_name(channel)
         self._memberships.discard((group, channel))
-        raw = channel.encode()
-        self._write(frame(GROUP_DISCARD, group, NAME.pack(len(raw)) + raw))
+        self._write(member_frame(GROUP_DISCARD, group, channel))
 
     async def group_send(self, group: str, message: dict) -> None:
         assert isinstance(message, dict), "Message is not a dict"
         self.require_valid_group_name(group)
-        self._write(frame(GROUP_SEND, group, pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)))
+        self._write(frame(GROUP_SEND, group, pickled(message)))
 
     async def flush(self) -> None:
         await super().flush()

@@ -41,8 +41,8 @@ def test_reuse_port_sockets_share_a_port_and_refuse_what_they_cannot_bind():
 def test_each_child_gets_the_parents_flags_and_its_own_part(monkeypatch):
     monkeypatch.setenv("IGNIS_MODEL_BACKEND", "cpu")
     flags = {"model.prefill_chunk": 256, "model.async_rounds": False, "server.port": 8123, "not.a.key": 1}
-    first = fe.child_environment({}, flags, 0, 3)
-    second = fe.child_environment({}, flags, 1, 3)
+    first = fe.child_environment(flags, 0, 3)
+    second = fe.child_environment(flags, 1, 3)
     name = lambda key: config.FIELDS[key].env_name  # noqa: E731
     for env in (first, second):
         assert env[name("model.prefill_chunk")] == "256"

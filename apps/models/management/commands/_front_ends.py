@@ -71,7 +71,7 @@ def reuse_port_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def child_environment(values: dict, flags: dict, index: int, count: int) -> dict[str, str]:
+def child_environment(flags: dict, index: int, count: int) -> dict[str, str]:
     """The environment of front end ``index`` of ``count``: the parent's, its flags as variables, and
     what differs per child."""
     env = dict(os.environ)
@@ -179,11 +179,11 @@ def run(values: dict, flags: dict, *, with_engine: bool, var_dir: Path, celery=N
         log.info("ignis.server.channel_hub", extra={"path": hub.path, "front_ends": count})
     commands = []
     if with_engine:
-        env = {**child_environment(values, flags, 0, count), **extra}
+        env = {**child_environment(flags, 0, count), **extra}
         env.pop(CHILD_ENV)
         commands.append(("engine", [*manage, "runengine"], env))
     for i in range(count):
-        env = {**child_environment(values, flags, i, count), **extra}
+        env = {**child_environment(flags, i, count), **extra}
         commands.append((f"front-end-{i}", [*manage, "serve", "--no-download"], env))
     supervisor = Supervisor(commands, cwd=Path(manage[1]).parent)
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -19,9 +19,13 @@ def _shown(default) -> str:
     return str(default).lower() if isinstance(default, bool) else str(default)
 
 
+def config_flags(options: dict) -> dict:
+    """The configuration keys given as flags, with their values as given."""
+    return {k: options[k] for k in config.FIELDS if options.get(k) is not None}
+
+
 def apply_config_flags(options: dict) -> dict:
     """settings.IGNIS from defaults < the saved configuration < the environment < these flags."""
     from apps.models.config_service import config_start
 
-    overrides = {k: options[k] for k in config.FIELDS if options.get(k) is not None}
-    return config_start(overrides)
+    return config_start(config_flags(options))

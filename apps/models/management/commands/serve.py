@@ -19,7 +19,7 @@ from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
 
 from apps.models.management.commands import _front_ends as front_ends
-from apps.models.management.commands._options import add_config_flags, apply_config_flags
+from apps.models.management.commands._options import add_config_flags, apply_config_flags, config_flags
 from ignis_site import config
 
 log = logging.getLogger("ignis.server")
@@ -70,7 +70,7 @@ class Command(BaseCommand):
         config_snapshot()
         host, port = values["server.host"], values["server.port"]
         if values["server.front_ends"] > 1:  # this process only starts and watches the others
-            flags = {k: options[k] for k in config.FIELDS if options.get(k) is not None}
+            flags = config_flags(options)
             try:
                 front_ends.check(values)
             except (ValueError, OSError) as exc:
