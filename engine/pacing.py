@@ -17,6 +17,12 @@ real cost. With no lane decoding nothing waits.
 Rounds are discrete, so a chunk usually starts a little after the gate opens;
 that overshoot (at most one round) is owed back on the next wait, so the share
 holds over a long prompt instead of rounding up at every chunk.
+
+Only a chunk that ran while lanes decoded leaves a debt: one that ran with no
+lane decoding took no lane's time, so the lanes its prompts start (and any that
+join after) are owed nothing for it, and the next group of whole prompts runs
+at once beside them: a burst whose first arrivals started a step before the
+rest does not hold the rest a round for a debt nobody is owed (issue 15).
 """
 
 from __future__ import annotations
@@ -54,11 +60,17 @@ class PrefillPacer:
             self.ready_at = max(self.ready_at, first)
             self.late = 0.0
 
-    def chunk_ran(self, now: float, num_tokens: int, prefill_seconds: float, decode_seconds: float) -> None:
-        """A step ran a chunk of ``num_tokens`` (then a round of ``decode_seconds``), ending at ``now``."""
+    def chunk_ran(
+        self, now: float, num_tokens: int, prefill_seconds: float, decode_seconds: float, lanes_decoding: bool = True
+    ) -> None:
+        """A step ran a chunk of ``num_tokens`` (then a round of ``decode_seconds``), ending at ``now``;
+        ``lanes_decoding``: lanes were decoding while it ran (a chunk that stalled no lane owes none)."""
         wait = self.share_wait(prefill_seconds)
         if prefill_seconds > 0 and 2 * num_tokens >= self.cfg.prefill_chunk:
             self.seconds_per_token = prefill_seconds / num_tokens
+        if not lanes_decoding:
+            self.ready_at, self.late = now, 0.0
+            return
         # The step ran the chunk, then a decode round: that round already counts as waiting.
         self.ready_at = now - decode_seconds + max(0.0, wait - self.late)
 

@@ -400,7 +400,8 @@ class Scheduler:
         if plan.prefill is not None:
             spans = plan.prefills
             tokens = sum(len(span.token_ids) for span in spans)
-            self.pacer.chunk_ran(now, tokens, out.prefill_seconds, out.decode_seconds)
+            # self.running: the lanes that decoded while it ran (its own prompts join them below)
+            self.pacer.chunk_ran(now, tokens, out.prefill_seconds, out.decode_seconds, bool(self.running))
             for span, result in zip(spans, out.prefill_results):
                 self._prefill_done(span, result, now, outputs)
         if plan.decode:

@@ -160,7 +160,22 @@ class EngineWorker:
         the finished round's output into events. Returns after a round nothing was planned ahead of
         (the loop then schedules as before: admissions, prefill, swaps, model transitions)."""
         loop = asyncio.get_running_loop()
-        running = loop.run_in_executor(self._thread, self._run_step, plan, True)
+        if plan.prefill is not None and plan.decode:
+            # Its prefill's first tokens go out while its decode round runs, not a round later:
+            # two steps queued back to back on the step thread (the card never waits between them).
+            first, plan = split_prefill(plan)
+            running = loop.run_in_executor(self._thread, self._run_step, first, True)
+            rest = loop.run_in_executor(self._thread, self._run_step, plan, True)
+            try:
+                out = await running
+            except Exception:
+                log.exception("ignis.engine.step_failed")
+                first, out = await self._isolate(first)
+            await self._send_outputs(sched.update_from_output(first, out))
+            self._log_round(first, out)
+            running = rest
+        else:
+            running = loop.run_in_executor(self._thread, self._run_step, plan, True)
         planned_ahead = False  # whether ``plan`` was planned while the round before it ran
         while True:
             ahead = run_ahead.plan_ahead(sched, plan) if self._may_run_ahead() else None
@@ -575,3 +590,10 @@ def _shutting_down(request_id: str) -> RequestFailed:
 def _row_seq_id(row: StepPlan) -> int:
     """The sequence of a one-row plan (``_isolate``'s)."""
     return row.prefill.seq_id if row.prefill is not None else row.decode[0].seq_id
+
+
+def split_prefill(plan: StepPlan) -> tuple[StepPlan, StepPlan]:
+    """``plan`` as two steps in its own order: its swaps and prefill spans, then its decode round
+    (what the backend runs for ``plan`` in one step, so the tokens are the same)."""
+    first = StepPlan(swap_out=plan.swap_out, swap_in=plan.swap_in, prefill=plan.prefill, prefill_more=plan.prefill_more)
+    return first, StepPlan(decode=plan.decode, drafts=plan.drafts)

@@ -89,19 +89,14 @@ def test_the_gate_counts_the_whole_group():
     )
     (lane,) = create_requests(1, prompt_len=4, max_tokens=100)
     sched.add_request(lane)
-    step(sched, backend, clock)  # 4 tokens in 0.04 s: 0.01 s a token; now a lane decodes
+    step(sched, backend, clock)  # 4 tokens in 0.04 s with no lane decoding: no debt; now a lane decodes
     burst = create_requests(8, prompt_len=10, start=1)
     for r in burst:
         sched.add_request(r)
-    # Six prompts take the lane. Whole in their chunk, they wait only for the debt the lane's own
-    # 4-token prompt left (0.04 x 0.25 / 0.75), not for their own estimated time first.
+    # Six prompts take the lane. Whole in their chunk, they do not wait for their own estimated
+    # time, and the lane's own prompt ran while nothing decoded: they run at once, beside its round.
     plan = sched.schedule()
-    assert plan.prefill is None and len(plan.decode) == 1
-    assert sched.prefill_wait() == pytest.approx(0.04 / 3)
-    sched.update_from_output(plan, backend.step(plan))
-    clock.advance(0.04 / 3)
-    plan = sched.schedule()
-    assert [s[0] for s in spans_of(plan)] == [1, 2, 3, 4, 5, 6] and plan.decode
+    assert [s[0] for s in spans_of(plan)] == [1, 2, 3, 4, 5, 6] and len(plan.decode) == 1
     out = backend.step(plan)
     assert out.prefill_seconds == pytest.approx(0.6)
     sched.update_from_output(plan, out)
@@ -109,6 +104,38 @@ def test_the_gate_counts_the_whole_group():
     plan = sched.schedule()  # the last two take the lane; after the group's 0.6 s the lanes run 0.2 s alone
     assert plan.prefill is None and [sched.prefilling.seq_id] + [s.seq_id for s in sched.joined] == [7, 8]
     assert sched.prefill_wait() == pytest.approx(0.2)
+    sched.update_from_output(plan, backend.step(plan))
+    clock.advance(0.2)
+    assert [s[0] for s in spans_of(sched.schedule())] == [7, 8]
+
+
+def test_a_chunk_with_no_lane_decoding_leaves_no_debt():
+    """The first of a burst prefills alone (nothing decodes yet); the rest, arrived meanwhile, run in
+    the next step beside its first round, not a round later: that chunk stalled no lane. A chunk that
+    ran beside a lane still holds the next one for the lanes' share."""
+    sched, backend, clock = create_scheduler(
+        prefill_chunk=64, decode_share=0.25, num_blocks=128, prefill_seconds=0.01, decode_lanes=16
+    )
+    first, *rest = create_requests(4, prompt_len=10, max_tokens=50)
+    sched.add_request(first)
+    plan = sched.schedule()
+    assert spans_of(plan) == [(0, 0, 10)] and not plan.decode
+    for r in rest:
+        sched.add_request(r)  # arrive while its prefill runs
+    out = backend.step(plan)
+    clock.advance(out.prefill_seconds)
+    sched.update_from_output(plan, out)
+    assert sched.prefill_wait() is None  # nothing held
+    plan = sched.schedule()
+    assert [s[0] for s in spans_of(plan)] == [1, 2, 3] and [ln.seq_id for ln in plan.decode] == [0]
+    out = backend.step(plan)
+    clock.advance(out.prefill_seconds + out.decode_seconds)
+    sched.update_from_output(plan, out)
+    (late,) = create_requests(1, prompt_len=10, max_tokens=5, start=4)
+    sched.add_request(late)
+    plan = sched.schedule()
+    assert plan.prefill is None and len(plan.decode) == 4  # the group's 0.3 s stalled a lane: 0.1 s alone
+    assert sched.prefill_wait() == pytest.approx(0.1, abs=0.01)
 
 
 def test_without_groups_the_gate_counts_one_prompt():
@@ -121,9 +148,7 @@ def test_without_groups_the_gate_counts_one_prompt():
     step(sched, backend, clock)
     for r in create_requests(8, prompt_len=10, start=1):
         sched.add_request(r)
-    assert sched.schedule().prefill is None  # the lane's prompt's debt: 0.04 / 3
-    clock.advance(0.04 / 3)
-    plan = sched.schedule()
+    plan = sched.schedule()  # the lane's prompt ran while nothing decoded: nothing is owed
     assert spans_of(plan) == [(1, 0, 10)]
     sched.update_from_output(plan, backend.step(plan))
     assert sched.schedule().prefill is None
@@ -131,16 +156,19 @@ def test_without_groups_the_gate_counts_one_prompt():
 
 
 def gated_group(n: int = 4):
-    """A lane decodes and a group of ``n`` prompts of 10 waits on the gate (its spans not yet run)."""
+    """A lane decodes, a one-token answer prefilled beside it leaves a debt, and a group of ``n``
+    prompts of 10 (seq ids 2..) waits on the gate (its spans not yet run)."""
     sched, backend, clock = create_scheduler(prefill_chunk=64, num_blocks=128, decode_lanes=8, prefill_seconds=0.01)
-    (lane,) = create_requests(1, prompt_len=4, max_tokens=30)
+    lane, answer = create_requests(1, prompt_len=4, max_tokens=30) + create_requests(1, prompt_len=6, max_tokens=1, start=9)
     sched.add_request(lane)
     step(sched, backend, clock)
+    sched.add_request(answer)
+    step(sched, backend, clock)  # beside the lane's round: 0.06 s owed back before the next chunk
     burst = create_requests(n, prompt_len=10, max_tokens=6, start=1)
     for r in burst:
         sched.add_request(r)
     plan = sched.schedule()
-    assert plan.prefill is None and sched.prefilling.seq_id == 1 and [s.seq_id for s in sched.joined] == [2, 3, 4]
+    assert plan.prefill is None and sched.prefilling.seq_id == 2 and [s.seq_id for s in sched.joined] == [3, 4, 5]
     sched.update_from_output(plan, backend.step(plan))
     return sched, backend, clock, lane, burst
 
@@ -154,7 +182,7 @@ def test_a_group_member_aborted_before_its_span_runs(who):
     assert sched.kv.usage()["used"] == used - 3  # its 3 pages back at once
     clock.advance(1.0)
     plan = sched.schedule()
-    assert [s.seq_id for s in plan.prefills] == [i + 1 for i in range(4) if i != who]
+    assert [s.seq_id for s in plan.prefills] == [i + 2 for i in range(4) if i != who]
     sched.update_from_output(plan, backend.step(plan))
     msgs = run_until_done(sched, backend, clock)
     assert gone.request_id not in msgs
@@ -208,9 +236,9 @@ def test_a_preemption_while_a_group_waits_on_the_gate():
     agents = create_requests(2, prompt_len=4, max_tokens=40, request_class="agent")
     for r in agents:
         sched.add_request(r)
-    step(sched, backend, clock)  # the two agents, grouped: 2 pages
+        step(sched, backend, clock)  # the second prefills beside the first's round: a debt the burst waits on
     for _ in range(8):
-        step(sched, backend, clock)  # 13 tokens each: 4 pages each
+        step(sched, backend, clock)  # 14 and 13 tokens: 4 pages each
     burst = create_requests(3, prompt_len=8, max_tokens=6, start=2)
     for r in burst:
         sched.add_request(r)
@@ -229,8 +257,8 @@ def test_a_preemption_while_a_group_waits_on_the_gate():
     assert preempted_in_group
     for r in burst:
         assert tokens_of(by_request[r.request_id]) == expected_tokens(r, 6)
-    for r in agents:
-        assert tokens_of(by_request[r.request_id]) == expected_tokens(r, 40)[9:]
+    for r, sent in zip(agents, (10, 9)):
+        assert tokens_of(by_request[r.request_id]) == expected_tokens(r, 40)[sent:]
     assert_pool_drained(sched)
 
 

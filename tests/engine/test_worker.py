@@ -263,6 +263,46 @@ def test_a_decode_lane_that_raises_ends_alone(models):
 # -- switches ------------------------------------------------------------------
 
 
+def test_a_prefill_beside_a_round_answers_before_the_round_ends(models):
+    """A prompt admitted while a lane decodes prefills in the step that also runs the lane's round:
+    its first token reaches the client while that round is still held on the step thread, and both
+    streams are the tokens they would be alone."""
+    released, held = threading.Event(), threading.Event()
+    create = models.create_backend
+
+    def create_backend(*args, **kw):
+        backend = create(*args, **kw)
+
+        def hold_the_round_after_a_prefill(plan):  # of another sequence than its lanes (before_step:
+            before = backend.plans[-1].prefill if backend.plans else None  # the plan before is last)
+            if plan.decode and before is not None and before.seq_id not in {ln.seq_id for ln in plan.decode}:
+                held.set()
+                released.wait(TIMEOUT)
+
+        backend.before_step = hold_the_round_after_a_prefill
+        return backend
+
+    models.create_backend = create_backend
+
+    async def scenario():
+        async with Engine(models, models.model("m1")) as e:
+            lane = await e.submit(max_tokens=40)
+            assert (await e.receive(lane.reply_channel))["token_ids"] == expected(lane, 1)  # it decodes now
+            late = await e.submit(max_tokens=5)
+            first = await e.receive(late.reply_channel)
+            assert first["token_ids"] == expected(late, 1) and first["ttft"] is not None
+            assert held.is_set() and not released.is_set()  # the round beside its prefill has not ended
+            released.set()
+            for add, want in ((lane, expected(lane, 40)[1:]), (late, expected(late, 5)[1:])):
+                tokens, last = await e.outcome(add)
+                assert last["type"] == "engine.finished" and tokens == want
+
+    try:
+        run(scenario)
+    finally:
+        released.set()
+
+
 def test_drain_then_switch(models):
     m1, m2 = models.model("m1"), models.model("m2", max_position=128)
 
