@@ -159,7 +159,9 @@ def gated_group(n: int = 4):
     """A lane decodes, a one-token answer prefilled beside it leaves a debt, and a group of ``n``
     prompts of 10 (seq ids 2..) waits on the gate (its spans not yet run)."""
     sched, backend, clock = create_scheduler(prefill_chunk=64, num_blocks=128, decode_lanes=8, prefill_seconds=0.01)
-    lane, answer = create_requests(1, prompt_len=4, max_tokens=30) + create_requests(1, prompt_len=6, max_tokens=1, start=9)
+    lane, answer = create_requests(1, prompt_len=4, max_tokens=30) + create_requests(
+        1, prompt_len=6, max_tokens=1, start=9
+    )
     sched.add_request(lane)
     step(sched, backend, clock)
     sched.add_request(answer)
