@@ -5,7 +5,8 @@ Shapes (N x K): q,k,v 6144 x 4096, o 4096 x 4096, gate,up 28672 x 4096, down 409
 at M = 16, 128, 1024, 2048, 8192 rows; random bf16 operands. Each figure is the median of
 ``--reps`` launches timed by CUDA events, each after L2 was flushed (a 256 MB memset), in
 TFLOP/s of 2 M N K. Ours write fp32 C (the forward pass's contract), cuBLAS bf16 C. With
-``--variants`` every gemm_hopper tile variant is timed too (what ``HopperGemm.pick`` is tuned on).
+``--variants`` every gemm_hopper tile variant is timed too (what ``HopperGemm.pick`` is tuned on),
+the narrow ones (64 x 32 .. 128 x 64, for a few rows) included.
 
     python3 bench/bench_gemm.py --write
 """
@@ -58,7 +59,7 @@ def main() -> None:
         import pycuda.driver as cuda
         import torch
 
-        from engine.cu.hopper import VARIANTS, HopperGemm
+        from engine.cu.hopper import HopperGemm
         from engine.cu.kernels import GEMM_SMEM, GEMM_THREADS
         from engine.cu.launch import Kernel, module
 
@@ -88,8 +89,8 @@ def main() -> None:
         mmax = rows[-1]
         table = ["| matrix (N x K) | M | gemm_bf16 | gemm_hopper (tile) | cuBLAS | hopper / cuBLAS |",
                  "|---|---:|---:|---:|---:|---:|"]  # fmt: skip
-        var_lines = ["| matrix | M | " + " | ".join(f"{64 * nc}x{bn}" for nc, bn in VARIANTS) + " |",
-                     "|---|---:|" + "---:|" * len(VARIANTS)]  # fmt: skip
+        var_lines = ["| matrix | M | " + " | ".join(f"{64 * nc}x{bn}" for nc, bn in hg.variants) + " |",
+                     "|---|---:|" + "---:|" * len(hg.variants)]  # fmt: skip
         chunk = {"gemm_bf16": 0.0, "gemm_hopper": 0.0, "cuBLAS": 0.0}
 
         def measure(name: str, n: int, k: int, m: int, a, w, c) -> None:
@@ -108,7 +109,7 @@ def main() -> None:
                     chunk[key] += t * LAYERS
             if args.variants:
                 vt = [flop / pyc(lambda v=v: hg(s, a.data_ptr(), w.data_ptr(), 0, c.data_ptr(), m, n, k, variant=v))
-                      / 1e9 for v in VARIANTS]  # fmt: skip
+                      / 1e9 for v in hg.variants]  # fmt: skip
                 var_lines.append(f"| {name} | {m} | " + " | ".join(f"{x:.0f}" for x in vt) + " |")
                 print(var_lines[-1], flush=True)
 

@@ -376,6 +376,12 @@ FIELDS: dict[str, Field] = {
             "CUDA backend: prefill of per-channel FP8 weights on the fp8 tensor cores (x quantized to e4m3 a row)",
         ),
         Field(
+            "cuda.narrow_tiles",
+            bool,
+            False,
+            "CUDA backend on Hopper: a prefill GEMM of up to 128 rows may take 64- or 32-column tiles (the same bits)",
+        ),
+        Field(
             "cuda.expert_budget",
             int,
             0,
@@ -629,4 +635,5 @@ def cuda_tuning_dict(values: dict[str, Any]) -> dict[str, Any]:
         "gemv_pair": values["cuda.gemv_pair"],
         "decode_lanes": values["cuda.decode_lanes"],
         "fp8_gemm": values["cuda.fp8_gemm"],
+        "narrow_tiles": values["cuda.narrow_tiles"],
     }

@@ -4,7 +4,7 @@
 //   A bf16 [M, K] row-major (activations), W bf16 [N, K] (torch Linear layout), bias fp32 [N] or
 //   null, C fp32 [M, ldc]; accumulate != 0 adds into C (the fused residual add).
 // Tiles: BM x BN x 64 per block, BM = 64 * HG_NC (HG_NC consumer warpgroups of 64 rows each),
-//   BN = HG_BN (128 or 256). Block = 128 * (HG_NC + 1) threads: warpgroup 0 is the producer
+//   BN = HG_BN (32, 64, 128 or 256; 32 and 64 for a few rows: more blocks stream W). Block = 128 * (HG_NC + 1) threads: warpgroup 0 is the producer
 //   (one thread issues the TMA copies; with 2 consumers setmaxnreg moves registers to them),
 //   warpgroups 1..HG_NC each own 64 rows x BN columns of the tile in registers (BN / 2 fp32
 //   a thread) and issue 4 wgmma m64nBNk16 per 64-wide k step, both operands from shared memory.
@@ -69,7 +69,7 @@ typedef bf16 elem_t;
 #define HG_GROUP_M 16
 #endif
 static_assert(HG_NC == 1 || HG_NC == 2, "one or two consumer warpgroups");
-static_assert(BN == 128 || BN == 256, "wgmma n128 or n256");
+static_assert(BN == 32 || BN == 64 || BN == 128 || BN == 256, "wgmma n32, n64, n128 or n256");
 
 #ifdef HG_FP8
 // e4m3 x e4m3 -> fp32, K 32 a step (hopper.cuh's generators; fp8 wgmma takes no transpose immediates)
@@ -83,8 +83,12 @@ WGMMA_SS_N256(wgmma_e4m3_n256, "k32.f32.e4m3.e4m3", ", 1, 1")
 #else
 #if BN == 256
 #define WGMMA wgmma_n256
-#else
+#elif BN == 128
 #define WGMMA wgmma_n128
+#elif BN == 64
+#define WGMMA wgmma_n64
+#else
+#define WGMMA wgmma_n32
 #endif
 #endif
 

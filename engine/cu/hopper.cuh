@@ -77,10 +77,12 @@ __device__ __forceinline__ void reg_fence(uint32_t& r) { asm volatile("" : "+r"(
 #define WG_D16(i) WG_D4(i), WG_D4(i + 4), WG_D4(i + 8), WG_D4(i + 12)
 #define WG_D32(i) WG_D16(i), WG_D16(i + 16)
 
-// The accumulator lists of the wrappers' asm text: "%0, ..., %63" (n128) and "%0, ..., %127" (n256).
+// The accumulator lists of the wrappers' asm text: "%0, ..., %15" (n32), "%0, ..., %31" (n64),
+// "%0, ..., %63" (n128) and "%0, ..., %127" (n256).
+#define WG_R16 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15"
+#define WG_R32 WG_R16 ", %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
 #define WG_R64 \
-    "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15,"                 \
-    "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31,"       \
+    WG_R32 ","                                                                               \
     "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47,"       \
     "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
 #define WG_R128 \
@@ -93,8 +95,22 @@ __device__ __forceinline__ void reg_fence(uint32_t& r) { asm volatile("" : "+r"(
 // NAME(d, da, db, scale_d): D[64 x N] (+)= A[64 x K] * B[N x K]^T, both K-major in shared memory
 // (descriptors); d: N / 2 fp32 a thread; scale_d == 0 overwrites D. SHAPE_TYPES is the instruction's
 // ".kK.f32.A.B" part, IMM its immediates after the predicate (bf16: scale a, scale b, transpose a, b;
-// fp8 takes no transpose). bf16 here (wgmma_n128, wgmma_n256, K 16); gemm_hopper.cu's fp8 build
+// fp8 takes no transpose). bf16 here (wgmma_n32 .. wgmma_n256, K 16); gemm_hopper.cu's fp8 build
 // makes its e4m3 ones (K 32) with the same macros.
+#define WGMMA_SS_N32(NAME, SHAPE_TYPES, IMM)                                                               \
+    __device__ __forceinline__ void NAME(float* d, uint64_t da, uint64_t db, int scale_d) {               \
+        asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %18, 0;\n wgmma.mma_async.sync.aligned.m64n32"   \
+                     SHAPE_TYPES " {" WG_R16 "}, %16, %17, p" IMM ";\n}\n"                                \
+                     : WG_D16(0)                                                                          \
+                     : "l"(da), "l"(db), "r"(scale_d));                                                    \
+    }
+#define WGMMA_SS_N64(NAME, SHAPE_TYPES, IMM)                                                               \
+    __device__ __forceinline__ void NAME(float* d, uint64_t da, uint64_t db, int scale_d) {               \
+        asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %34, 0;\n wgmma.mma_async.sync.aligned.m64n64"   \
+                     SHAPE_TYPES " {" WG_R32 "}, %32, %33, p" IMM ";\n}\n"                                \
+                     : WG_D32(0)                                                                          \
+                     : "l"(da), "l"(db), "r"(scale_d));                                                    \
+    }
 #define WGMMA_SS_N128(NAME, SHAPE_TYPES, IMM)                                                              \
     __device__ __forceinline__ void NAME(float* d, uint64_t da, uint64_t db, int scale_d) {               \
         asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %66, 0;\n wgmma.mma_async.sync.aligned.m64n128" \
@@ -109,6 +125,8 @@ __device__ __forceinline__ void reg_fence(uint32_t& r) { asm volatile("" : "+r"(
                      : WG_D32(0), WG_D32(32), WG_D32(64), WG_D32(96)                                      \
                      : "l"(da), "l"(db), "r"(scale_d));                                                    \
     }
+WGMMA_SS_N32(wgmma_n32, "k16.f32.bf16.bf16", ", 1, 1, 0, 0")
+WGMMA_SS_N64(wgmma_n64, "k16.f32.bf16.bf16", ", 1, 1, 0, 0")
 WGMMA_SS_N128(wgmma_n128, "k16.f32.bf16.bf16", ", 1, 1, 0, 0")
 WGMMA_SS_N256(wgmma_n256, "k16.f32.bf16.bf16", ", 1, 1, 0, 0")
 

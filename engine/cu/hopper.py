@@ -1,8 +1,8 @@
 """The Hopper prefill kernels (engine/cu/gemm_hopper.cu, attention_prefill_hopper.cu): their TMA
 descriptors, variants and launches.
 
-``HopperGemm`` compiles gemm_hopper.cu for sm_90a in four variants (``VARIANTS``: consumer
-warpgroups x tile width, each with as many pipeline stages as fit in shared memory) and
+``HopperGemm`` compiles gemm_hopper.cu for sm_90a in six variants (``VARIANTS`` and ``NARROW``:
+consumer warpgroups x tile width, each with as many pipeline stages as fit in shared memory) and
 launches the one ``pick`` chooses for the shape: ``gemm(s, A, W, bias, C, M, N, K, ldc,
 accumulate)`` has ``Kernels.linear``'s GEMM contract, C fp32 [M, ldc] (+)= A bf16 [M, K] @
 W bf16 [N, K]^T (+ bias fp32 [N]). ``HopperGemm(fp8=True)`` is the same kernel's fp8 build
@@ -38,6 +38,10 @@ SMEM_LIMIT = 227 * 1024  # the H100 / H200 per-block opt-in maximum
 MAX_STAGES = 8
 # (consumer warpgroups, tile width): BM = 64 * warpgroups rows by BN columns a tile
 VARIANTS = ((2, 256), (2, 128), (1, 256), (1, 128))
+# The bf16 build's narrow tiles, for a few rows (``FEW_ROWS``): 64 x 64 and 64 x 32 tiles, so a
+# product of 4,096 columns streams W from 64 or 128 SMs instead of 32 (the fp8 builds keep theirs)
+NARROW = ((2, 64), (2, 32), (1, 64), (1, 32))
+FEW_ROWS = 128
 BLOCK_VARIANTS = ((2, 128), (1, 128))  # the tile-scaled fp8 build: p and d (2 x 64 fp32) in registers
 PER_CHANNEL, BLOCK = 1, 2  # HopperGemm(fp8=): gemm_hopper.cu's HG_FP8
 PARAMS = ["128s", "128s", "P", "P", "i", "i", "i", "i", "i", "i"]  # tmA, tmW, bias, C, M, N, K, ldc, accumulate, act
@@ -57,13 +61,33 @@ def pick(m: int, n: int, sms: int, variants=VARIANTS) -> tuple[int, int]:
     """The variant for an M x N product: the fewest rounds of tiles over the SMs times the tile's
     cost (``TILE_COST``); on a tie the larger tile. Small M gets small tiles (more blocks to
     stream W); 1,024 rows of q,k,v get 128 x 128 (384 tiles, 3 rounds on 132 SMs, cost less
-    than 192 wide ones in 2)."""
+    than 192 wide ones in 2).
+
+    Up to ``FEW_ROWS`` rows, where the product streams W and its arithmetic is small, and with
+    the narrow tiles among ``variants``: of the tiles as tall as the rows (W streamed once), the
+    narrow one whose busiest block streams the fewest W rows (rounds of tiles times the tile's
+    width; then the fewest tiles, then one warpgroup), when that is at most 3/4 of what the best
+    wide one streams: 48 rows of o (4,096 x 4,096) go to 128 blocks of 64 x 32 instead of 32 of
+    64 x 128; gate|up's 28,672 columns keep 112 wide tiles (224 narrow rows against 256)."""
+
+    def tiles(v: tuple[int, int]) -> int:
+        return -(-m // (64 * v[0])) * -(-n // v[1])
+
+    def streamed(v: tuple[int, int]) -> tuple[int, int, int]:
+        return -(-tiles(v) // sms) * v[1], tiles(v), v[0]
+
+    tall = [v for v in variants if 64 * v[0] >= m]
+    narrow = [v for v in tall if v in NARROW]
+    if m <= FEW_ROWS and narrow:
+        best = min(narrow, key=streamed)
+        wide = [v for v in tall if v not in NARROW]
+        if not wide or streamed(best)[0] <= 0.75 * streamed(min(wide, key=streamed))[0]:
+            return best
 
     def cost(v: tuple[int, int]) -> float:
-        tiles = -(-m // (64 * v[0])) * -(-n // v[1])
-        return -(-tiles // sms) * TILE_COST[v]
+        return -(-tiles(v) // sms) * TILE_COST[v]
 
-    return min(variants, key=cost)
+    return min((v for v in variants if v in TILE_COST), key=cost)
 
 
 def stages(nc: int, bn: int) -> int:
@@ -206,7 +230,7 @@ class HopperGemm:
     ``PER_CHANNEL``: the fp8 build's (gemm_hopper_fp8: A and W e4m3 bytes, calls pass ``sa`` and ``sw``),
     ``BLOCK``: the tile-scaled one's (gemm_hopper_fp8b, ``BLOCK_VARIANTS``)."""
 
-    def __init__(self, cache_dir: str = "", fp8: int = 0) -> None:
+    def __init__(self, cache_dir: str = "", fp8: int = 0, narrow: bool = True) -> None:
         import pycuda.driver as cuda
 
         dev = cuda.Context.get_device()
@@ -214,7 +238,9 @@ class HopperGemm:
         self.fp8 = int(fp8)
         name, params = {0: ("gemm_hopper", PARAMS), PER_CHANNEL: ("gemm_hopper_fp8", PARAMS_FP8),
                         BLOCK: ("gemm_hopper_fp8b", PARAMS_FP8)}[self.fp8]  # fmt: skip
-        self.variants = BLOCK_VARIANTS if self.fp8 == BLOCK else VARIANTS
+        self.variants = (
+            BLOCK_VARIANTS if self.fp8 == BLOCK else VARIANTS if self.fp8 or not narrow else VARIANTS + NARROW
+        )
         self._fns = {}
         for nc, bn in self.variants:
             mod = _module(nc, bn, cache_dir, fp8)
@@ -294,9 +320,10 @@ class GemmRoute:
         return True
 
 
-def route_gemm(gemm, cache_dir: str = ""):
-    """``gemm`` (gemm_bf16's Kernel) behind gemm_hopper on an sm_90 device; ``gemm`` itself elsewhere."""
-    return GemmRoute(gemm, HopperGemm(cache_dir)) if supported() else gemm
+def route_gemm(gemm, cache_dir: str = "", narrow: bool = False):
+    """``gemm`` (gemm_bf16's Kernel) behind gemm_hopper on an sm_90 device (``narrow``: with the
+    ``NARROW`` tiles); ``gemm`` itself elsewhere."""
+    return GemmRoute(gemm, HopperGemm(cache_dir, narrow=narrow)) if supported() else gemm
 
 
 # --- prefill attention (attention_prefill_hopper.cu) -----------------------------------------

@@ -169,12 +169,14 @@ class Kernels:
     quantized to e4m3 a row at a time (quant_act.cu's quant_act_fp8, into ``scratch``) instead of
     dequantizing the weights into ``scratch`` for the bf16 GEMM (``fp8_prefill``); all ``FP8B``
     (128 x 128 tiles): gemm_hopper_fp8b with x quantized a row and 128-wide block (quant_act_fp8_g128).
+    ``narrow_tiles`` (``CudaTuning.narrow_tiles``): gemm_hopper may take its 64- and 32-column tiles for a
+    GEMM of up to 128 rows (``hopper.pick``; the same bits).
     """
 
     def __init__(self, head_dim: int, group: int, *, u2_below: int = 40 << 20, cache_dir: str = "",
                  formats=(), pdl: bool = False, wide_min_n: int = 0, quant_act: bool = False,
                  quant_persist: bool = False, gemv_pair: bool = False, pair_from: int = PAIR_FROM,
-                 decode_lanes: bool = False, fp8_gemm: bool = False) -> None:  # fmt: skip
+                 decode_lanes: bool = False, fp8_gemm: bool = False, narrow_tiles: bool = False) -> None:  # fmt: skip
         if head_dim not in (64, 128, 256):
             raise ValueError(f"head_dim {head_dim} not supported (64, 128 or 256)")
         if not 1 <= group <= 8:
@@ -253,7 +255,8 @@ class Kernels:
         self._gemm = Kernel(mod("gemm", ("GEMM_THREADS", GEMM_THREADS)), "gemm_bf16", "A:ptr W:ptr bias:ptr C:ptr "
                             "M:i32 N:i32 K:i32 ldc:i32 accumulate:i32", GEMM_THREADS, shared=GEMM_SMEM)  # fmt: skip
         self._gemm.fn.set_attribute(cuda.function_attribute.MAX_DYNAMIC_SHARED_SIZE_BYTES, GEMM_SMEM)
-        self._gemm = route_gemm(self._gemm, cache_dir)  # gemm_hopper on sm_90 (engine/cu/hopper.py)
+        # gemm_hopper on sm_90 (engine/cu/hopper.py); ``narrow_tiles``: with its 64 / 32-column tiles
+        self._gemm = route_gemm(self._gemm, cache_dir, narrow=narrow_tiles)
         # cuda.fp8_gemm: format -> (gemm_hopper_fp8 / _fp8b, its x quantizer, scales a row of x)
         self._fp8: dict[str, tuple[HopperGemm, Kernel, int]] = {}
         if fp8_gemm and isinstance(self._gemm, GemmRoute):

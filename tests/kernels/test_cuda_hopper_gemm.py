@@ -24,6 +24,20 @@ def test_pick_fills_the_sms():
     assert hopper.pick(8192, 28672, 132) == (2, 256)
 
 
+def test_few_rows_take_narrow_tiles_that_stream_w_from_more_sms():
+    """With the bf16 build's narrow tiles: up to 128 rows, a product whose wide tiles leave SMs idle
+    goes to tiles as tall as its rows and narrow enough to spread W; a wide one that already fills
+    the SMs (gate|up) and every product past 128 rows keep the tile-cost choice."""
+    every = hopper.VARIANTS + hopper.NARROW
+    assert hopper.pick(48, 4096, 132, every) == (1, 32)  # o, down: 128 blocks, not 32
+    assert hopper.pick(48, 6144, 132, every) == (1, 64)  # q,k,v: 96 blocks (192 narrower would take 2 rounds)
+    assert hopper.pick(120, 4096, 132, every) == (2, 32)  # 128 rows tall: W streamed once
+    assert hopper.pick(48, 28672, 132, every) == (1, 256)  # 112 wide tiles stream 256 rows; narrow 224
+    for m, n in ((129, 4096), (1024, 6144), (8192, 28672)):
+        assert hopper.pick(m, n, 132, every) == hopper.pick(m, n, 132)
+    assert hopper.pick(48, 4096, 132) == (1, 128)  # without them (the fp8 builds) as before
+
+
 def test_pack_format_follows_the_offsets():
     # gemm_hopper's layout on sm_90: the 64-byte aligned tensor maps start at 48 (the bank's base is 0x210)
     layout = [(48, 128), (176, 128), (304, 8), (312, 8), (320, 4), (324, 4), (328, 4), (332, 4), (336, 4), (340, 4)]
@@ -102,8 +116,11 @@ def run_numpy(hg, stream, m, n, k, *, bias, accumulate, pad=0, variant=None):
     return got[:, :n], ref
 
 
+ALL_VARIANTS = list(hopper.VARIANTS + hopper.NARROW)
+
+
 @gpu
-@pytest.mark.parametrize("variant", [(2, 256), (2, 128), (1, 256), (1, 128)])
+@pytest.mark.parametrize("variant", ALL_VARIANTS)
 def test_small_shapes_every_variant(hg, stream, variant):
     # odd M, N not a tile multiple (odd too), K not a multiple of 64, a single row
     for m, n, k, bias, acc, pad in [(1, 8, 64, False, False, 0), (7, 136, 72, True, False, 2),
@@ -115,7 +132,7 @@ def test_small_shapes_every_variant(hg, stream, variant):
 
 
 @gpu
-@pytest.mark.parametrize("variant", [(2, 256), (2, 128), (1, 256), (1, 128)])
+@pytest.mark.parametrize("variant", ALL_VARIANTS)
 def test_fused_gate_up(hg, stream, variant):
     """act 0 / 1: bf16 silu / gelu_tanh(gate) * up of the interleaved gate|up product in the epilogue."""
     import pycuda.gpuarray as ga
@@ -140,9 +157,35 @@ def test_fused_gate_up(hg, stream, variant):
 
 
 @gpu
+@pytest.mark.parametrize("m", [1, 48, 120])
+def test_every_variant_gives_the_same_bits(hg, stream, m):
+    """A row's product does not depend on the tile that computed it (each element's k order is the
+    same in every variant): a prompt's prefill gives the same bits alone or in a group of spans,
+    whichever tile its row count picks."""
+    import pycuda.gpuarray as ga
+
+    from engine.backends.cuda.weights import to_bf16
+
+    n, k = 1000, 1096
+    a = to_bf16(rng.standard_normal((m, k)).astype(np.float32))
+    w = to_bf16((rng.standard_normal((n, k)) * k**-0.5).astype(np.float32))
+    g_a, g_w = ga.to_gpu(a), ga.to_gpu(w)
+    outs = {}
+    for variant in ALL_VARIANTS:
+        g_c = ga.zeros((m, n), np.float32)
+        hg(stream, g_a.ptr, g_w.ptr, 0, g_c.ptr, m, n, k, n, variant=variant)
+        stream.synchronize()
+        outs[variant] = g_c.get()
+    first = outs[ALL_VARIANTS[0]]
+    assert all(np.array_equal(first, got) for got in outs.values()), [
+        v for v, g in outs.items() if not np.array_equal(first, g)
+    ]
+
+
+@gpu
 def test_many_tiles_per_block(hg, stream):
     """More tiles than SMs: each persistent block walks several tiles, the stage ring wraps across them."""
-    for variant in [(1, 128), (2, 256)]:
+    for variant in [(1, 128), (2, 256), (1, 32), (2, 64)]:
         got, ref = run_numpy(hg, stream, 2100, 2200, 264, bias=True, accumulate=True, variant=variant)
         assert rel_err(got, ref) < 1e-5
 
@@ -179,7 +222,7 @@ SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "dow
 
 
 @gpu
-@pytest.mark.parametrize("m", [16, 128, 1024, 2048, 8192])
+@pytest.mark.parametrize("m", [16, 48, 120, 128, 1024, 2048, 8192])
 @pytest.mark.parametrize("name", list(SHAPES))
 def test_8b_shapes_against_torch(hg, stream, name, m):
     """The model's shapes at prefill row counts: fp32-level agreement with torch's fp32 product of the

@@ -258,7 +258,7 @@ class CudaBackend(Backend):
                        cache_dir=t.kernel_cache_dir, formats=self.formats, pdl=t.pdl,
                        wide_min_n=t.gemv_wide_min_n, quant_act=t.quant_activations,
                        quant_persist=t.quant_persist, gemv_pair=t.gemv_pair, decode_lanes=t.decode_lanes,
-                       fp8_gemm=t.fp8_gemm)  # fmt: skip
+                       fp8_gemm=t.fp8_gemm, narrow_tiles=t.narrow_tiles)  # fmt: skip
 
     def retune(self, tuning: CudaTuning) -> None:
         """Switch kernel settings on a loaded model and recapture the decode graphs (benchmarks)."""
