@@ -378,8 +378,8 @@ FIELDS: dict[str, Field] = {
         Field(
             "cuda.narrow_tiles",
             bool,
-            False,
-            "CUDA backend on Hopper: a prefill GEMM of up to 128 rows may take 64- or 32-column tiles (the same bits)",
+            True,
+            "CUDA backend on Hopper: a prefill GEMM of 33..128 rows may take 64- or 32-column tiles (the same bits)",
         ),
         Field(
             "cuda.expert_budget",

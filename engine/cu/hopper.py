@@ -41,7 +41,7 @@ VARIANTS = ((2, 256), (2, 128), (1, 256), (1, 128))
 # The bf16 build's narrow tiles, for a few rows (``FEW_ROWS``): 64 x 64 and 64 x 32 tiles, so a
 # product of 4,096 columns streams W from 64 or 128 SMs instead of 32 (the fp8 builds keep theirs)
 NARROW = ((2, 64), (2, 32), (1, 64), (1, 32))
-FEW_ROWS = 128
+FEW_ROWS = (33, 128)  # measured faster at 48 and 120 rows on an H100, slower at 16 (docs/CUDA.md)
 BLOCK_VARIANTS = ((2, 128), (1, 128))  # the tile-scaled fp8 build: p and d (2 x 64 fp32) in registers
 PER_CHANNEL, BLOCK = 1, 2  # HopperGemm(fp8=): gemm_hopper.cu's HG_FP8
 PARAMS = ["128s", "128s", "P", "P", "i", "i", "i", "i", "i", "i"]  # tmA, tmW, bias, C, M, N, K, ldc, accumulate, act
@@ -63,7 +63,7 @@ def pick(m: int, n: int, sms: int, variants=VARIANTS) -> tuple[int, int]:
     stream W); 1,024 rows of q,k,v get 128 x 128 (384 tiles, 3 rounds on 132 SMs, cost less
     than 192 wide ones in 2).
 
-    Up to ``FEW_ROWS`` rows, where the product streams W and its arithmetic is small, and with
+    For ``FEW_ROWS`` (33..128) rows, where the product streams W and its arithmetic is small, and with
     the narrow tiles among ``variants``: of the tiles as tall as the rows (W streamed once), the
     narrow one whose busiest block streams the fewest W rows (rounds of tiles times the tile's
     width; then the fewest tiles, then one warpgroup), when that is at most 3/4 of what the best
@@ -78,7 +78,7 @@ def pick(m: int, n: int, sms: int, variants=VARIANTS) -> tuple[int, int]:
 
     tall = [v for v in variants if 64 * v[0] >= m]
     narrow = [v for v in tall if v in NARROW]
-    if m <= FEW_ROWS and narrow:
+    if FEW_ROWS[0] <= m <= FEW_ROWS[1] and narrow:
         best = min(narrow, key=streamed)
         wide = [v for v in tall if v not in NARROW]
         if not wide or streamed(best)[0] <= 0.75 * streamed(min(wide, key=streamed))[0]:

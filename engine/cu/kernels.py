@@ -176,7 +176,7 @@ class Kernels:
     def __init__(self, head_dim: int, group: int, *, u2_below: int = 40 << 20, cache_dir: str = "",
                  formats=(), pdl: bool = False, wide_min_n: int = 0, quant_act: bool = False,
                  quant_persist: bool = False, gemv_pair: bool = False, pair_from: int = PAIR_FROM,
-                 decode_lanes: bool = False, fp8_gemm: bool = False, narrow_tiles: bool = False) -> None:  # fmt: skip
+                 decode_lanes: bool = False, fp8_gemm: bool = False, narrow_tiles: bool = True) -> None:  # fmt: skip
         if head_dim not in (64, 128, 256):
             raise ValueError(f"head_dim {head_dim} not supported (64, 128 or 256)")
         if not 1 <= group <= 8:

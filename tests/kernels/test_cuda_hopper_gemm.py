@@ -25,7 +25,7 @@ def test_pick_fills_the_sms():
 
 
 def test_few_rows_take_narrow_tiles_that_stream_w_from_more_sms():
-    """With the bf16 build's narrow tiles: up to 128 rows, a product whose wide tiles leave SMs idle
+    """With the bf16 build's narrow tiles: for 33..128 rows, a product whose wide tiles leave SMs idle
     goes to tiles as tall as its rows and narrow enough to spread W; a wide one that already fills
     the SMs (gate|up) and every product past 128 rows keep the tile-cost choice."""
     every = hopper.VARIANTS + hopper.NARROW
@@ -33,7 +33,7 @@ def test_few_rows_take_narrow_tiles_that_stream_w_from_more_sms():
     assert hopper.pick(48, 6144, 132, every) == (1, 64)  # q,k,v: 96 blocks (192 narrower would take 2 rounds)
     assert hopper.pick(120, 4096, 132, every) == (2, 32)  # 128 rows tall: W streamed once
     assert hopper.pick(48, 28672, 132, every) == (1, 256)  # 112 wide tiles stream 256 rows; narrow 224
-    for m, n in ((129, 4096), (1024, 6144), (8192, 28672)):
+    for m, n in ((16, 4096), (32, 6144), (129, 4096), (1024, 6144), (8192, 28672)):
         assert hopper.pick(m, n, 132, every) == hopper.pick(m, n, 132)
     assert hopper.pick(48, 4096, 132) == (1, 128)  # without them (the fp8 builds) as before
 
