@@ -130,6 +130,14 @@ FIELDS: dict[str, Field] = {
             False,
             "bind the API port with SO_REUSEPORT, so several serve processes share it (IPv4 hosts)",
         ),
+        Field(
+            "server.switch_interval_us",
+            int,
+            500,
+            "serve, runengine: the interpreter's thread switch interval in microseconds (Python's own: 5000)",
+            50,
+            20000,
+        ),
         Field("server.body_limit", int, 4 * MiB, "largest request body in bytes", 1024, 1 << 30),
         Field("server.api_keys", str, "", "comma-separated API keys ('' = no auth)"),
         Field(
@@ -446,6 +454,7 @@ START_ONLY_KEYS = frozenset(
         "server.channel_hub",
         "server.front_ends",  # the processes serve starts: a saved value would be each child's too
         "server.reuse_port",
+        "server.switch_interval_us",  # set as the process starts
     }
 )
 

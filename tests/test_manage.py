@@ -22,3 +22,23 @@ def test_data_dir_flag_moves_the_state_folder(tmp_path):
     ).stdout.split()
     assert out == [str(target), "warning"]
     assert (target / "secret_key").exists()
+
+
+def test_switch_interval_is_the_process_setting_in_microseconds():
+    """server.switch_interval_us becomes the interpreter's switch interval; past its bounds the
+    value is refused before anything starts."""
+    import pytest
+
+    from apps.models.management.commands._options import switch_interval
+    from ignis_site import config
+
+    before = sys.getswitchinterval()
+    try:
+        switch_interval(config.load({"server.switch_interval_us": "250"}))
+        assert sys.getswitchinterval() == pytest.approx(250e-6)
+        switch_interval(config.load())
+        assert sys.getswitchinterval() == pytest.approx(500e-6)  # the default, not Python's 5 ms
+    finally:
+        sys.setswitchinterval(before)
+    with pytest.raises(ValueError):
+        config.load({"server.switch_interval_us": "20"})

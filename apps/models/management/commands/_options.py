@@ -29,3 +29,12 @@ def apply_config_flags(options: dict) -> dict:
     from apps.models.config_service import config_start
 
     return config_start(config_flags(options))
+
+
+def switch_interval(values: dict) -> None:
+    """The process's thread switch interval from ``server.switch_interval_us``: how long a thread that
+    wants the interpreter lock waits before the one holding it is asked to let go (Python's 5 ms held
+    the engine's step thread that long at a time in a burst; docs/CONFIG.md)."""
+    import sys
+
+    sys.setswitchinterval(values["server.switch_interval_us"] / 1e6)

@@ -14,7 +14,7 @@ import signal
 from channels.layers import get_channel_layer
 from django.core.management.base import BaseCommand, CommandError
 
-from apps.models.management.commands._options import add_config_flags, apply_config_flags
+from apps.models.management.commands._options import add_config_flags, apply_config_flags, switch_interval
 from apps.models.services import served_model
 from engine.config import EngineConfig
 from engine.messages import worker_id_check
@@ -39,6 +39,7 @@ class Command(BaseCommand):
 
     def handle(self, *args, **options):
         values = apply_config_flags(options)
+        switch_interval(values)
         if values["server.worker_id"]:
             try:
                 worker_id_check(values["server.worker_id"])

@@ -19,7 +19,12 @@ from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
 
 from apps.models.management.commands import _front_ends as front_ends
-from apps.models.management.commands._options import add_config_flags, apply_config_flags, config_flags
+from apps.models.management.commands._options import (
+    add_config_flags,
+    apply_config_flags,
+    config_flags,
+    switch_interval,
+)
 from ignis_site import config
 
 log = logging.getLogger("ignis.server")
@@ -59,6 +64,7 @@ class Command(BaseCommand):
         from ignis_site.daphne_gate import IgnisServer
 
         values = apply_config_flags(options)
+        switch_interval(values)
         import engine.chat_template  # noqa: F401  (jinja2: imported now, not by the first request)
 
         if values["model.id"] == DEFAULT_MODEL.served_id and not values["model.path"] and not options["no_download"]:
