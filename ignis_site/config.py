@@ -133,7 +133,7 @@ FIELDS: dict[str, Field] = {
         Field(
             "server.switch_interval_us",
             int,
-            500,
+            5000,
             "serve, runengine: the interpreter's thread switch interval in microseconds (Python's own: 5000)",
             50,
             20000,

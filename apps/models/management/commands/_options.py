@@ -33,8 +33,8 @@ def apply_config_flags(options: dict) -> dict:
 
 def switch_interval(values: dict) -> None:
     """The process's thread switch interval from ``server.switch_interval_us``: how long a thread that
-    wants the interpreter lock waits before the one holding it is asked to let go (Python's 5 ms held
-    the engine's step thread that long at a time in a burst; docs/CONFIG.md)."""
+    wants the interpreter lock waits before the one holding it is asked to let go (at Python's 5 ms,
+    the default, the engine's step thread can wait that long at a time in a burst; docs/CONFIG.md)."""
     import sys
 
     sys.setswitchinterval(values["server.switch_interval_us"] / 1e6)
