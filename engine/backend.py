@@ -142,6 +142,10 @@ class StepOutput:
     decode_tokens: list[int] = field(default_factory=list)  # one per lane, in plan order
     decode_logprobs: list[TokenLogprob | None] = field(default_factory=list)
     prefill_seconds: float = 0.0  # the whole group's
+    # Of those, until the backend had queued the prefill's last kernel (a device backend that says:
+    # Backend.queued_at); the rest is the device finishing. Near prefill_seconds: the host's launches
+    # set the pace (the interpreter lock, launch overhead), not the device.
+    prefill_queued_seconds: float | None = None
     decode_seconds: float = 0.0
     prefill_more: list[StepOutput] = field(default_factory=list)
     # Set by ``Backend.step(defer=True)`` on a round queued but not yet read back (the backend's own
@@ -176,6 +180,9 @@ class Backend(abc.ABC):
     # the step before, which this backend keeps (``last_tokens``; on a GPU it would stay in a device
     # buffer). False: the worker plans every round after the one before has come back.
     supports_async_rounds: bool = False
+    # perf_counter() when a device backend had queued its prefill's last kernel (before waiting for
+    # it); StepOutput.prefill_queued_seconds. None: the backend does not say.
+    queued_at: float | None = None
     # Runs a prefill group in one forward (``prefill_group`` overridden), so a group costs less than
     # its spans one by one. False (the default's loop): the scheduler does not group, since grouping
     # would only hold the first prompts' first tokens back until the last span ran.
@@ -248,12 +255,15 @@ class Backend(abc.ABC):
         self.step_stage = "rows"
         if plan.prefill is not None:
             t0 = time.perf_counter()
+            self.queued_at = None
             if plan.prefill_more:
                 out.prefill_more = [StepOutput() for _ in plan.prefill_more]
                 self.prefill_group(plan.prefills, out.prefill_results)
             else:
                 self.prefill(plan.prefill, out)
             out.prefill_seconds = time.perf_counter() - t0
+            if self.queued_at is not None:
+                out.prefill_queued_seconds = self.queued_at - t0
         if plan.decode:
             t0 = time.perf_counter()
             if self.supports_async_rounds:

@@ -559,6 +559,11 @@ class EngineWorker:
                 extra={
                     "decode_seconds": round(out.decode_seconds, 6),
                     "prefill_seconds": round(out.prefill_seconds, 6),
+                    **(
+                        {"prefill_queued_seconds": round(out.prefill_queued_seconds, 6)}
+                        if out.prefill_queued_seconds is not None
+                        else {}
+                    ),
                     "prefill_spans": len(plan.prefills),
                     "lanes": len(plan.decode),
                     "ahead": planned_ahead,

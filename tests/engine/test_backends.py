@@ -28,3 +28,37 @@ def test_the_hosts_default_factory_passes_the_config_through():
 def test_an_unknown_backend_is_refused_by_name():
     with pytest.raises(ValueError, match="unknown backend 'tpu'"):
         create_backend("tpu")
+
+
+def test_a_step_says_when_the_prefill_was_queued_where_the_backend_marks_it():
+    """Backend.step turns ``queued_at`` (set by a device backend once the prefill's last kernel is
+    queued) into ``prefill_queued_seconds``, within the prefill's own seconds; None where a backend
+    does not mark it, and a mark from an earlier step never carries over."""
+    import time
+
+    from engine.backend import Backend, PrefillSpan, StepPlan
+
+    class Marking(Backend):
+        mark = True
+
+        def load(self, *args, **kwargs): ...
+
+        def prefill(self, span, out):
+            if self.mark:
+                self.queued_at = time.perf_counter()
+            out.prefill_token = 1
+
+        def decode_round(self, lanes, out): ...
+
+        def swap_out(self, pairs): ...
+
+        def swap_in(self, pairs): ...
+
+        def unload(self): ...
+
+    backend = Marking()
+    out = backend.step(StepPlan(prefill=PrefillSpan(seq_id=0, token_ids=[1, 2], start_pos=0, block_table=[0])))
+    assert out.prefill_queued_seconds is not None and 0 <= out.prefill_queued_seconds <= out.prefill_seconds
+    backend.mark = False
+    out = backend.step(StepPlan(prefill=PrefillSpan(seq_id=0, token_ids=[1, 2], start_pos=0, block_table=[0])))
+    assert out.prefill_queued_seconds is None

@@ -19,6 +19,7 @@ thread. Nothing here imports PyCUDA at module import time.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 
 import numpy as np
@@ -335,6 +336,7 @@ class CudaBackend(Backend):
                                       embeds=embeds)  # fmt: skip
         req = span.sample
         if req is None and not span.want_logits:
+            self.queued_at = time.perf_counter()
             s.synchronize()
             return
         self.forward.head(1, rows - 1)
@@ -349,6 +351,7 @@ class CudaBackend(Backend):
             cuda.memcpy_dtoh_async(v["out"], p["out"], s)
             if sampling.needs_logits(req):
                 cuda.memcpy_dtoh_async(self.logits_host[1], logits, s)
+        self.queued_at = time.perf_counter()
         s.synchronize()
         if span.want_logits:
             out.prefill_logits = self.logits_host[0].copy()
@@ -375,6 +378,7 @@ class CudaBackend(Backend):
                                   [(r.row0, r.rows, p["block_table"] + 4 * r.table0, r.start) for r in layout])  # fmt: skip
         sampled = [r for r in layout if spans[r.index].sample is not None]
         if not sampled:
+            self.queued_at = time.perf_counter()
             s.synchronize()
             return
         hid, vocab, m = self.config.hidden_size, self.config.vocab_size, len(sampled)
@@ -390,6 +394,7 @@ class CudaBackend(Backend):
         cuda.memcpy_dtoh_async(v["out"], p["out"], s)
         if any(sampling.needs_logits(spans[r.index].sample) for r in sampled):
             cuda.memcpy_dtoh_async(self.logits_host[:m], ws.logits, s)
+        self.queued_at = time.perf_counter()
         s.synchronize()
         for j, r in enumerate(sampled):
             out = outs[r.index]
