@@ -64,9 +64,11 @@ def test_the_per_token_messages_are_shallow_and_equal_to_the_deep_ones():
     # The others carry what their senders keep (an AddRequest the front end resends): a deep copy.
     add = AddRequest("r1", "reply", [1, 2], 4, sampling={"temperature": 0.5})
     assert add.to_message()["sampling"] is not add.sampling
+    assert not AddRequest.SHALLOW and not AbortRequest.SHALLOW
+    # But a heartbeat is built for the one beat (the worker's test below checks it shares nothing).
     beat = EngineHeartbeat("e", 1.0, {"stats": {"kv_pages": {"free": 3}}})
-    assert beat.to_message()["status"] is not beat.status
-    assert not AddRequest.SHALLOW and not EngineHeartbeat.SHALLOW and not AbortRequest.SHALLOW
+    wire = beat.to_message()
+    assert EngineHeartbeat.SHALLOW and wire["status"] is beat.status and wire == {**asdict(beat), "type": beat.TYPE}
 
 
 def test_every_layer_copies_or_serialises_on_send():
@@ -105,6 +107,10 @@ class Recording(InMemoryChannelLayer):
     async def send(self, channel, message):
         self.kept.append((message, copy.deepcopy(message)))
         await super().send(channel, message)
+
+    async def group_send(self, group, message):  # the heartbeats
+        self.kept.append((message, copy.deepcopy(message)))
+        await super().group_send(group, message)
 
 
 class LogprobBackend(FakeBackend):
@@ -146,6 +152,7 @@ def test_the_worker_never_changes_a_message_it_sent_and_shares_nothing_between_t
             await e.status()
         sent = [m for m, _ in layer.kept]
         assert any(m.get("logprobs") for m in sent)  # nested data went out
+        assert sum(m["type"] == "engine.heartbeat" for m in sent) >= 2  # beats too, each its own
         for message, then in layer.kept:
             assert message == then, message  # unchanged since it was handed to the layer
         owner: dict[int, int] = {}
