@@ -91,7 +91,9 @@ def test_product_matches_numpy(kernels, fmt, rows, path):
     xd = (buf["d"][:, None] * buf["q"]).reshape(rows, COLS)
     ref = xd.astype(np.float64) @ w.T.astype(np.float64)
     assert np.abs(y - ref).max() <= 1e-5 * np.abs(ref).max()
-    assert rel_err(y, x @ w.T) < 1e-4  # int16 activations: close to float32
+    # Against float32 x: no further than the int16 activations themselves are (a fixed 1e-4 failed
+    # once in CI at 1.2e-4 on one random row: that much is the activations' own rounding)
+    assert rel_err(y, x @ w.T) <= 1.05 * rel_err(ref, x.astype(np.float64) @ w.T.astype(np.float64)) + 1e-6
 
 
 @pytest.mark.parametrize("rows", [1, 8, 21])
