@@ -57,6 +57,7 @@ _UINT8, _BF16, _INTERLEAVE_NONE, _SWIZZLE_128B, _L2_256B, _OOB_ZERO = 0, 9, 0, 3
 TILE_COST = {(2, 256): 1.0, (2, 128): 0.533, (1, 256): 0.553, (1, 128): 0.321}
 
 
+@functools.lru_cache(maxsize=4096)  # every GEMM launch of a prefill asks (128 a pass of the 8B shape): ~8 us each
 def pick(m: int, n: int, sms: int, variants=VARIANTS) -> tuple[int, int]:
     """The variant for an M x N product: the fewest rounds of tiles over the SMs times the tile's
     cost (``TILE_COST``); on a tie the larger tile. Small M gets small tiles (more blocks to
@@ -320,7 +321,7 @@ class GemmRoute:
         return True
 
 
-def route_gemm(gemm, cache_dir: str = "", narrow: bool = False):
+def route_gemm(gemm, cache_dir: str = "", narrow: bool = True):
     """``gemm`` (gemm_bf16's Kernel) behind gemm_hopper on an sm_90 device (``narrow``: with the
     ``NARROW`` tiles); ``gemm`` itself elsewhere."""
     return GemmRoute(gemm, HopperGemm(cache_dir, narrow=narrow)) if supported() else gemm
