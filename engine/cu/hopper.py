@@ -28,8 +28,6 @@ import functools
 import os
 import struct
 
-import numpy as np
-
 from engine.cu.launch import CU_DIR, DEFAULT_CACHE_DIR, compiled, when_bound
 
 ARCH = "sm_90a"  # wgmma and setmaxnreg exist only on the "a" target
@@ -283,15 +281,17 @@ class HopperGemm:
                 raise ValueError(f"gemm_hopper needs K % 8 == 0, an even ldc >= N, C 8-byte aligned (K={k}, ldc={ldc})")
         if m <= 0 or n <= 0:
             return
-        nc, bn = variant or self.pick(m, n)
+        nc, bn = variant or pick(m, n, self.sms, self.variants)
         bm = 64 * nc
         tiles = -(-m // bm) * -(-n // bn)
         fn = self._fns[(nc, bn)]
         scales = (int(sa), int(sw)) if self.fp8 else ()
+        # plain ints: PyCUDA packs them as np.int32 and refuses one out of range (engine/cu/launch.py's
+        # binder says why the host time of a launch matters)
         fn.prepared_async_call((min(tiles, self.sms), 1, 1), (128 * (nc + 1), 1, 1), s,
                                self._map(int(a), m, k, bm), self._map(int(w), n, k, bn), int(bias), int(c),
-                               np.int32(m), np.int32(n), np.int32(k), np.int32(ldc), np.int32(int(accumulate)),
-                               np.int32(act), *scales, shared_size=smem_bytes(nc, bn))  # fmt: skip
+                               int(m), int(n), int(k), int(ldc), int(bool(accumulate)), int(act), *scales,
+                               shared_size=smem_bytes(nc, bn))  # fmt: skip
 
 
 class GemmRoute:
@@ -345,6 +345,9 @@ def attention_covers(head_dim: int, group: int, block_size: int) -> bool:
     return head_dim == FA_D and group in (1, 2, 4, 8) and pages_fit
 
 
+_covers = functools.lru_cache(maxsize=64)(attention_covers)  # every prefill attention launch asks (twice)
+
+
 def _attention_module(group: int, variant: tuple[int, int, int], cache_dir: str):
     pvn, stages, pingpong = variant
     defines = {"GROUP": group, "FA_PVN": pvn, "FA_STAGES": stages, "FA_PINGPONG": pingpong}
@@ -368,7 +371,7 @@ class HopperAttention:
         self._maps: dict[tuple, bytes] = {}
 
     def covers(self, block_size: int, q: int, cache: int) -> bool:
-        return attention_covers(FA_D, self.group, block_size) and int(q) % 16 == 0 and int(cache) % 16 == 0
+        return _covers(FA_D, self.group, block_size) and int(q) % 16 == 0 and int(cache) % 16 == 0
 
     def _map(self, ptr: int, dims: tuple[int, ...], strides: tuple[int, ...], box: tuple[int, ...]) -> bytes:
         key = (ptr, dims, strides, box)
@@ -382,21 +385,30 @@ class HopperAttention:
     def __call__(self, s, q: int, block_table: int, cache: int, block_stride: int, block_size: int, kv_heads: int,
                  n: int, start: int, out: int, scale_log2) -> None:  # fmt: skip
         """out[n, H * 128] = causal attention of q [n, H, 128] (positions start..) over the paged cache."""
+        q, cache = int(q), int(cache)
         if not self.covers(block_size, q, cache):
             raise ValueError(f"prefill_attn_hopper does not take block_size {block_size} / unaligned q or cache")
         if n <= 0:
             return
         g, d, h = self.group, FA_D, kv_heads * self.group
-        row = kv_heads * d * 2  # bytes between a page's token rows
         if block_stride % (kv_heads * d):
             raise ValueError(f"block_stride {block_stride} is not a whole number of [KVH][D] rows")
-        tmq = self._map(int(q), (d, h, n), (d * 2, h * d * 2), (64, g, FA_BM // g))
-        tmkv = self._map(int(cache), (d, kv_heads, KV_ROWS_BOUND), (d * 2, row), (64, 1, min(block_size, FA_KT)))
+        key = (q, h, n)  # a layer's q map: its buffer and rows (a prefill's spans reuse the few there are)
+        tmq = self._maps.get(key)
+        if tmq is None:
+            tmq = self._map(q, (d, h, n), (d * 2, h * d * 2), (64, g, FA_BM // g))
+            self._maps[key] = tmq
+        key = (cache, kv_heads, block_size)
+        tmkv = self._maps.get(key)
+        if tmkv is None:
+            row = kv_heads * d * 2  # bytes between a page's token rows
+            tmkv = self._map(cache, (d, kv_heads, KV_ROWS_BOUND), (d * 2, row), (64, 1, min(block_size, FA_KT)))
+            self._maps[key] = tmkv
         blocks = -(-n // (FA_BM // g))
+        # plain ints and a float: PyCUDA packs them as np.int32 / np.float32 (engine/cu/launch.py's binder)
         self.fn.prepared_async_call((kv_heads, blocks, 1), (FA_THREADS, 1, 1), s, tmq, tmkv, int(block_table),
-                                    np.int32(block_size), np.int32(block_stride // (kv_heads * d)),
-                                    np.int32(kv_heads), np.int32(n), np.int32(start), np.float32(scale_log2),
-                                    int(out), shared_size=self.smem)  # fmt: skip
+                                    int(block_size), int(block_stride // (kv_heads * d)), int(kv_heads), int(n),
+                                    int(start), float(scale_log2), int(out), shared_size=self.smem)  # fmt: skip
 
 
 def route_attention(head_dim: int, group: int, cache_dir: str = "") -> HopperAttention | None:

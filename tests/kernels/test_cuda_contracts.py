@@ -3,13 +3,14 @@ parameters at launch, and the model definition's operations at load. Runs withou
 
 from __future__ import annotations
 
+import struct
 from dataclasses import replace
 
 import numpy as np
 import pytest
 
 from engine.backends.cuda.forward import check_model, check_supported
-from engine.cu.launch import Kernel
+from engine.cu.launch import TYPES, Kernel
 from engine.models import definition
 from engine.models.ops import Attention, Embedding, GatedMLP, MoE, QKNorm, RMSNorm, Rope
 
@@ -45,7 +46,26 @@ def test_kernel_prepares_from_its_declaration_and_converts_by_name():
     grid, block, args, _ = fn.calls[0]
     assert grid == (3, 1, 1) and block == (256, 1, 1)
     assert args == (4096, np.int32(7), np.float32(1e-5), np.int64(1 << 40))
-    assert [type(a) for a in args[1:]] == [np.int32, np.float32, np.int64]
+    # PyCUDA packs them with the prepared format: the bytes of the C types, as numpy's scalars give
+    assert struct.pack(fn.prepared, *args) == struct.pack("Pifq", 4096, np.int32(7), np.float32(1e-5), 1 << 40)
+
+
+@pytest.mark.parametrize(
+    "values",
+    [
+        dict(x=np.uint64(4096), n=np.int64(7), eps=np.float32(0.1), stride=np.int32(3)),
+        dict(x=4096, n=True, eps=0.1, stride=3),
+        dict(x=4096, n=-(1 << 31), eps=3, stride=-(1 << 63)),
+        dict(x=(1 << 64) - 1, n=(1 << 31) - 1, eps=float("inf"), stride=(1 << 63) - 1),
+    ],
+)
+def test_a_launch_packs_what_the_checked_conversions_give(values):
+    """Plain ints and floats go to the launch as they are, anything else through TYPES' conversions:
+    either way the packed bytes are those of the declared C types."""
+    k, fn = _kernel()
+    k("stream", (1,), **values)
+    converted = [TYPES[t][1](values[n]) for n, t in k.params]
+    assert struct.pack(fn.prepared, *fn.calls[0][2]) == struct.pack(fn.prepared, *converted)
 
 
 @pytest.mark.parametrize(
@@ -56,6 +76,9 @@ def test_kernel_prepares_from_its_declaration_and_converts_by_name():
         (dict(x=1, n=2.5, eps=0.1, stride=3), "parameter 'n'"),
         (dict(x=1, n=1 << 40, eps=0.1, stride=3), "parameter 'n'"),
         (dict(x=1, n=2, eps="a", stride=3), "parameter 'eps'"),
+        (dict(x=-1, n=2, eps=0.1, stride=3), "parameter 'x'"),
+        (dict(x=1, n=2, eps=0.1, stride=1 << 63), "parameter 'stride'"),
+        (dict(x=1, n=-(1 << 31) - 1, eps=0.1, stride=3), "parameter 'n'"),
     ],
 )
 def test_kernel_refuses_a_wrong_launch(values, message):

@@ -1,0 +1,97 @@
+"""The host's share of a prefill pass: the Python time CudaBackend's step thread spends launching one
+pass of the Llama-3.1-8B shape's kernels (engine/backends/cuda/forward.py ``prefill_rows``), with no
+card: the kernels are built against tests/kernels' stand-ins for nvcc and the driver, whose launch
+only notes the call, so what is timed is the engine's own launch path (``Kernels``, ``launch.Kernel``,
+``hopper``) plus that note (~0.5-1 us a launch here), not PyCUDA's packing or the driver's launch.
+
+On a card a prefill pass's kernels run while the step thread queues the next ones; its host time
+matters where it nears the device's (short passes) or where the thread waits on the interpreter lock
+(a burst of requests arriving: docs/PERFORMANCE.md). Run from the repo root:
+
+    .venv/bin/python bench/bench_launch_host.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from tests.kernels import fake_nvcc  # noqa: E402
+
+SHAPE = dict(hidden_size=4096, num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5,
+             intermediate_size=14336, vocab_size=49152, num_layers=32)  # fmt: skip
+
+
+def forward(calls):
+    """A ``Forward`` of the 8B shape over made-up device addresses, and the prefill staging's."""
+    from engine.backends.cuda.forward import Forward, KVLayout, Workspace
+    from engine.backends.cuda.weights import Layer
+    from engine.cu import hopper
+    from engine.cu.kernels import Kernels
+
+    # the tensor maps (the driver's cuTensorMapEncodeTiled) and the cubin's parameter table are the card's
+    hopper.tensor_map = hopper.encode_map = lambda *a, **k: bytes(128)
+    hopper.param_layout = lambda cubin, name: [(8 * i, 8) for i in range(16)]
+    hopper.pack_format = lambda layout, codes: "".join(codes)
+    kern = Kernels(128, 4, cache_dir=tempfile.mkdtemp())
+    kern.gemv_cap = 16  # cuda.round_rows: a pass of more rows runs the GEMM
+    top = [1 << 36]
+
+    def alloc(n: int) -> int:
+        p = top[0]
+        top[0] += -(-n // 4096) * 4096 + 4096
+        return p
+
+    c = SimpleNamespace(**SHAPE)
+    hid, inter = c.hidden_size, c.intermediate_size
+    n_qkv = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
+    mlp = SimpleNamespace(mlp=SimpleNamespace(act="silu"))
+    layers = [
+        Layer(block=mlp, ln1=alloc(2 * hid), ln2=alloc(2 * hid), qkv=alloc(2 * n_qkv * hid), qkv_bias=0,
+              o=alloc(2 * hid * hid), o_bias=0, gate_up=alloc(4 * inter * hid), down=alloc(2 * hid * inter),
+              inv_freq=alloc(256), rope_factor=1.0, rotary_dim=c.head_dim, q_norm=0, k_norm=0, attn_post_norm=0,
+              mlp_post_norm=0, attn=kern.plain)  # fmt: skip
+        for _ in range(c.num_layers)
+    ]
+    w = SimpleNamespace(embed=alloc(2 * c.vocab_size * hid), embed_scale=1.0, layers=layers, gate_up_interleaved=True,
+                        lm_head=alloc(2 * c.vocab_size * hid), final_norm=alloc(2 * hid), head_softcap=None)  # fmt: skip
+    kv = KVLayout(base=alloc(1 << 30), block_size=16, layer_stride=2 * 16 * 8 * 128, block_stride=32 * 4 * 16 * 8 * 128)
+    fw = Forward(c, kern, SimpleNamespace(handle=1), w, Workspace.allocate(c, SimpleNamespace(alloc=alloc)), kv)
+    return fw, [alloc(1 << 16) for _ in range(4)]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--passes", type=int, default=200, help="timed passes a case (median of them)")
+    args = ap.parse_args()
+    cases = [("1 span of 25 rows", 1, 25), ("6 spans of 24 rows", 6, 24), ("1 span of 128 rows", 1, 128)]
+    with fake_nvcc.installed(fake_nvcc.Nvcc()) as calls:
+        fw, (tokens, positions, slots, tables) = forward(calls)
+        print("| pass | launches | host ms a pass (median) | us a launch |")
+        print("|---|---|---|---|")
+        for label, n_spans, n in cases:
+            spans = [(n * i, n, tables + 256 * i, 16) for i in range(n_spans)]
+            rows = n * n_spans
+            calls.calls.clear()
+            fw.prefill_rows(rows, tokens, positions, slots, spans)
+            launches = sum(1 for c in calls.calls if c[1] == "launch")
+            times = []
+            for _ in range(args.passes):
+                calls.calls.clear()
+                t = time.perf_counter()
+                fw.prefill_rows(rows, tokens, positions, slots, spans)
+                times.append(time.perf_counter() - t)
+            ms = statistics.median(times) * 1e3
+            print(f"| {label} | {launches} | {ms:.2f} | {ms / launches * 1e3:.1f} |")
+
+
+if __name__ == "__main__":
+    main()
