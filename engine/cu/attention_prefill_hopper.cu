@@ -71,10 +71,12 @@ __device__ __forceinline__ float ex2(float x) {
     return y;
 }
 
-extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
-    prefill_attn_hopper(const __grid_constant__ TmaMap tmQ, const __grid_constant__ TmaMap tmKV,
-                        const int* __restrict__ block_table, int block_size, int block_rows, int KVH, int n,
-                        int start, float scale_log2, bf16* __restrict__ out) {
+// One block's work: query positions p0 .. p0 + FA_PB - 1 of a span of n rows (positions start ..),
+// KV head blockIdx.x; its q rows at row q_row0 + p0 of the q map, its out rows from ``out`` (the span's).
+__device__ __forceinline__ void attn_block(const TmaMap* tmQ_, const TmaMap* tmKV_, const int* __restrict__ block_table,
+                                           int block_size, int block_rows, int KVH, int n, int start, int p0,
+                                           int q_row0, float scale_log2, bf16* __restrict__ out) {
+    const TmaMap &tmQ = *tmQ_, &tmKV = *tmKV_;
     extern __shared__ unsigned char smem_raw[];
     unsigned char* smem = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
     bf16* sQ = reinterpret_cast<bf16*>(smem);         // [2][FA_BM][64]
@@ -84,7 +86,7 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
     uint64_t *qfull = bars, *kfull = bars + 1, *kempty = kfull + FA_STAGES;
     uint64_t *vfull = kempty + FA_STAGES, *vempty = vfull + FA_STAGES;
 
-    const int kh = blockIdx.x, p0 = (gridDim.y - 1 - blockIdx.y) * FA_PB;
+    const int kh = blockIdx.x;
     const int nkeys = start + min(p0 + FA_PB, n), ntiles = (nkeys + FA_KT - 1) / FA_KT;
     const int wg = threadIdx.x / 128, tid = threadIdx.x % 128;
     if (threadIdx.x == 0) {
@@ -105,8 +107,8 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
             const int lane = tid, R = min(block_size, FA_KT), pages = FA_KT / R;
             if (lane == 0) {
                 mbar_expect_tx(qfull, FA_Q_BYTES);
-                tma_load_3d(sQ, &tmQ, qfull, 0, kh * GROUP, p0);
-                tma_load_3d(sQ + FA_BM * 64, &tmQ, qfull, 64, kh * GROUP, p0);
+                tma_load_3d(sQ, &tmQ, qfull, 0, kh * GROUP, q_row0 + p0);
+                tma_load_3d(sQ + FA_BM * 64, &tmQ, qfull, 64, kh * GROUP, q_row0 + p0);
             }
             for (int j = 0; j < ntiles; j++) {
                 const int s = j % FA_STAGES, ph = (j / FA_STAGES) & 1, t = j * FA_KT + lane * R;
@@ -280,4 +282,35 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
                 *reinterpret_cast<uint32_t*>(dst + 8 * jj) = pack_bf162(o[4 * jj + 2 * i] * inv, o[4 * jj + 2 * i + 1] * inv);
         }
     }
+}
+
+extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
+    prefill_attn_hopper(const __grid_constant__ TmaMap tmQ, const __grid_constant__ TmaMap tmKV,
+                        const int* __restrict__ block_table, int block_size, int block_rows, int KVH, int n,
+                        int start, float scale_log2, bf16* __restrict__ out) {
+    const int p0 = (gridDim.y - 1 - blockIdx.y) * FA_PB;
+    attn_block(&tmQ, &tmKV, block_table, block_size, block_rows, KVH, n, start, p0, 0, scale_log2, out);
+}
+
+// The spans of a prefill pass in one launch (each as prefill_attn_hopper alone computes it: the same
+// bits). spans int32 [num_spans][4] = (first row among the pass's q / out rows, n, start, first entry
+// of its block table in block_tables). Grid (KVH, the spans' position blocks summed): blockIdx.y walks
+// span by span, each span's last (heaviest) block first. tmQ maps the pass's q rows whole; a span's
+// last block may read the next span's rows past its own end, whose results are dropped as rows past
+// n are (a row's attention reads only its own q row).
+extern "C" __global__ void __launch_bounds__(FA_THREADS, 1)
+    prefill_attn_hopper_spans(const __grid_constant__ TmaMap tmQ, const __grid_constant__ TmaMap tmKV,
+                              const int* __restrict__ block_tables, const int4* __restrict__ spans, int num_spans,
+                              int block_size, int block_rows, int KVH, float scale_log2, bf16* __restrict__ out) {
+    int y = blockIdx.y, i = 0;
+    int4 sp = spans[0];
+    int nb = (sp.y + FA_PB - 1) / FA_PB;
+    while (y >= nb && i + 1 < num_spans) {
+        y -= nb;
+        sp = spans[++i];
+        nb = (sp.y + FA_PB - 1) / FA_PB;
+    }
+    if (y >= nb) return;  // a grid wider than the spans' blocks (never launched so)
+    attn_block(&tmQ, &tmKV, block_tables + sp.w, block_size, block_rows, KVH, sp.y, sp.z, (nb - 1 - y) * FA_PB, sp.x,
+               scale_log2, out + (size_t)sp.x * KVH * GROUP * FA_D);
 }

@@ -335,6 +335,8 @@ FA_VARIANT = (128, 3, 1)  # (P V wgmma width, K/V stages, ping-pong): the defaul
 FA_VARIANTS = ((128, 3, 1), (64, 3, 1), (128, 2, 1), (128, 3, 0))  # what bench_cuda.py --attention times
 FA_PARAMS = ["128s", "128s", "P", "i", "i", "i", "i", "i", "f", "P"]  # tmQ, tmKV, block_table, block_size,
 # block_rows, KVH, n, start, scale_log2, out
+FA_SPANS_PARAMS = ["128s", "128s", "P", "P", "i", "i", "i", "i", "f", "P"]  # tmQ, tmKV, block_tables, spans,
+# num_spans, block_size, block_rows, KVH, scale_log2, out (prefill_attn_hopper_spans)
 KV_ROWS_BOUND = (1 << 31) - 1  # the cache map's row extent: rows are addressed through the block table
 
 
@@ -368,6 +370,8 @@ class HopperAttention:
         mod = _attention_module(group, variant, cache_dir)
         self.fn = mod.get_function("prefill_attn_hopper")  # a LazyFunction inside launch.compiling()
         _prepare(mod, self.fn, "prefill_attn_hopper", FA_PARAMS, self.smem)
+        self.fn_spans = mod.get_function("prefill_attn_hopper_spans")
+        _prepare(mod, self.fn_spans, "prefill_attn_hopper_spans", FA_SPANS_PARAMS, self.smem)
         self._maps: dict[tuple, bytes] = {}
 
     def covers(self, block_size: int, q: int, cache: int) -> bool:
@@ -393,22 +397,53 @@ class HopperAttention:
         g, d, h = self.group, FA_D, kv_heads * self.group
         if block_stride % (kv_heads * d):
             raise ValueError(f"block_stride {block_stride} is not a whole number of [KVH][D] rows")
-        key = (q, h, n)  # a layer's q map: its buffer and rows (a prefill's spans reuse the few there are)
-        tmq = self._maps.get(key)
-        if tmq is None:
-            tmq = self._map(q, (d, h, n), (d * 2, h * d * 2), (64, g, FA_BM // g))
-            self._maps[key] = tmq
-        key = (cache, kv_heads, block_size)
-        tmkv = self._maps.get(key)
-        if tmkv is None:
-            row = kv_heads * d * 2  # bytes between a page's token rows
-            tmkv = self._map(cache, (d, kv_heads, KV_ROWS_BOUND), (d * 2, row), (64, 1, min(block_size, FA_KT)))
-            self._maps[key] = tmkv
+        tmq, tmkv = self._q_map(q, h, n), self._kv_map(cache, kv_heads, block_size)
         blocks = -(-n // (FA_BM // g))
         # plain ints and a float: PyCUDA packs them as np.int32 / np.float32 (engine/cu/launch.py's binder)
         self.fn.prepared_async_call((kv_heads, blocks, 1), (FA_THREADS, 1, 1), s, tmq, tmkv, int(block_table),
                                     int(block_size), int(block_stride // (kv_heads * d)), int(kv_heads), int(n),
                                     int(start), float(scale_log2), int(out), shared_size=self.smem)  # fmt: skip
+
+    def spans(self, s, q: int, rows: int, spans: int, counts: list[int], block_tables: int, cache: int,
+              block_stride: int, block_size: int, kv_heads: int, out: int, scale_log2) -> None:  # fmt: skip
+        """Several spans' attention in one launch (prefill_attn_hopper_spans; each span's rows the bits
+        ``__call__`` gives it alone): q / out [rows, H, 128] the pass's rows; ``spans`` int32 [len(counts)][4]
+        on the device, a span's (first row, n, start, first entry of its table in ``block_tables``);
+        ``counts`` its n on the host (the grid)."""
+        q, cache = int(q), int(cache)
+        if not self.covers(block_size, q, cache):
+            raise ValueError(f"prefill_attn_hopper does not take block_size {block_size} / unaligned q or cache")
+        if block_stride % (kv_heads * FA_D):
+            raise ValueError(f"block_stride {block_stride} is not a whole number of [KVH][D] rows")
+        pb = FA_BM // self.group
+        blocks = sum(-(-n // pb) for n in counts)
+        if blocks == 0:
+            return
+        h = kv_heads * self.group
+        self.fn_spans.prepared_async_call((kv_heads, blocks, 1), (FA_THREADS, 1, 1), s, self._q_map(q, h, rows),
+                                          self._kv_map(cache, kv_heads, block_size), int(block_tables), int(spans),
+                                          len(counts), int(block_size), int(block_stride // (kv_heads * FA_D)),
+                                          int(kv_heads), float(scale_log2), int(out), shared_size=self.smem)  # fmt: skip
+
+    def _q_map(self, q: int, h: int, n: int) -> bytes:
+        """The map of q [n, h, 128] at ``q`` (a layer's: the few buffers and row counts a pass has)."""
+        key = (q, h, n)
+        tm = self._maps.get(key)
+        if tm is None:
+            g, d = self.group, FA_D
+            tm = self._maps[key] = self._map(q, (d, h, n), (d * 2, h * d * 2), (64, g, FA_BM // g))
+        return tm
+
+    def _kv_map(self, cache: int, kv_heads: int, block_size: int) -> bytes:
+        """The map of a layer's cache at ``cache``, boxes of one page (up to a key tile) of one KV head."""
+        key = (cache, kv_heads, block_size)
+        tm = self._maps.get(key)
+        if tm is None:
+            d = FA_D
+            row = kv_heads * d * 2  # bytes between a page's token rows
+            tm = self._map(cache, (d, kv_heads, KV_ROWS_BOUND), (d * 2, row), (64, 1, min(block_size, FA_KT)))
+            self._maps[key] = tm
+        return tm
 
 
 def route_attention(head_dim: int, group: int, cache_dir: str = "") -> HopperAttention | None:

@@ -588,6 +588,32 @@ class Kernels:
                            scale_log2=a.scale_log2, out=out, window=a.window, cap_log2=a.cap_log2,
                            sinks=a.sinks)  # fmt: skip
 
+    def prefill_attention_spans(self, s, q: int, rows: int, spans: list[tuple[int, int, int, int]], table: int,
+                                cache: int, block_stride: int, block_size: int, kv_heads: int, out: int,
+                                args: AttnArgs | None = None) -> None:  # fmt: skip
+        """``prefill_attention`` of each span of a pass over q / out [rows, H, D]: ``spans`` = (first row, n,
+        block table pointer, start) a span. ``table``: the device copy of the spans as int32 rows (first row,
+        n, start, first entry of its block table counted from the first span's), which lets the Hopper
+        kernel take them in one launch (the same bits as one a span); 0, or a call that kernel does not
+        cover: one launch a span."""
+        a = args or self.plain
+        fa, q_row = self._prefill_hopper, kv_heads * self.group * self.head_dim * 2
+        if (
+            table
+            and len(spans) > 1
+            and fa is not None
+            and not a.cap_log2
+            and a.window <= 0
+            and not a.sinks
+            and fa.covers(block_size, q, cache)
+        ):
+            fa.spans(s, q, rows, table, [n for _, n, _, _ in spans], spans[0][2], cache, block_stride, block_size,
+                     kv_heads, out, a.scale_log2)  # fmt: skip
+            return
+        for r0, n, block_table, start in spans:
+            self.prefill_attention(s, q + r0 * q_row, block_table, cache, block_stride, block_size, kv_heads, n,
+                                   start, out + r0 * q_row, args=a)  # fmt: skip
+
     # --- sampling ------------------------------------------------------------------------
 
     def penalties(self, s, logits: int, vocab: int, params: int, pen_tokens: int, pen_counts: int, pen_num: int,

@@ -185,3 +185,59 @@ def test_long_chunk_matches_torch(dev, stream, fa):
     ref = torch.nn.functional.scaled_dot_product_attention(qq, keys, vals, attn_mask=mask).transpose(0, 1).cpu()
     err = float((got - ref).norm() / ref.norm())
     assert err < 1.5e-2, f"rel err {err:.2e}"
+
+
+SPANS = [  # (group, KV heads, block_size, [(n, start) of each span])
+    (4, 2, 16, [(24, 16), (1, 0), (70, 300), (33, 127), (130, 5)]),
+    (8, 1, 8, [(17, 3), (16, 0), (129, 40)]),
+    (1, 2, 64, [(200, 1000), (8, 8)]),
+]  # fmt: skip
+
+
+@gpu
+@pytest.mark.parametrize("g,kvh,bs,spans", SPANS)
+def test_spans_in_one_launch_give_each_span_its_bits(dev, stream, fa, g, kvh, bs, spans):
+    """prefill_attn_hopper_spans (a prefill pass's spans in one launch, each with its own rows, positions
+    and block table) writes the bits one launch a span writes, and no row past the pass's; through
+    ``Kernels.prefill_attention_spans`` too (the staged table's layout, against its one-a-span path)."""
+    import pycuda.gpuarray as ga
+
+    from engine.backends.cuda.weights import to_bf16
+    from engine.cu.kernels import Kernels
+
+    d, h, L, layer, pad = 128, kvh * g, 2, 1, 3
+    rows = sum(n for n, _ in spans)
+    tables, entries, nb = [], [], 0
+    for n, start in spans:  # each span its own pages, shuffled over one pool
+        entries.append(sum(len(t) for t in tables))
+        tables.append(list(range(nb, nb + -(-(start + n) // bs))))
+        nb += len(tables[-1])
+    perm = rng.permutation(nb + 4).astype(np.int32)
+    flat = np.concatenate([perm[t] for t in tables]).astype(np.int32)
+    cache = to_bf16(rng.standard_normal((nb + 4, L, 2, bs, kvh, d)).astype(np.float32))
+    q = to_bf16(rng.standard_normal((rows, h, d)).astype(np.float32))
+    g_q, g_t, g_c = ga.to_gpu(q), ga.to_gpu(flat), ga.to_gpu(cache)
+    c_ptr, stride, row = g_c.ptr + layer * 2 * bs * kvh * d * 2, L * 2 * bs * kvh * d, h * d * 2
+    scale_log2 = d**-0.5 * np.log2(np.e)
+    r0s = np.cumsum([0] + [n for n, _ in spans])[:-1]
+    staged = np.array([(r0, n, start, e) for r0, (n, start), e in zip(r0s, spans, entries)], np.int32)
+    g_s = ga.to_gpu(staged.reshape(-1))
+
+    def out():
+        return ga.to_gpu(np.full(((rows + pad) * h * d,), 0x7FC1, np.uint16))
+
+    alone, one, routed, looped = out(), out(), out(), out()
+    for (n, start), r0, e in zip(spans, r0s, entries):
+        fa[g](stream, g_q.ptr + r0 * row, g_t.ptr + 4 * e, c_ptr, stride, bs, kvh, n, start, alone.ptr + r0 * row,
+              scale_log2)  # fmt: skip
+    fa[g].spans(stream, g_q.ptr, rows, g_s.ptr, [n for n, _ in spans], g_t.ptr, c_ptr, stride, bs, kvh, one.ptr,
+                scale_log2)  # fmt: skip
+    k = Kernels(128, g)
+    layout = [(int(r0), n, g_t.ptr + 4 * e, start) for r0, (n, start), e in zip(r0s, spans, entries)]
+    k.prefill_attention_spans(stream, g_q.ptr, rows, layout, g_s.ptr, c_ptr, stride, bs, kvh, routed.ptr)
+    k.prefill_attention_spans(stream, g_q.ptr, rows, layout, 0, c_ptr, stride, bs, kvh, looped.ptr)
+    stream.synchronize()
+    want = alone.get()
+    assert (want[rows * h * d :] == 0x7FC1).all() and (want[: rows * h * d] != 0x7FC1).any()
+    for got in (one, routed, looped):
+        np.testing.assert_array_equal(got.get(), want)

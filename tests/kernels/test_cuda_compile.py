@@ -29,7 +29,8 @@ def fresh(monkeypatch):
 
     def layout(cubin: bytes, name: str) -> list[tuple[int, int]]:
         out, off = [], 0
-        for code in hopper.PARAMS if name == "gemm_hopper" else hopper.FA_PARAMS:
+        codes = {"gemm_hopper": hopper.PARAMS, "prefill_attn_hopper_spans": hopper.FA_SPANS_PARAMS}
+        for code in codes.get(name, hopper.FA_PARAMS):
             out.append((off, struct.calcsize(code)))
             off += struct.calcsize(code)
         return out

@@ -111,15 +111,17 @@ class _Forward:
     def __init__(self, st, per_row: int = 1) -> None:
         self.st, self.per_row, self.passes, self.heads = st, per_row, [], []
 
-    def prefill_rows(self, rows, tokens, positions, slots, spans, embeds=()) -> None:
+    def prefill_rows(self, rows, tokens, positions, slots, spans, embeds=(), span_table=0) -> None:
         v, p, k = self.st.view, self.st.ptr, self.per_row
+        assert span_table in (0, p["span_table"])
+        staged = v["span_table"][: 4 * len(spans)].reshape(-1, 4).copy() if span_table else None
         first = (tokens - p["tokens"]) // 4
         assert (positions - p["positions"]) // (4 * k) == first == (slots - p["slots"]) // 4
         tables = [v["block_table"][(bt - p["block_table"]) // 4 :] for _, _, bt, _ in spans]
         self.passes.append(dict(rows=rows, spans=[(r0, n, start) for r0, n, _, start in spans], tables=tables,
                                 tokens=v["tokens"][first : first + rows].copy(),
                                 positions=v["positions"][k * first : k * (first + rows)].reshape(rows, k).copy(),
-                                slots=v["slots"][first : first + rows].copy()))  # fmt: skip
+                                slots=v["slots"][first : first + rows].copy(), span_table=staged))  # fmt: skip
 
     def head(self, rows, x_row, out_row=0) -> None:
         self.heads.append((rows, x_row, out_row))
@@ -192,6 +194,12 @@ def test_a_group_stages_one_pass_of_its_wide_spans_and_hands_each_its_draw(monke
     np.testing.assert_array_equal(one["slots"], blocks * 4 + pos % 4)
     for s, t in zip(together, one["tables"]):
         assert list(t[: len(s.block_table)]) == s.block_table
+    # the pass's spans on the device for the one attention launch a layer: (first row, n, start, first table
+    # entry from the first span's); the spans alone stage none (one attention launch of their own)
+    assert [p["span_table"] for p in f.passes[:2]] == [None, None]
+    entries = [0, 2, 2 + 4, 2 + 4 + 3]  # the tables' lengths, one after another
+    assert one["span_table"].tolist() == [[r0, n, start, e] for (r0, n, start), e in zip(one["spans"], entries)]
+    assert ("span_table", None, 16 * 4) in be.pstage.uploads
     # the sampled spans' last rows (5, 10, 19) to rows 0, 1, 2 of ws.x; one head slice of 3 rows after the
     # two alone (1 row each)
     row = 4 * be.config.hidden_size

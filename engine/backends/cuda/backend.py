@@ -374,8 +374,15 @@ class CudaBackend(Backend):
             self._stage_span(spans[r.index], r.row0, r.table0)
         end = layout[-1]
         self._upload_rows(end.row0 + end.rows, end.table0 + len(spans[end.index].block_table))
+        table = 0
+        if len(layout) > 1:  # the spans on the device: one attention launch a layer for all of them
+            t0 = layout[0].table0
+            v["span_table"][: 4 * len(layout)] = [x for r in layout for x in (r.row0, r.rows, r.start, r.table0 - t0)]
+            st.upload(s, "span_table", nbytes=16 * len(layout))
+            table = p["span_table"]
         self.forward.prefill_rows(end.row0 + end.rows, p["tokens"], p["positions"], p["slots"],
-                                  [(r.row0, r.rows, p["block_table"] + 4 * r.table0, r.start) for r in layout])  # fmt: skip
+                                  [(r.row0, r.rows, p["block_table"] + 4 * r.table0, r.start) for r in layout],
+                                  span_table=table)  # fmt: skip
         sampled = [r for r in layout if spans[r.index].sample is not None]
         if not sampled:
             self.queued_at = time.perf_counter()

@@ -181,7 +181,7 @@ class Forward:
         self._head_softcap(rows)
 
     def prefill_rows(self, rows: int, tokens: int, positions: int, slots: int,
-                     spans: list[tuple[int, int, int, int]], embeds=()) -> None:  # fmt: skip
+                     spans: list[tuple[int, int, int, int]], embeds=(), span_table: int = 0) -> None:  # fmt: skip
         """Embed ``rows`` tokens and run every layer over them (K and V into their slots); leaves the
         residual stream in ``ws.x``. The rows are those of one or more spans, each consecutive:
         ``spans`` = (first row, rows, block table pointer, position of its first row) of each, in row
@@ -189,21 +189,20 @@ class Forward:
         KV slot are its own: ``positions``, three a row with multimodal rope, and ``slots``); the
         attention runs span by span, each span's q over its own pages (its retained prefix whole).
         ``embeds``: (row, float32 host rows) runs that replace the token embeddings there (an image's
-        placeholders)."""
+        placeholders). ``span_table``: the spans on the device as ``Kernels.prefill_attention_spans`` takes
+        them (then a layer's attention may be one launch for all of them), or 0."""
         import pycuda.driver as cuda
 
         c, k, s, w, ws, kv = self.cfg, self.kern, self.stream, self.w, self.ws, self.kv
         hid, H, KVH, eps = c.hidden_size, c.num_heads, c.num_kv_heads, c.rms_norm_eps
-        q_row = H * c.head_dim * 2  # bytes of a row of ws.q and ws.attn (bf16)
         k.embed(s, tokens, w.embed, ws.x, rows, hid, scale=w.embed_scale)
         for row, rows_in in embeds:
             cuda.memcpy_htod_async(ws.x + row * hid * 4, rows_in, s)
         for i, L in enumerate(w.layers):
             k.rmsnorm(s, ws.x, L.ln1, ws.xn, rows, hid, eps)
             self._qkv(i, L, rows, positions, slots, ss_in=(0, 0), fused=False, mrope=L.mrope)
-            for r0, n, block_table, start in spans:
-                k.prefill_attention(s, ws.q + r0 * q_row, block_table, kv.layer(i), kv.block_stride, kv.block_size,
-                                    KVH, n, start, ws.attn + r0 * q_row, args=L.attn)  # fmt: skip
+            k.prefill_attention_spans(s, ws.q, rows, spans, span_table, kv.layer(i), kv.block_stride, kv.block_size,
+                                      KVH, ws.attn, args=L.attn)  # fmt: skip
             self._residual(L.o, L.o_bias, ws.attn, H * c.head_dim, L.attn_post_norm, rows, NO_NORM)
             k.rmsnorm(s, ws.x, L.ln2, ws.xn, rows, hid, eps)
             self._mlp(i, L, rows, prefill=True)

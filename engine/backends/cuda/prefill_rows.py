@@ -32,12 +32,14 @@ from engine.backend import PrefillSpan, SampleRequest
 
 def prefill_fields(max_spans: int, bt_stride: int, max_context: int, pen_stride: int, *, mrope: bool) -> dict:
     """The prefill staging (``runtime.Staging``), in upload order: a sampling row and a block table
-    for each of up to ``max_spans`` spans (a pass's; one span alone uses the first), the rows'
-    tokens, rope positions (three a row with multimodal rope) and KV slots, one penalty list."""
+    for each of up to ``max_spans`` spans (a pass's; one span alone uses the first), a pass's span
+    table (``span_table``: Kernels.prefill_attention_spans' rows), the rows' tokens, rope positions
+    (three a row with multimodal rope) and KV slots, one penalty list."""
     G = max_spans
     return {
         "sample_pos": (np.int32, G), "seeds": (np.uint64, G), "params": (np.float32, 8 * G), "pen_num": (np.int32, G),
-        "out": (np.int32, G), "block_table": (np.int32, G * bt_stride), "tokens": (np.int32, max_context),
+        "out": (np.int32, G), "block_table": (np.int32, G * bt_stride), "span_table": (np.int32, 4 * G),
+        "tokens": (np.int32, max_context),
         "positions": (np.int32, (3 if mrope else 1) * max_context), "slots": (np.int32, max_context),
         "pen_tokens": (np.int32, pen_stride), "pen_counts": (np.int32, pen_stride),
     }  # fmt: skip
