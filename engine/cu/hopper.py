@@ -247,6 +247,7 @@ class HopperGemm:
             _prepare(mod, fn, name, params, smem_bytes(nc, bn))
             self._fns[(nc, bn)] = fn
         self._maps: dict[tuple[int, int, int, int], bytes] = {}
+        self._plans: dict[tuple, tuple] = {}  # (m, n, variant) -> (function, grid, block, bm, bn, shared bytes)
 
     def pick(self, m: int, n: int) -> tuple[int, int]:
         return pick(m, n, self.sms, self.variants)
@@ -281,17 +282,23 @@ class HopperGemm:
                 raise ValueError(f"gemm_hopper needs K % 8 == 0, an even ldc >= N, C 8-byte aligned (K={k}, ldc={ldc})")
         if m <= 0 or n <= 0:
             return
-        nc, bn = variant or pick(m, n, self.sms, self.variants)
-        bm = 64 * nc
-        tiles = -(-m // bm) * -(-n // bn)
-        fn = self._fns[(nc, bn)]
+        key = (m, n, variant)
+        plan = self._plans.get(key)
+        if plan is None:  # (a prefill's few shapes: kept, the step thread asks 128 times a pass of the 8B shape)
+            nc, bn = variant or pick(m, n, self.sms, self.variants)
+            tiles = -(-m // (64 * nc)) * -(-n // bn)
+            plan = (self._fns[(nc, bn)], (min(tiles, self.sms), 1, 1), (128 * (nc + 1), 1, 1), 64 * nc, bn,
+                    smem_bytes(nc, bn))  # fmt: skip
+            if len(self._plans) > 4096:
+                self._plans.clear()
+            self._plans[key] = plan
+        fn, grid, block, bm, bn, smem = plan
         scales = (int(sa), int(sw)) if self.fp8 else ()
         # plain ints: PyCUDA packs them as np.int32 and refuses one out of range (engine/cu/launch.py's
         # binder says why the host time of a launch matters)
-        fn.prepared_async_call((min(tiles, self.sms), 1, 1), (128 * (nc + 1), 1, 1), s,
-                               self._map(int(a), m, k, bm), self._map(int(w), n, k, bn), int(bias), int(c),
-                               int(m), int(n), int(k), int(ldc), int(bool(accumulate)), int(act), *scales,
-                               shared_size=smem_bytes(nc, bn))  # fmt: skip
+        fn.prepared_async_call(grid, block, s, self._map(int(a), m, k, bm), self._map(int(w), n, k, bn), int(bias),
+                               int(c), int(m), int(n), int(k), int(ldc), int(bool(accumulate)), int(act), *scales,
+                               shared_size=smem)  # fmt: skip
 
 
 class GemmRoute:
