@@ -14,6 +14,8 @@ matters where it nears the device's (short passes) or where the thread waits on 
 from __future__ import annotations
 
 import argparse
+import os
+import platform
 import statistics
 import sys
 import tempfile
@@ -24,7 +26,10 @@ from types import SimpleNamespace
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.perfdoc import command_line, report  # noqa: E402
 from tests.kernels import fake_nvcc  # noqa: E402
+
+SECTION = "## The host's part of a prefill pass (no card, issue 15)"
 
 SHAPE = dict(hidden_size=4096, num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5,
              intermediate_size=14336, vocab_size=49152, num_layers=32)  # fmt: skip
@@ -86,14 +91,17 @@ def forward(calls):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--passes", type=int, default=200, help="timed passes a case (median of them)")
+    ap.add_argument("--write", action="store_true", help="replace this section of docs/PERFORMANCE.md")
     args = ap.parse_args()
+    body = ["Model: the Llama-3.1-8B shape's launches (32 layers, bf16 weights, gemm_hopper and prefill_attn_hopper "
+            "routed as on sm_90; `cuda.round_rows`' GEMV cap 16, so every pass below runs the GEMM); the stand-in "
+            "driver notes each launch instead of making it. Medians of the passes.", ""]  # fmt: skip
     cases = [("1 span of 25 rows", 1, 25), ("6 spans of 24 rows", 6, 24), ("1 span of 128 rows", 1, 128)]
     # (6 spans: one attention launch a layer for all of them since 2026-12-08, one a span before)
     with fake_nvcc.installed(fake_nvcc.Nvcc()) as calls:
         fw, (tokens, positions, slots, tables) = forward(calls)
         span_table = tables + (1 << 15)  # (its contents are the card's business)
-        print("| pass | launches | host ms a pass (median) | us a launch |")
-        print("|---|---|---|---|")
+        body += ["| pass | launches | host ms a pass (median) | us a launch |", "|---|---|---|---|"]
         for label, n_spans, n in cases:
             spans = [(n * i, n, tables + 256 * i, 16) for i in range(n_spans)]
             rows = n * n_spans
@@ -107,7 +115,9 @@ def main() -> None:
                 fw.prefill_rows(rows, tokens, positions, slots, spans, span_table=span_table)
                 times.append(time.perf_counter() - t)
             ms = statistics.median(times) * 1e3
-            print(f"| {label} | {launches} | {ms:.2f} | {ms / launches * 1e3:.1f} |")
+            body.append(f"| {label} | {launches} | {ms:.2f} | {ms / launches * 1e3:.1f} |")
+    machine = f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}, no card"
+    report(SECTION, machine=machine, command=command_line(".venv/bin/python"), body=body, write=args.write)
 
 
 if __name__ == "__main__":
