@@ -14,9 +14,12 @@ matters where it nears the device's (short passes) or where the thread waits on 
 from __future__ import annotations
 
 import argparse
+import inspect
 import os
 import platform
+import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -88,34 +91,64 @@ def forward(calls):
     return fw, [alloc(1 << 16) for _ in range(4)]
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--passes", type=int, default=200, help="timed passes a case (median of them)")
-    ap.add_argument("--write", action="store_true", help="replace this section of docs/PERFORMANCE.md")
-    args = ap.parse_args()
-    body = ["Model: the Llama-3.1-8B shape's launches (32 layers, bf16 weights, gemm_hopper and prefill_attn_hopper "
-            "routed as on sm_90; `cuda.round_rows`' GEMV cap 16, so every pass below runs the GEMM); the stand-in "
-            "driver notes each launch instead of making it. Medians of the passes.", ""]  # fmt: skip
+def measure(passes: int) -> list[str]:
+    """``| pass | launches | host ms | us a launch |`` rows of each case, from ``passes`` timed passes."""
     cases = [("1 span of 25 rows", 1, 25), ("6 spans of 24 rows", 6, 24), ("1 span of 128 rows", 1, 128)]
     # (6 spans: one attention launch a layer for all of them since 2026-12-08, one a span before)
     with fake_nvcc.installed(fake_nvcc.Nvcc()) as calls:
         fw, (tokens, positions, slots, tables) = forward(calls)
-        span_table = tables + (1 << 15)  # (its contents are the card's business)
-        body += ["| pass | launches | host ms a pass (median) | us a launch |", "|---|---|---|---|"]
+        # the pass's span table (its contents are the card's business); a tree before 2026-12-08 takes none
+        takes_table = "span_table" in inspect.signature(fw.prefill_rows).parameters
+        extra = {"span_table": tables + (1 << 15)} if takes_table else {}
+        out = []
         for label, n_spans, n in cases:
             spans = [(n * i, n, tables + 256 * i, 16) for i in range(n_spans)]
             rows = n * n_spans
             calls.calls.clear()
-            fw.prefill_rows(rows, tokens, positions, slots, spans, span_table=span_table)
+            fw.prefill_rows(rows, tokens, positions, slots, spans, **extra)
             launches = sum(1 for c in calls.calls if c[1] == "launch")
             times = []
-            for _ in range(args.passes):
+            for _ in range(passes):
                 calls.calls.clear()
                 t = time.perf_counter()
-                fw.prefill_rows(rows, tokens, positions, slots, spans, span_table=span_table)
+                fw.prefill_rows(rows, tokens, positions, slots, spans, **extra)
                 times.append(time.perf_counter() - t)
             ms = statistics.median(times) * 1e3
-            body.append(f"| {label} | {launches} | {ms:.2f} | {ms / launches * 1e3:.1f} |")
+            out.append(f"| {label} | {launches} | {ms:.2f} | {ms / launches * 1e3:.1f} |")
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--passes", type=int, default=200, help="timed passes a case (median of them)")
+    ap.add_argument("--write", action="store_true", help="replace this section of docs/PERFORMANCE.md")
+    ap.add_argument("--before", metavar="TREE", help="also time another checkout of the repo (git archive of a "
+                    "commit), this script copied into it; its rows labelled with --before-label")  # fmt: skip
+    ap.add_argument("--before-label", default="before")
+    ap.add_argument("--rows-only", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    rows = measure(args.passes)
+    if args.rows_only:
+        print("\n".join(rows))
+        return
+    label = "this tree"
+    if args.before:
+        target = Path(args.before) / "bench" / "_bench_launch_host.py"
+        shutil.copy(__file__, target)
+        try:
+            run = subprocess.run([sys.executable, str(target), "--rows-only", "--passes", str(args.passes)],
+                                 cwd=args.before, capture_output=True, text=True, check=True)  # fmt: skip
+        finally:
+            target.unlink()
+        rows = [f"| {args.before_label} | {r[2:]}" for r in run.stdout.splitlines() if r.startswith("|")] + [
+            f"| {label} | {r[2:]}" for r in rows
+        ]
+    else:
+        rows = [f"| {label} | {r[2:]}" for r in rows]
+    body = ["Model: the Llama-3.1-8B shape's launches (32 layers, bf16 weights, gemm_hopper and prefill_attn_hopper "
+            "routed as on sm_90; `cuda.round_rows`' GEMV cap 16, so every pass below runs the GEMM); the stand-in "
+            "driver notes each launch instead of making it. Medians of the passes.", "",
+            "| tree | pass | launches | host ms a pass (median) | us a launch |", "|---|---|---|---|---|", *rows]  # fmt: skip
     machine = f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}, no card"
     report(SECTION, machine=machine, command=command_line(".venv/bin/python"), body=body, write=args.write)
 
