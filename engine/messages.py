@@ -9,6 +9,7 @@ handler (``engine.tokens`` -> ``engine_tokens``).
 from __future__ import annotations
 
 import functools
+from copy import deepcopy
 from dataclasses import asdict, dataclass, field, fields
 
 ENGINE_CHANNEL = "ignis.engine"
@@ -100,6 +101,22 @@ class AddRequest(_Msg):
     # "pixel_values": bytes, float32 little-endian, shape (t*h*w, channels*temporal_patch*patch*patch),
     # the processor's patch order}. None: a text-only prompt.
     images: list[dict] | None = None
+
+    # Its token lists are flat lists of ints, copied as lists (in C); the rest as asdict copies it.
+    # asdict copies a list element by element through deepcopy: 2.7 ms for a 4,000-token prompt, 21 ms
+    # for 32,000, on the front end's event loop, where every other request and stream waits for it.
+    _INT_LISTS = ("prompt_token_ids", "stop_token_ids", "decide_token_ids", "prediction_token_ids")
+
+    def to_message(self) -> dict:
+        d = {name: getattr(self, name) for name in _field_names(type(self))}
+        for name in self._INT_LISTS:
+            if d[name] is not None:
+                d[name] = list(d[name])
+        for name in ("sampling", "reasoning", "images"):
+            if d[name] is not None:
+                d[name] = deepcopy(d[name])
+        d["type"] = self.TYPE
+        return d
 
 
 @dataclass
