@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import gc
 import logging
 import time
 from collections import deque
@@ -41,6 +40,7 @@ from concurrent.futures import Executor
 from dataclasses import asdict
 from pathlib import Path
 
+from engine import gc_pause
 from engine.backend import Backend
 from engine.config import EngineConfig
 from engine.loading import BackendFactory, Loader, create_backend, load_artifact, load_model
@@ -412,4 +412,4 @@ class ModelHost:
         if draft is not None:  # spec.draft_model's backend goes with the target's
             draft.backend.unload()
         self.backend = self.scheduler = None
-        gc.collect()
+        gc_pause.after_unload()

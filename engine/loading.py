@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
+from engine import gc_pause
 from engine.backend import Backend
 from engine.config import EngineConfig
 from engine.model_config import ModelConfig
@@ -212,4 +213,5 @@ def load_model(
     log.info("ignis.runtime.vram_plan", extra={"model": served_id, "backend": cfg.backend, **asdict(plan)})
     seconds = round(time.perf_counter() - t0, 2)
     log.info("ignis.model.loaded", extra={"model": served_id, "seconds": seconds, "path": str(path)})
+    gc_pause.after_load()
     return backend, scheduler

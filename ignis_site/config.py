@@ -131,6 +131,13 @@ FIELDS: dict[str, Field] = {
             "bind the API port with SO_REUSEPORT, so several serve processes share it (IPv4 hosts)",
         ),
         Field(
+            "server.gc_freeze",
+            bool,
+            True,
+            "serve, runengine: freeze the objects the process holds once started and after each model load, "
+            "so the garbage collector's passes scan only what was made since",
+        ),
+        Field(
             "server.switch_interval_us",
             int,
             5000,
@@ -455,6 +462,7 @@ START_ONLY_KEYS = frozenset(
         "server.front_ends",  # the processes serve starts: a saved value would be each child's too
         "server.reuse_port",
         "server.switch_interval_us",  # set as the process starts
+        "server.gc_freeze",
     }
 )
 

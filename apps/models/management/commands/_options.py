@@ -38,3 +38,11 @@ def switch_interval(values: dict) -> None:
     import sys
 
     sys.setswitchinterval(values["server.switch_interval_us"] / 1e6)
+
+
+def gc_freeze(values: dict) -> None:
+    """``server.gc_freeze``: freeze the objects the process holds now and after each model load
+    (engine/gc_pause.py); call it once the process is set up, before it serves."""
+    from engine import gc_pause
+
+    gc_pause.enable(values["server.gc_freeze"])

@@ -14,7 +14,12 @@ import signal
 from channels.layers import get_channel_layer
 from django.core.management.base import BaseCommand, CommandError
 
-from apps.models.management.commands._options import add_config_flags, apply_config_flags, switch_interval
+from apps.models.management.commands._options import (
+    add_config_flags,
+    apply_config_flags,
+    gc_freeze,
+    switch_interval,
+)
 from apps.models.services import served_model
 from engine.config import EngineConfig
 from engine.messages import worker_id_check
@@ -59,6 +64,7 @@ class Command(BaseCommand):
             "ignis.engine.starting",
             extra={"model": served.served_id, "path": str(served.path), "worker_id": worker.worker_id},
         )
+        gc_freeze(values)  # and again once the model is loaded (engine/gc_pause.py)
         asyncio.run(serve_until_drained(worker))
         log.info("ignis.engine.stopped", extra={"worker_id": worker.worker_id})
 

@@ -23,6 +23,7 @@ from apps.models.management.commands._options import (
     add_config_flags,
     apply_config_flags,
     config_flags,
+    gc_freeze,
     switch_interval,
 )
 from ignis_site import config
@@ -91,6 +92,7 @@ class Command(BaseCommand):
             if code:
                 raise SystemExit(code)
             return
+        gc_freeze(values)  # set up: what the process holds now is not the collector's business any more
         endpoints = build_endpoint_description_strings(host=host, port=port)
         if values["server.reuse_port"]:
             try:
