@@ -40,6 +40,7 @@ class _Channel:
 
 
 _IMMUTABLE = (str, int, float, bool, bytes, type(None))
+_ATOMS = frozenset(_IMMUTABLE)
 
 
 def _copy(value):
@@ -50,6 +51,10 @@ def _copy(value):
     if kind is dict:
         return {k: _copy(v) for k, v in value.items()}
     if kind is list:
+        # a long flat list (a prompt's token ids) in one copy once its element types are seen to be plain
+        # (in C: 32,000 ids 3.6 -> 0.9 ms on the 2-core VM, on the front end's loop as a request goes in)
+        if len(value) > 32 and _ATOMS.issuperset(map(type, value)):
+            return value.copy()
         return [_copy(v) for v in value]
     if kind in _IMMUTABLE:
         return value

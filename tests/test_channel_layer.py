@@ -115,6 +115,21 @@ async def test_a_message_is_a_copy():
 
 
 @on_a_loop
+async def test_a_long_message_is_a_copy_too():
+    """Long flat lists (a prompt's ids) are copied whole, long lists holding containers element-wise."""
+    layer = CrossLoopChannelLayer()
+    ids, tops = list(range(4000)), [[i, -0.5] for i in range(100)]
+    mixed = [*range(50), {"k": [1]}, *range(50)]
+    await layer.send("c", {"type": "x", "ids": ids, "tops": tops, "mixed": mixed})
+    ids.append(-1)
+    tops[99].append(9)
+    mixed[50]["k"].append(2)
+    got = await layer.receive("c")
+    assert got["ids"] == list(range(4000)) and got["tops"] == [[i, -0.5] for i in range(100)]
+    assert got["mixed"] == [*range(50), {"k": [1]}, *range(50)]
+
+
+@on_a_loop
 async def test_order_holds_both_ways_under_load(other):
     """The engine's loop and this one stream at each other at once: nothing lost, nothing reordered."""
     layer = CrossLoopChannelLayer(capacity=10_000)
