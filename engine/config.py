@@ -70,6 +70,10 @@ class CudaTuning:
     # 4,096-column products (the same bits; docs/CUDA.md, "The Hopper prefill GEMM"): 2-24% faster
     # products at 48 and 120 rows on an H100.
     narrow_tiles: bool = True
+    # cuda.attention_spans: a prefill pass of several spans runs each layer's attention as one launch
+    # for all of them (attention_prefill_hopper.cu's prefill_attn_hopper_spans, the same bits as one a
+    # span; docs/CUDA.md, "Prompts prefilled together"): 6 spans 417 -> 257 launches a pass.
+    attention_spans: bool = True
 
 
 @dataclass

@@ -397,6 +397,12 @@ FIELDS: dict[str, Field] = {
             "CUDA backend on Hopper: a prefill GEMM of 33..128 rows may take 64- or 32-column tiles (the same bits)",
         ),
         Field(
+            "cuda.attention_spans",
+            bool,
+            True,
+            "CUDA backend on Hopper: a prefill pass of several prompts runs a layer's attention as one launch (same bits)",
+        ),
+        Field(
             "cuda.expert_budget",
             int,
             0,
@@ -653,4 +659,5 @@ def cuda_tuning_dict(values: dict[str, Any]) -> dict[str, Any]:
         "decode_lanes": values["cuda.decode_lanes"],
         "fp8_gemm": values["cuda.fp8_gemm"],
         "narrow_tiles": values["cuda.narrow_tiles"],
+        "attention_spans": values["cuda.attention_spans"],
     }

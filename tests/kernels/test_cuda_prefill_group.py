@@ -210,6 +210,18 @@ def test_a_group_stages_one_pass_of_its_wide_spans_and_hands_each_its_draw(monke
     assert be.pstage.view["pen_num"][:3].tolist() == [0, 0, 0]
 
 
+def test_with_cuda_attention_spans_off_a_pass_stages_no_span_table(monkeypatch):
+    from dataclasses import replace
+
+    be, _ = _host_backend(monkeypatch)
+    be.tuning = replace(be.tuning, attention_spans=False)
+    spans = [_span(0, 6, table=[7, 8]), _span(1, 5, start=8, table=[20, 21, 22, 23])]
+    be.prefill_group(spans, [StepOutput() for _ in spans])
+    (one,) = be.forward.passes
+    assert one["spans"] == [(0, 6, 0), (6, 5, 8)] and one["span_table"] is None
+    assert not [u for u in be.pstage.uploads if u[0] == "span_table"]
+
+
 def test_a_group_on_multimodal_rope_stages_three_positions_a_row(monkeypatch):
     be, _ = _host_backend(monkeypatch, mrope=True)
     three = np.array([[5, 6, 7, 8, 9], [5, 5, 6, 6, 7], [5, 6, 5, 6, 5]])  # a span's own (t, h, w) positions

@@ -375,7 +375,7 @@ class CudaBackend(Backend):
         end = layout[-1]
         self._upload_rows(end.row0 + end.rows, end.table0 + len(spans[end.index].block_table))
         table = 0
-        if len(layout) > 1:  # the spans on the device: one attention launch a layer for all of them
+        if len(layout) > 1 and self.tuning.attention_spans:  # the spans on the device: one attention launch a layer
             t0 = layout[0].table0
             v["span_table"][: 4 * len(layout)] = [x for r in layout for x in (r.row0, r.rows, r.start, r.table0 - t0)]
             st.upload(s, "span_table", nbytes=16 * len(layout))
