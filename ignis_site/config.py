@@ -399,7 +399,7 @@ FIELDS: dict[str, Field] = {
         Field(
             "cuda.attention_spans",
             bool,
-            True,
+            False,
             "CUDA backend on Hopper: a prefill pass of several prompts runs a layer's attention as one launch (same bits)",
         ),
         Field(
