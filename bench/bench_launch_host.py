@@ -94,7 +94,7 @@ def forward(calls):
 def measure(passes: int) -> list[str]:
     """``| pass | launches | host ms | us a launch |`` rows of each case, from ``passes`` timed passes."""
     cases = [("1 span of 25 rows", 1, 25), ("6 spans of 24 rows", 6, 24), ("1 span of 128 rows", 1, 128)]
-    # (6 spans: one attention launch a layer for all of them since 2026-12-08, one a span before)
+    # (6 spans: one attention launch a layer for all of them, cuda.attention_spans' path; one a span before it)
     with fake_nvcc.installed(fake_nvcc.Nvcc()) as calls:
         fw, (tokens, positions, slots, tables) = forward(calls)
         # the pass's span table (its contents are the card's business); a tree before 2026-12-08 takes none
