@@ -14,6 +14,7 @@ repo root:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -33,27 +34,43 @@ from bench.perfdoc import command_line, report  # noqa: E402
 SECTION = "## Garbage-collector pauses while serving (issue 15)"
 
 
+@contextlib.contextmanager
+def probed(path: Path):
+    """A server started inside the block runs bench/gc_probe, which writes its pauses to ``path``."""
+    saved = {k: os.environ.get(k) for k in ("PYTHONPATH", "IGNIS_GC_PROBE")}
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT / "bench" / "gc_probe"), saved["PYTHONPATH"]) if p)
+    os.environ["IGNIS_GC_PROBE"] = str(path)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def pauses(path: Path, t0: float, t1: float) -> dict[int, list[float]]:
+    """Generation -> the seconds of each pause the probe wrote that began in [t0, t1] (wall clock)."""
+    rows = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    return {g: [s for wall, gg, s in rows if gg == g and t0 <= wall <= t1] for g in (0, 1, 2)}
+
+
+def summary(gens: dict[int, list[float]]) -> str:
+    """``gen 0: count / total ms / longest ms; ...``"""
+    return "; ".join(f"gen {g}: {len(v)} / {sum(v) * 1e3:.1f} / {max(v, default=0) * 1e3:.2f}" for g, v in gens.items())
+
+
 def one_run(freeze: bool, args) -> dict:
     from tests.models.tiny import models_dir_with_two
 
     with tempfile.TemporaryDirectory(prefix="ignis-bench-gc-") as tmp:
         probe = Path(tmp) / "gc.jsonl"
-        saved = {k: os.environ.get(k) for k in ("PYTHONPATH", "IGNIS_GC_PROBE")}
-        os.environ["PYTHONPATH"] = os.pathsep.join(
-            p for p in (str(ROOT / "bench" / "gc_probe"), saved["PYTHONPATH"]) if p
-        )
-        os.environ["IGNIS_GC_PROBE"] = str(probe)
-        try:
+        with probed(probe):
             models_dir = models_dir_with_two(Path(tmp) / "models", ROOT / "models" / GGUF)
             flags = ["--model-id", TINY, "--model-path", TINY, "--spec-enabled", "false",
                      "--server-gc-freeze", "true" if freeze else "false"]  # fmt: skip
             proc, log_path = start_server(ROOT, args.port, Path(tmp), flags, models_dir)
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
         base = f"http://127.0.0.1:{args.port}"
         try:
             run_streams(base, TINY, log_path, 1, 16)  # warm: lazy imports and caches
@@ -68,9 +85,7 @@ def one_run(freeze: bool, args) -> dict:
                 proc.wait(20)
             except subprocess.TimeoutExpired:
                 proc.kill()
-        pauses = [json.loads(line) for line in probe.read_text().splitlines()] if probe.exists() else []
-    window = [(g, s) for wall, g, s in pauses if t0 <= wall <= t0 + seconds]
-    gens = {g: [s for gg, s in window if gg == g] for g in (0, 1, 2)}
+        gens = pauses(probe, t0, t0 + seconds)
     return {"freeze": freeze, "seconds": seconds, "gens": gens,
             "last_first_token": statistics.median(b["ttft_max"] for b in bursts)}  # fmt: skip
 

@@ -147,11 +147,19 @@ def ttft_phases(log_path: Path, results: list[dict]) -> dict[str, float] | None:
     token (the engine's own TTFT), ``out`` = the first token to its arrival at the client (channel,
     SSE, the client's parsing); the median and the largest of each over the streams; and the
     engine's side of the whole burst: ``admit_spread`` (first to last admission) and ``engine_span``
-    (first admission to the last first token). None when the log lacks a stream."""
+    (first admission to the last first token), and ``prefill_steps``: (seconds, seconds until the
+    backend had queued its work, or None) of each step with a prefill logged from the first admission
+    until the last first token (``ignis.engine.round``'s ``prefill_seconds`` and, on the CUDA backend,
+    ``prefill_queued_seconds``: how much of a prefill step was the host launching it). None when the
+    log lacks a stream."""
     ids = {r.get("request_id") for r in results}
-    admitted, engine = {}, {}
+    admitted, engine, steps = {}, {}, []
     for line in log_path.read_text(errors="replace").splitlines():
-        if '"ignis.request.admitted"' in line or '"ignis.request.ttft"' in line:
+        if '"ignis.engine.round"' in line:
+            e = json.loads(line)
+            if e.get("prefill_seconds"):
+                steps.append((e["ts"], e["prefill_seconds"], e.get("prefill_queued_seconds")))
+        elif '"ignis.request.admitted"' in line or '"ignis.request.ttft"' in line:
             e = json.loads(line)
             if e.get("request_id") in ids:
                 if e["event"] == "ignis.request.admitted":
@@ -174,6 +182,7 @@ def ttft_phases(log_path: Path, results: list[dict]) -> dict[str, float] | None:
     for name, values in phases.items():
         out[f"{name}_median"], out[f"{name}_max"] = statistics.median(values), max(values)
     out["admit_spread"], out["engine_span"] = max(ats) - min(ats), max(firsts) - min(ats)
+    out["prefill_steps"] = [[s, q] for ts, s, q in steps if min(ats) <= ts <= max(firsts) + 0.005]
     return out
 
 
@@ -290,6 +299,14 @@ def phases_lines(runs: list[dict]) -> list[str]:
                 if "engine_span" in p:  # runs saved before it have none
                     span = (f" Admissions over {p['admit_spread'] * 1e3:.1f} ms; the last first token "
                             f"{p['engine_span'] * 1e3:.1f} ms after the first admission.")  # fmt: skip
+                steps = p.get("prefill_steps")
+                if steps:
+                    span += " Prefill steps meanwhile (ms" + (
+                        ", queued on the host by" if any(q for _, q in steps) else ""
+                    )
+                    span += (
+                        "): " + ", ".join(f"{s * 1e3:.1f}" + (f" ({q * 1e3:.1f})" if q else "") for s, q in steps) + "."
+                    )
                 lines.append(f"TTFT split ({run['label']}, {r['streams']} streams; median / max ms): {parts}.{span}")
     return lines
 

@@ -19,6 +19,7 @@ serving`` runs exactly this), from the repo root:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import platform
 import shutil
@@ -31,6 +32,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.bench_gc_pause import pauses, probed, summary  # noqa: E402
 from bench.bench_load import write_checkpoint  # noqa: E402
 from bench.bench_serving import GGUF, phases_lines, run_streams, start_server, table  # noqa: E402
 from bench.perfdoc import command_line, report  # noqa: E402
@@ -169,6 +171,8 @@ def main() -> None:
     ap.add_argument("--save-tokenizer", action="store_true", help=f"only save the tokenizer to {SAVED_TOKENIZER}")
     ap.add_argument("--start-only", action="store_true",
                     help="only time the server's start to healthy, with an empty and then a warm kernel cache")  # fmt: skip
+    ap.add_argument("--gc-probe", action="store_true",
+                    help="time the server's garbage collections (bench/gc_probe) over the measured streams")  # fmt: skip
     ap.add_argument("flags", nargs="*", help="extra flags for manage.py serve (after --)")
     args = ap.parse_args()
     if args.save_tokenizer:
@@ -188,7 +192,9 @@ def main() -> None:
             start_only(Path(tmp), models_dir, args.port, flags + args.flags, args.server_log)
             return
         t = time.perf_counter()
-        proc, log_path = start_server(ROOT, args.port, Path(tmp), flags + args.flags, models_dir)
+        probe = Path(tmp) / "gc.jsonl"
+        with probed(probe) if args.gc_probe else contextlib.nullcontext():
+            proc, log_path = start_server(ROOT, args.port, Path(tmp), flags + args.flags, models_dir)
         ready = time.perf_counter() - t
         base = f"http://127.0.0.1:{args.port}"
         try:
@@ -197,6 +203,7 @@ def main() -> None:
             # takes first (prefill over a claimed prefix, groups, wide rounds) are loaded before it is timed
             widest = max(int(n) for n in args.streams.split(","))
             run_streams(base, MODEL, log_path, widest, 16, lead="Briefly: ")
+            measured_from = time.time()
             modes = (True, False) if args.compare_async else (None,)
             figures = {m: [] for m in modes}
             for n in args.streams.split(","):
@@ -204,6 +211,8 @@ def main() -> None:
                     if m is not None:
                         set_config(base, {"model.async_rounds": m})
                     figures[m].append(run_streams(base, MODEL, log_path, int(n), args.tokens))
+            measured_to = time.time()
+            time.sleep(0.6 if args.gc_probe else 0)  # the probe writes every half second
         finally:
             if args.server_log:
                 shutil.copy2(log_path, args.server_log)
@@ -212,6 +221,11 @@ def main() -> None:
                 proc.wait(30)
             except subprocess.TimeoutExpired:
                 proc.kill()
+        gc_line = None
+        if args.gc_probe:
+            gens = pauses(probe, measured_from, measured_to)
+            gc_line = (f"Garbage collections while measured ({measured_to - measured_from:.1f} s; count / total ms / "
+                       f"longest ms): {summary(gens)}.")  # fmt: skip
     backend = args.flags[args.flags.index("--model-backend") + 1] if "--model-backend" in args.flags[:-1] else "cuda"
     tree = commit.stdout.strip() or None
     names = {None: args.label, True: f"{args.label}, async rounds on", False: f"{args.label}, async rounds off"}
@@ -241,6 +255,8 @@ def main() -> None:
             body.append(f"Burst ({run['label']}): the last of {wide['streams']} first tokens {wide['ttft_max'] * 1e3:.1f} ms, "
                         f"{wide['ttft_max'] / one:.2f}x one stream's {one * 1e3:.1f} ms.")  # fmt: skip
     body += phases_lines(runs)
+    if gc_line:
+        body.append(gc_line)
     machine = f"{gpu}, Python {platform.python_version()}"
     report(SECTION, machine=machine, command=command_line("python3"), body=body, write=args.write)
 

@@ -1,6 +1,6 @@
 #!/bin/bash
 # One device call: build check, GPU tests, benchmark; logs under $OUT.
-# Usage (from the repo root on the GPU machine): bash bench/gpu_run.sh [tests|bench|all|suite|pdl|load|quant|gptoss|pair|burst|fp8|fp8gemm|next]
+# Usage (from the repo root on the GPU machine): bash bench/gpu_run.sh [tests|bench|all|suite|pdl|load|quant|gptoss|pair|burst|fp8|fp8gemm|next|spans]
 #   suite: every GPU test under tests/kernels (~4 min on a warm kernel cache)
 #   pdl:   cuda.pdl's card tests, then bench_cuda.py --pdl (the graph with it off / on)
 #   load:  the pinned uploader's card tests, bench_load.py --write, and the loop's gaps during an
@@ -17,6 +17,11 @@
 #          bench at the server's new defaults (cuda.known_rows 64, model.short_prefill 16, prefill passes
 #          at cuda.round_rows' GEMV cap: docs/PERFORMANCE.md, "Where a burst's first tokens wait"), then
 #          with known_rows 0, 1 / 8 / 12 streams with the TTFT split; then the prefill-group card tests
+#   spans: what stop 38 left unmeasured (~8 min; carry .whl with the openai wheels and .gpu): the card tests
+#          of prefill_attn_hopper_spans and the prefill groups (cuda.attention_spans: turn its default on when
+#          they pass), then the serving bench with the collector's pauses timed (--gc-probe) and the prefill
+#          steps' host share read from the log, as the tree is, with cuda.attention_spans on, with a 500 us
+#          switch interval and with 4 front ends
 #   fp8gemm: the fp8 prefill GEMM (cuda.fp8_gemm): its card tests, then bench_fp8_gemm.py (the 8B GEMMs
 #          alone, then the 8B shape's prefill, FP8_LAYERS deep (16), with it off and on, and bf16 beside); ~2 min
 #   fp8:   both fp8 kinds (per channel: FP8; 128 x 128 tiles: FP8B): their card tests, then bench_fp8.py
@@ -104,6 +109,18 @@ if [ "$what" = next ]; then
   done
   timeout 200 python3 -m pytest -p no:cacheprovider -q -o addopts="" tests/kernels/test_cuda_prefill_group.py 2>&1 \
     | tee "$OUT/test_group.log" | tail -5
+fi
+if [ "$what" = spans ]; then
+  timeout 240 python3 -m pytest -p no:cacheprovider -q -o addopts="" tests/kernels/test_cuda_attention_hopper.py \
+    tests/kernels/test_cuda_prefill_group.py 2>&1 | tee "$OUT/test_spans.log" | tail -5
+  for run in "tree" "spans --cuda-attention-spans true" "sw500 --server-switch-interval-us 500" \
+             "fe4 --server-front-ends 4"; do
+    set -- $run
+    label=$1; shift
+    timeout 120 python3 bench/bench_serving_gpu.py --streams 1,8,12 --tokens 64 --gc-probe --label "$label" \
+      --server-log "$OUT/server_$label.log" -- "$@" 2>&1 | tee "$OUT/serving_$label.log" \
+      | grep -E "Burst|TTFT split|Garbage|\| $label"
+  done
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   timeout ${BENCH_TIMEOUT:-300} python3 bench/bench_cuda.py --write ${BENCH_ARGS} 2>&1 | tee "$OUT/bench.log" | tail -30
