@@ -14,40 +14,31 @@ repo root:
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+from unittest import mock
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.bench_serving import GGUF, TINY, cpu_model, run_streams, start_server  # noqa: E402
+from bench.bench_serving import GGUF, TINY, cpu_model, run_streams, start_server, stop_server  # noqa: E402
 from bench.perfdoc import command_line, report  # noqa: E402
 
 SECTION = "## Garbage-collector pauses while serving (issue 15)"
 
 
-@contextlib.contextmanager
 def probed(path: Path):
     """A server started inside the block runs bench/gc_probe, which writes its pauses to ``path``."""
-    saved = {k: os.environ.get(k) for k in ("PYTHONPATH", "IGNIS_GC_PROBE")}
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT / "bench" / "gc_probe"), saved["PYTHONPATH"]) if p)
-    os.environ["IGNIS_GC_PROBE"] = str(path)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    paths = (str(ROOT / "bench" / "gc_probe"), os.environ.get("PYTHONPATH"))
+    return mock.patch.dict(
+        os.environ, {"PYTHONPATH": os.pathsep.join(p for p in paths if p), "IGNIS_GC_PROBE": str(path)}
+    )
 
 
 def pauses(path: Path, t0: float, t1: float) -> dict[int, list[float]]:
@@ -80,11 +71,7 @@ def one_run(freeze: bool, args) -> dict:
             seconds = time.time() - t0
             time.sleep(1.0)  # the probe writes every half second
         finally:
-            proc.terminate()
-            try:
-                proc.wait(20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            stop_server(proc)
         gens = pauses(probe, t0, t0 + seconds)
     return {"freeze": freeze, "seconds": seconds, "gens": gens,
             "last_first_token": statistics.median(b["ttft_max"] for b in bursts)}  # fmt: skip

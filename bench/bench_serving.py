@@ -110,6 +110,15 @@ def start_server(
     raise RuntimeError(f"server never healthy:\n{log_path.read_text()[-3000:]}")
 
 
+def stop_server(proc: subprocess.Popen, wait: float = 20) -> None:
+    """Ask ``start_server``'s process to end (SIGTERM: it drains), killing it after ``wait`` seconds."""
+    proc.terminate()
+    try:
+        proc.wait(wait)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
 def stream_one(base: str, model: str, prompt: str, tokens: int, go: threading.Barrier, out: dict) -> None:
     """One stream; ``out`` gets the send time, when its request went on the wire (after the client
     built it: httpx's request hook), and each content chunk's arrival time."""
@@ -355,11 +364,7 @@ def main() -> None:
             run_streams(base, model, log_path, 1, 16)  # warm: the first request pays for lazy imports and caches
             figures = [run_streams(base, model, log_path, int(n), args.tokens) for n in args.streams.split(",")]
         finally:
-            proc.terminate()
-            try:
-                proc.wait(20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            stop_server(proc)
     run = {"label": args.label, "root": str(root), "commit": commit.stdout.strip() or None, "figures": figures}
     run["model"] = model
     run["async_rounds"] = args.async_rounds

@@ -34,7 +34,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.bench_gc_pause import pauses, probed, summary  # noqa: E402
 from bench.bench_load import write_checkpoint  # noqa: E402
-from bench.bench_serving import GGUF, phases_lines, run_streams, start_server, table  # noqa: E402
+from bench.bench_serving import GGUF, phases_lines, run_streams, start_server, stop_server, table  # noqa: E402
 from bench.perfdoc import command_line, report  # noqa: E402
 
 SECTION = "## The serving path on the GPU (H200, issue 15)"
@@ -136,11 +136,7 @@ def start_only(tmp: Path, models_dir: Path, port: int, flags: list[str], server_
         started: list[float] = []
         proc, log_path = start_server(ROOT, port, data, flags, models_dir, started=started)
         healthy = time.time()
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_server(proc, 30)
         if server_log:
             shutil.copy2(log_path, f"{server_log}.{label.replace(', ', '-')}")
         t0, ts = started[0], log_times(log_path)
@@ -216,11 +212,7 @@ def main() -> None:
         finally:
             if args.server_log:
                 shutil.copy2(log_path, args.server_log)
-            proc.terminate()
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            stop_server(proc, 30)
         gc_line = None
         if args.gc_probe:
             gens = pauses(probe, measured_from, measured_to)
